@@ -1,0 +1,15 @@
+"""Our Pallas TPU ragged paged attention kernel and its input validation (upstream's API)."""
+
+from kernel.pallas_rpa import ragged_paged_attention
+from kernel.validation import (
+    DEFAULT_MASK_VALUE,
+    dynamic_validate_inputs,
+    static_validate_inputs,
+)
+
+__all__ = [
+    "DEFAULT_MASK_VALUE",
+    "dynamic_validate_inputs",
+    "ragged_paged_attention",
+    "static_validate_inputs",
+]
