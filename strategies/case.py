@@ -1,0 +1,178 @@
+"""The case model: one frozen dataclass that fully determines a kernel call.
+
+A ``Case`` holds the static configuration (shape bucket, heads, dtypes), the ragged layout (one
+``(q_len, kv_len)`` pair per live sequence), the keyword options, and how to fill the arrays (a seed and a
+value profile). Arrays are built from it with NumPy alone, so strategies never touch JAX and a failing
+case can be rebuilt exactly from its ``repr`` or its JSON.
+"""
+
+import dataclasses
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+
+from kernel.validation import DEFAULT_MASK_VALUE
+
+DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+}
+
+# Standard deviation of the drawn values for each profile; "ties" draws from {-1, 0, 1} instead.
+VALUE_PROFILES = {
+    "normal": 1.0,  # unit scale: the case tolerances are stated for
+    "large": 6.0,  # logits in the hundreds: overflows a softmax without max subtraction
+    "ties": 1.0,  # many exactly equal logits
+    "tiny": 1e-3,  # nearly uniform softmax
+}
+
+OPTION_NAMES = (
+    "sm_scale",
+    "sliding_window",
+    "soft_cap",
+    "mask_value",
+    "k_scale",
+    "v_scale",
+    "num_kv_pages_per_block",
+    "num_queries_per_block",
+    "vmem_limit_bytes",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel call: static shapes, ragged layout, options and data."""
+
+    # Static shape bucket.
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    pages_per_seq: int
+    total_num_pages: int
+    page_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_dtype: str = "float32"
+    kv_dtype: str = "float32"
+    # Ragged layout: one entry per live sequence (num_seqs = len(q_lens)).
+    q_lens: tuple[int, ...] = ()
+    kv_lens: tuple[int, ...] = ()
+    # Keyword options, passed only where they differ from the upstream defaults.
+    sm_scale: float = 1.0
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    mask_value: float | None = DEFAULT_MASK_VALUE
+    k_scale: float | None = None
+    v_scale: float | None = None
+    num_kv_pages_per_block: int | None = None
+    num_queries_per_block: int | None = None
+    vmem_limit_bytes: int | None = None
+    # Data.
+    seed: int = 0
+    values: str = "normal"
+    poison: bool = True  # NaN in page tails, unused pages and padding query rows
+    garbage: bool = False  # arbitrary int32 in unused metadata slots (kv_lens kept within the page table)
+
+    def __post_init__(self):
+        if len(self.q_lens) != len(self.kv_lens):
+            raise ValueError(
+                f"q_lens {self.q_lens} and kv_lens {self.kv_lens} must have one entry per sequence"
+            )
+        if self.values not in VALUE_PROFILES:
+            raise ValueError(f"values={self.values!r} must be one of {sorted(VALUE_PROFILES)}")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def kv_capacity(self) -> int:
+        """Longest kv_len the page table can hold."""
+        return self.pages_per_seq * self.page_size
+
+    def options(self) -> dict:
+        """Keyword options that differ from the upstream defaults (what a caller would pass)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in OPTION_NAMES}
+        return {name: getattr(self, name) for name in OPTION_NAMES if getattr(self, name) != defaults[name]}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The six inputs as NumPy arrays, deterministic in the case (seed included)."""
+        rng = np.random.default_rng(self.seed)
+        n, max_seqs = self.num_seqs, self.max_num_seqs
+        kv_lens = np.zeros(max_seqs, np.int32)
+        kv_lens[:n] = self.kv_lens
+        cu_q_lens = np.full(max_seqs + 1, self.num_tokens, np.int32)
+        cu_q_lens[: n + 1] = np.concatenate([[0], np.cumsum(self.q_lens, dtype=np.int64)])
+        page_indices = np.zeros((max_seqs, self.pages_per_seq), np.int32)
+        pages_used = [math.ceil(kv / self.page_size) for kv in self.kv_lens]
+        if sum(pages_used) > self.total_num_pages:
+            raise ValueError(
+                f"the layout needs {sum(pages_used)} pages but total_num_pages={self.total_num_pages}; "
+                "draw fewer or shorter sequences"
+            )
+        permutation = rng.permutation(self.total_num_pages).astype(np.int32)
+        used_pages = np.split(permutation[: sum(pages_used)], np.cumsum(pages_used)[:-1])
+        for i, pages in enumerate(used_pages[:n]):
+            page_indices[i, : len(pages)] = pages
+        if self.garbage:
+            int32 = np.iinfo(np.int32)
+            for i in range(max_seqs):
+                start = pages_used[i] if i < n else 0
+                page_indices[i, start:] = rng.integers(int32.min, int32.max, self.pages_per_seq - start)
+            kv_lens[n:] = rng.integers(-self.kv_capacity, self.kv_capacity + 1, max_seqs - n)
+            cu_q_lens[n + 1 :] = rng.integers(int32.min, int32.max, max_seqs - n)
+
+        q = self._values(rng, (self.max_num_batched_tokens, self.num_q_heads, self.head_dim), self.q_dtype)
+        kv_shape = (self.total_num_pages, self.page_size, 2 * self.num_kv_heads, self.head_dim)
+        kv_pages = self._values(rng, kv_shape, self.kv_dtype)
+        if self.poison:
+            q[self.num_tokens :] = np.nan
+            live = np.zeros(kv_shape[:2], bool)  # (page, slot) pairs holding a key of a live sequence
+            for pages, kv_len in zip(used_pages[:n], self.kv_lens, strict=True):
+                live.reshape(-1)[
+                    (pages[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
+                ] = np.arange(len(pages) * self.page_size) < kv_len
+            kv_pages[~live] = np.nan
+        return {
+            "q": q,
+            "kv_pages": kv_pages,
+            "kv_lens": kv_lens,
+            "page_indices": page_indices,
+            "cu_q_lens": cu_q_lens,
+            "num_seqs": np.array([n], np.int32),
+        }
+
+    def _values(self, rng, shape, dtype_name):
+        if self.values == "ties":
+            data = rng.integers(-1, 2, shape).astype(np.float64)
+        else:
+            data = rng.standard_normal(shape) * VALUE_PROFILES[self.values]
+        return data.astype(DTYPES[dtype_name])
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Case":
+        fields = json.loads(text)
+        fields["q_lens"] = tuple(fields["q_lens"])
+        fields["kv_lens"] = tuple(fields["kv_lens"])
+        return cls(**fields)
+
+    def describe(self) -> str:
+        """One line for reports: the layout and what is switched on."""
+        seqs = ", ".join(f"({q},{kv})" for q, kv in zip(self.q_lens, self.kv_lens, strict=True))
+        return (
+            f"{self.num_seqs} seqs [(q_len,kv_len): {seqs}] T={self.max_num_batched_tokens} "
+            f"heads={self.num_q_heads}/{self.num_kv_heads} head_dim={self.head_dim} page_size={self.page_size} "
+            f"pages_per_seq={self.pages_per_seq} q={self.q_dtype} kv={self.kv_dtype} values={self.values} "
+            f"options={self.options()}"
+        )

@@ -1,0 +1,236 @@
+"""Strategies for valid cases: structure first (bucket, heads, dtypes, options), then the ragged layout.
+
+Shapes come from a few static buckets so that examples reuse compiled kernels; the ragged layout
+(``q_lens``/``kv_lens``), the page table and the data seed vary as data. Every choice is drawn so that
+shrinking moves toward the simplest case: one sequence, fewest heads, smallest head_dim and page size,
+no options, float32, the smallest bucket. Edge-case biasing (lengths on page and KV-block boundaries) sits
+behind a branch the shrinker can turn off.
+"""
+
+import dataclasses
+import math
+
+from hypothesis import event
+from hypothesis import strategies as st
+
+from kernel.validation import DEFAULT_MASK_VALUE
+from strategies.case import Case
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Static capacity: query rows, sequence slots and keys per sequence."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_kv_len: int
+
+
+BUCKETS = {
+    "tiny": Bucket(max_num_batched_tokens=8, max_num_seqs=2, max_kv_len=32),
+    "small": Bucket(max_num_batched_tokens=32, max_num_seqs=4, max_kv_len=96),
+    "medium": Bucket(max_num_batched_tokens=128, max_num_seqs=8, max_kv_len=512),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a target supports; strategies draw only inside it. Defaults: everything our kernel does."""
+
+    head_dims: tuple[int, ...] = (64, 128, 256)
+    page_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    q_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    kv_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+    num_kv_heads: tuple[int, ...] = (1, 2, 4, 8)
+    gqa_ratios: tuple[int, ...] = (1, 2, 3, 4, 8)
+    # Whether num_kv_heads must be even for 8-bit KV (upstream: combined heads must tile the packing).
+    even_kv_heads_for_fp8: bool = False
+    # Whether both block sizes must be given (upstream's default lookup needs a TPU).
+    needs_block_sizes: bool = False
+    buckets: tuple[str, ...] = ("tiny", "small")
+
+
+OUR_KERNEL = Capabilities()
+UPSTREAM_KERNEL = Capabilities(
+    head_dims=(128, 256),
+    even_kv_heads_for_fp8=True,
+    needs_block_sizes=True,
+)
+
+SM_SCALES = (1.0, 0.125, 0.05)
+SLIDING_WINDOWS = (1, 5, 16, 1 << 20)  # one key, small, medium, longer than every kv_len
+SOFT_CAPS = (30.0, 5.0, 1.0)
+MASK_VALUES = (None, -1e4, -2.0)  # besides the default, drawn first
+KV_SCALES = (0.5, 2.0, 0.0625)
+QUERY_BLOCKS = (8, 1, 3, 16, 32)
+VMEM_LIMITS = (32 * 2**20, 64 * 2**20)
+
+
+def optional(values) -> st.SearchStrategy:
+    """None (the simplest), or one of ``values``."""
+    return st.one_of(st.none(), st.sampled_from(values))
+
+
+@st.composite
+def static_configs(draw, capabilities: Capabilities = OUR_KERNEL, *, buckets=None) -> dict:
+    """Static shapes and dtypes: the part that decides which compiled kernel runs."""
+    bucket_name = draw(st.sampled_from(buckets or capabilities.buckets))
+    bucket = BUCKETS[bucket_name]
+    page_size = draw(st.sampled_from(capabilities.page_sizes))
+    kv_dtype = draw(st.sampled_from(capabilities.kv_dtypes))
+    kv_heads = capabilities.num_kv_heads
+    if capabilities.even_kv_heads_for_fp8 and kv_dtype.startswith("float8"):
+        kv_heads = tuple(h for h in kv_heads if h % 2 == 0)
+    num_kv_heads = draw(st.sampled_from(kv_heads))
+    ratio = draw(st.sampled_from(capabilities.gqa_ratios))
+    pages_per_seq = math.ceil(bucket.max_kv_len / page_size) + 1  # one page more than the longest needs
+    return dict(
+        max_num_batched_tokens=bucket.max_num_batched_tokens,
+        max_num_seqs=bucket.max_num_seqs,
+        pages_per_seq=pages_per_seq,
+        total_num_pages=bucket.max_num_seqs * pages_per_seq + 3,  # spare pages never referenced
+        page_size=page_size,
+        num_q_heads=num_kv_heads * ratio,
+        num_kv_heads=num_kv_heads,
+        head_dim=draw(st.sampled_from(capabilities.head_dims)),
+        q_dtype=draw(st.sampled_from(capabilities.q_dtypes)),
+        kv_dtype=kv_dtype,
+    )
+
+
+@st.composite
+def options(draw, config: dict, capabilities: Capabilities = OUR_KERNEL) -> dict:
+    """Keyword options; each shrinks to its upstream default."""
+    drawn = dict(
+        sm_scale=draw(st.sampled_from(SM_SCALES)),
+        sliding_window=draw(optional(SLIDING_WINDOWS)),
+        soft_cap=draw(optional(SOFT_CAPS)),
+        mask_value=draw(st.one_of(st.just(DEFAULT_MASK_VALUE), st.sampled_from(MASK_VALUES))),
+        k_scale=draw(optional(KV_SCALES)),
+        v_scale=draw(optional(KV_SCALES)),
+        vmem_limit_bytes=draw(optional(VMEM_LIMITS)),
+    )
+    kv_blocks = st.integers(1, min(4, config["pages_per_seq"])) | st.just(config["pages_per_seq"])
+    query_blocks = st.sampled_from(QUERY_BLOCKS)
+    if capabilities.needs_block_sizes:
+        drawn["num_kv_pages_per_block"] = draw(kv_blocks)
+        drawn["num_queries_per_block"] = draw(query_blocks)
+    else:
+        drawn["num_kv_pages_per_block"] = draw(st.none() | kv_blocks)
+        drawn["num_queries_per_block"] = draw(st.none() | query_blocks)
+    return drawn
+
+
+def kv_lengths(capacity: int, boundaries: tuple[int, ...]) -> st.SearchStrategy[int]:
+    """A kv_len in [0, capacity]: uniform, or on/next to a page or KV-block boundary."""
+    near_boundary = st.tuples(st.sampled_from(boundaries), st.sampled_from((0, -1, 1))).map(
+        lambda b: min(max(b[0] + b[1], 0), capacity)
+    )
+    return st.one_of(st.integers(0, capacity), near_boundary)
+
+
+@st.composite
+def sequence(draw, capacity: int, boundaries: tuple[int, ...]) -> tuple[int, int]:
+    """One sequence's (q_len, kv_len): decode, prefill, a chunk of a longer prompt, or empty."""
+    kv_len = draw(kv_lengths(capacity, boundaries))
+    kind = draw(st.sampled_from(("decode", "prefill", "chunk", "empty")))
+    q_len = {
+        "decode": min(kv_len, 1),
+        "prefill": kv_len,
+        "chunk": draw(st.integers(0, kv_len)),
+        "empty": 0,
+    }[kind]
+    return q_len, kv_len
+
+
+@st.composite
+def layouts(draw, config: dict, kv_block_pages: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ragged layout: up to max_num_seqs sequences whose query rows fit the token budget.
+
+    Query lengths are clipped to the rows left, in order, so every draw is valid by construction.
+    """
+    page_size, capacity = config["page_size"], config["pages_per_seq"] * config["page_size"]
+    boundary_pages = {1, 2, config["pages_per_seq"] - 1, config["pages_per_seq"]}
+    if kv_block_pages:
+        boundary_pages |= {kv_block_pages, 2 * kv_block_pages}
+    boundaries = tuple(sorted(p * page_size for p in boundary_pages if 0 < p * page_size <= capacity))
+    some = st.lists(sequence(capacity, boundaries), min_size=1, max_size=config["max_num_seqs"])
+    seqs = draw(st.one_of(some, st.just([])))  # an empty batch is valid, but drawn rarely
+    rows_left = config["max_num_batched_tokens"]
+    q_lens, kv_lens = [], []
+    for q_len, kv_len in seqs:
+        q_len = min(q_len, rows_left)
+        rows_left -= q_len
+        q_lens.append(q_len)
+        kv_lens.append(kv_len)
+    return tuple(q_lens), tuple(kv_lens)
+
+
+@st.composite
+def valid_cases(
+    draw,
+    capabilities: Capabilities = OUR_KERNEL,
+    *,
+    configs: st.SearchStrategy[dict] | None = None,
+    with_options: bool = True,
+    values=("normal", "large", "ties", "tiny"),
+) -> Case:
+    """A valid case. ``configs`` narrows the static part (e.g. to a few compiled kernels)."""
+    config = draw(configs if configs is not None else static_configs(capabilities))
+    opts = draw(options(config, capabilities)) if with_options else {}
+    if not with_options and capabilities.needs_block_sizes:
+        opts = dict(num_kv_pages_per_block=min(2, config["pages_per_seq"]), num_queries_per_block=8)
+    q_lens, kv_lens = draw(layouts(config, opts.get("num_kv_pages_per_block")))
+    case = Case(
+        **config,
+        **opts,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        seed=draw(st.integers(0, 2**32 - 1)),
+        values=draw(st.sampled_from(values)),
+        poison=draw(st.booleans()),
+        garbage=draw(st.booleans()),
+    )
+    label_coverage(case)
+    return case
+
+
+def coverage_labels(case: Case) -> list[str]:
+    """What a case exercises, as labels for ``--hypothesis-show-statistics``."""
+    q, kv = case.q_lens, case.kv_lens
+    live = [(a, b) for a, b in zip(q, kv, strict=True) if a > 0]
+    decode = [a == 1 for a, _ in live]
+    labels = [
+        "batch: empty"
+        if not live
+        else "batch: decode"
+        if all(decode)
+        else "batch: prefill"
+        if not any(decode)
+        else "batch: mixed"
+    ]
+    if any(b % case.page_size for b in kv):
+        labels.append("partial last page")
+    block_tokens = (case.num_kv_pages_per_block or 1) * case.page_size
+    if any(b > block_tokens for b in kv):
+        labels.append("multi-block sequence")
+    if case.num_queries_per_block and any(a > case.num_queries_per_block for a in q):
+        labels.append("sequence spans query blocks")
+    if case.sliding_window is not None and any(b > case.sliding_window for b in kv):
+        labels.append("window active")
+    if case.soft_cap is not None:
+        labels.append("soft cap")
+    if case.kv_dtype.startswith("float8"):
+        labels.append("fp8 KV" + (" scaled" if case.k_scale or case.v_scale else ""))
+    labels.append(f"GQA ratio {case.num_q_heads // case.num_kv_heads}")
+    if case.num_seqs < case.max_num_seqs:
+        labels.append("padding slots")
+    if case.num_tokens < case.max_num_batched_tokens:
+        labels.append("padding rows")
+    labels.append(f"values: {case.values}")
+    return labels
+
+
+def label_coverage(case: Case) -> None:
+    for label in coverage_labels(case):
+        event(label)
