@@ -105,7 +105,8 @@ class Case:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The six inputs as NumPy arrays, deterministic in the case (seed included)."""
-        rng = np.random.default_rng(self.seed)
+        # Separate streams, so that the padding switches never change the live data.
+        pages_rng, values_rng, garbage_rng = (np.random.default_rng((self.seed, i)) for i in range(3))
         n, max_seqs = self.num_seqs, self.max_num_seqs
         kv_lens = np.zeros(max_seqs, np.int32)
         kv_lens[:n] = self.kv_lens
@@ -118,7 +119,7 @@ class Case:
                 f"the layout needs {sum(pages_used)} pages but total_num_pages={self.total_num_pages}; "
                 "draw fewer or shorter sequences"
             )
-        permutation = rng.permutation(self.total_num_pages).astype(np.int32)
+        permutation = pages_rng.permutation(self.total_num_pages).astype(np.int32)
         used_pages = np.split(permutation[: sum(pages_used)], np.cumsum(pages_used)[:-1])
         for i, pages in enumerate(used_pages[:n]):
             page_indices[i, : len(pages)] = pages
@@ -126,13 +127,13 @@ class Case:
             int32 = np.iinfo(np.int32)
             for i in range(max_seqs):
                 start = pages_used[i] if i < n else 0
-                page_indices[i, start:] = rng.integers(int32.min, int32.max, self.pages_per_seq - start)
-            kv_lens[n:] = rng.integers(-self.kv_capacity, self.kv_capacity + 1, max_seqs - n)
-            cu_q_lens[n + 1 :] = rng.integers(int32.min, int32.max, max_seqs - n)
+                page_indices[i, start:] = garbage_rng.integers(int32.min, int32.max, self.pages_per_seq - start)
+            kv_lens[n:] = garbage_rng.integers(-self.kv_capacity, self.kv_capacity + 1, max_seqs - n)
+            cu_q_lens[n + 1 :] = garbage_rng.integers(int32.min, int32.max, max_seqs - n)
 
-        q = self._values(rng, (self.max_num_batched_tokens, self.num_q_heads, self.head_dim), self.q_dtype)
+        q = self._values(values_rng, (self.max_num_batched_tokens, self.num_q_heads, self.head_dim), self.q_dtype)
         kv_shape = (self.total_num_pages, self.page_size, 2 * self.num_kv_heads, self.head_dim)
-        kv_pages = self._values(rng, kv_shape, self.kv_dtype)
+        kv_pages = self._values(values_rng, kv_shape, self.kv_dtype)
         if self.poison:
             q[self.num_tokens :] = np.nan
             live = np.zeros(kv_shape[:2], bool)  # (page, slot) pairs holding a key of a live sequence

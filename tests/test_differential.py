@@ -1,0 +1,48 @@
+"""Kernel ≈ float64 oracle on valid cases, on the fast interpreter (volume) and the checking one.
+
+Volume runs the whole valid space the target supports; the checking interpreter (out-of-bounds reads
+raise, scratch is NaN, races are asserted) runs a smaller sample of the same space.
+"""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reference
+from harness.properties import DIFFERENTIAL, check_differential
+from harness.repro import written_on_failure
+from strategies.valid import valid_cases
+from tests.budget import CHECKING_EXAMPLES
+
+
+def run_differential(target, backend, repro_dir, case, property_name):
+    arrays, options = case.arrays(), case.options()
+    with written_on_failure(repro_dir, property_name, target, backend, arrays, options, case=case):
+        check_differential(target, backend, arrays, options)
+
+
+@given(data=st.data())
+def test_kernel_matches_oracle(target, volume_backend, runnable, repro_dir, data):
+    runnable(volume_backend)
+    case = data.draw(valid_cases(target.capabilities), label="case")
+    run_differential(target, volume_backend, repro_dir, case, f"{DIFFERENTIAL}[{volume_backend.name}]")
+
+
+@settings(max_examples=CHECKING_EXAMPLES)
+@given(data=st.data())
+def test_kernel_matches_oracle_checked(target, checking_backend, runnable, repro_dir, data):
+    runnable(checking_backend)
+    case = data.draw(valid_cases(target.capabilities), label="case")
+    run_differential(
+        target, checking_backend, repro_dir, case, f"{DIFFERENTIAL}-checked[{checking_backend.name}]"
+    )
+
+
+@given(case=valid_cases())
+def test_reference_matches_oracle(case):
+    arrays, options = case.arrays(), case.options()
+    comparison = reference.compare(
+        reference.ragged_paged_attention(**arrays, **options),
+        reference.oracle(**arrays, **options),
+        label="reference",
+    )
+    assert comparison.ok, str(comparison)

@@ -1,0 +1,63 @@
+"""Invalid inputs raise the specified ValueError; valid ones pass; our validators agree with upstream's.
+
+Any target is held to upstream's rules and messages; our stricter rules apply to targets that opt in
+(``strict_validation``). Static rules must fire from ``ragged_paged_attention`` itself, dynamic ones from
+``dynamic_validate_inputs``.
+"""
+
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
+
+from harness.properties import VALIDATION, check_validation
+from harness.repro import written_on_failure
+from harness.targets import as_jax
+from strategies.valid import valid_cases
+from strategies.violations import RULES, UPSTREAM_ACCEPTS, UPSTREAM_ASSERTS, UPSTREAM_RULES, invalid_cases
+
+
+def checked_rules(target):
+    return tuple(RULES) if target.capabilities.strict_validation else UPSTREAM_RULES
+
+
+@given(data=st.data())
+def test_invalid_input_raises_specified_error(target, backend, repro_dir, data):
+    invalid = data.draw(invalid_cases(target.capabilities, rules=checked_rules(target)), label="invalid case")
+    arrays, options, message = invalid.inputs()
+    fields = dict(case=invalid.case, expected_error=message, stage=invalid.stage)
+    with written_on_failure(
+        repro_dir, f"{VALIDATION}[{invalid.rule}]", target, backend, arrays, options, **fields
+    ):
+        check_validation(target, backend, arrays, options, invalid.stage, message)
+
+
+@given(data=st.data())
+def test_valid_input_passes_validation(target, data):
+    case = data.draw(valid_cases(target.capabilities), label="case")
+    target.validate(case.arrays(), case.options())
+
+
+@given(invalid=invalid_cases())
+def test_validators_agree_with_upstream(target, invalid):
+    """Same accept/reject and message as upstream's validator, except the documented differences."""
+    arrays, options, message = invalid.inputs()
+    inputs = as_jax(arrays)
+    ours = _outcome(lambda: target.module.dynamic_validate_inputs(**inputs, **options))
+    theirs = _outcome(lambda: upstream.dynamic_validate_inputs(**inputs, **options))
+    documented = RULES[invalid.rule].upstream
+    if documented == UPSTREAM_ASSERTS:
+        assert theirs[0] == "AssertionError", (invalid.rule, theirs)
+    elif documented == UPSTREAM_ACCEPTS:
+        assert theirs == ("accepted", ""), (invalid.rule, theirs)
+    else:
+        assert ours == theirs, (invalid.rule, ours, theirs)
+    if target.capabilities.strict_validation or documented not in (UPSTREAM_ASSERTS, UPSTREAM_ACCEPTS):
+        assert ours == ("ValueError", message), (invalid.rule, ours, message)
+
+
+def _outcome(call):
+    try:
+        call()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "accepted", ""
