@@ -4,6 +4,8 @@ Each check takes concrete inputs (NumPy arrays and keyword options), runs the ta
 raises ``PropertyFailure`` with the report a kernel developer reads; it returns quietly when it holds.
 """
 
+import dataclasses
+
 import numpy as np
 
 import reference
@@ -12,6 +14,8 @@ from harness.targets import Target, first_line_of_error
 
 DIFFERENTIAL = "differential"
 VALIDATION = "validation"
+PADDING = "padding-isolation"
+DETERMINISM = "determinism"
 
 
 class PropertyFailure(AssertionError):
@@ -79,3 +83,36 @@ def check_same_bits(first: np.ndarray, second: np.ndarray, rows: np.ndarray, wha
             f"{what}: {int((~same).sum())} of {same.size} valid output elements differ; first at row "
             f"{int(rows[token])}, head {head}, dim {dim}: {a[token, head, dim]!r} vs {b[token, head, dim]!r}"
         )
+
+
+def check_padding_isolation(target: Target, backend: Backend, case) -> None:
+    """Valid rows are bit-identical with clean padding and with NaN pages/tails/rows and garbage metadata."""
+    clean = dataclasses.replace(case, poison=False, garbage=False).arrays()
+    dirty = dataclasses.replace(case, poison=True, garbage=True).arrays()
+    check_same_bits(
+        run_valid(target, backend, clean, case.options()),
+        run_valid(target, backend, dirty, case.options()),
+        valid_rows(clean),
+        "padding changed the output (clean padding vs NaN pages/tails/rows and garbage metadata)",
+    )
+
+
+def check_determinism(target: Target, backend: Backend, arrays: dict, options: dict) -> None:
+    first = run_valid(target, backend, arrays, options)
+    check_same_bits(
+        first, run_valid(target, backend, arrays, options), valid_rows(arrays), "two identical calls"
+    )
+
+
+def recheck(kind: str, target: Target, backend: Backend, repro) -> None:
+    """Re-runs the property a repro was written for (raises PropertyFailure while it still fails)."""
+    if kind in (DIFFERENTIAL, f"{DIFFERENTIAL}-checked"):
+        check_differential(target, backend, repro.arrays, repro.options)
+    elif kind == VALIDATION:
+        check_validation(target, backend, repro.arrays, repro.options, repro.stage, repro.expected_error)
+    elif kind == PADDING:
+        check_padding_isolation(target, backend, repro.case)
+    elif kind == DETERMINISM:
+        check_determinism(target, backend, repro.arrays, repro.options)
+    else:
+        raise ValueError(f"unknown property {kind!r} in repro")

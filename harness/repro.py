@@ -19,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from harness import runlog
 from strategies.case import DTYPES, Case
+from strategies.valid import coverage_labels
 
 DEFAULT_REPRO_DIR = "rpa-repros"
 INT_DTYPES = {str(np.dtype(t)): np.dtype(t) for t in (np.int16, np.int32, np.uint32, np.float32)}
@@ -151,7 +153,12 @@ def read(path: str | os.PathLike) -> Repro:
 
 @contextlib.contextmanager
 def written_on_failure(directory, property_name: str, target, backend, arrays: dict, options: dict, **fields):
-    """Writes the repro pair when the enclosed check fails, and names it in the failure message."""
+    """Writes the repro pair when the enclosed check fails, and names it in the failure message.
+
+    Every example passing through here is also recorded in the run log (for ``rpa-harness run``).
+    """
+    case = fields.get("case")
+    labels = coverage_labels(case) if case is not None and fields.get("expected_error") is None else []
     try:
         yield
     except AssertionError as failure:
@@ -159,4 +166,6 @@ def written_on_failure(directory, property_name: str, target, backend, arrays: d
             property_name, target.name, backend.name, arrays, options, failure=str(failure), **fields
         )
         path = write(repro, directory)
+        runlog.record(labels=labels, repro=str(path))
         raise type(failure)(f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}") from None
+    runlog.record(labels=labels)

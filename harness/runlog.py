@@ -1,0 +1,28 @@
+"""A per-run log of examples, for the summary of ``rpa-harness run`` (works across xdist workers).
+
+When ``RPA_RUN_LOG`` names a directory, every example a property runs appends one JSON line (the pytest
+test it belongs to, its coverage labels, and a repro path if it failed) to a file per process.
+"""
+
+import json
+import os
+from pathlib import Path
+
+ENV = "RPA_RUN_LOG"
+
+
+def record(**fields) -> None:
+    directory = os.environ.get(ENV)
+    if not directory:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+    with open(Path(directory) / f"{os.getpid()}.jsonl", "a") as log:
+        log.write(json.dumps({"test": test, **fields}) + "\n")
+
+
+def read(directory) -> list[dict]:
+    return [
+        json.loads(line)
+        for path in sorted(Path(directory).glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
