@@ -1,0 +1,523 @@
+"""The interpreter compatibility layer: each patched access path against the same kernel written without the
+transform, the gaps it closes (so we notice when jax closes them), and upstream's RPA kernel end to end."""
+
+import contextlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
+
+from harness import interpret_compat
+
+INTERPRETERS = ["tpu", "generic"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def compat_layer():
+    was_installed = interpret_compat.is_installed()
+    if not interpret_compat.install():
+        pytest.skip(f"interpret_compat is off on jax {jax.__version__} (not in SUPPORTED_JAX_VERSIONS)")
+    yield
+    if not was_installed:
+        interpret_compat.uninstall()
+
+
+@contextlib.contextmanager
+def layer_off():
+    """Run without the layer, then put it back (other tests in this process rely on it)."""
+    interpret_compat.uninstall()
+    try:
+        yield
+    finally:
+        assert interpret_compat.install()
+
+
+def interpret_params(interpreter: str):
+    return pltpu.InterpretParams() if interpreter == "tpu" else True
+
+
+def run(kernel, out_shape, *args, interpreter, scratch_shapes=(), in_specs=None):
+    """Build and trace a fresh pallas_call under the chosen interpreter (fresh, so no stale jit cache)."""
+    extra = {} if in_specs is None else {"in_specs": in_specs}
+
+    def call(*operands):
+        return pl.pallas_call(kernel, out_shape=out_shape, scratch_shapes=scratch_shapes, **extra)(*operands)
+
+    try:
+        with pltpu.force_tpu_interpret_mode(interpret_params(interpreter)):
+            return np.asarray(jax.jit(call)(*args))
+    except Exception:
+        pltpu.reset_tpu_interpret_mode_state()
+        raise
+
+
+def random_array(shape, dtype, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32), dtype)
+
+
+def packed_words(narrow: np.ndarray) -> np.ndarray:
+    """TPU packing by explicit bit arithmetic: word (i, j) holds rows k*i .. k*i+k-1, row k*i in the low bits."""
+    width = narrow.dtype.itemsize * 8
+    packing = 32 // width
+    bits = narrow.view(np.dtype(f"uint{width}")).astype(np.uint32)
+    return sum(bits[p::packing] << np.uint32(width * p) for p in range(packing)).astype(np.uint32)
+
+
+def unpacked_rows(words: np.ndarray, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    width = dtype.itemsize * 8
+    packing = 32 // width
+    rows = np.empty((words.shape[0] * packing, words.shape[1]), np.dtype(f"uint{width}"))
+    for p in range(packing):
+        rows[p::packing] = (words >> np.uint32(width * p)) & np.uint32((1 << width) - 1)
+    return rows.view(dtype)
+
+
+# --- reshape -------------------------------------------------------------------------------------------
+
+X3 = random_array((2, 8, 128), jnp.float32)
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+@pytest.mark.parametrize("rows", [slice(4, 12), slice(1, 16, 2)], ids=["contiguous", "strided"])
+def test_load_through_reshape(interpreter, rows):
+    def with_view(x_ref, o_ref):
+        o_ref[...] = x_ref.reshape(16, 128)[rows, :]
+
+    def without_view(x_ref, o_ref):
+        o_ref[...] = x_ref[...].reshape(16, 128)[rows, :]
+
+    out_shape = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    expected = run(without_view, out_shape, X3, interpreter=interpreter)
+    np.testing.assert_array_equal(run(with_view, out_shape, X3, interpreter=interpreter), expected)
+    np.testing.assert_array_equal(expected, np.asarray(X3).reshape(16, 128)[rows])
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_store_through_reshape(interpreter):
+    def with_view(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+        o_ref.reshape(16, 128)[6:10, :] = x_ref[0, 0:4, :] + 1.0
+
+    def without_view(x_ref, o_ref):
+        flat = x_ref[...].reshape(16, 128)
+        o_ref[...] = flat.at[6:10, :].set(x_ref[0, 0:4, :] + 1.0).reshape(2, 8, 128)
+
+    out_shape = jax.ShapeDtypeStruct(X3.shape, X3.dtype)
+    expected = run(without_view, out_shape, X3, interpreter=interpreter)
+    np.testing.assert_array_equal(run(with_view, out_shape, X3, interpreter=interpreter), expected)
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_dma_into_reshaped_view(interpreter):
+    def with_view(x_hbm, o_ref, buffer, semaphore):
+        copy = pltpu.make_async_copy(x_hbm, buffer.reshape(2, 8, 128), semaphore)
+        copy.start()
+        copy.wait()
+        o_ref[...] = buffer[...]
+
+    def without_view(x_hbm, o_ref, buffer, semaphore):
+        copy = pltpu.make_async_copy(x_hbm, buffer, semaphore)
+        copy.start()
+        copy.wait()
+        o_ref[...] = buffer[...].reshape(16, 128)
+
+    out_shape = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+    hbm = [pl.BlockSpec(memory_space=pl.ANY)]
+    got = run(
+        with_view,
+        out_shape,
+        X3,
+        interpreter=interpreter,
+        in_specs=hbm,
+        scratch_shapes=[pltpu.VMEM((16, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
+    )
+    expected = run(
+        without_view,
+        out_shape,
+        X3,
+        interpreter=interpreter,
+        in_specs=hbm,
+        scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
+    )
+    np.testing.assert_array_equal(got, expected)
+
+
+# --- bitcast -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_bitcast_load_packs_second_minor_rows(interpreter, dtype):
+    rows = 8 * (32 // (jnp.dtype(dtype).itemsize * 8))
+    x = random_array((rows, 128), dtype, seed=1)
+
+    def with_view(x_ref, o_ref):
+        o_ref[...] = x_ref.bitcast(jnp.uint32)[...]
+
+    def without_view(x_ref, o_ref):
+        o_ref[...] = pltpu.bitcast(x_ref[...], jnp.uint32)
+
+    out_shape = jax.ShapeDtypeStruct((8, 128), jnp.uint32)
+    got = run(with_view, out_shape, x, interpreter=interpreter)
+    np.testing.assert_array_equal(got, packed_words(np.asarray(x)))
+    np.testing.assert_array_equal(got, run(without_view, out_shape, x, interpreter=interpreter))
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_bitcast_load_strided_rows_like_upstream(interpreter):
+    """Upstream's strided_load_kv: bitcast bf16 K/V rows to uint32, take every other word row, split halves."""
+    x = random_array((32, 128), jnp.bfloat16, seed=2)
+
+    def kernel(x_ref, k_ref, v_ref):
+        words = x_ref.bitcast(jnp.uint32)[0::2, :]
+        k_ref[...] = pltpu.bitcast(words << 16, jnp.float32)
+        v_ref[...] = pltpu.bitcast(words & jnp.uint32(0xFFFF0000), jnp.float32)
+
+    out_shape = (jax.ShapeDtypeStruct((8, 128), jnp.float32),) * 2
+    with pltpu.force_tpu_interpret_mode(interpret_params(interpreter)):
+        k, v = jax.jit(lambda a: pl.pallas_call(kernel, out_shape=out_shape)(a))(x)
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(x[0::4], np.float32))
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(x[1::4], np.float32))
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+@pytest.mark.parametrize("rows", [slice(0, 8), slice(2, 5)], ids=["whole", "part"])
+def test_bitcast_store_unpacks_into_second_minor_rows(interpreter, rows):
+    words = jnp.asarray(np.random.default_rng(3).integers(0, 2**32, (8, 128), dtype=np.uint32))
+    base = random_array((16, 128), jnp.bfloat16, seed=4)
+
+    def with_view(w_ref, b_ref, o_ref):
+        o_ref[...] = b_ref[...]
+        o_ref.bitcast(jnp.uint32)[rows, :] = w_ref[rows, :]
+
+    def without_view(w_ref, b_ref, o_ref):
+        packed = pltpu.bitcast(b_ref[...], jnp.uint32)
+        o_ref[...] = pltpu.bitcast(
+            jax.lax.dynamic_update_slice(packed, w_ref[rows, :], (rows.start, 0)), jnp.bfloat16
+        )
+
+    out_shape = jax.ShapeDtypeStruct((16, 128), jnp.bfloat16)
+    got = run(with_view, out_shape, words, base, interpreter=interpreter)
+    expected_words = packed_words(np.asarray(base))
+    expected_words[rows] = np.asarray(words)[rows]
+    np.testing.assert_array_equal(
+        got.view(np.uint16), unpacked_rows(expected_words, ml_dtypes.bfloat16).view(np.uint16)
+    )
+    np.testing.assert_array_equal(
+        got.view(np.uint16),
+        run(without_view, out_shape, words, base, interpreter=interpreter).view(np.uint16),
+    )
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_bitcast_wide_to_narrow_load(interpreter):
+    words = jnp.asarray(np.random.default_rng(5).integers(0, 2**32, (8, 128), dtype=np.uint32))
+
+    def kernel(w_ref, o_ref):
+        o_ref[...] = w_ref.bitcast(jnp.uint16)[...]
+
+    got = run(kernel, jax.ShapeDtypeStruct((16, 128), jnp.uint16), words, interpreter=interpreter)
+    np.testing.assert_array_equal(got, unpacked_rows(np.asarray(words), np.uint16))
+
+
+def test_numpy_tpu_bitcast_round_trips_and_matches_jax_state_bitcast():
+    from jax._src.state import utils as state_utils
+
+    x = np.asarray(random_array((3, 16, 128), jnp.bfloat16, seed=6))
+    words = interpret_compat.tpu_bitcast(x, np.uint32)
+    assert words.shape == (3, 8, 128)
+    np.testing.assert_array_equal(words, np.asarray(state_utils.bitcast(jnp.asarray(x), jnp.uint32)))
+    np.testing.assert_array_equal(
+        interpret_compat.tpu_bitcast(words, x.dtype).view(np.uint16), x.view(np.uint16)
+    )
+
+
+# --- masked stores -------------------------------------------------------------------------------------
+
+Y3 = random_array((4, 2, 128), jnp.float32, seed=7)
+
+
+def rows_1_and_2(shape):
+    row = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    return (row >= 1) & (row < 3)
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_masked_store_on_3d_ref(interpreter):
+    def masked(x_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        pltpu.store(o_ref, x_ref[...], mask=rows_1_and_2(o_ref.shape))
+
+    def selected(x_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        o_ref[...] = jnp.where(rows_1_and_2(o_ref.shape), x_ref[...], o_ref[...])
+
+    out_shape = jax.ShapeDtypeStruct(Y3.shape, Y3.dtype)
+    got = run(masked, out_shape, Y3, interpreter=interpreter)
+    np.testing.assert_array_equal(got, run(selected, out_shape, Y3, interpreter=interpreter))
+    assert not got[0].any() and not got[3].any() and np.array_equal(got[1:3], np.asarray(Y3)[1:3])
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_masked_store_on_int_indexed_3d_ref(interpreter):
+    """Upstream's masked_store(l_ref.at[kv_head_idx], ...) with a Python int head index."""
+
+    def masked(x_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        pltpu.store(o_ref.at[1], x_ref[1], mask=rows_1_and_2((2, 128)))
+
+    def selected(x_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        o_ref[1] = jnp.where(rows_1_and_2((2, 128)), x_ref[1], o_ref[1])
+
+    out_shape = jax.ShapeDtypeStruct(Y3.shape, Y3.dtype)
+    expected = run(selected, out_shape, Y3, interpreter=interpreter)
+    np.testing.assert_array_equal(run(masked, out_shape, Y3, interpreter=interpreter), expected)
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_masked_store_through_reshape(interpreter):
+    def masked(x_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        pltpu.store(o_ref.reshape(8, 128), x_ref[...].reshape(8, 128), mask=rows_1_and_2((8, 128)))
+
+    def selected(x_ref, o_ref):
+        flat = jnp.where(rows_1_and_2((8, 128)), x_ref[...].reshape(8, 128), 0.0)
+        o_ref[...] = flat.reshape(o_ref.shape)
+
+    out_shape = jax.ShapeDtypeStruct(Y3.shape, Y3.dtype)
+    expected = run(selected, out_shape, Y3, interpreter=interpreter)
+    np.testing.assert_array_equal(run(masked, out_shape, Y3, interpreter=interpreter), expected)
+
+
+def test_masked_store_out_of_bounds_only_where_the_mask_is_false_is_allowed():
+    def kernel(mask_rows_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        row = jax.lax.broadcasted_iota(jnp.int32, (4, 2, 128), 0)
+        mask = (row >= mask_rows_ref[0]) & (row < mask_rows_ref[1])
+        # Rows 3..6 of a 4-row ref: only row 3 (local row 0) exists.
+        pltpu.store(o_ref.at[pl.ds(mask_rows_ref[2], 4)], jnp.ones((4, 2, 128)), mask=mask)
+
+    def call(mask_rows):
+        return run(
+            kernel,
+            jax.ShapeDtypeStruct((4, 2, 128), jnp.float32),
+            jnp.asarray(mask_rows, jnp.int32),
+            interpreter="tpu",
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)],
+        )
+
+    got = call([0, 1, 3])
+    assert (got[3] == 1).all() and not got[:3].any()
+    with pytest.raises(Exception, match="Out-of-bounds masked swap"):
+        call([1, 3, 3])
+
+
+# --- the interpreter's own checks still work through views ---------------------------------------------
+
+
+def test_out_of_bounds_read_through_view_still_raises():
+    def kernel(start_ref, x_ref, o_ref):
+        o_ref[...] = x_ref.reshape(16, 128)[pl.ds(start_ref[0], 8), :]
+
+    def call(start, x):
+        spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(1,),
+            in_specs=[pl.BlockSpec((2, 8, 128), lambda i, s: (0, 0, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i, s: (0, 0)),
+        )
+        return pl.pallas_call(kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(
+            start, x
+        )
+
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+        jitted = jax.jit(call)
+        np.testing.assert_array_equal(
+            np.asarray(jitted(jnp.asarray([8], jnp.int32), X3)), np.asarray(X3).reshape(16, 128)[8:]
+        )
+        with pytest.raises(Exception, match="Out-of-bounds read"):
+            jitted(jnp.asarray([12], jnp.int32), X3).block_until_ready()
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+def test_uninitialized_scratch_read_through_view_is_nan():
+    def kernel(o_ref, scratch):
+        scratch[0] = jnp.ones((8, 128), jnp.float32)
+        o_ref[...] = scratch.reshape(16, 128)[...]
+
+    got = run(
+        kernel,
+        jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        interpreter="tpu",
+        scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32)],
+    )
+    assert (got[:8] == 1).all() and np.isnan(got[8:]).all()
+
+
+# --- the gaps still exist without the layer (fails when jax fixes one: then drop that patch) -----------
+
+
+def assert_gap(run_without_layer, error_text: str, patch: str):
+    with layer_off():
+        try:
+            run_without_layer()
+        except Exception as error:  # noqa: BLE001 - we inspect the message below
+            if error_text not in str(error):
+                raise
+            return
+    pytest.fail(
+        f"jax {jax.__version__} no longer fails with {error_text!r}: drop {patch} from interpret_compat."
+    )
+
+
+def test_gap_reshape_still_in_tpu_interpreter():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref.reshape(16, 128)[...]
+
+    assert_gap(
+        lambda: run(kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32), X3, interpreter="tpu"),
+        "'ReshapeTransform' object has no attribute 'indices'",
+        "the reshape handling in _patch_tpu_view_transforms",
+    )
+
+
+def test_gap_bitcast_still_in_tpu_interpreter():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref.bitcast(jnp.uint32)[...]
+
+    x = random_array((16, 128), jnp.bfloat16)
+    assert_gap(
+        lambda: run(kernel, jax.ShapeDtypeStruct((8, 128), jnp.uint32), x, interpreter="tpu"),
+        "'BitcastTransform' object has no attribute 'indices'",
+        "the bitcast handling in _patch_tpu_view_transforms",
+    )
+
+
+def test_gap_masked_swap_still_in_tpu_interpreter():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        pltpu.store(o_ref, x_ref[...], mask=rows_1_and_2(o_ref.shape))
+
+    assert_gap(
+        lambda: run(kernel, jax.ShapeDtypeStruct(Y3.shape, Y3.dtype), Y3, interpreter="tpu"),
+        "Out-of-bounds masked swap",
+        "_patch_masked_swap_bounds",
+    )
+
+
+def test_gap_literal_index_still_in_generic_interpreter():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        pltpu.store(o_ref.at[1], x_ref[1], mask=rows_1_and_2((2, 128)))
+
+    assert_gap(
+        lambda: run(kernel, jax.ShapeDtypeStruct(Y3.shape, Y3.dtype), Y3, interpreter="generic"),
+        "'TypedInt' object has no attribute 'shape'",
+        "_patch_generic_literal_indices",
+    )
+
+
+def test_gap_view_store_still_in_generic_interpreter():
+    def kernel(x_ref, o_ref):
+        o_ref.reshape(16, 128)[...] = x_ref[...].reshape(16, 128)
+
+    assert_gap(
+        lambda: run(kernel, jax.ShapeDtypeStruct(X3.shape, X3.dtype), X3, interpreter="generic"),
+        "Unsupported transform: ReshapeTransform",
+        "_patch_generic_view_stores",
+    )
+
+
+# --- API -----------------------------------------------------------------------------------------------
+
+
+def test_install_is_idempotent_and_uninstall_restores_the_interpreter():
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+
+    installed_get = tpu_interpreter.get
+    assert interpret_compat.install() and interpret_compat.install() and interpret_compat.is_installed()
+    assert tpu_interpreter.get is installed_get
+    assert installed_get.__wrapped__.__module__ == interpret_compat.__name__
+    with layer_off():
+        assert not interpret_compat.is_installed()
+        assert tpu_interpreter.get.__wrapped__.__module__ == tpu_interpreter.__name__
+    assert tpu_interpreter.get.__wrapped__.__module__ == interpret_compat.__name__
+
+
+def test_unsupported_jax_version_stays_off_and_warns_once(monkeypatch):
+    with layer_off():
+        monkeypatch.setattr(jax, "__version__", "0.0.0-untested")
+        monkeypatch.setattr(interpret_compat, "_warned_unsupported", False)
+        with pytest.warns(UserWarning, match="not in SUPPORTED_JAX_VERSIONS"):
+            assert interpret_compat.install() is False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert interpret_compat.install() is False
+        assert not interpret_compat.is_installed()
+        monkeypatch.undo()
+
+
+# --- upstream's kernel, end to end ---------------------------------------------------------------------
+
+
+def rpa_inputs(*, q_heads, kv_heads, page_size, kv_dtype, seqs, seed):
+    """Token-packed queries and a shuffled page table for (q_len, kv_len) sequences, plus a padding slot."""
+    rng = np.random.default_rng(seed)
+    head_dim, max_num_seqs, pages_per_seq = 128, len(seqs) + 1, 4
+    num_tokens = 16
+    total_pages = max_num_seqs * pages_per_seq
+    q = jnp.asarray(rng.standard_normal((num_tokens, q_heads, head_dim)), jnp.float32)
+    kv = rng.standard_normal((total_pages, page_size, 2 * kv_heads, head_dim)).astype(np.float32)
+    kv_pages = jnp.asarray(kv, kv_dtype)
+    kv_lens = np.zeros(max_num_seqs, np.int32)
+    cu_q_lens = np.zeros(max_num_seqs + 1, np.int32)
+    for i, (q_len, kv_len) in enumerate(seqs):
+        kv_lens[i] = kv_len
+        cu_q_lens[i + 1] = cu_q_lens[i] + q_len
+    cu_q_lens[len(seqs) + 1 :] = cu_q_lens[len(seqs)]
+    page_indices = rng.permutation(total_pages).reshape(max_num_seqs, pages_per_seq).astype(np.int32)
+    arrays = (q, kv_pages, jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu_q_lens))
+    return (*arrays, jnp.asarray([len(seqs)], jnp.int32))
+
+
+UPSTREAM_CONFIGS = {
+    "f32-mha-4q2kv": dict(
+        inputs=dict(
+            q_heads=4, kv_heads=2, page_size=16, kv_dtype=jnp.float32, seqs=[(5, 37), (1, 9), (6, 6)]
+        ),
+        options=dict(num_kv_pages_per_block=2, num_queries_per_block=8),
+    ),
+    "f32-gqa-8q1kv-window-softcap": dict(
+        inputs=dict(q_heads=8, kv_heads=1, page_size=8, kv_dtype=jnp.float32, seqs=[(7, 30), (4, 4)]),
+        options=dict(num_kv_pages_per_block=3, num_queries_per_block=4, sliding_window=12, soft_cap=20.0),
+    ),
+    "bf16-kv-bitcast-path": dict(
+        inputs=dict(q_heads=4, kv_heads=4, page_size=16, kv_dtype=jnp.bfloat16, seqs=[(3, 33), (2, 17)]),
+        options=dict(num_kv_pages_per_block=2, num_queries_per_block=8),
+    ),
+}
+
+
+@pytest.mark.parametrize("config", list(UPSTREAM_CONFIGS))
+def test_upstream_rpa_matches_its_reference_under_both_interpreters(config):
+    spec = UPSTREAM_CONFIGS[config]
+    args = rpa_inputs(**spec["inputs"], seed=11)
+    options = dict(spec["options"], sm_scale=128**-0.5)
+    block_sizes = {k: options.pop(k) for k in ("num_kv_pages_per_block", "num_queries_per_block")}
+    # The reference casts probabilities to the KV dtype; give it the same values in float32 instead.
+    reference_args = (args[0], args[1].astype(jnp.float32), *args[2:])
+    expected = np.asarray(upstream.ref_ragged_paged_attention(*reference_args, **options))
+    num_tokens = expected.shape[0]
+    for interpreter in INTERPRETERS:
+        with pltpu.force_tpu_interpret_mode(interpret_params(interpreter)):
+            got = np.asarray(upstream.ragged_paged_attention(*args, **options, **block_sizes))
+        assert np.isfinite(got[:num_tokens]).all(), interpreter
+        np.testing.assert_allclose(got[:num_tokens], expected, rtol=1e-5, atol=2e-5, err_msg=interpreter)
