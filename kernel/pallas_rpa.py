@@ -166,13 +166,11 @@ def _rpa_kernel(
     head_start = pl.multiple_of(head_block * combined_heads_per_block, combined_heads_per_block)
 
     def seq_layout(seq):
-        """Query span, kv_len and number of resident pages of ``seq``; reads stay in bounds for any seq."""
+        """(clamped index, q_start, q_end, kv_len, resident pages) of ``seq``; reads stay in bounds."""
         s = jnp.clip(seq, 0, max_num_seqs - 1)
-        q_start = cu_q_lens_ref[s]
-        q_end = cu_q_lens_ref[s + 1]
         kv_len = kv_lens_ref[s]
         num_pages = jnp.clip((kv_len + page_size - 1) // page_size, 0, pages_per_seq)
-        return s, q_start, q_end, kv_len, num_pages
+        return s, cu_q_lens_ref[s], cu_q_lens_ref[s + 1], kv_len, num_pages
 
     def in_block(seq):
         """``seq`` is a real sequence that does not start after this query block."""
@@ -190,27 +188,29 @@ def _rpa_kernel(
             lambda s: jnp.logical_and(in_block(s), jnp.logical_not(has_work(s))), lambda s: s + 1, seq
         )
 
-    def num_kv_blocks(seq):
-        return (seq_layout(seq)[4] + kv_pages_per_block - 1) // kv_pages_per_block
+    def for_each_page_copy(layout, kv_block, slot, action):
+        """Applies ``action`` (start or wait) to the DMA of every page of one KV block that holds keys.
 
-    def guarded_page_copy(s, page_pos, num_pages, slot, buffer_page, action):
-        """Applies ``action`` (start or wait) to the DMA of one page, only if the page holds keys of ``s``."""
+        The start and the wait of a page go through this same guard, so a page is waited for exactly when
+        it was copied, and page-table entries past the sequence's resident pages are never read.
+        """
+        s, _, _, _, num_pages = layout
+        first_page = kv_block * kv_pages_per_block
 
-        @pl.when(page_pos < num_pages)
-        def _():
-            page = page_indices_ref[s * pages_per_seq + page_pos]
-            copy = pltpu.make_async_copy(
-                kv_hbm_ref.at[page, :, pl.ds(head_start, combined_heads_per_block), :],
-                kv_buf.at[slot, buffer_page],
-                sems.at[slot],
-            )
-            action(copy)
+        def page_copy(i, carry):
+            @pl.when(first_page + i < num_pages)
+            def _():
+                page = page_indices_ref[s * pages_per_seq + first_page + i]
+                copy = pltpu.make_async_copy(
+                    kv_hbm_ref.at[page, :, pl.ds(head_start, combined_heads_per_block), :],
+                    kv_buf.at[slot, i],
+                    sems.at[slot],
+                )
+                action(copy)
 
-    def for_each_page_copy(seq, kv_block, slot, action):
-        """Starts or waits for the DMAs of one KV block; start and wait share each page's guard."""
-        s, _, _, _, num_pages = seq_layout(seq)
-        for i in range(kv_pages_per_block):
-            guarded_page_copy(s, kv_block * kv_pages_per_block + i, num_pages, slot, i, action)
+            return carry
+
+        lax.fori_loop(0, kv_pages_per_block, page_copy, 0)
 
     # Queries of each KV head, folded to rows (loaded once per grid step; Mosaic folds 16-bit values only
     # when group fills whole packed rows, so such q is widened first, which is exact).
@@ -231,9 +231,9 @@ def _rpa_kernel(
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def attend(seq, kv_block, slot):
+    def attend(layout, kv_block, slot):
         """Online-softmax update of this sequence's rows with the keys of one KV block (in ``slot``)."""
-        _, q_start, q_end, kv_len, num_pages = seq_layout(seq)
+        _, q_start, q_end, kv_len, num_pages = layout
         first_key = kv_block * keys_per_block
         # Keys past kv_len (page tails, pages not copied) hold anything, NaN included: they are zeroed in K
         # and V and get probability 0, so they cannot reach a row even through 0 * NaN.
@@ -288,24 +288,28 @@ def _rpa_kernel(
     # Work items are (sequence, KV block) pairs in order; the loop carries the current one and its slot.
     def step(state):
         seq, kv_block, slot = state
-        last_block_of_seq = kv_block + 1 >= num_kv_blocks(seq)
-        next_seq = lax.select(last_block_of_seq, next_seq_with_work(seq + 1), seq)
-        next_kv_block = lax.select(last_block_of_seq, 0, kv_block + 1)
+        layout = seq_layout(seq)
+        num_kv_blocks = (layout[4] + kv_pages_per_block - 1) // kv_pages_per_block
+        next_seq, next_kv_block = lax.cond(
+            kv_block + 1 < num_kv_blocks,
+            lambda: (seq, kv_block + 1),
+            lambda: (next_seq_with_work(seq + 1), jnp.int32(0)),
+        )
         next_slot = 1 - slot
 
         @pl.when(in_block(next_seq))
         def _():
-            for_each_page_copy(next_seq, next_kv_block, next_slot, lambda copy: copy.start())
+            for_each_page_copy(seq_layout(next_seq), next_kv_block, next_slot, lambda copy: copy.start())
 
-        for_each_page_copy(seq, kv_block, slot, lambda copy: copy.wait())
-        attend(seq, kv_block, slot)
+        for_each_page_copy(layout, kv_block, slot, lambda copy: copy.wait())
+        attend(layout, kv_block, slot)
         return next_seq, next_kv_block, next_slot
 
     first_seq = next_seq_with_work(first_seq_ref[query_block])
 
     @pl.when(in_block(first_seq))
     def _():
-        for_each_page_copy(first_seq, 0, 0, lambda copy: copy.start())
+        for_each_page_copy(seq_layout(first_seq), 0, 0, lambda copy: copy.start())
 
     lax.while_loop(lambda state: in_block(state[0]), step, (first_seq, jnp.int32(0), jnp.int32(0)))
 
