@@ -106,7 +106,7 @@ def check_determinism(target: Target, backend: Backend, arrays: dict, options: d
 
 def recheck(kind: str, target: Target, backend: Backend, repro) -> None:
     """Re-runs the property a repro was written for (raises PropertyFailure while it still fails)."""
-    if kind in (DIFFERENTIAL, f"{DIFFERENTIAL}-checked"):
+    if kind.startswith(DIFFERENTIAL):
         check_differential(target, backend, repro.arrays, repro.options)
     elif kind == VALIDATION:
         check_validation(target, backend, repro.arrays, repro.options, repro.stage, repro.expected_error)

@@ -127,11 +127,15 @@ class Case:
             int32 = np.iinfo(np.int32)
             for i in range(max_seqs):
                 start = pages_used[i] if i < n else 0
-                page_indices[i, start:] = garbage_rng.integers(int32.min, int32.max, self.pages_per_seq - start)
+                page_indices[i, start:] = garbage_rng.integers(
+                    int32.min, int32.max, self.pages_per_seq - start
+                )
             kv_lens[n:] = garbage_rng.integers(-self.kv_capacity, self.kv_capacity + 1, max_seqs - n)
             cu_q_lens[n + 1 :] = garbage_rng.integers(int32.min, int32.max, max_seqs - n)
 
-        q = self._values(values_rng, (self.max_num_batched_tokens, self.num_q_heads, self.head_dim), self.q_dtype)
+        q = self._values(
+            values_rng, (self.max_num_batched_tokens, self.num_q_heads, self.head_dim), self.q_dtype
+        )
         kv_shape = (self.total_num_pages, self.page_size, 2 * self.num_kv_heads, self.head_dim)
         kv_pages = self._values(values_rng, kv_shape, self.kv_dtype)
         if self.poison:

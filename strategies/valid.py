@@ -74,31 +74,96 @@ def optional(values) -> st.SearchStrategy:
     return st.one_of(st.none(), st.sampled_from(values))
 
 
+def make_config(
+    bucket: str, page_size: int, num_kv_heads: int, gqa_ratio: int, head_dim: int, q_dtype: str, kv_dtype: str
+) -> dict:
+    """The static Case fields for a bucket and head layout."""
+    capacity = BUCKETS[bucket]
+    pages_per_seq = math.ceil(capacity.max_kv_len / page_size) + 1  # one page more than the longest needs
+    return dict(
+        max_num_batched_tokens=capacity.max_num_batched_tokens,
+        max_num_seqs=capacity.max_num_seqs,
+        pages_per_seq=pages_per_seq,
+        total_num_pages=capacity.max_num_seqs * pages_per_seq + 3,  # spare pages never referenced
+        page_size=page_size,
+        num_q_heads=num_kv_heads * gqa_ratio,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+    )
+
+
+def _kv_heads_for(capabilities: Capabilities, kv_dtype: str) -> tuple[int, ...]:
+    if capabilities.even_kv_heads_for_fp8 and kv_dtype.startswith("float8"):
+        return tuple(h for h in capabilities.num_kv_heads if h % 2 == 0)
+    return capabilities.num_kv_heads
+
+
 @st.composite
 def static_configs(draw, capabilities: Capabilities = OUR_KERNEL, *, buckets=None) -> dict:
     """Static shapes and dtypes: the part that decides which compiled kernel runs."""
-    bucket_name = draw(st.sampled_from(buckets or capabilities.buckets))
-    bucket = BUCKETS[bucket_name]
+    bucket = draw(st.sampled_from(buckets or capabilities.buckets))
     page_size = draw(st.sampled_from(capabilities.page_sizes))
     kv_dtype = draw(st.sampled_from(capabilities.kv_dtypes))
-    kv_heads = capabilities.num_kv_heads
-    if capabilities.even_kv_heads_for_fp8 and kv_dtype.startswith("float8"):
-        kv_heads = tuple(h for h in kv_heads if h % 2 == 0)
-    num_kv_heads = draw(st.sampled_from(kv_heads))
+    num_kv_heads = draw(st.sampled_from(_kv_heads_for(capabilities, kv_dtype)))
     ratio = draw(st.sampled_from(capabilities.gqa_ratios))
-    pages_per_seq = math.ceil(bucket.max_kv_len / page_size) + 1  # one page more than the longest needs
-    return dict(
-        max_num_batched_tokens=bucket.max_num_batched_tokens,
-        max_num_seqs=bucket.max_num_seqs,
-        pages_per_seq=pages_per_seq,
-        total_num_pages=bucket.max_num_seqs * pages_per_seq + 3,  # spare pages never referenced
-        page_size=page_size,
-        num_q_heads=num_kv_heads * ratio,
-        num_kv_heads=num_kv_heads,
-        head_dim=draw(st.sampled_from(capabilities.head_dims)),
-        q_dtype=draw(st.sampled_from(capabilities.q_dtypes)),
-        kv_dtype=kv_dtype,
-    )
+    head_dim = draw(st.sampled_from(capabilities.head_dims))
+    q_dtype = draw(st.sampled_from(capabilities.q_dtypes))
+    return make_config(bucket, page_size, num_kv_heads, ratio, head_dim, q_dtype, kv_dtype)
+
+
+# A fixed pool of compiled configurations (static config + options) that together touch every feature.
+# Properties that need volume draw from it, so that hundreds of ragged layouts reuse a few compiled
+# kernels; the first entry is the simplest and is what shrinking moves toward.
+POOL = (
+    (dict(bucket="tiny", page_size=16, num_kv_heads=1, gqa_ratio=1, head_dim=64, q_dtype="float32",
+          kv_dtype="float32"), {}),
+    (dict(bucket="small", page_size=8, num_kv_heads=2, gqa_ratio=4, head_dim=128, q_dtype="float32",
+          kv_dtype="float32"), dict(sliding_window=5, num_queries_per_block=8, num_kv_pages_per_block=3)),
+    (dict(bucket="small", page_size=4, num_kv_heads=4, gqa_ratio=2, head_dim=64, q_dtype="bfloat16",
+          kv_dtype="bfloat16"), dict(soft_cap=30.0, sm_scale=0.125)),
+    (dict(bucket="small", page_size=2, num_kv_heads=2, gqa_ratio=3, head_dim=128, q_dtype="bfloat16",
+          kv_dtype="float8_e4m3fn"), dict(k_scale=0.5, v_scale=2.0, num_queries_per_block=3)),
+    (dict(bucket="small", page_size=32, num_kv_heads=2, gqa_ratio=1, head_dim=256, q_dtype="float32",
+          kv_dtype="float8_e5m2"), dict(mask_value=-2.0, num_kv_pages_per_block=1, num_queries_per_block=16)),
+    (dict(bucket="small", page_size=64, num_kv_heads=8, gqa_ratio=1, head_dim=128, q_dtype="float32",
+          kv_dtype="float32"), dict(mask_value=None, sliding_window=16, soft_cap=5.0, vmem_limit_bytes=32 * 2**20)),
+    (dict(bucket="tiny", page_size=1, num_kv_heads=1, gqa_ratio=8, head_dim=64, q_dtype="float32",
+          kv_dtype="bfloat16"), dict(num_queries_per_block=1, sm_scale=0.05)),
+)  # fmt: skip
+
+
+def _nearest(value, allowed):
+    return min(allowed, key=lambda a: (abs(a - value), a))
+
+
+def pool(capabilities: Capabilities = OUR_KERNEL) -> list[tuple[dict, dict]]:
+    """POOL moved inside a target's capabilities (nearest supported head_dim, page size, heads, dtypes)."""
+    entries = []
+    for layout, opts in POOL:
+        layout = dict(layout)
+        if layout["q_dtype"] not in capabilities.q_dtypes:
+            layout["q_dtype"] = capabilities.q_dtypes[0]
+        if layout["kv_dtype"] not in capabilities.kv_dtypes:
+            layout["kv_dtype"] = capabilities.kv_dtypes[0]
+        layout["head_dim"] = _nearest(layout["head_dim"], capabilities.head_dims)
+        layout["page_size"] = _nearest(layout["page_size"], capabilities.page_sizes)
+        layout["num_kv_heads"] = _nearest(
+            layout["num_kv_heads"], _kv_heads_for(capabilities, layout["kv_dtype"])
+        )
+        layout["gqa_ratio"] = _nearest(layout["gqa_ratio"], capabilities.gqa_ratios)
+        if layout["bucket"] not in capabilities.buckets:
+            layout["bucket"] = capabilities.buckets[0]
+        config = make_config(**layout)
+        opts = dict(opts)
+        if capabilities.needs_block_sizes:
+            opts.setdefault("num_kv_pages_per_block", 2)
+            opts.setdefault("num_queries_per_block", 8)
+        if "num_kv_pages_per_block" in opts:
+            opts["num_kv_pages_per_block"] = min(opts["num_kv_pages_per_block"], config["pages_per_seq"])
+        entries.append((config, opts))
+    return entries
 
 
 @st.composite
@@ -173,15 +238,18 @@ def valid_cases(
     draw,
     capabilities: Capabilities = OUR_KERNEL,
     *,
-    configs: st.SearchStrategy[dict] | None = None,
+    pooled: bool = False,
     with_options: bool = True,
     values=("normal", "large", "ties", "tiny"),
 ) -> Case:
-    """A valid case. ``configs`` narrows the static part (e.g. to a few compiled kernels)."""
-    config = draw(configs if configs is not None else static_configs(capabilities))
-    opts = draw(options(config, capabilities)) if with_options else {}
-    if not with_options and capabilities.needs_block_sizes:
-        opts = dict(num_kv_pages_per_block=min(2, config["pages_per_seq"]), num_queries_per_block=8)
+    """A valid case: from the whole static space, or (``pooled``) from the few configurations of POOL."""
+    if pooled:
+        config, opts = draw(st.sampled_from(pool(capabilities)))
+    else:
+        config = draw(static_configs(capabilities))
+        opts = draw(options(config, capabilities)) if with_options else {}
+        if not with_options and capabilities.needs_block_sizes:
+            opts = dict(num_kv_pages_per_block=min(2, config["pages_per_seq"]), num_queries_per_block=8)
     q_lens, kv_lens = draw(layouts(config, opts.get("num_kv_pages_per_block")))
     case = Case(
         **config,

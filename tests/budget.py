@@ -1,6 +1,13 @@
-"""Example counts derived from the loaded Hypothesis profile (conftest loads it before tests import)."""
+"""Example counts per kind of property, derived from the loaded Hypothesis profile's max_examples.
+
+conftest loads the profile before test modules are imported. A kernel call costs ~2-10 ms warm on the
+fast interpreter but 1-4 s when a new static configuration compiles, so properties over the pooled
+configurations (few compilations) get the volume, and the whole static space gets fewer examples.
+"""
 
 from hypothesis import settings
 
-# The checking interpreter costs 10-100x the fast one per call: it runs a fifth of the examples.
-CHECKING_EXAMPLES = max(5, settings.default.max_examples // 5)
+_BASE = settings.default.max_examples
+POOLED_EXAMPLES = _BASE * 5  # fast interpreter, a few compiled kernels, ragged layouts vary
+ANY_CONFIG_EXAMPLES = max(5, _BASE // 2)  # fast interpreter, nearly every example compiles
+CHECKING_EXAMPLES = max(5, _BASE // 2)  # TPU interpreter: 10-100x the fast one per call

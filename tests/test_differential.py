@@ -1,7 +1,8 @@
 """Kernel ≈ float64 oracle on valid cases, on the fast interpreter (volume) and the checking one.
 
-Volume runs the whole valid space the target supports; the checking interpreter (out-of-bounds reads
-raise, scratch is NaN, races are asserted) runs a smaller sample of the same space.
+The fast interpreter runs many ragged layouts over the pooled configurations and fewer examples over the
+whole static space the target supports; the checking interpreter (out-of-bounds reads raise, scratch is
+NaN, races are asserted) runs the pooled configurations.
 """
 
 from hypothesis import given, settings
@@ -11,7 +12,7 @@ import reference
 from harness.properties import DIFFERENTIAL, check_differential
 from harness.repro import written_on_failure
 from strategies.valid import valid_cases
-from tests.budget import CHECKING_EXAMPLES
+from tests.budget import ANY_CONFIG_EXAMPLES, CHECKING_EXAMPLES, POOLED_EXAMPLES
 
 
 def run_differential(target, backend, repro_dir, case, property_name):
@@ -20,11 +21,20 @@ def run_differential(target, backend, repro_dir, case, property_name):
         check_differential(target, backend, arrays, options)
 
 
+@settings(max_examples=POOLED_EXAMPLES)
 @given(data=st.data())
 def test_kernel_matches_oracle(target, volume_backend, runnable, repro_dir, data):
     runnable(volume_backend)
-    case = data.draw(valid_cases(target.capabilities), label="case")
+    case = data.draw(valid_cases(target.capabilities, pooled=True), label="case")
     run_differential(target, volume_backend, repro_dir, case, f"{DIFFERENTIAL}[{volume_backend.name}]")
+
+
+@settings(max_examples=ANY_CONFIG_EXAMPLES)
+@given(data=st.data())
+def test_kernel_matches_oracle_any_config(target, volume_backend, runnable, repro_dir, data):
+    runnable(volume_backend)
+    case = data.draw(valid_cases(target.capabilities), label="case")
+    run_differential(target, volume_backend, repro_dir, case, f"{DIFFERENTIAL}-any-config[{volume_backend.name}]")
 
 
 @settings(max_examples=CHECKING_EXAMPLES)
@@ -37,7 +47,7 @@ def test_kernel_matches_oracle_checked(target, checking_backend, runnable, repro
     )
 
 
-@given(case=valid_cases())
+@given(case=valid_cases(pooled=True))
 def test_reference_matches_oracle(case):
     arrays, options = case.arrays(), case.options()
     comparison = reference.compare(
