@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import jax
@@ -175,8 +176,12 @@ class Result:
 
 
 def last_line(error: BaseException) -> str:
+    """The exception's last message line; for a bare assert, the failing source line instead."""
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:160]
+    if not lines:
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        lines = [f"{Path(frame.filename).name}:{frame.lineno} {frame.line}"]
+    return f"{type(error).__name__}: {lines[-1]}"[:160]
 
 
 def run_one(config: Config, interpreter: str, warm_calls: int) -> Result:

@@ -362,6 +362,34 @@ def test_uninitialized_scratch_read_through_view_is_nan():
     assert (got[:8] == 1).all() and np.isnan(got[8:]).all()
 
 
+@pytest.mark.parametrize("read_before_wait", [False, True], ids=["after-wait", "before-wait"])
+def test_race_detection_sees_dma_and_reads_through_views(read_before_wait):
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+
+    def kernel(x_hbm, o_ref, buffer, semaphore):
+        copy = pltpu.make_async_copy(x_hbm, buffer.reshape(2, 8, 128), semaphore)
+        copy.start()
+        if read_before_wait:
+            o_ref[...] = buffer.reshape(2, 8, 128)[1]
+        copy.wait()
+        if not read_before_wait:
+            o_ref[...] = buffer.reshape(2, 8, 128)[1]
+
+    def call(x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((16, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
+        )(x)
+
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(detect_races=True)):
+        got = np.asarray(jax.jit(call)(X3))
+    assert tpu_interpreter.races.races_found == read_before_wait
+    if not read_before_wait:
+        np.testing.assert_array_equal(got, np.asarray(X3)[1])
+
+
 # --- the gaps still exist without the layer (fails when jax fixes one: then drop that patch) -----------
 
 
@@ -490,9 +518,7 @@ def rpa_inputs(*, q_heads, kv_heads, page_size, kv_dtype, seqs, seed):
 
 UPSTREAM_CONFIGS = {
     "f32-mha-4q2kv": dict(
-        inputs=dict(
-            q_heads=4, kv_heads=2, page_size=16, kv_dtype=jnp.float32, seqs=[(5, 37), (1, 9)]
-        ),
+        inputs=dict(q_heads=4, kv_heads=2, page_size=16, kv_dtype=jnp.float32, seqs=[(5, 37), (1, 9)]),
         options=dict(num_kv_pages_per_block=2, num_queries_per_block=8),
     ),
     "f32-gqa-8q1kv-window-softcap": dict(
