@@ -93,6 +93,11 @@ def sweep() -> list[Config]:
         Config("features", sliding_window=20, soft_cap=30.0, k_scale=0.5, v_scale=1.5),
         Config("features", poison_unused_kv=True),
         Config("features", q_dtype="bfloat16", kv_dtype="bfloat16", poison_unused_kv=True),
+        Config("edges", seqs=((3, 20), (0, 9), (4, 4))),  # empty query run between sequences
+        Config("edges", seqs=((3, 20), (0, 0), (4, 4))),  # empty sequence
+        Config("edges", seqs=((16, 16),)),  # one prefill filling every token
+        Config("edges", seqs=((1, 40), (1, 1), (1, 17), (1, 33))),  # decode batch
+        Config("edges", queries_per_block=4, seqs=((3, 30), (3, 7), (6, 6))),  # sequences straddle q blocks
         Config(
             "size",
             q_heads=8,
@@ -146,6 +151,8 @@ def float64_attention(config: Config, q, kv_pages, kv_lens, page_indices, cu_q_l
     outputs = []
     for i in range(int(num_seqs[0])):
         q_start, q_end, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1]), int(kv_lens[i])
+        if q_end == q_start:
+            continue  # no query rows: nothing to produce (kv_len may be 0)
         pages = kv_pages[np.asarray(page_indices[i])].reshape(-1, 2 * config.kv_heads, config.head_dim)[
             :kv_len
         ]
@@ -163,7 +170,7 @@ def float64_attention(config: Config, q, kv_pages, kv_lens, page_indices, cu_q_l
         weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
         weights /= weights.sum(axis=-1, keepdims=True)
         outputs.append(np.einsum("hqk,khd->qhd", weights, values))
-    return np.concatenate(outputs, axis=0)
+    return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, config.q_heads, config.head_dim))
 
 
 @dataclasses.dataclass
