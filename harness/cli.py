@@ -21,6 +21,12 @@ from harness.backends import AUTO, BACKENDS, Backend
 from harness.targets import DEFAULT_TARGET, TargetError, load
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PROPERTY_TESTS = (
+    "tests/test_differential.py",
+    "tests/test_validation.py",
+    "tests/test_padding.py",
+    "tests/test_lowering.py",
+)
 
 
 def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: str) -> str:
@@ -98,7 +104,7 @@ def run(args) -> int:
         junit = Path(scratch) / "junit.xml"
         env = dict(os.environ, RPA_RUN_LOG=scratch)
         command = [
-            sys.executable, "-m", "pytest", str(REPO_ROOT / "tests"), f"--rootdir={REPO_ROOT}",
+            sys.executable, "-m", "pytest", *PROPERTY_TESTS, f"--rootdir={REPO_ROOT}",
             f"--hypothesis-profile={args.profile}", f"--rpa-target={args.target}", f"--rpa-backend={args.backend}",
             f"--rpa-repro-dir={args.repro_dir}", f"--junitxml={junit}", "-q",
         ]  # fmt: skip
