@@ -1,0 +1,87 @@
+"""Seeded-bug variants of our kernel, each importable as a target: ``--rpa-target=mutants.NAME``.
+
+Each mutant is built at import time from the *current* source of ``kernel/pallas_rpa.py`` and
+``kernel/validation.py`` with one patch from ``mutants.catalogue`` applied, exec'd into fresh modules, so
+the production kernel carries no bug switches. A kernel patch gives a module whose kernel is buggy and
+whose validator is ours; a validation patch gives a module whose validator (and the static checks the
+kernel runs) is buggy and whose kernel computes correctly. Every module is registered in ``sys.modules``
+as ``mutants.NAME`` and declares the capabilities of our kernel.
+
+Public API: ``MUTANTS`` (the catalogue), ``BY_NAME``, ``patched_source(mutant)``, ``build(mutant)``,
+``PatchError``; and one attribute per mutant name (its module).
+"""
+
+import dataclasses
+import linecache
+import sys
+import types
+from pathlib import Path
+
+from mutants.catalogue import KERNEL_FILE, MUTANTS, VALIDATION_FILE, Mutant
+from strategies.valid import OUR_KERNEL
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BY_NAME = {mutant.name: mutant for mutant in MUTANTS}
+
+
+class PatchError(Exception):
+    """A patch that no longer applies to the kernel source; the message says which and why."""
+
+
+def patched_source(mutant: Mutant) -> str:
+    """The source of ``mutant.file`` with the patch applied; its original text must occur exactly once."""
+    source = (REPO_ROOT / mutant.file).read_text()
+    count = source.count(mutant.original)
+    if count != 1:
+        raise PatchError(
+            f"mutant {mutant.name}: its original text occurs {count} times in {mutant.file} (expected "
+            f"exactly once): {mutant.original!r}. The kernel source changed; update the patch in "
+            "mutants/catalogue.py to the new code."
+        )
+    return source.replace(mutant.original, mutant.replacement)
+
+
+def _exec_module(module_name: str, source: str, label: str) -> types.ModuleType:
+    """Runs ``source`` as a new module; its text is put in linecache so tracebacks show the patched lines."""
+    filename = f"<{label}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    module = types.ModuleType(module_name)
+    module.__file__ = filename
+    exec(compile(source, filename, "exec"), module.__dict__)
+    return module
+
+
+def build(mutant: Mutant) -> types.ModuleType:
+    """The target module of one mutant (not registered anywhere)."""
+    name = f"{__name__}.{mutant.name}"
+    validation_source = (REPO_ROOT / VALIDATION_FILE).read_text()
+    kernel_source = (REPO_ROOT / KERNEL_FILE).read_text()
+    if mutant.file == VALIDATION_FILE:
+        validation_source = patched_source(mutant)
+    elif mutant.file == KERNEL_FILE:
+        kernel_source = patched_source(mutant)
+    else:
+        raise PatchError(
+            f"mutant {mutant.name}: file {mutant.file!r} is not {KERNEL_FILE} or {VALIDATION_FILE}"
+        )
+    validation = _exec_module(
+        f"{name}_validation", validation_source, f"mutant {mutant.name}: {VALIDATION_FILE}"
+    )
+    module = _exec_module(name, kernel_source, f"mutant {mutant.name}: {KERNEL_FILE}")
+    # The kernel source imports kernel.validation; point it at this mutant's validator instead.
+    module.static_validate_inputs = validation.static_validate_inputs
+    module.dynamic_validate_inputs = validation.dynamic_validate_inputs
+    module.RPA_HARNESS_CAPABILITIES = dataclasses.asdict(OUR_KERNEL)
+    module.MUTANT = mutant
+    module.__doc__ = f"Mutant {mutant.name} of our kernel: {mutant.description}."
+    return module
+
+
+def _register_all() -> None:
+    for mutant in MUTANTS:
+        module = build(mutant)
+        sys.modules[module.__name__] = module
+        globals()[mutant.name] = module
+
+
+_register_all()
