@@ -516,17 +516,16 @@ def rpa_inputs(*, q_heads, kv_heads, page_size, kv_dtype, seqs, seed):
     return (*arrays, jnp.asarray([len(seqs)], jnp.int32))
 
 
+# One sequence layout and page geometry for both: upstream's reference runs op by op and compiles per
+# shape, so shared shapes keep this file fast.
+UPSTREAM_SEQS = [(5, 37), (1, 9)]
 UPSTREAM_CONFIGS = {
-    "f32-mha-4q2kv": dict(
-        inputs=dict(q_heads=4, kv_heads=2, page_size=16, kv_dtype=jnp.float32, seqs=[(5, 37), (1, 9)]),
-        options=dict(num_kv_pages_per_block=2, num_queries_per_block=8),
-    ),
-    "f32-gqa-8q1kv-window-softcap": dict(
-        inputs=dict(q_heads=8, kv_heads=1, page_size=8, kv_dtype=jnp.float32, seqs=[(7, 30), (4, 4)]),
+    "f32-8q1kv-window-softcap-strided-path": dict(
+        inputs=dict(q_heads=8, kv_heads=1, kv_dtype=jnp.float32),
         options=dict(num_kv_pages_per_block=3, num_queries_per_block=4, sliding_window=12, soft_cap=20.0),
     ),
-    "bf16-kv-bitcast-path": dict(
-        inputs=dict(q_heads=4, kv_heads=4, page_size=16, kv_dtype=jnp.bfloat16, seqs=[(3, 33), (2, 17)]),
+    "bf16-kv-4q2kv-bitcast-path": dict(
+        inputs=dict(q_heads=4, kv_heads=2, kv_dtype=jnp.bfloat16),
         options=dict(num_kv_pages_per_block=2, num_queries_per_block=8),
     ),
 }
@@ -535,11 +534,12 @@ UPSTREAM_CONFIGS = {
 @pytest.mark.parametrize("config", list(UPSTREAM_CONFIGS))
 def test_upstream_rpa_matches_its_reference_under_both_interpreters(config):
     spec = UPSTREAM_CONFIGS[config]
-    args = rpa_inputs(**spec["inputs"], seed=11)
+    args = rpa_inputs(**spec["inputs"], page_size=16, seqs=UPSTREAM_SEQS, seed=11)
     options = dict(spec["options"], sm_scale=128**-0.5)
     block_sizes = {k: options.pop(k) for k in ("num_kv_pages_per_block", "num_queries_per_block")}
     # The reference casts probabilities to the KV dtype; give it the same values in float32 instead.
-    reference_args = (args[0], args[1].astype(jnp.float32), *args[2:])
+    # NumPy arguments keep its slicing out of XLA.
+    reference_args = [np.asarray(a) for a in (args[0], args[1].astype(jnp.float32), *args[2:])]
     expected = np.asarray(upstream.ref_ragged_paged_attention(*reference_args, **options))
     num_tokens = expected.shape[0]
     for interpreter in INTERPRETERS:
