@@ -1,0 +1,165 @@
+"""The seeded-bug catalogue stays usable: every patch applies, every mutant imports, and none is equivalent.
+
+Each mutant has one small explicit witness on which it differs from the correct kernel: a numeric mutant's
+output is off the float64 oracle (or it raises) where our kernel's is within the tolerance model; a
+validation mutant accepts, rejects or words an input differently from our validator. The full properties
+are not run here (``ci/kill_rate.py`` does that).
+"""
+
+import dataclasses
+import importlib
+
+import pytest
+
+import kernel
+import mutants
+import reference
+from harness.backends import FAST_INTERPRET, Backend
+from harness.targets import as_jax, load
+from strategies.case import Case
+from strategies.violations import RULES
+
+FAST = Backend(FAST_INTERPRET)
+
+# Three sequences: a chunk straddling query blocks (4 rows each), a decode and a prefill; partial last
+# pages, several KV blocks (2 pages each), two KV heads with two query heads each, NaN in page tails and
+# padding, garbage in the padding slot's metadata.
+MIXED = Case(
+    max_num_batched_tokens=16,
+    max_num_seqs=4,
+    pages_per_seq=6,
+    total_num_pages=27,
+    page_size=4,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    q_lens=(5, 1, 8),
+    kv_lens=(13, 9, 8),
+    sm_scale=0.125,
+    num_kv_pages_per_block=2,
+    num_queries_per_block=4,
+    seed=7,
+    garbage=True,
+)
+WINDOWED = dataclasses.replace(MIXED, sliding_window=5, soft_cap=5.0, garbage=False)
+QUANTISED = dataclasses.replace(
+    MIXED, q_dtype="bfloat16", kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0, garbage=False
+)
+LARGE_VALUES = dataclasses.replace(MIXED, values="large", garbage=False)
+# One live sequence and three padding slots whose garbage metadata (seed 22) gives a padding slot keys
+# and rows overlapping the live sequence's, in a query block whose earlier sequence starts are in range.
+GARBAGE_SLOTS = dataclasses.replace(MIXED, q_lens=(5,), kv_lens=(13,), seed=22)
+
+NUMERIC_WITNESSES = {
+    "causal_off_by_one": MIXED,
+    "context_offset_ignored": MIXED,
+    "sliding_window_off_by_one": WINDOWED,
+    "soft_cap_after_mask": WINDOWED,
+    "gqa_head_mapping": MIXED,
+    "kv_deinterleave_swapped": MIXED,
+    "last_partial_page_dropped": MIXED,
+    "padded_tail_nan_leak": MIXED,
+    "padded_seq_slots_processed": GARBAGE_SLOTS,
+    "sm_scale_ignored": MIXED,
+    "k_scale_ignored": QUANTISED,
+    "v_scale_uses_k_scale": QUANTISED,
+    "kv_block_count_floor": MIXED,
+    "query_block_straddle": MIXED,
+    "dma_wrong_slot_computed": MIXED,
+    "dma_single_slot": MIXED,
+    "acc_not_rescaled": MIXED,
+    "softmax_in_bfloat16": MIXED,
+    "no_max_subtraction": LARGE_VALUES,
+    "logits_in_q_dtype": QUANTISED,
+}
+
+# Validation witnesses: (base case, rule broken, rule parameter), or (case, None, None) for a valid input.
+VALIDATION_BASE = dataclasses.replace(MIXED, garbage=False)
+VALIDATION_WITNESSES = {
+    "num_seqs_limit_off_by_one": (VALIDATION_BASE, "num_seqs over max_num_seqs", 0),
+    "vmem_limit_zero_accepted": (VALIDATION_BASE, "vmem_limit_bytes not positive", 0),
+    "q_len_over_kv_len_assert": (VALIDATION_BASE, "q_len over kv_len", 0),
+    "too_few_pages_floor": (VALIDATION_BASE, "too few pages per sequence", 0),
+    "too_many_tokens_reworded": (VALIDATION_BASE, "too many q tokens", 0),
+    "head_dim_check_missing": (VALIDATION_BASE, "head_dim mismatch", 0),
+    "sliding_window_zero_accepted": (VALIDATION_BASE, "sliding_window not positive", 0),
+    "soft_cap_wrong_exception": (VALIDATION_BASE, "soft_cap zero", 0),
+    "kv_block_upper_bound_exclusive": (
+        dataclasses.replace(VALIDATION_BASE, num_kv_pages_per_block=6),
+        None,
+        None,
+    ),
+}
+
+
+def test_every_mutant_has_a_witness():
+    numeric = {m.name for m in mutants.MUTANTS if m.numeric}
+    validation = {m.name for m in mutants.MUTANTS if not m.numeric}
+    assert numeric == set(NUMERIC_WITNESSES)
+    assert validation == set(VALIDATION_WITNESSES)
+    assert len(mutants.MUTANTS) >= 20
+
+
+@pytest.mark.parametrize("mutant", mutants.MUTANTS, ids=lambda m: m.name)
+def test_patch_applies_exactly_once(mutant):
+    source = (mutants.REPO_ROOT / mutant.file).read_text()
+    assert source.count(mutant.original) == 1, mutant.name
+    assert mutants.patched_source(mutant) != source
+
+
+def test_patch_that_no_longer_applies_is_reported():
+    stale = dataclasses.replace(mutants.MUTANTS[0], original="text that is not in the kernel")
+    with pytest.raises(mutants.PatchError, match="occurs 0 times"):
+        mutants.patched_source(stale)
+
+
+@pytest.mark.parametrize("mutant", mutants.MUTANTS, ids=lambda m: m.name)
+def test_mutant_is_a_target(mutant):
+    target = load(f"mutants.{mutant.name}")
+    assert target.module is importlib.import_module(f"mutants.{mutant.name}")
+    assert target.module is getattr(mutants, mutant.name)
+    assert target.module.ragged_paged_attention is not kernel.ragged_paged_attention
+    assert target.capabilities.strict_validation and target.capabilities.lowers_for_tpu
+
+
+def _oracle_comparison(target, case):
+    """The target's output vs the float64 oracle on ``case``, or the error it raised."""
+    arrays, options = case.arrays(), case.options()
+    try:
+        actual = FAST.run(target.attention, arrays, options)
+    except Exception as error:  # a crash on valid inputs is a kill too
+        return f"raised {type(error).__name__}"
+    return reference.compare(actual, reference.oracle(**arrays, **options), label=target.name)
+
+
+@pytest.mark.parametrize(
+    "case", sorted(set(NUMERIC_WITNESSES.values()), key=repr), ids=lambda c: c.describe()[:60]
+)
+def test_correct_kernel_passes_the_witnesses(case):
+    comparison = _oracle_comparison(load("kernel"), case)
+    assert not isinstance(comparison, str) and comparison.ok, str(comparison)
+
+
+@pytest.mark.parametrize("name", sorted(NUMERIC_WITNESSES))
+def test_numeric_mutant_differs_from_oracle(name):
+    comparison = _oracle_comparison(load(f"mutants.{name}"), NUMERIC_WITNESSES[name])
+    assert isinstance(comparison, str) or not comparison.ok, f"mutant {name} matches the oracle: {comparison}"
+
+
+def _validation_outcome(module, arrays, options):
+    try:
+        module.dynamic_validate_inputs(**as_jax(arrays), **options)
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "accepted", ""
+
+
+@pytest.mark.parametrize("name", sorted(VALIDATION_WITNESSES))
+def test_validation_mutant_differs_from_our_validator(name):
+    case, rule, param = VALIDATION_WITNESSES[name]
+    arrays, options = case.arrays(), case.options()
+    expected = ("accepted", "")
+    if rule is not None:
+        expected = ("ValueError", RULES[rule].break_(arrays, options, case, param))
+    assert _validation_outcome(kernel, arrays, options) == expected
+    assert _validation_outcome(getattr(mutants, name), arrays, options) != expected
