@@ -8,6 +8,7 @@ can be traced and lowered for the "tpu" platform. The lowered text holds the ser
 
 import jax
 from jax._src.pallas.mosaic import tpu_info
+from jax.experimental.pallas import tpu as pltpu
 
 
 def known_tpu_generations() -> list[str]:
@@ -43,9 +44,18 @@ def lower_for_tpu(fn, *args, chip: str = "v5e", **kwargs) -> str:
     """Lowers ``fn(*args, **kwargs)`` for TPU ``chip`` and returns the lowered StableHLO text.
 
     ``args`` may be arrays or ``jax.ShapeDtypeStruct``; ``kwargs`` are passed as static arguments. Nothing
-    runs, so this works on a CPU-only host (the Pallas interpret mode must NOT be forced: the interpreted
-    kernel contains no Mosaic call).
+    runs, so this works on a CPU-only host. Tracing happens with the Pallas interpret mode switched off (an
+    interpreted kernel contains no Mosaic call), and the chip registration is undone afterwards.
     """
+    device_kind = jax.devices()[0].device_kind
+    previous = tpu_info.registry.get(device_kind)
     register_tpu_generation(chip)
-    jitted = jax.jit(lambda *a: fn(*a, **kwargs))
-    return jitted.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    try:
+        with pltpu.force_tpu_interpret_mode(None):
+            traced = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args)
+        return traced.lower(lowering_platforms=("tpu",)).as_text()
+    finally:
+        if previous is None:
+            del tpu_info.registry[device_kind]
+        else:
+            tpu_info.registry[device_kind] = previous
