@@ -34,7 +34,9 @@ def test_kernel_matches_oracle(target, volume_backend, runnable, repro_dir, data
 def test_kernel_matches_oracle_any_config(target, volume_backend, runnable, repro_dir, data):
     runnable(volume_backend)
     case = data.draw(valid_cases(target.capabilities), label="case")
-    run_differential(target, volume_backend, repro_dir, case, f"{DIFFERENTIAL}-any-config[{volume_backend.name}]")
+    run_differential(
+        target, volume_backend, repro_dir, case, f"{DIFFERENTIAL}-any-config[{volume_backend.name}]"
+    )
 
 
 @settings(max_examples=CHECKING_EXAMPLES)
