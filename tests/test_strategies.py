@@ -1,0 +1,73 @@
+"""Meta-tests of the strategies: valid cases are valid, invalid ones break exactly their rule, shrinking
+reaches the simplest case, and the coverage labels all occur."""
+
+import collections
+
+from hypothesis import find, given, settings
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
+
+from harness.targets import as_jax
+from kernel import dynamic_validate_inputs
+from kernel.validation import DEFAULT_MASK_VALUE
+from strategies.valid import OUR_KERNEL, coverage_labels, valid_cases
+from strategies.violations import RULES, UPSTREAM_RULES, invalid_cases
+
+
+@given(case=valid_cases())
+def test_valid_cases_pass_both_validators(case):
+    inputs = as_jax(case.arrays())
+    dynamic_validate_inputs(**inputs, **case.options())
+    upstream.dynamic_validate_inputs(**inputs, **case.options())
+
+
+@given(invalid=invalid_cases())
+def test_invalid_case_breaks_exactly_its_rule(invalid):
+    """Our validator reports this rule's message; with the violation undone the same inputs pass."""
+    arrays, options, message = invalid.inputs()
+    try:
+        dynamic_validate_inputs(**as_jax(arrays), **options)
+    except ValueError as error:
+        assert str(error) == message, (invalid.rule, str(error), message)
+    else:
+        raise AssertionError(f"{invalid.rule}: accepted")
+    dynamic_validate_inputs(**as_jax(invalid.case.arrays()), **invalid.case.options())
+
+
+def test_every_rule_is_drawn_and_upstream_rules_are_marked():
+    seen = collections.Counter()
+
+    @settings(max_examples=300, derandomize=True, database=None)
+    @given(invalid=invalid_cases())
+    def draw(invalid):
+        seen[invalid.rule] += 1
+
+    draw()
+    assert set(seen) == set(RULES), set(RULES) - set(seen)
+    mission = {"num_seqs over max_num_seqs", "vmem_limit_bytes not positive", "q_len over kv_len",
+               "too few pages per sequence"}  # fmt: skip
+    assert mission <= set(UPSTREAM_RULES)
+
+
+def test_failing_predicate_shrinks_to_the_simplest_case():
+    case = find(valid_cases(), lambda c: any(q >= 2 for q in c.q_lens), settings=settings(database=None))
+    assert case.q_lens == (2,) and case.kv_lens == (2,), case
+    assert (case.num_q_heads, case.num_kv_heads, case.head_dim, case.page_size) == (1, 1, 64, 1)
+    assert (case.q_dtype, case.kv_dtype, case.max_num_batched_tokens) == ("float32", "float32", 8)
+    assert case.options() == {} and case.mask_value == DEFAULT_MASK_VALUE
+
+
+def test_every_coverage_label_occurs():
+    seen = collections.Counter()
+
+    @settings(max_examples=400, derandomize=True, database=None)
+    @given(case=valid_cases())
+    def draw(case):
+        seen.update(coverage_labels(case))
+
+    draw()
+    expected = {"batch: decode", "batch: prefill", "batch: mixed", "batch: empty", "partial last page",
+                "multi-block sequence", "sequence spans query blocks", "window active", "soft cap", "fp8 KV",
+                "fp8 KV scaled", "padding slots", "padding rows"}  # fmt: skip
+    expected |= {f"GQA ratio {r}" for r in OUR_KERNEL.gqa_ratios}
+    expected |= {f"values: {v}" for v in ("normal", "large", "ties", "tiny")}
+    assert expected <= set(seen), expected - set(seen)
