@@ -5,7 +5,8 @@ Options (each also read from an environment variable):
   --rpa-backend=NAME            RPA_BACKEND         interpret | fast-interpret | tpu | auto (default: auto)
   --rpa-repro-dir=DIR           RPA_REPRO_DIR       where failing examples are written (default: rpa-repros)
   --rpa-interpreter-compat=on|off                   patch the TPU interpreter for ref reshape/bitcast (default: on)
-Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro.
+Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
+RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
 """
 
 import os
@@ -78,7 +79,13 @@ def pytest_addoption(parser):
     )
 
 
+@pytest.hookimpl(trylast=True)  # after Hypothesis's plugin has loaded --hypothesis-profile
 def pytest_configure(config):
+    if os.environ.get("RPA_MAX_EXAMPLES"):  # resize the chosen profile (benchmarks, long local runs)
+        settings.register_profile(
+            "sized", parent=settings.default, max_examples=int(os.environ["RPA_MAX_EXAMPLES"])
+        )
+        settings.load_profile("sized")
     try:
         config.rpa_target = targets.load(config.getoption("--rpa-target"))
     except targets.TargetError as error:

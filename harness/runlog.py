@@ -6,6 +6,7 @@ test it belongs to, its coverage labels, and a repro path if it failed) to a fil
 
 import json
 import os
+import time
 from pathlib import Path
 
 ENV = "RPA_RUN_LOG"
@@ -17,7 +18,7 @@ def record(**fields) -> None:
         return
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
     with open(Path(directory) / f"{os.getpid()}.jsonl", "a") as log:
-        log.write(json.dumps({"test": test, **fields}) + "\n")
+        log.write(json.dumps({"test": test, "pid": os.getpid(), "time": time.time(), **fields}) + "\n")
 
 
 def read(directory) -> list[dict]:
