@@ -155,17 +155,20 @@ def read(path: str | os.PathLike) -> Repro:
 def written_on_failure(directory, property_name: str, target, backend, arrays: dict, options: dict, **fields):
     """Writes the repro pair when the enclosed check fails, and names it in the failure message.
 
-    Every example passing through here is also recorded in the run log (for ``rpa-harness run``).
+    Every example passing through here is also recorded in the run log (for ``rpa-harness run`` and the
+    benchmarks), with whatever the body adds to the yielded dict (e.g. the comparison's max error/bound).
     """
     case = fields.get("case")
-    labels = coverage_labels(case) if case is not None and fields.get("expected_error") is None else []
+    notes = {
+        "labels": coverage_labels(case) if case is not None and fields.get("expected_error") is None else []
+    }
     try:
-        yield
+        yield notes
     except AssertionError as failure:
         repro = Repro(
             property_name, target.name, backend.name, arrays, options, failure=str(failure), **fields
         )
         path = write(repro, directory)
-        runlog.record(labels=labels, repro=str(path))
+        runlog.record(**notes, repro=str(path))
         raise type(failure)(f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}") from None
-    runlog.record(labels=labels)
+    runlog.record(**notes)

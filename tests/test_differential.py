@@ -17,8 +17,9 @@ from tests.budget import ANY_CONFIG_EXAMPLES, CHECKING_EXAMPLES, POOLED_EXAMPLES
 
 def run_differential(target, backend, repro_dir, case, property_name):
     arrays, options = case.arrays(), case.options()
-    with written_on_failure(repro_dir, property_name, target, backend, arrays, options, case=case):
-        check_differential(target, backend, arrays, options)
+    with written_on_failure(repro_dir, property_name, target, backend, arrays, options, case=case) as notes:
+        comparison = check_differential(target, backend, arrays, options)
+        notes.update(max_ratio=comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
 
 
 @settings(max_examples=POOLED_EXAMPLES)
