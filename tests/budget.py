@@ -11,3 +11,6 @@ _BASE = settings.default.max_examples
 POOLED_EXAMPLES = _BASE * 5  # fast interpreter, a few compiled kernels, ragged layouts vary
 ANY_CONFIG_EXAMPLES = max(5, _BASE // 2)  # fast interpreter, nearly every example compiles
 CHECKING_EXAMPLES = max(5, _BASE // 2)  # TPU interpreter: 10-100x the fast one per call
+EXAMPLES_PER_RULE = max(
+    5, _BASE // 4
+)  # each invalid-input rule on its own: cheap, nothing runs past validation
