@@ -17,6 +17,10 @@ Gaps closed, each by one patch (see the ``_patch_*`` functions for how to drop e
 5. Generic interpreter, stores and DMAs through a reshaped or bitcast ref:
    ``NotImplementedError: Unsupported transform: ReshapeTransform(...)``, and ``pltpu.store`` through any
    transformed ref writes back an array of the transformed shape.
+6. Generic interpreter, writes to scalar-prefetch refs are dropped between grid steps: each step starts
+   from the operands as passed, where on TPU (and in the TPU interpreter) they live in SMEM for the whole
+   call. Upstream's RPA kernel hands the next grid step its sequence and KV-buffer index this way, so
+   without the patch it reads the other, stale buffer of its double buffer (wrong rows, no error).
 
 Bitcast layout (verified): a ref bitcast that changes the element width packs along the *second-minor*
 axis, as on TPU memory: bf16 ``[2n, m]`` -> uint32 ``[n, m]`` where word ``(i, j)`` holds row ``2i`` in
@@ -46,10 +50,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax._src import core as jax_core
 from jax._src import dtypes as jax_dtypes
 from jax._src import literals as jax_literals
 from jax._src import tree_util as jax_tree_util
+from jax._src.pallas import hlo_interpreter
 from jax._src.pallas import primitives as pallas_primitives
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
 from jax._src.pallas.mosaic.interpret import shared_memory as tpu_shared_memory
@@ -135,6 +142,7 @@ def install() -> bool:
             *_patch_masked_swap_bounds(),
             *_patch_generic_literal_indices(),
             *_patch_generic_view_stores(),
+            *_patch_generic_scalar_prefetch_state(),
         ]
         for patch in patches:
             patch.apply()
@@ -622,5 +630,68 @@ def _patch_generic_view_stores() -> list[_Patch]:
             state_discharge,
             "transform_swap_array",
             _transform_swap_array_through_views(state_discharge.transform_swap_array),
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap 6: scalar-prefetch state across grid steps in the generic interpreter.
+
+
+def _kernel_jaxpr_carrying_scalar_prefetch(original_kernel_to_hlo_jaxpr: Callable) -> Callable:
+    @functools.wraps(original_kernel_to_hlo_jaxpr)
+    def kernel_to_hlo_jaxpr(jaxpr, consts, grid_mapping):
+        step, step_consts, scratch_avals = original_kernel_to_hlo_jaxpr(jaxpr, consts, grid_mapping)
+        num_scalars = grid_mapping.num_index_operands
+        if not num_scalars:
+            return step, step_consts, scratch_avals
+        scalar_avals = [var.aval for var in step.invars[:num_scalars]]
+        num_program_ids = len(grid_mapping.grid) - len(grid_mapping.vmapped_dims)
+
+        def step_with_carried_scalars(*operands):
+            passed, blocks_and_scratch, carried = (
+                operands[:num_scalars],
+                operands[num_scalars:-num_scalars],
+                operands[-num_scalars:],
+            )
+            # The first step of a kernel run starts from the operands; later steps from the last writes.
+            first_step = functools.reduce(
+                jnp.logical_and,
+                [pallas_primitives.program_id(axis) == 0 for axis in range(num_program_ids)],
+                jnp.bool_(True),
+            )
+            scalars = [
+                jax.lax.select(jnp.broadcast_to(first_step, value.shape), value, previous)
+                for value, previous in zip(passed, carried, strict=True)
+            ]
+            outputs = jax_core.eval_jaxpr(step, step_consts, *scalars, *blocks_and_scratch)
+            return (*outputs, *outputs[:num_scalars])
+
+        operand_avals = [*(var.aval for var in step.invars), *scalar_avals]
+        with grid_mapping.trace_env():
+            carrying = jax.make_jaxpr(step_with_carried_scalars)(*operand_avals)
+        return carrying.jaxpr, carrying.consts, [*scratch_avals, *scalar_avals]
+
+    return kernel_to_hlo_jaxpr
+
+
+def _patch_generic_scalar_prefetch_state() -> list[_Patch]:
+    """Gap 6: keep writes to scalar-prefetch refs from one grid step to the next in the generic interpreter.
+
+    ``hlo_interpreter.pallas_call_hlo_interpret`` loops over the grid carrying the blocks and the scratch
+    buffers but passes the scalar-prefetch operands unchanged to every step and drops their updated
+    values. The wrapper around ``kernel_to_hlo_jaxpr`` (the one step the loop evaluates) appends one
+    scratch buffer per scalar-prefetch operand: the step reads the operands as passed when every program
+    id is 0 (the start of a run, and of each vmapped instance) and the carried values otherwise, and
+    writes its final values back into those buffers. ``index_map`` functions still see the operands as
+    passed (none of upstream's read a mutated one).
+
+    Drop when ``test_gap_scalar_prefetch_state_still_in_generic_interpreter`` fails.
+    """
+    return [
+        _Patch(
+            hlo_interpreter,
+            "kernel_to_hlo_jaxpr",
+            _kernel_jaxpr_carrying_scalar_prefetch(hlo_interpreter.kernel_to_hlo_jaxpr),
         )
     ]

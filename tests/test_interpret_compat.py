@@ -390,6 +390,44 @@ def test_race_detection_sees_dma_and_reads_through_views(read_before_wait):
         np.testing.assert_array_equal(got, np.asarray(X3)[1])
 
 
+# --- scalar-prefetch state across grid steps ------------------------------------------------------------
+
+
+def count_steps_in_scalar_prefetch(counter_ref, o_ref):
+    """Each grid step writes the counter it finds in SMEM, then increments it (upstream's RPA hands the next
+    step its sequence and buffer index the same way)."""
+    o_ref[...] = jnp.full(o_ref.shape, counter_ref[1], jnp.int32)
+    counter_ref[1] = counter_ref[1] + 1
+
+
+def run_step_counter(interpreter: str, start: int) -> np.ndarray:
+    """Per grid step (2 x 3 grid, row-major), the counter value that step saw."""
+
+    def call(counter):
+        return pl.pallas_call(
+            count_steps_in_scalar_prefetch,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                in_specs=[],
+                out_specs=pl.BlockSpec((8, 128), lambda i, j, counter: (i * 3 + j, 0)),
+                grid=(2, 3),
+            ),
+            out_shape=jax.ShapeDtypeStruct((6 * 8, 128), jnp.int32),
+        )(counter)
+
+    with pltpu.force_tpu_interpret_mode(interpret_params(interpreter)):
+        out = np.asarray(jax.jit(call)(jnp.asarray([-7, start], jnp.int32)))
+    return out[::8, 0]
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_scalar_prefetch_writes_reach_the_next_grid_step(interpreter):
+    np.testing.assert_array_equal(run_step_counter(interpreter, start=10), np.arange(10, 16))
+    # A second run starts again from the operand it is given, not from the first run's last write.
+    np.testing.assert_array_equal(run_step_counter(interpreter, start=10), np.arange(10, 16))
+    np.testing.assert_array_equal(run_step_counter(interpreter, start=3), np.arange(3, 9))
+
+
 # --- the gaps still exist without the layer (fails when jax fixes one: then drop that patch) -----------
 
 
@@ -464,6 +502,18 @@ def test_gap_view_store_still_in_generic_interpreter():
     )
 
 
+def test_gap_scalar_prefetch_state_still_in_generic_interpreter():
+    with layer_off():
+        seen = run_step_counter("generic", start=10)
+    if np.array_equal(seen, np.full(6, 10)):
+        return
+    np.testing.assert_array_equal(seen, np.arange(10, 16))
+    pytest.fail(
+        f"jax {jax.__version__} now keeps scalar-prefetch writes across grid steps in the generic "
+        "interpreter: drop _patch_generic_scalar_prefetch_state from interpret_compat."
+    )
+
+
 # --- API -----------------------------------------------------------------------------------------------
 
 
@@ -523,6 +573,12 @@ UPSTREAM_CONFIGS = {
     "f32-8q1kv-window-softcap-strided-path": dict(
         inputs=dict(q_heads=8, kv_heads=1, kv_dtype=jnp.float32),
         options=dict(num_kv_pages_per_block=3, num_queries_per_block=4, sliding_window=12, soft_cap=20.0),
+    ),
+    # Three KV blocks for sequence 0: the next query block's first KV block sits in buffer 1, which only
+    # the buffer index carried in scalar-prefetch memory tells it (gap 6).
+    "f32-8q1kv-odd-kv-blocks-carried-buffer-index": dict(
+        inputs=dict(q_heads=8, kv_heads=1, kv_dtype=jnp.float32),
+        options=dict(num_kv_pages_per_block=1, num_queries_per_block=4),
     ),
     "bf16-kv-4q2kv-bitcast-path": dict(
         inputs=dict(q_heads=4, kv_heads=2, kv_dtype=jnp.bfloat16),
