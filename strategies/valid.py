@@ -47,6 +47,9 @@ class Capabilities:
     even_kv_heads_for_fp8: bool = False
     # Whether both block sizes must be given (upstream's default lookup needs a TPU).
     needs_block_sizes: bool = False
+    # Whether k_scale and v_scale must be given together when q's dtype differs from the KV dtype
+    # (upstream casts only the scaled side to q's dtype, then fails `assert k.dtype == v.dtype`).
+    paired_kv_scales_for_mixed_dtypes: bool = False
     buckets: tuple[str, ...] = ("tiny", "small")
     # Opt-ins beyond the specified behaviour: our stricter ValueErrors, and lowering to Mosaic on CPU.
     strict_validation: bool = False
@@ -58,6 +61,7 @@ UPSTREAM_KERNEL = Capabilities(
     head_dims=(128, 256),
     even_kv_heads_for_fp8=True,
     needs_block_sizes=True,
+    paired_kv_scales_for_mixed_dtypes=True,
 )
 
 SM_SCALES = (1.0, 0.125, 0.05)
@@ -162,8 +166,15 @@ def pool(capabilities: Capabilities = OUR_KERNEL) -> list[tuple[dict, dict]]:
             opts.setdefault("num_queries_per_block", 8)
         if "num_kv_pages_per_block" in opts:
             opts["num_kv_pages_per_block"] = min(opts["num_kv_pages_per_block"], config["pages_per_seq"])
+        if _kv_scales_paired(capabilities, config) and ("k_scale" in opts) != ("v_scale" in opts):
+            opts.pop("k_scale", None)
+            opts.pop("v_scale", None)
         entries.append((config, opts))
     return entries
+
+
+def _kv_scales_paired(capabilities: Capabilities, config: dict) -> bool:
+    return capabilities.paired_kv_scales_for_mixed_dtypes and config["q_dtype"] != config["kv_dtype"]
 
 
 @st.composite
@@ -178,6 +189,8 @@ def options(draw, config: dict, capabilities: Capabilities = OUR_KERNEL) -> dict
         v_scale=draw(optional(KV_SCALES)),
         vmem_limit_bytes=draw(optional(VMEM_LIMITS)),
     )
+    if _kv_scales_paired(capabilities, config) and (drawn["k_scale"] is None) != (drawn["v_scale"] is None):
+        drawn["k_scale"] = drawn["v_scale"] = None
     kv_blocks = st.integers(1, min(4, config["pages_per_seq"])) | st.just(config["pages_per_seq"])
     query_blocks = st.sampled_from(QUERY_BLOCKS)
     if capabilities.needs_block_sizes:
