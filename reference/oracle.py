@@ -33,6 +33,9 @@ class OracleResult:
     row_kv_len: np.ndarray  # int [T]: kv_len of the owning sequence, 0 if unowned
     abs_pv: np.ndarray  # float64 [T, H, D]: sum_k p_k |v_k|
     logit_sensitivity: np.ndarray  # float64 [T, H, D]: bound on sum_k p_k eps_k |v_k - o| (units of u32)
+    flushable_pv: (
+        np.ndarray
+    )  # float64 [T, H, D]: sum of p_k |v_k| over keys whose weight is below f32's normal range
 
     @property
     def owned_rows(self) -> np.ndarray:
@@ -129,6 +132,7 @@ def oracle(
     shape = (num_tokens, num_q_heads, head_dim)
     out = np.full(shape, np.nan)
     abs_pv = np.zeros(shape)
+    flushable_pv = np.zeros(shape)
     sensitivity = np.zeros(shape)
     row_sequence = np.full(num_tokens, -1)
     row_token = np.full(num_tokens, -1)
@@ -178,6 +182,7 @@ def oracle(
             for target, value in (
                 (out, o),
                 (abs_pv, probs @ np.abs(v)),
+                (flushable_pv, np.where(weights < 2.0**-125, probs, 0.0) @ np.abs(v)),
                 (sensitivity, np.minimum(cauchy_schwarz, triangle)),
             ):
                 target[rows] = (
@@ -194,4 +199,5 @@ def oracle(
         row_kv_len=row_kv_len,
         abs_pv=abs_pv,
         logit_sensitivity=sensitivity,
+        flushable_pv=flushable_pv,
     )

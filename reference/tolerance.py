@@ -8,7 +8,7 @@ that rounding is part of the specification. So the q and KV dtypes add no error 
 correct kernel may lose is (a) float32 rounding in the logits, softmax and accumulation, and (b) the final
 rounding to the output dtype (q's dtype). For output element ``o`` of a query row with kv length ``n``:
 
-    bound = e32 + half_ulp_out(|o| + e32) + tiny_out
+    bound = e32 + flush + n * 2**-126 + half_ulp_out(|o| + e32) + tiny_out
     e32   = u32 * ( S + (3 n + 16) * (sum_k p_k |v_k| + |o|) )
     S     >= sum_k p_k eps_k |v_k - o|      (the oracle's ``logit_sensitivity``)
     eps_k = d * A_k + 4 |r_k| + 2 |s_k| + 2 (m - s_k) + 8      (``key_error_units``)
@@ -26,6 +26,9 @@ d * A_k                       q.k: d products and d-1 additions (bf16/fp8 produc
 2 (m - s_k)                   subtracting the (running) max; online-softmax rescaling telescopes to it
 8                             exp and the final normalisation
 (3 n + 16) (sum p|v| + |o|)   P @ V and the denominator summed over n keys, per-block rescaling
+flush + n * 2**-126            weights exp(s_k - m) < 2**-125 and products p_k v_k below float32's
+                              normal range may be flushed to zero (``flush`` = sum p_k |v_k| over
+                              those keys, the oracle's ``flushable_pv``): absolute, ~1e-38
 half_ulp_out(|o| + e32)       round-to-nearest into the output dtype (f32: 2**-24, bf16: 2**-8 rel.)
 tiny_out                      a result flushed to zero (smallest normal of the output dtype)
 ============================  ===============================================================
@@ -50,6 +53,7 @@ import ml_dtypes
 import numpy as np
 
 U32 = 2.0**-24
+TINY32 = 2.0**-126  # smallest normal float32: XLA on CPU flushes results below it to zero
 
 
 def key_error_units(dot_abs, raw_logit, logit, gap, head_dim):
@@ -73,7 +77,8 @@ def error_bound(result, out_dtype=None):
     magnitude = np.abs(result.out)
     accumulation = (3.0 * result.row_kv_len + 16.0)[:, None, None] * (result.abs_pv + magnitude)
     e32 = U32 * (result.logit_sensitivity + accumulation)
-    return e32 + half_ulp(magnitude + e32, out_dtype) + float(ml_dtypes.finfo(out_dtype).tiny)
+    underflow = result.flushable_pv + result.row_kv_len[:, None, None] * TINY32
+    return e32 + underflow + half_ulp(magnitude + e32, out_dtype) + float(ml_dtypes.finfo(out_dtype).tiny)
 
 
 @dataclasses.dataclass(frozen=True)
