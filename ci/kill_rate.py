@@ -32,7 +32,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from harness import repro, runlog  # noqa: E402
 
-PROPERTY_FILES = ("tests/test_differential.py", "tests/test_validation.py", "tests/test_padding.py")
+# Validation first: it takes a minute, so a validation bug is not killed only after the numeric properties.
+PROPERTY_FILES = ("tests/test_validation.py", "tests/test_differential.py", "tests/test_padding.py")
 # Properties that never call the target: a failure there says nothing about the variant.
 TARGET_INDEPENDENT = ("tests/test_differential.py::test_reference_matches_oracle",)
 CORRECT = "kernel"
