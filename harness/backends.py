@@ -11,8 +11,12 @@ import functools
 
 import jax
 import numpy as np
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental.pallas import tpu as pltpu
+
+try:  # private: where jax 0.10 keeps the race detector's verdict
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interpreter
+except ImportError:  # another jax layout: races are still detected and printed, but not asserted
+    _interpreter = None
 
 INTERPRET = "interpret"
 FAST_INTERPRET = "fast-interpret"
@@ -80,8 +84,8 @@ class Backend:
         """Calls ``fn`` on this backend and returns its output as a NumPy array (races raise)."""
         with self.context():
             out = np.asarray(jax.block_until_ready(fn(*args, **kwargs)))
-        if self.name == INTERPRET:
-            races = interpret_pallas_call.races
+        if self.name == INTERPRET and _interpreter is not None:
+            races = getattr(_interpreter, "races", None)
             if races is not None and races.races_found:
                 raise RaceDetected(
                     "the TPU interpreter detected a data race in the kernel (races.races_found)"

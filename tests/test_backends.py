@@ -1,0 +1,63 @@
+"""The checking backend fails an example on what the TPU interpreter detects, and recovers afterwards."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from harness.backends import INTERPRET, Backend, RaceDetected
+
+X = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+
+
+def copy_rows(read_before_wait: bool):
+    """A kernel that DMAs 8 rows of HBM, from a row given at run time, into VMEM and reads them before
+    or after waiting."""
+
+    def kernel(row_ref, x_hbm, o_ref, buffer, semaphore):
+        copy = pltpu.make_async_copy(x_hbm.at[pl.ds(row_ref[0], 8)], buffer, semaphore)
+        copy.start()
+        if read_before_wait:
+            o_ref[...] = buffer[...]
+        copy.wait()
+        if not read_before_wait:
+            o_ref[...] = buffer[...]
+
+    def call(row, x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                grid=(1,),
+                in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                out_specs=pl.BlockSpec((8, 128), lambda i, row: (0, 0)),
+                scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
+            ),
+        )(row, x)
+
+    return jax.jit(call)
+
+
+ROW_8 = jnp.array([8], jnp.int32)
+
+
+def test_checking_backend_runs_a_correct_kernel():
+    out = Backend(INTERPRET).run(copy_rows(read_before_wait=False), ROW_8, X)
+    np.testing.assert_array_equal(out, np.asarray(X[8:]))
+
+
+def test_checking_backend_fails_on_a_race_then_recovers():
+    with pytest.raises(RaceDetected):
+        Backend(INTERPRET).run(copy_rows(read_before_wait=True), ROW_8, X)
+    out = Backend(INTERPRET).run(copy_rows(read_before_wait=False), ROW_8, X)
+    np.testing.assert_array_equal(out, np.asarray(X[8:]))
+
+
+def test_checking_backend_raises_on_an_out_of_bounds_dma_then_recovers():
+    with pytest.raises(Exception, match="(?i)out of bounds|IndexError|out-of-bounds"):
+        Backend(INTERPRET).run(copy_rows(read_before_wait=False), jnp.array([12], jnp.int32), X)
+    out = Backend(INTERPRET).run(copy_rows(read_before_wait=False), ROW_8, X)
+    np.testing.assert_array_equal(out, np.asarray(X[8:]))
