@@ -80,7 +80,7 @@ def failed_test(output: str) -> str:
     return match.group(1).split("/")[-1] if match else ""
 
 
-def run_variant(variant: str, backend: str, out_dir: Path, timeout: float) -> Outcome:
+def run_variant(variant: str, backend: str, out_dir: Path, timeout: float, workers: int) -> Outcome:
     work = out_dir / variant
     log_dir, repro_dir = work / "log", work / "repros"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +99,7 @@ def run_variant(variant: str, backend: str, out_dir: Path, timeout: float) -> Ou
         "no:cacheprovider",
         "-x",
         "-q",
+        *(["-n", str(workers)] if workers > 1 else []),
     ]
     env = {**os.environ, runlog.ENV: str(log_dir), "HYPOTHESIS_PROFILE": "ci"}
     env.pop("RPA_TARGET", None)
@@ -202,6 +203,9 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="fast-interpret", help="--rpa-backend for every run")
     parser.add_argument("--jobs", type=int, default=1, help="variants run in parallel processes (default 1)")
     parser.add_argument(
+        "--workers", type=int, default=2, help="pytest-xdist workers per run, as in CI (default 2)"
+    )
+    parser.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds per variant before it is stopped"
     )
     parser.add_argument(
@@ -226,7 +230,10 @@ def main(argv=None) -> int:
 
     outcomes = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {pool.submit(run_variant, v, args.backend, out_dir, args.timeout): v for v in variants}
+        futures = {
+            pool.submit(run_variant, v, args.backend, out_dir, args.timeout, args.workers): v
+            for v in variants
+        }
         for future in concurrent.futures.as_completed(futures):
             outcome = future.result()
             outcomes[outcome.variant] = outcome
