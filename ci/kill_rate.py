@@ -121,6 +121,8 @@ def run_variant(variant: str, backend: str, out_dir: Path, timeout: float, worke
     if failure_index is not None and seconds_to_failure is None:
         seconds_to_failure = run_seconds  # failed within the last poll interval
     rc = process.returncode
+    if rc == 2 and "xdist.dsession.Interrupted: stopping after" in text:
+        rc = 1  # -x under xdist reports the stop as an interruption: it is a failure like any other
     if run_seconds > timeout and rc != 0:
         status = "timeout"
     elif rc in (0, 1):
