@@ -124,14 +124,25 @@ class Case:
         for i, pages in enumerate(used_pages[:n]):
             page_indices[i, : len(pages)] = pages
         if self.garbage:
+            # Unused slots hold either arbitrary int32 or stale, in-range metadata as an earlier batch left
+            # it (one coin per case): stale rows and pages overlap the live ones, which catches a kernel that
+            # reads past num_seqs.
+            stale = garbage_rng.random() < 0.5
             int32 = np.iinfo(np.int32)
+
+            def garbage(size, stale_high):
+                return (
+                    garbage_rng.integers(0, stale_high + 1, size)
+                    if stale
+                    else garbage_rng.integers(int32.min, int32.max, size)
+                )
+
             for i in range(max_seqs):
                 start = pages_used[i] if i < n else 0
-                page_indices[i, start:] = garbage_rng.integers(
-                    int32.min, int32.max, self.pages_per_seq - start
-                )
-            kv_lens[n:] = garbage_rng.integers(-self.kv_capacity, self.kv_capacity + 1, max_seqs - n)
-            cu_q_lens[n + 1 :] = garbage_rng.integers(int32.min, int32.max, max_seqs - n)
+                page_indices[i, start:] = garbage(self.pages_per_seq - start, self.total_num_pages - 1)
+            kv_low = 0 if stale else -self.kv_capacity  # upstream's page check reads every kv_lens slot
+            kv_lens[n:] = garbage_rng.integers(kv_low, self.kv_capacity + 1, max_seqs - n)
+            cu_q_lens[n + 1 :] = np.sort(garbage(max_seqs - n, self.num_tokens))  # stale: over live rows
 
         q = self._values(
             values_rng, (self.max_num_batched_tokens, self.num_q_heads, self.head_dim), self.q_dtype
