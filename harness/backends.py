@@ -7,7 +7,11 @@ checks nothing; it carries the volume of examples. ``tpu`` compiles for the TPU 
 
 import contextlib
 import dataclasses
+import faulthandler
 import functools
+import os
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -23,6 +27,32 @@ FAST_INTERPRET = "fast-interpret"
 TPU = "tpu"
 AUTO = "auto"
 BACKENDS = (INTERPRET, FAST_INTERPRET, TPU)
+
+
+# A kernel call that takes longer is taken for a hang (a DMA wait with nothing pending never returns and
+# ignores signals): the process prints every thread's stack and exits, and pytest-xdist replaces the worker.
+CALL_TIMEOUT_SECONDS = float(os.environ.get("RPA_CALL_TIMEOUT", "300"))
+
+
+@contextlib.contextmanager
+def watchdog(what: str, seconds: float = CALL_TIMEOUT_SECONDS):
+    """Kills the process if the enclosed call has not returned after ``seconds``."""
+
+    def expire():
+        sys.stderr.write(
+            f"\nrpa-harness: {what} did not return within {seconds:.0f} s (RPA_CALL_TIMEOUT); "
+            "taking it for a hang (e.g. a DMA wait with nothing pending). Stacks:\n"
+        )
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(70)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class RaceDetected(AssertionError):
@@ -82,7 +112,7 @@ class Backend:
 
     def run(self, fn, *args, **kwargs) -> np.ndarray:
         """Calls ``fn`` on this backend and returns its output as a NumPy array (races raise)."""
-        with self.context():
+        with self.context(), watchdog(f"a kernel call on {self.name}"):
             out = np.asarray(jax.block_until_ready(fn(*args, **kwargs)))
         if self.name == INTERPRET and _interpreter is not None:
             races = getattr(_interpreter, "races", None)

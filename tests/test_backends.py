@@ -1,5 +1,8 @@
 """The checking backend fails an example on what the TPU interpreter detects, and recovers afterwards."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,3 +64,13 @@ def test_checking_backend_raises_on_an_out_of_bounds_dma_then_recovers():
         Backend(INTERPRET).run(copy_rows(read_before_wait=False), jnp.array([12], jnp.int32), X)
     out = Backend(INTERPRET).run(copy_rows(read_before_wait=False), ROW_8, X)
     np.testing.assert_array_equal(out, np.asarray(X[8:]))
+
+
+def test_watchdog_kills_a_hung_call_with_a_message():
+    """A call that never returns ends the process (signals cannot interrupt a stuck DMA wait)."""
+    code = "import time\nfrom harness.backends import watchdog\nwith watchdog('a stuck call', 0.5):\n    time.sleep(30)\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 70
+    assert (
+        "a stuck call did not return within 0 s" in result.stderr or "did not return within" in result.stderr
+    )
