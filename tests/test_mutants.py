@@ -46,9 +46,9 @@ QUANTISED = dataclasses.replace(
     MIXED, q_dtype="bfloat16", kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0, garbage=False
 )
 LARGE_VALUES = dataclasses.replace(MIXED, values="large", garbage=False)
-# One live sequence and three padding slots whose garbage metadata (seed 22) gives a padding slot keys
-# and rows overlapping the live sequence's, in a query block whose earlier sequence starts are in range.
-GARBAGE_SLOTS = dataclasses.replace(MIXED, q_lens=(5,), kv_lens=(13,), seed=22)
+# One live sequence and three padding slots holding stale metadata (seed 1: cu_q_lens [0 5 1 3 5]), so a
+# padding slot owns rows 1-2 of the live sequence and reads its own stale pages.
+GARBAGE_SLOTS = dataclasses.replace(MIXED, q_lens=(5,), kv_lens=(13,), seed=1)
 
 NUMERIC_WITNESSES = {
     "causal_off_by_one": MIXED,
