@@ -142,6 +142,11 @@ def _nearest(value, allowed):
     return min(allowed, key=lambda a: (abs(a - value), a))
 
 
+def required_block_sizes(config: dict) -> dict:
+    """Block sizes for a target that needs both given (upstream's default lookup needs a TPU)."""
+    return dict(num_kv_pages_per_block=min(2, config["pages_per_seq"]), num_queries_per_block=8)
+
+
 def pool(capabilities: Capabilities = OUR_KERNEL) -> list[tuple[dict, dict]]:
     """POOL moved inside a target's capabilities (nearest supported head_dim, page size, heads, dtypes)."""
     entries = []
@@ -162,8 +167,7 @@ def pool(capabilities: Capabilities = OUR_KERNEL) -> list[tuple[dict, dict]]:
         config = make_config(**layout)
         opts = dict(opts)
         if capabilities.needs_block_sizes:
-            opts.setdefault("num_kv_pages_per_block", 2)
-            opts.setdefault("num_queries_per_block", 8)
+            opts = {**required_block_sizes(config), **opts}
         if "num_kv_pages_per_block" in opts:
             opts["num_kv_pages_per_block"] = min(opts["num_kv_pages_per_block"], config["pages_per_seq"])
         if _kv_scales_paired(capabilities, config) and ("k_scale" in opts) != ("v_scale" in opts):
@@ -263,7 +267,7 @@ def valid_cases(
         config = draw(static_configs(capabilities))
         opts = draw(options(config, capabilities)) if with_options else {}
         if not with_options and capabilities.needs_block_sizes:
-            opts = dict(num_kv_pages_per_block=min(2, config["pages_per_seq"]), num_queries_per_block=8)
+            opts = required_block_sizes(config)
     q_lens, kv_lens = draw(layouts(config, opts.get("num_kv_pages_per_block")))
     case = Case(
         **config,

@@ -18,20 +18,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention
 
 from kernel.pallas_rpa import ragged_paged_attention
+from strategies.case import DTYPES
 
-DTYPES = {
-    "float32": np.dtype(np.float32),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
-}
 INTERPRETERS = {
     "tpu_interpreter": pltpu.InterpretParams(),
     "generic_interpreter": True,
