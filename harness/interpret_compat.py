@@ -22,6 +22,14 @@ Gaps closed, each by one patch (see the ``_patch_*`` functions for how to drop e
    call. Upstream's RPA kernel hands the next grid step its sequence and KV-buffer index this way, so
    without the patch it reads the other, stale buffer of its double buffer (wrong rows, no error).
 
+One patch cuts a cost instead of closing a gap:
+
+7. Generic interpreter, loads, stores and DMAs of 8- and 16-bit float refs: XLA CPU computes a
+   ``dynamic-slice`` or ``dynamic-update-slice`` of such a buffer by converting the *whole* buffer to a
+   wider float and back, so every page DMA into an fp8 KV scratch converts the scratch and the source
+   (float8_e4m3fn through f16 in software: a pooled fp8 RPA call took 190 ms instead of 3 ms). The access moves the bits as unsigned
+   integers of the same width instead; the values are bit-identical.
+
 Bitcast layout (verified): a ref bitcast that changes the element width packs along the *second-minor*
 axis, as on TPU memory: bf16 ``[2n, m]`` -> uint32 ``[n, m]`` where word ``(i, j)`` holds row ``2i`` in
 bits 0-15 and row ``2i + 1`` in bits 16-31 (fp8 -> uint32: rows ``4i .. 4i + 3`` in bytes 0..3). This is
@@ -141,7 +149,7 @@ def install() -> bool:
             *_patch_tpu_view_transforms(),
             *_patch_masked_swap_bounds(),
             *_patch_generic_literal_indices(),
-            *_patch_generic_view_stores(),
+            *_patch_generic_stores(),
             *_patch_generic_scalar_prefetch_state(),
         ]
         for patch in patches:
@@ -616,20 +624,67 @@ def _transform_swap_array_through_views(original: Callable) -> Callable:
     return transform_swap_array
 
 
-def _patch_generic_view_stores() -> list[_Patch]:
-    """Gap 5: stores and DMAs through reshape/bitcast views in the generic interpreter.
+def _moves_bits(x, transforms) -> np.dtype | None:
+    """The unsigned dtype to move ``x`` as, when it is an 8- or 16-bit float accessed without views."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize >= 4:
+        return None
+    if _split_at_first_view(transforms)[1]:
+        return None
+    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
 
-    ``state.discharge.transform_swap_array`` reads through views but its write-back loop only handles
-    indexers. The wrapper splits the transforms at each view, lets the original handle the indexer runs
-    and undoes the view (reshape back, TPU-layout bitcast back) in between.
 
-    Drop when ``test_gap_view_store_still_in_generic_interpreter`` fails.
+def _transform_array_moving_bits(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def transform_array(x, transforms):
+        bits = _moves_bits(x, transforms)
+        if bits is None:
+            return original(x, transforms)
+        return jax.lax.bitcast_convert_type(original(jax.lax.bitcast_convert_type(x, bits), transforms), x.dtype)
+
+    return transform_array
+
+
+def _transform_swap_array_moving_bits(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def transform_swap_array(x, transforms, val):
+        bits = _moves_bits(x, transforms)
+        if bits is None:
+            return original(x, transforms, val)
+        old_bits, new_bits = original(
+            jax.lax.bitcast_convert_type(x, bits), transforms, jax.lax.bitcast_convert_type(val, bits)
+        )
+        return jax.lax.bitcast_convert_type(old_bits, x.dtype), jax.lax.bitcast_convert_type(new_bits, x.dtype)
+
+    return transform_swap_array
+
+
+def _patch_generic_stores() -> list[_Patch]:
+    """Gap 5 and cost 7: stores and DMAs in the generic interpreter (``state.discharge.transform_swap_array``).
+
+    Gap 5: the original reads through views but its write-back loop only handles indexers. The view wrapper
+    splits the transforms at each view, lets the original handle the indexer runs and undoes the view
+    (reshape back, TPU-layout bitcast back) in between.
+
+    Cost 7: the bits wrappers (outermost; on ``transform_array`` too, the read path of loads and DMA
+    sources) read and store 8- and 16-bit float buffers as unsigned integers of the same width, so that
+    XLA CPU does not convert the whole buffer around every access.
+
+    Drop the view wrapper when ``test_gap_view_store_still_in_generic_interpreter`` fails, the bits wrappers
+    when ``test_cost_narrow_float_store_still_in_xla_cpu`` does.
     """
     return [
         _Patch(
             state_discharge,
+            "transform_array",
+            _transform_array_moving_bits(state_discharge.transform_array),
+        ),
+        _Patch(
+            state_discharge,
             "transform_swap_array",
-            _transform_swap_array_through_views(state_discharge.transform_swap_array),
+            _transform_swap_array_moving_bits(
+                _transform_swap_array_through_views(state_discharge.transform_swap_array)
+            ),
         )
     ]
 

@@ -144,19 +144,20 @@ class Case:
             kv_lens[n:] = garbage_rng.integers(kv_low, self.kv_capacity + 1, max_seqs - n)
             cu_q_lens[n + 1 :] = np.sort(garbage(max_seqs - n, self.num_tokens))  # stale: over live rows
 
-        q = self._values(
-            values_rng, (self.max_num_batched_tokens, self.num_q_heads, self.head_dim), self.q_dtype
-        )
+        q_shape = (self.max_num_batched_tokens, self.num_q_heads, self.head_dim)
         kv_shape = (self.total_num_pages, self.page_size, 2 * self.num_kv_heads, self.head_dim)
-        kv_pages = self._values(values_rng, kv_shape, self.kv_dtype)
-        if self.poison:
-            q[self.num_tokens :] = np.nan
-            live = np.zeros(kv_shape[:2], bool)  # (page, slot) pairs holding a key of a live sequence
-            for pages, kv_len in zip(used_pages[:n], self.kv_lens, strict=True):
-                live.reshape(-1)[
-                    (pages[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
-                ] = np.arange(len(pages) * self.page_size) < kv_len
-            kv_pages[~live] = np.nan
+        live = np.zeros(kv_shape[:2], bool)  # (page, slot) pairs holding a key of a live sequence
+        for pages, kv_len in zip(used_pages[:n], self.kv_lens, strict=True):
+            live.reshape(-1)[(pages[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)] = (
+                np.arange(len(pages) * self.page_size) < kv_len
+            )
+        # Only live rows and keys are drawn (the padding switches cannot change them); the rest holds NaN
+        # (poison) or, like memory an earlier batch left behind, copies of live values.
+        q = self._padded(
+            self._values(values_rng, (self.num_tokens, *q_shape[1:]), self.q_dtype),
+            np.arange(q_shape[0]) < self.num_tokens,
+        )
+        kv_pages = self._padded(self._values(values_rng, (int(live.sum()), *kv_shape[2:]), self.kv_dtype), live)
         return {
             "q": q,
             "kv_pages": kv_pages,
@@ -168,10 +169,23 @@ class Case:
 
     def _values(self, rng, shape, dtype_name):
         if self.values == "ties":
-            data = rng.integers(-1, 2, shape).astype(np.float64)
+            data = rng.integers(-1, 2, shape).astype(np.float32)
         else:
-            data = rng.standard_normal(shape) * VALUE_PROFILES[self.values]
+            data = rng.standard_normal(shape, dtype=np.float32) * np.float32(VALUE_PROFILES[self.values])
         return data.astype(DTYPES[dtype_name])
+
+    def _padded(self, values: np.ndarray, is_live: np.ndarray) -> np.ndarray:
+        """An array with ``values`` at the True positions of ``is_live`` (its leading axes), padding elsewhere."""
+        out = np.empty(is_live.shape + values.shape[1:], values.dtype)
+        out[is_live] = values
+        num_padding = int((~is_live).sum())
+        if self.poison:
+            out[~is_live] = np.nan
+        elif len(values):
+            out[~is_live] = values[np.arange(num_padding) % len(values)]
+        else:
+            out[~is_live] = 0
+        return out
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -428,6 +428,43 @@ def test_scalar_prefetch_writes_reach_the_next_grid_step(interpreter):
     np.testing.assert_array_equal(run_step_counter(interpreter, start=3), np.arange(3, 9))
 
 
+# --- narrow floats: stores move bits ------------------------------------------------------------------
+
+
+def gather_pages_in_reverse(x_hbm, o_ref, buffer, semaphore):
+    for i in range(buffer.shape[0]):
+        copy = pltpu.make_async_copy(x_hbm.at[buffer.shape[0] - 1 - i], buffer.at[i], semaphore)
+        copy.start()
+        copy.wait()
+    o_ref[...] = buffer[...]
+
+
+def run_page_gather(pages):
+    """(output, optimized HLO) of gather_pages_in_reverse under the generic interpreter."""
+
+    def call(x):
+        return pl.pallas_call(
+            gather_pages_in_reverse,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA(())],
+        )(x)
+
+    with pltpu.force_tpu_interpret_mode(True):
+        compiled = jax.jit(call).lower(pages).compile()
+        return np.asarray(compiled(pages)), compiled.as_text()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16], ids=str)
+def test_narrow_float_dma_is_bit_exact_and_converts_nothing(dtype):
+    pages = np.asarray(random_array((4, 16, 128), jnp.float32)).astype(dtype)
+    pages[1, 3, :5] = np.nan  # NaN payloads survive only a bit-exact copy
+    got, hlo = run_page_gather(jnp.asarray(pages))
+    bits = f"uint{8 * np.dtype(dtype).itemsize}"
+    np.testing.assert_array_equal(got.view(bits), pages[::-1].view(bits))
+    assert " convert(" not in hlo, "an access to a narrow-float buffer still converts it"
+
+
 # --- the gaps still exist without the layer (fails when jax fixes one: then drop that patch) -----------
 
 
@@ -498,7 +535,7 @@ def test_gap_view_store_still_in_generic_interpreter():
     assert_gap(
         lambda: run(kernel, jax.ShapeDtypeStruct(X3.shape, X3.dtype), X3, interpreter="generic"),
         "Unsupported transform: ReshapeTransform",
-        "_patch_generic_view_stores",
+        "the view wrapper in _patch_generic_stores",
     )
 
 
@@ -512,6 +549,23 @@ def test_gap_scalar_prefetch_state_still_in_generic_interpreter():
         f"jax {jax.__version__} now keeps scalar-prefetch writes across grid steps in the generic "
         "interpreter: drop _patch_generic_scalar_prefetch_state from interpret_compat."
     )
+
+
+def test_cost_narrow_float_store_still_in_xla_cpu():
+    """XLA CPU still converts a float8_e4m3fn buffer to f16 and back around a dynamic-update-slice."""
+
+    def store_rows(buffer, row):
+        return jax.lax.fori_loop(
+            0, buffer.shape[0], lambda i, b: jax.lax.dynamic_update_slice(b, row, (i, 0)), buffer
+        )
+
+    buffer = jnp.zeros((8, 128), jnp.float8_e4m3fn)
+    hlo = jax.jit(store_rows).lower(buffer, buffer[:1]).compile().as_text()
+    if "f16[8,128]" not in hlo:
+        pytest.fail(
+            f"jax {jax.__version__}'s XLA CPU stores into float8_e4m3fn buffers without converting them: "
+            "drop the bits wrapper from _patch_generic_stores in interpret_compat."
+        )
 
 
 # --- API -----------------------------------------------------------------------------------------------
