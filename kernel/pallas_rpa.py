@@ -29,6 +29,7 @@ loading whole blocks as values and reshaping, slicing and masking the values.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,16 @@ def _matmul_dtype(q_dtype, kv_dtype, scaled):
     return jnp.dtype(jnp.float32) if jnp.dtype(kv_dtype) == jnp.float32 else jnp.dtype(jnp.bfloat16)
 
 
+class _SeqLayout(NamedTuple):
+    """Where one sequence's rows and keys are (read from SMEM once per sequence and carried)."""
+
+    index: jax.Array  # clamped into [0, max_num_seqs): every SMEM read stays in bounds
+    q_start: jax.Array
+    q_end: jax.Array
+    kv_len: jax.Array
+    num_pages: jax.Array  # resident pages: cdiv(kv_len, page_size), at most pages_per_seq
+
+
 def _rpa_kernel(
     # Scalar prefetch (SMEM).
     kv_lens_ref,  # i32[max_num_seqs]
@@ -138,8 +149,7 @@ def _rpa_kernel(
     # Scratch.
     kv_buf,  # [2, kv_pages_per_block, page_size, 2 * kv_heads_per_block, head_dim]: two DMA slots
     sems,  # DMA semaphores, one per slot
-    m_ref,  # f32[kv_heads_per_block, block_q * group, _STAT_LANES]: running max
-    l_ref,  # f32[kv_heads_per_block, block_q * group, _STAT_LANES]: running normaliser
+    stats_ref,  # f32[2, kv_heads_per_block, block_q * group, _STAT_LANES]: running max m, normaliser l
     acc_ref,  # f32[kv_heads_per_block, block_q * group, head_dim]: unnormalised output
     *,
     pages_per_seq,
@@ -165,52 +175,62 @@ def _rpa_kernel(
     num_seqs = num_seqs_ref[0]
     head_start = pl.multiple_of(head_block * combined_heads_per_block, combined_heads_per_block)
 
-    def seq_layout(seq):
-        """(clamped index, q_start, q_end, kv_len, resident pages) of ``seq``; reads stay in bounds."""
+    def seq_layout(seq) -> _SeqLayout:
         s = jnp.clip(seq, 0, max_num_seqs - 1)
         kv_len = kv_lens_ref[s]
         num_pages = jnp.clip((kv_len + page_size - 1) // page_size, 0, pages_per_seq)
-        return s, cu_q_lens_ref[s], cu_q_lens_ref[s + 1], kv_len, num_pages
+        return _SeqLayout(s, cu_q_lens_ref[s], cu_q_lens_ref[s + 1], kv_len, num_pages)
 
-    def in_block(seq):
+    def in_block(seq, layout):
         """``seq`` is a real sequence that does not start after this query block."""
-        start = cu_q_lens_ref[jnp.clip(seq, 0, max_num_seqs)]
-        return jnp.logical_and(seq < num_seqs, start < block_end)
+        return jnp.logical_and(seq < num_seqs, layout.q_start < block_end)
 
-    def has_work(seq):
-        _, q_start, q_end, _, num_pages = seq_layout(seq)
+    def has_work(layout):
+        q_start, q_end = layout.q_start, layout.q_end
         rows_overlap = jnp.maximum(q_start, block_start) < jnp.minimum(q_end, block_end)
-        return jnp.logical_and(rows_overlap, num_pages > 0)
+        return jnp.logical_and(rows_overlap, layout.num_pages > 0)
 
     def next_seq_with_work(seq):
-        """First sequence from ``seq`` on with rows here and keys; or one for which ``in_block`` is False."""
+        """(seq, layout) of the first sequence from ``seq`` on with rows here and keys, or of one for which
+        ``in_block`` is False."""
         return lax.while_loop(
-            lambda s: jnp.logical_and(in_block(s), jnp.logical_not(has_work(s))), lambda s: s + 1, seq
+            lambda state: jnp.logical_and(in_block(*state), jnp.logical_not(has_work(state[1]))),
+            lambda state: (state[0] + 1, seq_layout(state[0] + 1)),
+            (seq, seq_layout(seq)),
         )
 
-    def for_each_page_copy(layout, kv_block, slot, action):
-        """Applies ``action`` (start or wait) to the DMA of every page of one KV block that holds keys.
+    def pages_in_block(layout, kv_block):
+        """Resident pages of the sequence in its KV block ``kv_block``: the pages copied, all others never read."""
+        return jnp.clip(layout.num_pages - kv_block * kv_pages_per_block, 0, kv_pages_per_block)
 
-        The start and the wait of a page go through this same guard, so a page is waited for exactly when
-        it was copied, and page-table entries past the sequence's resident pages are never read.
-        """
-        s, _, _, _, num_pages = layout
+    def start_copies(layout, kv_block, slot):
+        """One DMA per resident page of the block into ``slot``; page-table entries past them are never read."""
         first_page = kv_block * kv_pages_per_block
 
-        def page_copy(i, carry):
-            @pl.when(first_page + i < num_pages)
-            def _():
-                page = page_indices_ref[s * pages_per_seq + first_page + i]
-                copy = pltpu.make_async_copy(
-                    kv_hbm_ref.at[page, :, pl.ds(head_start, combined_heads_per_block), :],
-                    kv_buf.at[slot, i],
-                    sems.at[slot],
-                )
-                action(copy)
-
+        def start_page_copy(i, carry):
+            page = page_indices_ref[layout.index * pages_per_seq + first_page + i]
+            pltpu.make_async_copy(
+                kv_hbm_ref.at[page, :, pl.ds(head_start, combined_heads_per_block), :],
+                kv_buf.at[slot, i],
+                sems.at[slot],
+            ).start()
             return carry
 
-        lax.fori_loop(0, kv_pages_per_block, page_copy, 0)
+        lax.fori_loop(0, pages_in_block(layout, kv_block), start_page_copy, 0)
+
+    def wait_copies(layout, kv_block, slot):
+        """Waits for all the page copies into ``slot`` at once.
+
+        A DMA semaphore counts bytes, so the wait needs only a descriptor of the same total size: the page
+        count is split into powers of two, each waited for with a descriptor of that many pages of the slot.
+        """
+        num_pages = pages_in_block(layout, kv_block)
+        for bit in range(kv_pages_per_block.bit_length()):
+            chunk = kv_buf.at[slot, pl.ds(0, 1 << bit)]
+
+            @pl.when(num_pages & (1 << bit) != 0)
+            def _():
+                pltpu.make_async_copy(chunk, chunk, sems.at[slot]).wait()
 
     # Queries of each KV head, folded to rows (loaded once per grid step; Mosaic folds 16-bit values only
     # when group fills whole packed rows, so such q is widened first, which is exact).
@@ -227,17 +247,17 @@ def _rpa_kernel(
     ]
     row_token = block_start + lax.broadcasted_iota(jnp.int32, (num_rows, 1), 0) // group
 
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    stat_index = lax.broadcasted_iota(jnp.int32, stats_ref.shape, 0)
+    stats_ref[...] = jnp.where(stat_index == 0, -jnp.inf, 0.0).astype(jnp.float32)  # m = -inf, l = 0
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def attend(layout, kv_block, slot):
         """Online-softmax update of this sequence's rows with the keys of one KV block (in ``slot``)."""
-        _, q_start, q_end, kv_len, num_pages = layout
+        q_start, q_end, kv_len = layout.q_start, layout.q_end, layout.kv_len
         first_key = kv_block * keys_per_block
         # Keys past kv_len (page tails, pages not copied) hold anything, NaN included: they are zeroed in K
         # and V and get probability 0, so they cannot reach a row even through 0 * NaN.
-        num_valid_keys = jnp.minimum(kv_len, num_pages * page_size) - first_key
+        num_valid_keys = jnp.minimum(kv_len, layout.num_pages * page_size) - first_key
         key_valid_col = lax.broadcasted_iota(jnp.int32, (keys_per_block, 1), 0) < num_valid_keys
         key_pos = first_key + lax.broadcasted_iota(jnp.int32, (1, keys_per_block), 1)
         key_valid = key_pos < first_key + num_valid_keys
@@ -250,7 +270,8 @@ def _rpa_kernel(
 
         kv = kv_buf[slot].astype(jnp.float32)
         kv = kv.reshape(keys_per_block, combined_heads_per_block, head_dim)
-        m_all, l_all, acc_all = m_ref[...], l_ref[...], acc_ref[...]
+        stats, acc_all = stats_ref[...], acc_ref[...]
+        m_all, l_all = stats[0], stats[1]
         m_new_all, l_new_all, acc_new_all = [], [], []
         for h in range(kv_heads_per_block):
             k = kv[:, 2 * h, :]
@@ -281,42 +302,46 @@ def _rpa_kernel(
             m_new_all.append(jnp.where(row_in_seq, jnp.broadcast_to(m_new, m_all[h].shape), m_all[h]))
             l_new_all.append(jnp.where(row_in_seq, jnp.broadcast_to(l_new, l_all[h].shape), l_all[h]))
             acc_new_all.append(jnp.where(row_in_seq, acc_new, acc_all[h]))
-        m_ref[...] = jnp.stack(m_new_all)
-        l_ref[...] = jnp.stack(l_new_all)
+        stats_ref[...] = jnp.stack([jnp.stack(m_new_all), jnp.stack(l_new_all)])
         acc_ref[...] = jnp.stack(acc_new_all)
 
-    # Work items are (sequence, KV block) pairs in order; the loop carries the current one and its slot.
+    # Work items are (sequence, KV block) pairs in order; the loop carries the current one, its layout and
+    # its slot.
     def step(state):
-        seq, kv_block, slot = state
-        layout = seq_layout(seq)
-        num_kv_blocks = (layout[4] + kv_pages_per_block - 1) // kv_pages_per_block
-        next_seq, next_kv_block = lax.cond(
+        seq, layout, kv_block, slot = state
+        num_kv_blocks = (layout.num_pages + kv_pages_per_block - 1) // kv_pages_per_block
+        next_seq, next_layout, next_kv_block = lax.cond(
             kv_block + 1 < num_kv_blocks,
-            lambda: (seq, kv_block + 1),
-            lambda: (next_seq_with_work(seq + 1), jnp.int32(0)),
+            lambda: (seq, layout, kv_block + 1),
+            lambda: (*next_seq_with_work(seq + 1), jnp.int32(0)),
         )
         next_slot = 1 - slot
 
-        @pl.when(in_block(next_seq))
+        @pl.when(in_block(next_seq, next_layout))
         def _():
-            for_each_page_copy(seq_layout(next_seq), next_kv_block, next_slot, lambda copy: copy.start())
+            start_copies(next_layout, next_kv_block, next_slot)
 
-        for_each_page_copy(layout, kv_block, slot, lambda copy: copy.wait())
+        wait_copies(layout, kv_block, slot)
         attend(layout, kv_block, slot)
-        return next_seq, next_kv_block, next_slot
+        return next_seq, next_layout, next_kv_block, next_slot
 
-    first_seq = next_seq_with_work(first_seq_ref[query_block])
+    first_seq, first_layout = next_seq_with_work(first_seq_ref[query_block])
 
-    @pl.when(in_block(first_seq))
+    @pl.when(in_block(first_seq, first_layout))
     def _():
-        for_each_page_copy(seq_layout(first_seq), 0, 0, lambda copy: copy.start())
+        start_copies(first_layout, 0, 0)
 
-    lax.while_loop(lambda state: in_block(state[0]), step, (first_seq, jnp.int32(0), jnp.int32(0)))
+    lax.while_loop(
+        lambda state: in_block(state[0], state[1]),
+        step,
+        (first_seq, first_layout, jnp.int32(0), jnp.int32(0)),
+    )
 
     # Rows of no sequence have l == 0 and acc == 0; dividing by 1 keeps them finite.
+    l_all, acc_all = stats_ref[1], acc_ref[...]
     for h in range(kv_heads_per_block):
-        l_rows = l_ref[h][:, :1]
-        out = acc_ref[h] / jnp.where(l_rows == 0.0, 1.0, l_rows)
+        l_rows = l_all[h][:, :1]
+        out = acc_all[h] / jnp.where(l_rows == 0.0, 1.0, l_rows)
         o_ref[:, pl.ds(h * group, group), :] = out.reshape(block_q, group, head_dim).astype(o_ref.dtype)
 
 
@@ -436,8 +461,7 @@ def ragged_paged_attention(
                     (2, kv_pages_per_block, page_size, 2 * kv_heads_per_block, head_dim), kv_pages.dtype
                 ),
                 pltpu.SemaphoreType.DMA((2,)),
-                pltpu.VMEM((kv_heads_per_block, num_rows, _STAT_LANES), jnp.float32),
-                pltpu.VMEM((kv_heads_per_block, num_rows, _STAT_LANES), jnp.float32),
+                pltpu.VMEM((2, kv_heads_per_block, num_rows, _STAT_LANES), jnp.float32),
                 pltpu.VMEM((kv_heads_per_block, num_rows, head_dim), jnp.float32),
             ],
         ),

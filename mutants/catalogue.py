@@ -93,8 +93,8 @@ MUTANTS = (
         "padded_seq_slots_processed",
         "sequences are visited up to max_num_seqs instead of num_seqs: padding slots' metadata is used",
         KERNEL_FILE,
-        "return jnp.logical_and(seq < num_seqs, start < block_end)",
-        "return jnp.logical_and(seq < max_num_seqs, start < block_end)",
+        "return jnp.logical_and(seq < num_seqs, layout.q_start < block_end)",
+        "return jnp.logical_and(seq < max_num_seqs, layout.q_start < block_end)",
     ),
     # Scales.
     Mutant(
@@ -123,8 +123,8 @@ MUTANTS = (
         "kv_block_count_floor",
         "KV blocks per sequence counted with floor division: a partial last KV block is skipped",
         KERNEL_FILE,
-        "num_kv_blocks = (layout[4] + kv_pages_per_block - 1) // kv_pages_per_block",
-        "num_kv_blocks = layout[4] // kv_pages_per_block",
+        "num_kv_blocks = (layout.num_pages + kv_pages_per_block - 1) // kv_pages_per_block",
+        "num_kv_blocks = layout.num_pages // kv_pages_per_block",
     ),
     Mutant(
         "query_block_straddle",
@@ -146,6 +146,13 @@ MUTANTS = (
         KERNEL_FILE,
         "next_slot = 1 - slot",
         "next_slot = slot",
+    ),
+    Mutant(
+        "dma_wait_one_page_short",
+        "the block's DMA wait covers one page fewer than were copied: the last page is read before it lands",
+        KERNEL_FILE,
+        "        num_pages = pages_in_block(layout, kv_block)\n        for bit in",
+        "        num_pages = pages_in_block(layout, kv_block) - 1\n        for bit in",
     ),
     # Softmax numerics.
     Mutant(
