@@ -640,7 +640,9 @@ def _transform_array_moving_bits(original: Callable) -> Callable:
         bits = _moves_bits(x, transforms)
         if bits is None:
             return original(x, transforms)
-        return jax.lax.bitcast_convert_type(original(jax.lax.bitcast_convert_type(x, bits), transforms), x.dtype)
+        return jax.lax.bitcast_convert_type(
+            original(jax.lax.bitcast_convert_type(x, bits), transforms), x.dtype
+        )
 
     return transform_array
 
@@ -654,7 +656,9 @@ def _transform_swap_array_moving_bits(original: Callable) -> Callable:
         old_bits, new_bits = original(
             jax.lax.bitcast_convert_type(x, bits), transforms, jax.lax.bitcast_convert_type(val, bits)
         )
-        return jax.lax.bitcast_convert_type(old_bits, x.dtype), jax.lax.bitcast_convert_type(new_bits, x.dtype)
+        return jax.lax.bitcast_convert_type(old_bits, x.dtype), jax.lax.bitcast_convert_type(
+            new_bits, x.dtype
+        )
 
     return transform_swap_array
 
@@ -685,7 +689,7 @@ def _patch_generic_stores() -> list[_Patch]:
             _transform_swap_array_moving_bits(
                 _transform_swap_array_through_views(state_discharge.transform_swap_array)
             ),
-        )
+        ),
     ]
 
 

@@ -13,13 +13,17 @@ of ``kv_pages_per_block`` pages: the pages of a block are gathered from HBM by o
 of two VMEM slots, and the DMAs of the next block (of this sequence, or of the next sequence with work)
 are started before the current block is waited for, so the copy overlaps the computation. A page is copied
 only if it holds keys of the sequence (``page < cdiv(kv_len, page_size)``, never past ``pages_per_seq``):
-page-table entries past that point, and rows of padding sequences, are never dereferenced.
+page-table entries past that point, and rows of padding sequences, are never dereferenced. A block's
+copies are waited for together (a DMA semaphore counts bytes): one wait per power of two in the page
+count, so a block of ``n`` pages costs ``popcount(n)`` waits instead of ``n``. A sequence's metadata is
+read from SMEM once and carried through the loop. Both matter most in the TPU interpreter, where every
+SMEM read, VMEM access and DMA is a host callback.
 
 Per KV block, every query row of the block is scored against every key (each row belongs to at most one
 sequence; rows of other sequences are computed and then discarded with ``jnp.where``), and an online softmax
 state (running max ``m``, normaliser ``l``, unnormalised output ``acc``, all float32 VMEM scratch) is updated
-for the rows of the current sequence only. The output block is ``acc / l``, written once at the end of the
-step.
+for the rows of the current sequence only (``m`` and ``l`` share one scratch buffer, so one load and one
+store each). The output block is ``acc / l``, written once at the end of the step.
 
 Query heads are folded into rows: for KV head ``h`` the matmul operand is ``[block_q * group, head_dim]``
 with row ``r`` holding token ``r // group``, query head ``h * group + r % group``.
@@ -229,7 +233,7 @@ def _rpa_kernel(
             chunk = kv_buf.at[slot, pl.ds(0, 1 << bit)]
 
             @pl.when(num_pages & (1 << bit) != 0)
-            def _():
+            def _(chunk=chunk):
                 pltpu.make_async_copy(chunk, chunk, sems.at[slot]).wait()
 
     # Queries of each KV head, folded to rows (loaded once per grid step; Mosaic folds 16-bit values only

@@ -157,7 +157,9 @@ class Case:
             self._values(values_rng, (self.num_tokens, *q_shape[1:]), self.q_dtype),
             np.arange(q_shape[0]) < self.num_tokens,
         )
-        kv_pages = self._padded(self._values(values_rng, (int(live.sum()), *kv_shape[2:]), self.kv_dtype), live)
+        kv_pages = self._padded(
+            self._values(values_rng, (int(live.sum()), *kv_shape[2:]), self.kv_dtype), live
+        )
         return {
             "q": q,
             "kv_pages": kv_pages,

@@ -10,7 +10,8 @@ from hypothesis import settings
 _BASE = settings.default.max_examples
 POOLED_EXAMPLES = _BASE * 5  # fast interpreter, a few compiled kernels, ragged layouts vary
 ANY_CONFIG_EXAMPLES = max(5, _BASE // 2)  # fast interpreter, nearly every example compiles
-CHECKING_EXAMPLES = max(5, _BASE // 2)  # TPU interpreter: 10-100x the fast one per call
+CHECKING_EXAMPLES = _BASE  # TPU interpreter, pooled: 20-100x the fast one per warm call
+CHECKING_ANY_CONFIG_EXAMPLES = max(5, _BASE // 4)  # TPU interpreter, nearly every example compiles (~2 s)
 EXAMPLES_PER_RULE = max(
     5, _BASE // 4
 )  # each invalid-input rule on its own: cheap, nothing runs past validation
