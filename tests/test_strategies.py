@@ -1,8 +1,10 @@
-"""Meta-tests of the strategies: valid cases are valid, invalid ones break exactly their rule, shrinking
-reaches the simplest case, and the coverage labels all occur."""
+"""Meta-tests of the strategies: valid cases are valid, the padding switches change only padding, invalid
+ones break exactly their rule, shrinking reaches the simplest case, and the coverage labels all occur."""
 
 import collections
+import dataclasses
 
+import numpy as np
 import pytest
 from hypothesis import find, given, settings
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
@@ -12,6 +14,34 @@ from kernel import dynamic_validate_inputs
 from kernel.validation import DEFAULT_MASK_VALUE
 from strategies.valid import OUR_KERNEL, coverage_labels, valid_cases
 from strategies.violations import RULES, UPSTREAM_RULES, invalid_cases
+
+
+def live_keys(arrays, page_size) -> np.ndarray:
+    """[total_num_pages, page_size] mask of the slots holding a key of a live sequence."""
+    live = np.zeros(arrays["kv_pages"].shape[:2], bool)
+    for seq in range(arrays["num_seqs"][0]):
+        kv_len = int(arrays["kv_lens"][seq])
+        for position in range(kv_len):
+            live[arrays["page_indices"][seq, position // page_size], position % page_size] = True
+    return live
+
+
+@given(case=valid_cases())
+def test_padding_switches_change_only_padding(case):
+    clean = dataclasses.replace(case, poison=False, garbage=False).arrays()
+    dirty = dataclasses.replace(case, poison=True, garbage=True).arrays()
+    live = live_keys(clean, case.page_size)
+    assert int(live.sum()) == sum(case.kv_lens)
+    live_rows = np.arange(case.max_num_batched_tokens) < case.num_tokens
+    for name in ("q", "kv_pages"):
+        assert np.isfinite(clean[name].astype(np.float32)).all(), f"clean padding of {name} is not finite"
+    np.testing.assert_array_equal(dirty["q"][live_rows], clean["q"][live_rows])
+    np.testing.assert_array_equal(dirty["kv_pages"][live], clean["kv_pages"][live])
+    assert np.isnan(dirty["q"][~live_rows].astype(np.float32)).all()
+    assert np.isnan(dirty["kv_pages"][~live].astype(np.float32)).all()
+    n = case.num_seqs
+    np.testing.assert_array_equal(dirty["kv_lens"][:n], clean["kv_lens"][:n])
+    np.testing.assert_array_equal(dirty["cu_q_lens"][: n + 1], clean["cu_q_lens"][: n + 1])
 
 
 @given(case=valid_cases())
