@@ -7,12 +7,18 @@ The correct kernel must pass the same run (exit status 1 otherwise, or when a ru
 
   python ci/kill_rate.py                                  # every mutant, fast interpreter, one at a time
   python ci/kill_rate.py --variants causal_off_by_one,sm_scale_ignored --jobs 2
+  python ci/kill_rate.py --backend auto --variants dma_wait_one_page_short   # as CI: both interpreters
+
+With the fast interpreter alone the checked properties do not run, so a mutant only the TPU interpreter can
+see (a DMA waited for too little: the generic interpreter completes every DMA when it starts) survives;
+``--backend auto`` runs the checked properties too, as CI does.
 
 Examples are counted from the run log (``RPA_RUN_LOG``: one JSON line per example, in order, the failing
 ones naming their repro file); the time to the first failure is when that line appeared (polled every
 0.2 s). Both include the correct examples before the failure, not the shrinking after it; "run s" is the
 whole pytest run, shrinking included. Validation properties that fail outside a repro writer
-(``test_valid_input_passes_validation``) have no log line: their row shows only the pytest result.
+(``test_valid_input_passes_validation``) log their examples but write no repro: the pytest result and the
+failed test name show them.
 """
 
 import argparse

@@ -79,6 +79,7 @@ def first_line_of_error(error: BaseException) -> str:
 def smallest_output(target: Target, backend) -> np.ndarray:
     """Runs the target once on a tiny case it supports (used to tell whether it can run at all)."""
     from strategies.case import Case
+    from strategies.valid import required_block_sizes
 
     caps = target.capabilities
     case = Case(
@@ -92,7 +93,7 @@ def smallest_output(target: Target, backend) -> np.ndarray:
         head_dim=caps.head_dims[0],
         q_lens=(3, 1),
         kv_lens=(5, 9),
-        num_kv_pages_per_block=1 if caps.needs_block_sizes else None,
-        num_queries_per_block=8 if caps.needs_block_sizes else None,
     )
+    if caps.needs_block_sizes:
+        case = dataclasses.replace(case, **required_block_sizes({"pages_per_seq": case.pages_per_seq}))
     return backend.run(target.attention, case.arrays(), case.options())

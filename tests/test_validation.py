@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 
+from harness import runlog
 from harness.properties import VALIDATION, check_validation
 from harness.repro import written_on_failure
 from harness.targets import as_jax
@@ -36,6 +37,7 @@ def test_invalid_input_raises_specified_error(target, backend, repro_dir, rule, 
 @given(data=st.data())
 def test_valid_input_passes_validation(target, data):
     case = data.draw(valid_cases(target.capabilities), label="case")
+    runlog.record()  # no repro pair: a failure here is the validator rejecting a valid case, shown by pytest
     target.validate(case.arrays(), case.options())
 
 
@@ -43,6 +45,7 @@ def test_valid_input_passes_validation(target, data):
 def test_validators_agree_with_upstream(target, invalid):
     """Same accept/reject and message as upstream's validator, except the documented differences."""
     arrays, options, message = invalid.inputs()
+    runlog.record()
     inputs = as_jax(arrays)
     ours = _outcome(lambda: target.module.dynamic_validate_inputs(**inputs, **options))
     theirs = _outcome(lambda: upstream.dynamic_validate_inputs(**inputs, **options))
