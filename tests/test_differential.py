@@ -21,9 +21,13 @@ from tests.budget import (
 )
 
 
-def run_differential(target, backend, repro_dir, case, property_name):
+def draw_and_compare(target, backend, runnable, repro_dir, data, *, pooled, variant=""):
+    """Draws a valid case (pooled configurations or the whole static space) and compares with the oracle."""
+    runnable(backend)
+    case = data.draw(valid_cases(target.capabilities, pooled=pooled), label="case")
     arrays, options = case.arrays(), case.options()
-    with written_on_failure(repro_dir, property_name, target, backend, arrays, options, case=case) as notes:
+    name = f"{DIFFERENTIAL}{variant}[{backend.name}]"
+    with written_on_failure(repro_dir, name, target, backend, arrays, options, case=case) as notes:
         comparison = check_differential(target, backend, arrays, options)
         notes.update(max_ratio=comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
 
@@ -31,42 +35,26 @@ def run_differential(target, backend, repro_dir, case, property_name):
 @settings(max_examples=POOLED_EXAMPLES)
 @given(data=st.data())
 def test_kernel_matches_oracle(target, volume_backend, runnable, repro_dir, data):
-    runnable(volume_backend)
-    case = data.draw(valid_cases(target.capabilities, pooled=True), label="case")
-    run_differential(target, volume_backend, repro_dir, case, f"{DIFFERENTIAL}[{volume_backend.name}]")
+    draw_and_compare(target, volume_backend, runnable, repro_dir, data, pooled=True)
 
 
 @settings(max_examples=ANY_CONFIG_EXAMPLES)
 @given(data=st.data())
 def test_kernel_matches_oracle_any_config(target, volume_backend, runnable, repro_dir, data):
-    runnable(volume_backend)
-    case = data.draw(valid_cases(target.capabilities), label="case")
-    run_differential(
-        target, volume_backend, repro_dir, case, f"{DIFFERENTIAL}-any-config[{volume_backend.name}]"
-    )
+    draw_and_compare(target, volume_backend, runnable, repro_dir, data, pooled=False, variant="-any-config")
 
 
 @settings(max_examples=CHECKING_EXAMPLES)
 @given(data=st.data())
 def test_kernel_matches_oracle_checked(target, checking_backend, runnable, repro_dir, data):
-    runnable(checking_backend)
-    case = data.draw(valid_cases(target.capabilities, pooled=True), label="case")
-    run_differential(
-        target, checking_backend, repro_dir, case, f"{DIFFERENTIAL}-checked[{checking_backend.name}]"
-    )
+    draw_and_compare(target, checking_backend, runnable, repro_dir, data, pooled=True, variant="-checked")
 
 
 @settings(max_examples=CHECKING_ANY_CONFIG_EXAMPLES)
 @given(data=st.data())
 def test_kernel_matches_oracle_checked_any_config(target, checking_backend, runnable, repro_dir, data):
-    runnable(checking_backend)
-    case = data.draw(valid_cases(target.capabilities), label="case")
-    run_differential(
-        target,
-        checking_backend,
-        repro_dir,
-        case,
-        f"{DIFFERENTIAL}-checked-any-config[{checking_backend.name}]",
+    draw_and_compare(
+        target, checking_backend, runnable, repro_dir, data, pooled=False, variant="-checked-any-config"
     )
 
 
