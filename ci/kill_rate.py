@@ -5,13 +5,12 @@ pytest process per variant, and prints a table: killed or survived, how many exa
 the first failing example, which test failed, and the size of the shrunk case Hypothesis left on disk.
 The correct kernel must pass the same run (exit status 1 otherwise, or when a run errors).
 
-  python ci/kill_rate.py                                  # every mutant, fast interpreter, one at a time
+  python ci/kill_rate.py                                  # every mutant, both interpreters as in CI
   python ci/kill_rate.py --variants causal_off_by_one,sm_scale_ignored --jobs 2
-  python ci/kill_rate.py --backend auto --variants dma_wait_one_page_short   # as CI: both interpreters
+  python ci/kill_rate.py --backend fast-interpret         # the volume interpreter alone
 
 With the fast interpreter alone the checked properties do not run, so a mutant only the TPU interpreter can
-see (a DMA waited for too little: the generic interpreter completes every DMA when it starts) survives;
-``--backend auto`` runs the checked properties too, as CI does.
+see (``dma_wait_one_page_short``: the generic interpreter completes every DMA when it starts) survives.
 
 Examples are counted from the run log (``RPA_RUN_LOG``: one JSON line per example, in order, the failing
 ones naming their repro file); the time to the first failure is when that line appeared (polled every
@@ -208,7 +207,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", help="comma-separated mutant names (default: the whole catalogue)")
-    parser.add_argument("--backend", default="fast-interpret", help="--rpa-backend for every run")
+    parser.add_argument("--backend", default="auto", help="--rpa-backend for every run (default: as CI)")
     parser.add_argument("--jobs", type=int, default=1, help="variants run in parallel processes (default 1)")
     parser.add_argument(
         "--workers", type=int, default=2, help="pytest-xdist workers per run, as in CI (default 2)"
