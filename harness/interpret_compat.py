@@ -27,8 +27,8 @@ One patch cuts a cost instead of closing a gap:
 7. Generic interpreter, loads, stores and DMAs of 8- and 16-bit float refs: XLA CPU computes a
    ``dynamic-slice`` or ``dynamic-update-slice`` of such a buffer by converting the *whole* buffer to a
    wider float and back, so every page DMA into an fp8 KV scratch converts the scratch and the source
-   (float8_e4m3fn through f16 in software: a pooled fp8 RPA call took 190 ms instead of 3 ms). The access moves the bits as unsigned
-   integers of the same width instead; the values are bit-identical.
+   (float8_e4m3fn through f16 in software: a pooled fp8 RPA call took 190 ms instead of 3 ms). The
+   access moves the bits as unsigned integers of the same width instead; the values are bit-identical.
 
 Bitcast layout (verified): a ref bitcast that changes the element width packs along the *second-minor*
 axis, as on TPU memory: bf16 ``[2n, m]`` -> uint32 ``[n, m]`` where word ``(i, j)`` holds row ``2i`` in
@@ -626,12 +626,12 @@ def _transform_swap_array_through_views(original: Callable) -> Callable:
 
 def _moves_bits(x, transforms) -> np.dtype | None:
     """The unsigned dtype to move ``x`` as, when it is an 8- or 16-bit float accessed without views."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize >= 4:
+    if getattr(x, "dtype", None) is None or _split_at_first_view(transforms)[1]:
         return None
-    if _split_at_first_view(transforms)[1]:
+    dtype = jnp.dtype(x.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
         return None
-    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+    return jnp.dtype(f"uint{8 * dtype.itemsize}")
 
 
 def _transform_array_moving_bits(original: Callable) -> Callable:
@@ -664,7 +664,7 @@ def _transform_swap_array_moving_bits(original: Callable) -> Callable:
 
 
 def _patch_generic_stores() -> list[_Patch]:
-    """Gap 5 and cost 7: stores and DMAs in the generic interpreter (``state.discharge.transform_swap_array``).
+    """Gap 5 and cost 7: accesses in the generic interpreter (``state.discharge.transform_[swap_]array``).
 
     Gap 5: the original reads through views but its write-back loop only handles indexers. The view wrapper
     splits the transforms at each view, lets the original handle the indexer runs and undoes the view

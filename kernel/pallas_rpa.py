@@ -204,11 +204,11 @@ def _rpa_kernel(
         )
 
     def pages_in_block(layout, kv_block):
-        """Resident pages of the sequence in its KV block ``kv_block``: the pages copied, all others never read."""
+        """Resident pages of the sequence in KV block ``kv_block``: the ones copied (no other is read)."""
         return jnp.clip(layout.num_pages - kv_block * kv_pages_per_block, 0, kv_pages_per_block)
 
     def start_copies(layout, kv_block, slot):
-        """One DMA per resident page of the block into ``slot``; page-table entries past them are never read."""
+        """One DMA per resident page of the block into ``slot`` (later page-table entries are never read)."""
         first_page = kv_block * kv_pages_per_block
 
         def start_page_copy(i, carry):

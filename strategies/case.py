@@ -177,14 +177,13 @@ class Case:
         return data.astype(DTYPES[dtype_name])
 
     def _padded(self, values: np.ndarray, is_live: np.ndarray) -> np.ndarray:
-        """An array with ``values`` at the True positions of ``is_live`` (its leading axes), padding elsewhere."""
+        """``values`` at the True positions of ``is_live`` (the leading axes), padding at the others."""
         out = np.empty(is_live.shape + values.shape[1:], values.dtype)
         out[is_live] = values
-        num_padding = int((~is_live).sum())
         if self.poison:
             out[~is_live] = np.nan
         elif len(values):
-            out[~is_live] = values[np.arange(num_padding) % len(values)]
+            out[~is_live] = values[np.arange(int((~is_live).sum())) % len(values)]
         else:
             out[~is_live] = 0
         return out
