@@ -13,7 +13,7 @@ import math
 from hypothesis import event
 from hypothesis import strategies as st
 
-from kernel.validation import DEFAULT_MASK_VALUE
+from spec.interface import DEFAULT_MASK_VALUE
 from strategies.case import Case
 
 

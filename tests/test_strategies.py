@@ -11,7 +11,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ups
 
 from harness.targets import as_jax
 from kernel import dynamic_validate_inputs
-from kernel.validation import DEFAULT_MASK_VALUE
+from spec.interface import DEFAULT_MASK_VALUE
 from strategies.valid import OUR_KERNEL, coverage_labels, valid_cases
 from strategies.violations import RULES, UPSTREAM_RULES, invalid_cases
 
