@@ -7,33 +7,31 @@ target compiles a bounded number of times), runs the target (default: the jnp re
 (q dtype, KV dtype): the largest and 99.9th-percentile error/bound ratio, the false alarms (cases whose
 comparison fails), and how much tighter the bound is than upstream's tolerance (atol = rtol = 0.15 for a
 float32 cache, 0.2 otherwise): the smallest and median of (atol + rtol |o|) / bound over the elements.
-``calibrate(target, cases)`` accepts any iterable of ``(arrays, options)`` pairs, e.g. from the strategies.
+``calibrate(target, cases)`` accepts any iterable of ``Case``s, e.g. from the strategies.
 """
 
 import argparse
 import collections
 import importlib
-import math
 import sys
 import time
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reference import compare, error_bound, oracle  # noqa: E402
+from strategies.case import Case  # noqa: E402
 
 F32 = np.dtype(np.float32)
-BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPE_PAIRS = (
-    (F32, F32),
-    (F32, BF16),
-    (F32, np.dtype(ml_dtypes.float8_e5m2)),
-    (BF16, BF16),
-    (BF16, F32),
-    (BF16, np.dtype(ml_dtypes.float8_e4m3fn)),
+    ("float32", "float32"),
+    ("float32", "bfloat16"),
+    ("float32", "float8_e5m2"),
+    ("bfloat16", "bfloat16"),
+    ("bfloat16", "float32"),
+    ("bfloat16", "float8_e4m3fn"),
 )
 # (max_num_batched_tokens, max_num_seqs, pages_per_seq, page_size, num_q_heads, num_kv_heads, head_dim)
 SHAPES = (
@@ -49,11 +47,10 @@ OPTIONS = (
     {"k_scale": 0.5, "v_scale": 2.0},
     {"sm_scale": 1.0},  # unscaled logits: a peaked softmax
 )
-INT32 = np.iinfo(np.int32)
 
 
-def random_case(rng):
-    """One random valid case as ``(arrays, options)``."""
+def random_case(rng) -> Case:
+    """One random valid case (NaN poison, garbage metadata)."""
     num_tokens, max_seqs, pages_per_seq, page_size, num_q_heads, num_kv_heads, head_dim = SHAPES[
         rng.integers(len(SHAPES))
     ]
@@ -67,42 +64,32 @@ def random_case(rng):
         q_len = min(q_len, num_tokens - sum(q_lens))
         q_lens.append(q_len)
         kv_lens.append(kv_len)
-    n = len(q_lens)
-    total_num_pages = max_seqs * pages_per_seq + 1
-    page_indices = rng.integers(INT32.min, INT32.max, (max_seqs, pages_per_seq), dtype=np.int32)
-    kv_lens_arr = rng.integers(INT32.min, INT32.max, max_seqs, dtype=np.int32)
-    cu_q_lens = rng.integers(INT32.min, INT32.max, max_seqs + 1, dtype=np.int32)
-    kv_lens_arr[:n] = kv_lens
-    cu_q_lens[: n + 1] = np.cumsum([0, *q_lens])
-    live = np.zeros((total_num_pages, page_size), bool)
-    free_pages = rng.permutation(total_num_pages)
-    for i, kv_len in enumerate(kv_lens):
-        used = math.ceil(kv_len / page_size)
-        pages, free_pages = free_pages[:used], free_pages[used:]
-        page_indices[i, :used] = pages
-        live[pages] = (np.arange(used * page_size) < kv_len).reshape(used, page_size)
-    q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(q_dtype)
-    q[sum(q_lens) :] = np.nan
-    kv_pages = rng.standard_normal((total_num_pages, page_size, 2 * num_kv_heads, head_dim)).astype(kv_dtype)
-    kv_pages[~live] = np.nan
-    options = {"sm_scale": head_dim**-0.5, **OPTIONS[rng.integers(len(OPTIONS))]}
-    arrays = {
-        "q": q,
-        "kv_pages": kv_pages,
-        "kv_lens": kv_lens_arr,
-        "page_indices": page_indices,
-        "cu_q_lens": cu_q_lens,
-        "num_seqs": np.array([n], np.int32),
-    }
-    return arrays, options
+    return Case(
+        max_num_batched_tokens=num_tokens,
+        max_num_seqs=max_seqs,
+        pages_per_seq=pages_per_seq,
+        total_num_pages=max_seqs * pages_per_seq + 1,
+        page_size=page_size,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+        q_lens=tuple(q_lens),
+        kv_lens=tuple(kv_lens),
+        seed=int(rng.integers(2**32)),
+        garbage=True,
+        **{"sm_scale": head_dim**-0.5, **OPTIONS[rng.integers(len(OPTIONS))]},
+    )
 
 
 def calibrate(target, cases):
-    """Runs ``target`` on each ``(arrays, options)`` case; returns per-dtype-pair statistics (element
+    """Runs ``target`` on each ``Case``; returns per-dtype-pair statistics (element
     ratios, bound tightness, case and false-alarm counts) and the worst comparison seen."""
     groups = collections.defaultdict(lambda: {"cases": 0, "false_alarms": 0, "ratios": [], "tightness": []})
     worst = None
-    for arrays, options in cases:
+    for case in cases:
+        arrays, options = case.arrays(), case.options()
         result = oracle(**arrays, **options)
         actual = target(**arrays, **options)
         comparison = compare(actual, result, label="target")

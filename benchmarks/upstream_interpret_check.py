@@ -1,8 +1,8 @@
 """Run upstream's ragged paged attention kernel in jax's CPU interpreters across its configuration space.
 
 For each configuration (one axis varied at a time around a base case) and each interpreter, prints the
-maximum absolute error against a float64 NumPy computation written here, the cold (trace + compile) and
-warm time per call, and whether upstream accepted the configuration. The summary at the end lists, per
+largest error / bound against the float64 oracle under the tolerance model (``reference.compare``), the
+cold (trace + compile) and warm time per call, and whether upstream accepted the configuration. The summary at the end lists, per
 axis, which values run in interpret mode: the harness narrows its strategies per target from it.
 
     python benchmarks/upstream_interpret_check.py            # full sweep (several minutes on 2 cores)
@@ -21,51 +21,71 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import reference  # noqa: E402
 from harness import interpret_compat  # noqa: E402
+from spec import ARRAY_NAMES  # noqa: E402
+from strategies.case import Case  # noqa: E402
 
-# Error above which a result counts as a discrepancy, by query dtype: the oracle reads the same stored
-# (already rounded) inputs, so only the kernel's own arithmetic contributes.
-TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
+BASE_SEQS = ((5, 37), (1, 9), (6, 6))  # (q_len, kv_len); one padding slot follows
+BASE = Case(
+    max_num_batched_tokens=16,
+    max_num_seqs=len(BASE_SEQS) + 1,
+    pages_per_seq=4,
+    total_num_pages=(len(BASE_SEQS) + 1) * 4,
+    page_size=16,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=128,
+    q_lens=tuple(q for q, _ in BASE_SEQS),
+    kv_lens=tuple(kv for _, kv in BASE_SEQS),
+    sm_scale=128**-0.5,
+    num_kv_pages_per_block=2,
+    num_queries_per_block=8,
+    poison=False,  # poison=True puts NaN in every KV slot no sequence reads (vLLM poisons unused slots)
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """One configuration of the sweep: the axis it varies and its case."""
+
     axis: str
-    q_dtype: str = "float32"
-    kv_dtype: str = "float32"
-    q_heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 128
-    page_size: int = 16
-    pages_per_seq: int = 4
-    kv_pages_per_block: int = 2
-    queries_per_block: int = 8
-    num_tokens: int = 16
-    seqs: tuple[tuple[int, int], ...] = ((5, 37), (1, 9), (6, 6))  # (q_len, kv_len); rest is padding
-    sliding_window: int | None = None
-    soft_cap: float | None = None
-    k_scale: float | None = None
-    v_scale: float | None = None
-    poison_unused_kv: bool = False  # NaN in every KV slot no sequence reads (vLLM poisons unused slots)
+    case: Case
 
     def label(self) -> str:
-        base = Config(axis="")
         changed = [
-            f"{field.name}={getattr(self, field.name)}"
-            for field in dataclasses.fields(self)
-            if field.name != "axis" and getattr(self, field.name) != getattr(base, field.name)
+            f"{field.name}={getattr(self.case, field.name)}"
+            for field in dataclasses.fields(Case)
+            if field.name not in ("total_num_pages", "sm_scale")
+            and getattr(self.case, field.name) != getattr(BASE, field.name)
         ]
         return ", ".join(changed) or "base"
 
 
+def variant(axis: str, seqs=BASE_SEQS, **fields) -> Config:
+    """BASE with ``fields`` and the layout ``seqs`` (one padding slot); sm_scale = head_dim ** -0.5."""
+    case = dataclasses.replace(
+        BASE,
+        q_lens=tuple(q for q, _ in seqs),
+        kv_lens=tuple(kv for _, kv in seqs),
+        max_num_seqs=len(seqs) + 1,
+        **fields,
+    )
+    return Config(
+        axis,
+        dataclasses.replace(
+            case, total_num_pages=case.max_num_seqs * case.pages_per_seq, sm_scale=case.head_dim**-0.5
+        ),
+    )
+
+
 def sweep() -> list[Config]:
-    configs = [Config("base")]
-    configs += [Config("head_dim", head_dim=d) for d in (64, 256)]
+    configs = [variant("base")]
+    configs += [variant("head_dim", head_dim=d) for d in (64, 256)]
     for q_dtype, kv_dtype, scales in [
         ("bfloat16", "bfloat16", None),
         ("float32", "bfloat16", None),
@@ -74,7 +94,9 @@ def sweep() -> list[Config]:
         ("bfloat16", "float8_e5m2", None),
     ]:
         k_scale, v_scale = scales or (None, None)
-        configs.append(Config("dtypes", q_dtype=q_dtype, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale))
+        configs.append(
+            variant("dtypes", q_dtype=q_dtype, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
+        )
     for q_dtype, kv_dtype in [
         ("float32", "float32"),
         ("bfloat16", "bfloat16"),
@@ -82,29 +104,31 @@ def sweep() -> list[Config]:
     ]:
         for q_heads, kv_heads in [(1, 1), (8, 1), (6, 3), (4, 4), (16, 8)]:
             configs.append(
-                Config("heads", q_dtype=q_dtype, kv_dtype=kv_dtype, q_heads=q_heads, kv_heads=kv_heads)
+                variant(
+                    "heads", q_dtype=q_dtype, kv_dtype=kv_dtype, num_q_heads=q_heads, num_kv_heads=kv_heads
+                )
             )
-    configs += [Config("page_size", page_size=p, pages_per_seq=-(-40 // p)) for p in (1, 5, 8, 32)]
-    configs += [Config("kv_pages_per_block", kv_pages_per_block=b) for b in (1, 3, 4)]
-    configs += [Config("queries_per_block", queries_per_block=b) for b in (1, 4, 16, 32)]
+    configs += [variant("page_size", page_size=p, pages_per_seq=-(-40 // p)) for p in (1, 5, 8, 32)]
+    configs += [variant("kv_pages_per_block", num_kv_pages_per_block=b) for b in (1, 3, 4)]
+    configs += [variant("queries_per_block", num_queries_per_block=b) for b in (1, 4, 16, 32)]
     configs += [
-        Config("features", sliding_window=8),
-        Config("features", soft_cap=5.0),
-        Config("features", sliding_window=20, soft_cap=30.0, k_scale=0.5, v_scale=1.5),
-        Config("features", poison_unused_kv=True),
-        Config("features", q_dtype="bfloat16", kv_dtype="bfloat16", poison_unused_kv=True),
-        Config("edges", seqs=((3, 20), (0, 9), (4, 4))),  # empty query run between sequences
-        Config("edges", seqs=((3, 20), (0, 0), (4, 4))),  # empty sequence
-        Config("edges", seqs=((16, 16),)),  # one prefill filling every token
-        Config("edges", seqs=((1, 40), (1, 1), (1, 17), (1, 33))),  # decode batch
-        Config("edges", queries_per_block=4, seqs=((3, 30), (3, 7), (6, 6))),  # sequences straddle q blocks
-        Config(
+        variant("features", sliding_window=8),
+        variant("features", soft_cap=5.0),
+        variant("features", sliding_window=20, soft_cap=30.0, k_scale=0.5, v_scale=1.5),
+        variant("features", poison=True),
+        variant("features", q_dtype="bfloat16", kv_dtype="bfloat16", poison=True),
+        variant("edges", seqs=((3, 20), (0, 9), (4, 4))),  # empty query run between sequences
+        variant("edges", seqs=((3, 20), (0, 0), (4, 4))),  # empty sequence
+        variant("edges", seqs=((16, 16),)),  # one prefill filling every token
+        variant("edges", seqs=((1, 40), (1, 1), (1, 17), (1, 33))),  # decode batch
+        variant("edges", num_queries_per_block=4, seqs=((3, 30), (3, 7), (6, 6))),  # straddling q blocks
+        variant(
             "size",
-            q_heads=8,
-            kv_heads=2,
-            num_tokens=64,
+            num_q_heads=8,
+            num_kv_heads=2,
+            max_num_batched_tokens=64,
             pages_per_seq=8,
-            queries_per_block=16,
+            num_queries_per_block=16,
             seqs=((20, 100), (1, 77), (1, 3), (16, 16), (9, 128), (2, 50)),
         ),
     ]
@@ -114,69 +138,10 @@ def sweep() -> list[Config]:
 QUICK_AXES = ("base", "dtypes")
 
 
-def make_inputs(config: Config, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    max_num_seqs = len(config.seqs) + 1  # one padding slot
-    total_pages = max_num_seqs * config.pages_per_seq
-    q = rng.standard_normal((config.num_tokens, config.q_heads, config.head_dim)).astype(np.float32)
-    kv = rng.standard_normal((total_pages, config.page_size, 2 * config.kv_heads, config.head_dim))
-    kv = kv.astype(np.float32)
-    kv_lens = np.zeros(max_num_seqs, np.int32)
-    cu_q_lens = np.zeros(max_num_seqs + 1, np.int32)
-    for i, (q_len, kv_len) in enumerate(config.seqs):
-        kv_lens[i], cu_q_lens[i + 1] = kv_len, cu_q_lens[i] + q_len
-    cu_q_lens[len(config.seqs) + 1 :] = cu_q_lens[len(config.seqs)]
-    page_indices = rng.permutation(total_pages).reshape(max_num_seqs, config.pages_per_seq).astype(np.int32)
-    if config.poison_unused_kv:
-        used = np.zeros((total_pages, config.page_size), bool)
-        for i, (_, kv_len) in enumerate(config.seqs):
-            slots = np.arange(kv_len)
-            used[page_indices[i, slots // config.page_size], slots % config.page_size] = True
-        kv[~used] = np.nan
-    return (
-        jnp.asarray(q, config.q_dtype),
-        jnp.asarray(kv, config.kv_dtype),
-        jnp.asarray(kv_lens),
-        jnp.asarray(page_indices),
-        jnp.asarray(cu_q_lens),
-        jnp.asarray([len(config.seqs)], jnp.int32),
-    )
-
-
-def float64_attention(config: Config, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale):
-    """Attention per sequence in float64 from the stored (already rounded) inputs; -inf masking."""
-    q = np.asarray(q.astype(jnp.float32), np.float64)
-    kv_pages = np.asarray(kv_pages.astype(jnp.float32), np.float64)
-    group = config.q_heads // config.kv_heads
-    outputs = []
-    for i in range(int(num_seqs[0])):
-        q_start, q_end, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1]), int(kv_lens[i])
-        if q_end == q_start:
-            continue  # no query rows: nothing to produce (kv_len may be 0)
-        pages = kv_pages[np.asarray(page_indices[i])].reshape(-1, 2 * config.kv_heads, config.head_dim)[
-            :kv_len
-        ]
-        keys = np.repeat(pages[:, 0::2] * (config.k_scale or 1.0), group, axis=1)
-        values = np.repeat(pages[:, 1::2] * (config.v_scale or 1.0), group, axis=1)
-        logits = np.einsum("qhd,khd->hqk", q[q_start:q_end], keys) * sm_scale
-        if config.soft_cap is not None:
-            logits = config.soft_cap * np.tanh(logits / config.soft_cap)
-        position = kv_len - (q_end - q_start) + np.arange(q_end - q_start)[:, None]
-        key = np.arange(kv_len)[None, :]
-        masked = key > position
-        if config.sliding_window is not None:
-            masked |= position - config.sliding_window >= key
-        logits = np.where(masked[None], -np.inf, logits)
-        weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        weights /= weights.sum(axis=-1, keepdims=True)
-        outputs.append(np.einsum("hqk,khd->qhd", weights, values))
-    return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, config.q_heads, config.head_dim))
-
-
 @dataclasses.dataclass
 class Result:
     status: str  # ok | DISCREPANCY | rejected | interpreter-error
-    max_abs_error: float = float("nan")
+    max_ratio: float = float("nan")  # largest error / bound of the tolerance model
     cold_s: float = float("nan")
     warm_s: float = float("nan")
     detail: str = ""
@@ -192,17 +157,8 @@ def last_line(error: BaseException) -> str:
 
 
 def run_one(config: Config, interpreter: str, warm_calls: int) -> Result:
-    args = make_inputs(config)
-    sm_scale = config.head_dim**-0.5
-    options = dict(
-        sm_scale=sm_scale,
-        sliding_window=config.sliding_window,
-        soft_cap=config.soft_cap,
-        k_scale=config.k_scale,
-        v_scale=config.v_scale,
-        num_kv_pages_per_block=config.kv_pages_per_block,
-        num_queries_per_block=config.queries_per_block,
-    )
+    arrays, options = config.case.arrays(), config.case.options()
+    args = [jnp.asarray(arrays[name]) for name in ARRAY_NAMES]
     params = pltpu.InterpretParams() if interpreter == "tpu" else True
     try:
         upstream.dynamic_validate_inputs(*args, **options)
@@ -222,13 +178,10 @@ def run_one(config: Config, interpreter: str, warm_calls: int) -> Result:
     except Exception as error:  # noqa: BLE001 - an interpreter failure is a finding, keep sweeping
         pltpu.reset_tpu_interpret_mode_state()
         return Result("interpreter-error", detail=last_line(error))
-    expected = float64_attention(config, *args, sm_scale=sm_scale)
-    got = np.asarray(out.astype(jnp.float32), np.float64)[: expected.shape[0]]
-    error = float(np.max(np.abs(got - expected))) if np.isfinite(got).all() else float("nan")
-    tolerance = TOLERANCE[config.q_dtype]
-    status = "ok" if error <= tolerance else "DISCREPANCY"
-    detail = f"{int((~np.isfinite(got)).sum())} non-finite outputs" if np.isnan(error) else ""
-    return Result(status, error, cold, warm if warm_calls else float("nan"), detail)
+    comparison = reference.compare(out, reference.oracle(**arrays, **options), label="upstream")
+    status = "ok" if comparison.ok else "DISCREPANCY"
+    detail = "" if comparison.ok else str(comparison).replace("\n", ";")
+    return Result(status, comparison.max_ratio, cold, warm if warm_calls else float("nan"), detail)
 
 
 def main(argv=None) -> int:
@@ -250,7 +203,7 @@ def main(argv=None) -> int:
     configs = [c for c in sweep() if axes is None or c.axis in axes]
     interpreters = arguments.interpreters.split(",")
     print(f"jax {jax.__version__}, {len(configs)} configurations x {interpreters}")
-    header = f"{'axis':<19} {'configuration':<62} {'interp':<8} {'status':<17} {'max|err|':>9} {'cold s':>7} {'warm s':>7}"
+    header = f"{'axis':<19} {'configuration':<62} {'interp':<8} {'status':<17} {'err/bound':>9} {'cold s':>7} {'warm s':>7}"
     print(header)
     print("-" * len(header))
     results: list[tuple[Config, str, Result]] = []
@@ -260,7 +213,7 @@ def main(argv=None) -> int:
             results.append((config, interpreter, result))
             print(
                 f"{config.axis:<19} {config.label()[:62]:<62} {interpreter:<8} {result.status:<17} "
-                f"{result.max_abs_error:>9.2e} {result.cold_s:>7.2f} {result.warm_s:>7.3f}"
+                f"{result.max_ratio:>9.2e} {result.cold_s:>7.2f} {result.warm_s:>7.3f}"
                 + (f"  {result.detail}" if result.detail else ""),
                 flush=True,
             )

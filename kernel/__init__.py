@@ -1,7 +1,7 @@
-"""Our Pallas TPU ragged paged attention kernel and its input validation (upstream's API)."""
+"""Our Pallas TPU ragged paged attention kernel, with upstream's API (validators from ``spec``)."""
 
 from kernel.pallas_rpa import ragged_paged_attention
-from kernel.validation import (
+from spec.interface import (
     DEFAULT_MASK_VALUE,
     dynamic_validate_inputs,
     static_validate_inputs,

@@ -44,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from kernel.validation import DEFAULT_MASK_VALUE, static_validate_inputs
+from spec.interface import OPTION_NAMES, Options, static_validate_inputs, takes_options
 
 # Lane width of the m / l scratch rows: Mosaic keeps per-row statistics broadcast over a full vreg row.
 _STAT_LANES = 128
@@ -157,13 +157,10 @@ def _rpa_kernel(
     acc_ref,  # f32[kv_heads_per_block, block_q * group, head_dim]: unnormalised output
     *,
     pages_per_seq,
-    sm_scale,
-    sliding_window,
-    soft_cap,
-    mask_value,
-    k_scale,
-    v_scale,
+    options,  # Options.semantics(): mask_value resolved
 ):
+    sm_scale, sliding_window, soft_cap = options.sm_scale, options.sliding_window, options.soft_cap
+    mask_value, k_scale, v_scale = options.mask_value, options.k_scale, options.v_scale
     block_q, q_heads_per_block, head_dim = q_ref.shape
     _, kv_pages_per_block, page_size, combined_heads_per_block, _ = kv_buf.shape
     kv_heads_per_block = combined_heads_per_block // 2
@@ -358,20 +355,8 @@ def _first_seq_per_query_block(cu_q_lens, num_seqs, num_query_blocks, block_q):
     return jnp.sum(seq_ends[None, :] <= block_starts[:, None], axis=1, dtype=jnp.int32)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=[
-        "sm_scale",
-        "sliding_window",
-        "soft_cap",
-        "mask_value",
-        "k_scale",
-        "v_scale",
-        "num_kv_pages_per_block",
-        "num_queries_per_block",
-        "vmem_limit_bytes",
-    ],
-)
+@functools.partial(jax.jit, static_argnames=OPTION_NAMES)
+@takes_options
 def ragged_paged_attention(
     q,  # [max_num_batched_tokens, num_q_heads, head_dim]
     kv_pages,  # [total_num_pages, page_size, 2 * num_kv_heads, head_dim], K/V heads interleaved
@@ -379,16 +364,7 @@ def ragged_paged_attention(
     page_indices,  # i32[max_num_seqs, pages_per_seq]
     cu_q_lens,  # i32[max_num_seqs + 1]
     num_seqs,  # i32[1]
-    *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = DEFAULT_MASK_VALUE,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_pages_per_block: int | None = None,
-    num_queries_per_block: int | None = None,
-    vmem_limit_bytes: int | None = None,
+    options: Options,  # upstream's keyword options (spec.interface.Options), static
 ):
     """Attention of mixed prefill and decode sequences over a paged KV cache (upstream's API).
 
@@ -399,25 +375,7 @@ def ragged_paged_attention(
     backend (the other one, if given, is kept). On CPU the call must be traced under
     ``pltpu.force_tpu_interpret_mode(...)``; otherwise compiling it raises a RuntimeError saying so.
     """
-    static_validate_inputs(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
-        vmem_limit_bytes=vmem_limit_bytes,
-    )
-    if mask_value is None:
-        mask_value = DEFAULT_MASK_VALUE
+    static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options.keywords())
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_combined_kv_heads, _ = kv_pages.shape
     num_kv_heads = num_combined_kv_heads // 2
@@ -426,8 +384,8 @@ def ragged_paged_attention(
 
     kv_heads_per_block = kv_heads_per_head_block(num_q_heads, num_kv_heads, q.dtype, kv_pages.dtype)
     q_heads_per_block = kv_heads_per_block * group
-    block_q = num_queries_per_block or default_num_queries_per_block(num_tokens, q_heads_per_block)
-    kv_pages_per_block = num_kv_pages_per_block or default_num_kv_pages_per_block(
+    block_q = options.num_queries_per_block or default_num_queries_per_block(num_tokens, q_heads_per_block)
+    kv_pages_per_block = options.num_kv_pages_per_block or default_num_kv_pages_per_block(
         page_size, pages_per_seq, 2 * kv_heads_per_block, head_dim, kv_pages.dtype
     )
     num_head_blocks = num_kv_heads // kv_heads_per_block
@@ -443,16 +401,7 @@ def ragged_paged_attention(
         _first_seq_per_query_block(cu_q_lens, num_seqs_clamped, num_query_blocks, block_q),
     )
     q_block = pl.BlockSpec((block_q, q_heads_per_block, head_dim), lambda h, b, *_: (b, h, 0))
-    kernel = functools.partial(
-        _rpa_kernel,
-        pages_per_seq=pages_per_seq,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    kernel = functools.partial(_rpa_kernel, pages_per_seq=pages_per_seq, options=options.semantics())
     call = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -470,7 +419,7 @@ def ragged_paged_attention(
             ],
         ),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes
+            dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=options.vmem_limit_bytes
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="rpa_harness_ragged_paged_attention",

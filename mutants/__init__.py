@@ -1,7 +1,7 @@
 """Seeded-bug variants of our kernel, each importable as a target: ``--rpa-target=mutants.NAME``.
 
 Each mutant is built at import time from the *current* source of ``kernel/pallas_rpa.py`` and
-``kernel/validation.py`` with one patch from ``mutants.catalogue`` applied, exec'd into fresh modules, so
+``spec/interface.py`` (the validators) with one patch from ``mutants.catalogue`` applied, exec'd into fresh modules, so
 the production kernel carries no bug switches. A kernel patch gives a module whose kernel is buggy and
 whose validator is ours; a validation patch gives a module whose validator (and the static checks the
 kernel runs) is buggy and whose kernel computes correctly. Every module is registered in ``sys.modules``
@@ -68,7 +68,7 @@ def build(mutant: Mutant) -> types.ModuleType:
         f"{name}_validation", validation_source, f"mutant {mutant.name}: {VALIDATION_FILE}"
     )
     module = _exec_module(name, kernel_source, f"mutant {mutant.name}: {KERNEL_FILE}")
-    # The kernel source imports kernel.validation; point it at this mutant's validator instead.
+    # The kernel source imports the validator from spec.interface; point it at this mutant's instead.
     module.static_validate_inputs = validation.static_validate_inputs
     module.dynamic_validate_inputs = validation.dynamic_validate_inputs
     module.RPA_HARNESS_CAPABILITIES = dataclasses.asdict(OUR_KERNEL)

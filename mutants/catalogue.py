@@ -1,4 +1,4 @@
-"""The seeded bugs: one realistic mistake each, written as a patch of our kernel's or validator's source.
+"""The seeded bugs: one realistic mistake each, written as a patch of our kernel's or the validators' source.
 
 A patch names the file, the exact source text it replaces and the replacement. The text must occur
 exactly once in the current source, so an edit of the kernel that moves or rewrites a patched line makes
@@ -8,7 +8,7 @@ the catalogue fail loudly (``tests/test_mutants.py``) instead of silently testin
 import dataclasses
 
 KERNEL_FILE = "kernel/pallas_rpa.py"
-VALIDATION_FILE = "kernel/validation.py"
+VALIDATION_FILE = "spec/interface.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +202,8 @@ MUTANTS = (
         "q_len_over_kv_len_assert",
         "q_len > kv_len raises a bare AssertionError instead of the ValueError",
         VALIDATION_FILE,
-        'raise ValueError(f"{q_len=} must be less or equal to {kv_len=} at sequence {i}.")',
-        'raise AssertionError(f"{q_len=} must be less or equal to {kv_len=} at sequence {i}.")',
+        "raise ValueError(q_len_over_kv_len_message(",
+        "raise AssertionError(q_len_over_kv_len_message(",
     ),
     Mutant(
         "too_few_pages_floor",
@@ -216,15 +216,14 @@ MUTANTS = (
         "too_many_tokens_reworded",
         "the total-q-tokens message reworded (callers matching upstream's text break)",
         VALIDATION_FILE,
-        "must be less or equal to {max_num_batched_tokens=}.",
-        "must be at most {max_num_batched_tokens=}.",
+        "must be less or equal to max_num_batched_tokens={max_num_batched_tokens!r}.",
+        "must be at most max_num_batched_tokens={max_num_batched_tokens!r}.",
     ),
     Mutant(
         "head_dim_check_missing",
         "the q / K/V head_dim equality check is missing",
         VALIDATION_FILE,
-        "    if head_dim_k != head_dim:\n"
-        '        raise ValueError(f"Q head_dim {head_dim} must be the same as that of K/V {head_dim_k}.")\n',
+        "    if head_dim_k != head_dim:\n        raise ValueError(head_dim_mismatch_message(head_dim, head_dim_k))\n",
         "",
     ),
     Mutant(
@@ -238,8 +237,8 @@ MUTANTS = (
         "soft_cap_wrong_exception",
         "soft_cap=0.0 raises TypeError instead of ValueError",
         VALIDATION_FILE,
-        'raise ValueError(f"{soft_cap=} must not be 0.0.")',
-        'raise TypeError(f"{soft_cap=} must not be 0.0.")',
+        "raise ValueError(soft_cap_zero_message(soft_cap))",
+        "raise TypeError(soft_cap_zero_message(soft_cap))",
     ),
     Mutant(
         "kv_block_upper_bound_exclusive",

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernel.validation import DEFAULT_MASK_VALUE, static_validate_inputs
+from spec.interface import Options, static_validate_inputs, takes_options
 
 # Upper bound on the elements of one float32 logit block; the query block shrinks to stay under it.
 _MAX_LOGIT_BLOCK_ELEMENTS = 1 << 22
@@ -41,25 +41,11 @@ def _scaled(x, scale, q_dtype):
     return (x.astype(jnp.float32) * scale).astype(q_dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale"),
-)
-def _ragged_paged_attention(
-    q,
-    kv_pages,
-    kv_lens,
-    page_indices,
-    cu_q_lens,
-    num_seqs,
-    *,
-    sm_scale,
-    sliding_window,
-    soft_cap,
-    mask_value,
-    k_scale,
-    v_scale,
-):
+@functools.partial(jax.jit, static_argnames=("options",))
+def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, options: Options):
+    """``options`` is ``Options.semantics()``: one compilation per shape and meaning, whatever the block sizes."""
+    sm_scale, sliding_window, soft_cap = options.sm_scale, options.sliding_window, options.soft_cap
+    mask_value, k_scale, v_scale = options.mask_value, options.k_scale, options.v_scale
     num_tokens, num_q_heads, head_dim = q.shape
     total_num_pages, page_size, num_combined_kv_heads, _ = kv_pages.shape
     max_num_seqs, pages_per_seq = page_indices.shape
@@ -122,53 +108,16 @@ def _ragged_paged_attention(
     return out[:num_tokens].astype(q.dtype)
 
 
-def ragged_paged_attention(
-    q,  # [max_num_batched_tokens, num_q_heads, head_dim]
-    kv_pages,  # [total_num_pages, page_size, 2 * num_kv_heads, head_dim], K and V interleaved
-    kv_lens,  # i32[max_num_seqs]
-    page_indices,  # i32[max_num_seqs, pages_per_seq]
-    cu_q_lens,  # i32[max_num_seqs + 1]
-    num_seqs,  # i32[1]
-    *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = DEFAULT_MASK_VALUE,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_pages_per_block: int | None = None,
-    num_queries_per_block: int | None = None,
-    vmem_limit_bytes: int | None = None,
-):
+@takes_options
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Options):
     """Reference ragged paged attention, same signature and semantics as upstream's kernel.
 
     The block-size and VMEM options are validated like the kernel's and otherwise ignored. Inputs are
-    assumed dynamically valid (see ``kernel.validation.dynamic_validate_inputs``); metadata slots past
-    ``num_seqs`` are never read.
+    assumed dynamically valid (see ``spec.dynamic_validate_inputs``); metadata slots past ``num_seqs`` are
+    never read.
     """
-    static_validate_inputs(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
-        vmem_limit_bytes=vmem_limit_bytes,
-    )
+    static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options.keywords())
     return _ragged_paged_attention(
         *(jnp.asarray(x) for x in (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)),
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
+        options=options.semantics(),
     )

@@ -13,8 +13,8 @@ import dataclasses
 
 import numpy as np
 
-from kernel.validation import DEFAULT_MASK_VALUE, static_validate_inputs
 from reference.tolerance import key_error_units
+from spec.interface import Options, static_validate_inputs, takes_options
 
 # Upper bound on the elements of one [heads, rows, keys] float64 block.
 _MAX_BLOCK_ELEMENTS = 1 << 21
@@ -77,43 +77,13 @@ def _check_live_metadata(num_tokens, page_size, pages_per_seq, total_num_pages, 
             )
 
 
-def oracle(
-    q,
-    kv_pages,
-    kv_lens,
-    page_indices,
-    cu_q_lens,
-    num_seqs,
-    *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = DEFAULT_MASK_VALUE,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_pages_per_block: int | None = None,
-    num_queries_per_block: int | None = None,
-    vmem_limit_bytes: int | None = None,
-) -> OracleResult:
+@takes_options
+def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Options) -> OracleResult:
     """Float64 ragged paged attention; same signature as the kernel (block and VMEM options are ignored)."""
-    static_validate_inputs(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        mask_value=mask_value,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        num_kv_pages_per_block=num_kv_pages_per_block,
-        num_queries_per_block=num_queries_per_block,
-        vmem_limit_bytes=vmem_limit_bytes,
-    )
-    mask_value = DEFAULT_MASK_VALUE if mask_value is None else mask_value
+    static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options.keywords())
+    options = options.semantics()
+    sm_scale, sliding_window, soft_cap = options.sm_scale, options.sliding_window, options.soft_cap
+    mask_value, k_scale, v_scale = options.mask_value, options.k_scale, options.v_scale
     q = np.asarray(q)
     kv_pages = np.asarray(kv_pages)
     kv_lens = np.asarray(kv_lens).astype(np.int64)

@@ -1,9 +1,11 @@
 """The case model: one frozen dataclass that fully determines a kernel call.
 
 A ``Case`` holds the static configuration (shape bucket, heads, dtypes), the ragged layout (one
-``(q_len, kv_len)`` pair per live sequence), the keyword options, and how to fill the arrays (a seed and a
-value profile). Arrays are built from it with NumPy alone, so strategies never touch JAX and a failing
-case can be rebuilt exactly from its ``repr`` or its JSON.
+``(q_len, kv_len)`` pair per live sequence), the keyword options (inherited from ``spec.Options``, so an
+option added to the specification is a field here and is passed by ``options()`` without an edit), and
+how to fill the arrays (a seed, a value profile and scale, the padding). Arrays are built from it with
+NumPy alone, so strategies never touch JAX and a failing case can be rebuilt exactly from its ``repr`` or
+its JSON. Every test and benchmark builds its inputs here.
 """
 
 import dataclasses
@@ -13,7 +15,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from kernel.validation import DEFAULT_MASK_VALUE
+from spec.interface import OPTION_DEFAULTS, OPTION_NAMES, Options
 
 DTYPES = {
     "float32": np.dtype(np.float32),
@@ -30,22 +32,12 @@ VALUE_PROFILES = {
     "tiny": 1e-3,  # nearly uniform softmax
 }
 
-OPTION_NAMES = (
-    "sm_scale",
-    "sliding_window",
-    "soft_cap",
-    "mask_value",
-    "k_scale",
-    "v_scale",
-    "num_kv_pages_per_block",
-    "num_queries_per_block",
-    "vmem_limit_bytes",
-)
+INT32 = np.iinfo(np.int32)
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One kernel call: static shapes, ragged layout, options and data."""
+@dataclasses.dataclass(frozen=True, repr=False)
+class Case(Options):
+    """One kernel call: static shapes, ragged layout, options (keyword-only, from ``Options``) and data."""
 
     # Static shape bucket.
     max_num_batched_tokens: int
@@ -61,21 +53,16 @@ class Case:
     # Ragged layout: one entry per live sequence (num_seqs = len(q_lens)).
     q_lens: tuple[int, ...] = ()
     kv_lens: tuple[int, ...] = ()
-    # Keyword options, passed only where they differ from the upstream defaults.
-    sm_scale: float = 1.0
-    sliding_window: int | None = None
-    soft_cap: float | None = None
-    mask_value: float | None = DEFAULT_MASK_VALUE
-    k_scale: float | None = None
-    v_scale: float | None = None
-    num_kv_pages_per_block: int | None = None
-    num_queries_per_block: int | None = None
-    vmem_limit_bytes: int | None = None
     # Data.
     seed: int = 0
     values: str = "normal"
+    kv_value_scale: float = 1.0  # multiplies the drawn K/V values (puts an fp8 cache in its range)
     poison: bool = True  # NaN in page tails, unused pages and padding query rows
     garbage: bool = False  # arbitrary int32 in unused metadata slots (kv_lens kept within the page table)
+    # Explicit garbage: unused page-table entries and metadata slots past num_seqs cycle through these
+    # int32 values (instead of drawn ones). They may break upstream's page check, which reads every kv_lens
+    # slot: for calls of the kernel alone.
+    garbage_values: tuple[int, ...] = ()
 
     def __post_init__(self):
         if len(self.q_lens) != len(self.kv_lens):
@@ -84,6 +71,15 @@ class Case:
             )
         if self.values not in VALUE_PROFILES:
             raise ValueError(f"values={self.values!r} must be one of {sorted(VALUE_PROFILES)}")
+        if any(not INT32.min <= value <= INT32.max for value in self.garbage_values):
+            raise ValueError(f"garbage_values={self.garbage_values} must all fit in int32")
+
+    def __repr__(self):
+        """Evaluable, in reading order: shapes and layout, then the options that are set, then the data."""
+        own = [f.name for f in dataclasses.fields(self) if f.name not in OPTION_NAMES]
+        data = own.index("seed")
+        names = own[:data] + [n for n in OPTION_NAMES if n in self.options()] + own[data:]
+        return f"Case({', '.join(f'{name}={getattr(self, name)!r}' for name in names)})"
 
     @property
     def num_seqs(self) -> int:
@@ -100,8 +96,11 @@ class Case:
 
     def options(self) -> dict:
         """Keyword options that differ from the upstream defaults (what a caller would pass)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in OPTION_NAMES}
-        return {name: getattr(self, name) for name in OPTION_NAMES if getattr(self, name) != defaults[name]}
+        return {
+            name: getattr(self, name)
+            for name in OPTION_NAMES
+            if getattr(self, name) != getattr(OPTION_DEFAULTS, name)
+        }
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The six inputs as NumPy arrays, deterministic in the case (seed included)."""
@@ -123,18 +122,27 @@ class Case:
         used_pages = np.split(permutation[: sum(pages_used)], np.cumsum(pages_used)[:-1])
         for i, pages in enumerate(used_pages[:n]):
             page_indices[i, : len(pages)] = pages
-        if self.garbage:
+        if self.garbage_values:
+
+            def cycled(size):
+                return np.resize(np.asarray(self.garbage_values, np.int32), size)
+
+            for i in range(max_seqs):
+                start = pages_used[i] if i < n else 0
+                page_indices[i, start:] = cycled(self.pages_per_seq - start)
+            kv_lens[n:] = cycled(max_seqs - n)
+            cu_q_lens[n + 1 :] = cycled(max_seqs - n)
+        elif self.garbage:
             # Unused slots hold either arbitrary int32 or stale, in-range metadata as an earlier batch left
             # it (one coin per case): stale rows and pages overlap the live ones, which catches a kernel that
             # reads past num_seqs.
             stale = garbage_rng.random() < 0.5
-            int32 = np.iinfo(np.int32)
 
             def garbage(size, stale_high):
                 return (
                     garbage_rng.integers(0, stale_high + 1, size)
                     if stale
-                    else garbage_rng.integers(int32.min, int32.max, size)
+                    else garbage_rng.integers(INT32.min, INT32.max, size)
                 )
 
             for i in range(max_seqs):
@@ -158,7 +166,8 @@ class Case:
             np.arange(q_shape[0]) < self.num_tokens,
         )
         kv_pages = self._padded(
-            self._values(values_rng, (int(live.sum()), *kv_shape[2:]), self.kv_dtype), live
+            self._values(values_rng, (int(live.sum()), *kv_shape[2:]), self.kv_dtype, self.kv_value_scale),
+            live,
         )
         return {
             "q": q,
@@ -169,11 +178,13 @@ class Case:
             "num_seqs": np.array([n], np.int32),
         }
 
-    def _values(self, rng, shape, dtype_name):
+    def _values(self, rng, shape, dtype_name, scale=1.0):
         if self.values == "ties":
             data = rng.integers(-1, 2, shape).astype(np.float32)
         else:
             data = rng.standard_normal(shape, dtype=np.float32) * np.float32(VALUE_PROFILES[self.values])
+        if scale != 1.0:
+            data = data * np.float32(scale)
         return data.astype(DTYPES[dtype_name])
 
     def _padded(self, values: np.ndarray, is_live: np.ndarray) -> np.ndarray:
@@ -196,6 +207,7 @@ class Case:
         fields = json.loads(text)
         fields["q_lens"] = tuple(fields["q_lens"])
         fields["kv_lens"] = tuple(fields["kv_lens"])
+        fields["garbage_values"] = tuple(fields.get("garbage_values", ()))
         return cls(**fields)
 
     def describe(self) -> str:

@@ -13,7 +13,7 @@ import math
 from hypothesis import event
 from hypothesis import strategies as st
 
-from kernel.validation import DEFAULT_MASK_VALUE
+from spec.interface import DEFAULT_MASK_VALUE
 from strategies.case import Case
 
 
@@ -54,6 +54,30 @@ class Capabilities:
     # Opt-ins beyond the specified behaviour: our stricter ValueErrors, and lowering to Mosaic on CPU.
     strict_validation: bool = False
     lowers_for_tpu: bool = False
+
+    def __post_init__(self):
+        """Capabilities only narrow the specified space: each choice is a non-empty subset of the default
+        (buckets: of BUCKETS). Checked here, once, so that a typo is one clear error instead of a strategy
+        that draws nothing or a dtype no case can build."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, tuple):
+                continue
+            allowed = tuple(BUCKETS) if field.name == "buckets" else field.default
+            unknown = [v for v in value if v not in allowed]
+            if unknown or not value:
+                problem = (
+                    f"{unknown} not in the specified space" if unknown else "empty, so nothing can be drawn"
+                )
+                raise ValueError(
+                    f"Capabilities({field.name}={value!r}): {problem}; choose a non-empty subset of {allowed}."
+                )
+        fp8 = [d for d in self.kv_dtypes if d.startswith("float8")]
+        if self.even_kv_heads_for_fp8 and fp8 and not any(h % 2 == 0 for h in self.num_kv_heads):
+            raise ValueError(
+                f"Capabilities(num_kv_heads={self.num_kv_heads!r}, even_kv_heads_for_fp8=True, kv_dtypes "
+                f"{fp8}): no even num_kv_heads for the 8-bit KV dtypes; add one or drop those dtypes."
+            )
 
 
 OUR_KERNEL = Capabilities(strict_validation=True, lowers_for_tpu=True)

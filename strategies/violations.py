@@ -3,8 +3,10 @@
 Each rule takes a valid case and breaks exactly one documented constraint. ``RULES`` maps a rule to
 where it is raised (``static``: by ``ragged_paged_attention`` itself; ``dynamic``: by
 ``dynamic_validate_inputs``), what upstream does with it, and a function that makes the violation and
-returns the exact ``ValueError`` message expected for it. Messages are built for inputs passed as jax
-arrays, which is how the harness calls every target (a jax scalar renders as ``Array(7, dtype=int32)``).
+returns the exact ``ValueError`` message expected for it, rendered by the message function of
+``spec.interface`` that the validators raise (the wording is stated once). Messages are built for inputs
+passed as jax arrays, which is how the harness calls every target (a jax scalar renders as
+``Array(7, dtype=int32)``).
 """
 
 import dataclasses
@@ -14,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 from hypothesis import strategies as st
 
+from spec import interface as spec
 from strategies.case import Case
 from strategies.valid import OUR_KERNEL, Capabilities, valid_cases
 
@@ -23,8 +26,14 @@ UPSTREAM_ASSERTS = "raises a bare AssertionError"
 UPSTREAM_ACCEPTS = "accepts it (the kernel then reads out of bounds or runs on garbage)"
 
 
-def _jax_int(value: int) -> str:
-    return f"Array({value}, dtype=int32)"
+@dataclasses.dataclass(frozen=True)
+class _JaxInt:
+    """An int32 as the validators see it when the input is a jax array: its repr is jax's."""
+
+    value: int
+
+    def __repr__(self) -> str:
+        return f"Array({self.value}, dtype=int32)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,39 +49,32 @@ class Rule:
 def _num_seqs_shape(arrays, options, case, param):
     shape = [(2,), (), (1, 1)][param % 3]
     arrays["num_seqs"] = np.full(shape, case.num_seqs, np.int32)
-    return f"num_seqs.shape={shape} must be (1,)"
+    return spec.num_seqs_shape_message(shape)
 
 
 def _head_dim_mismatch(arrays, options, case, param):
     head_dim = case.head_dim // 2
     arrays["q"] = dataclasses.replace(case, head_dim=head_dim).arrays()["q"]
-    return f"Q head_dim {head_dim} must be the same as that of K/V {case.head_dim}."
+    return spec.head_dim_mismatch_message(head_dim, case.head_dim)
 
 
 def _kv_lens_shape(arrays, options, case, param):
     length = case.max_num_seqs + (1 if param % 2 else -1)
     arrays["kv_lens"] = np.resize(arrays["kv_lens"], length)
-    return (
-        f"Expected kv_lens.shape=({length},) to be ({case.max_num_seqs},) where"
-        " `max_num_seqs` is `page_indices.shape[0]`."
-    )
+    return spec.kv_lens_shape_message((length,), case.max_num_seqs)
 
 
 def _cu_q_lens_shape(arrays, options, case, param):
     length = case.max_num_seqs + (2 if param % 2 else 0)
     arrays["cu_q_lens"] = np.resize(arrays["cu_q_lens"], length)
-    return (
-        f"Expected cu_q_lens.shape=({length},) to be ({case.max_num_seqs + 1},)  where"
-        " `max_num_seqs` is `page_indices.shape[0]`."
-    )
+    return spec.cu_q_lens_shape_message((length,), case.max_num_seqs)
 
 
 def _index_dtype(arrays, options, case, param):
     name = ("kv_lens", "page_indices", "cu_q_lens")[param % 3]
     dtype = np.dtype((np.int16, np.uint32, np.float32)[param // 3 % 3])
     arrays[name] = arrays[name].astype(dtype)
-    got = ", ".join(f"{n}.dtype={arrays[n].dtype!r}" for n in ("kv_lens", "page_indices", "cu_q_lens"))
-    return f"The dtype of `kv_lens`, `page_indices`, and `cu_q_lens` must be int32. Got {got}."
+    return spec.index_dtype_message(*(arrays[n].dtype for n in ("kv_lens", "page_indices", "cu_q_lens")))
 
 
 def _heads_not_divisible(arrays, options, case, param):
@@ -82,48 +84,47 @@ def _heads_not_divisible(arrays, options, case, param):
         arrays["kv_pages"] = dataclasses.replace(case, num_kv_heads=2).arrays()["kv_pages"]
     num_q_heads = num_kv_heads * (1 + param % 2) + 1
     arrays["q"] = dataclasses.replace(case, num_q_heads=num_q_heads).arrays()["q"]
-    return f"num_q_heads={num_q_heads} must be divisible by num_kv_heads={num_kv_heads}"
+    return spec.heads_not_divisible_message(num_q_heads, num_kv_heads)
 
 
 def _sliding_window(arrays, options, case, param):
     options["sliding_window"] = -(param % 3)
-    return f"sliding_window={options['sliding_window']} must be positive."
+    return spec.not_positive_message("sliding_window", options["sliding_window"])
 
 
 def _soft_cap(arrays, options, case, param):
     options["soft_cap"] = (0.0, -0.0)[param % 2]
-    return f"soft_cap={options['soft_cap']!r} must not be 0.0."
+    return spec.soft_cap_zero_message(options["soft_cap"])
 
 
 def _kv_block(arrays, options, case, param):
     options["num_kv_pages_per_block"] = (0, -1, case.pages_per_seq + 1)[param % 3]
-    return f"num_kv_pages_per_block={options['num_kv_pages_per_block']} must be in range (0, {case.pages_per_seq}]."
+    return spec.kv_block_out_of_range_message(options["num_kv_pages_per_block"], case.pages_per_seq)
 
 
 def _query_block(arrays, options, case, param):
     options["num_queries_per_block"] = -(param % 2)
-    return f"num_queries_per_block={options['num_queries_per_block']} must be positive."
+    return spec.not_positive_message("num_queries_per_block", options["num_queries_per_block"])
 
 
 def _vmem_limit(arrays, options, case, param):
     options["vmem_limit_bytes"] = (0, -1, -(2**20))[param % 3]
-    return f"vmem_limit_bytes={options['vmem_limit_bytes']} must be positive."
+    return spec.not_positive_message("vmem_limit_bytes", options["vmem_limit_bytes"])
 
 
 def _num_seqs_over_max(arrays, options, case, param):
     num_seqs = case.max_num_seqs + 1 + param % 3
     arrays["num_seqs"] = np.array([num_seqs], np.int32)
-    return f"num_seqs[0]={_jax_int(num_seqs)} must be less or equal to max_num_seqs={case.max_num_seqs}"
+    return spec.num_seqs_over_max_message(_JaxInt(num_seqs), case.max_num_seqs)
 
 
 def _too_few_pages(arrays, options, case, param):
     slot = param % case.max_num_seqs  # a live sequence or a padding slot: upstream checks every slot
     arrays["kv_lens"][slot] = case.kv_capacity + 1 + param % case.page_size
     max_kv_len = int(arrays["kv_lens"].max())
-    return (
-        f"pages_per_seq={case.pages_per_seq} must be greater or equal to"
-        f" min_pages_per_seq={_jax_int(math.ceil(max_kv_len / case.page_size))}"
-        f" given max_kv_len={_jax_int(max_kv_len)} and page_size={case.page_size}."
+    min_pages_per_seq = _JaxInt(math.ceil(max_kv_len / case.page_size))
+    return spec.too_few_pages_message(
+        case.pages_per_seq, min_pages_per_seq, _JaxInt(max_kv_len), case.page_size
     )
 
 
@@ -152,7 +153,7 @@ def _too_many_tokens(arrays, options, case, param):
     arrays["cu_q_lens"][num_seqs] = total
     q_len = total - int(arrays["cu_q_lens"][last])
     _set_kv_len(arrays, case, last, max(q_len, int(arrays["kv_lens"][last])))
-    return f"Total q tokens {total} must be less or equal to max_num_batched_tokens={case.max_num_batched_tokens}."
+    return spec.too_many_tokens_message(total, case.max_num_batched_tokens)
 
 
 def _q_len_over_kv_len(arrays, options, case, param):
@@ -167,27 +168,20 @@ def _q_len_over_kv_len(arrays, options, case, param):
     q_len = int(cu[seq + 1] - cu[seq])
     kv_len = q_len - 1 - param // len(with_queries) % q_len
     arrays["kv_lens"][seq] = kv_len
-    return f"q_len={_jax_int(q_len)} must be less or equal to kv_len={_jax_int(kv_len)} at sequence {seq}."
+    return spec.q_len_over_kv_len_message(_JaxInt(q_len), _JaxInt(kv_len), seq)
 
 
 def _odd_kv_heads(arrays, options, case, param):
     kv_pages = arrays["kv_pages"]
     arrays["kv_pages"] = np.concatenate([kv_pages, kv_pages[:, :, :1]], axis=2)
-    combined = kv_pages.shape[2] + 1
-    return (
-        f"kv_pages.shape[2]={combined} (num_combined_kv_heads) must be even: K and V "
-        "heads are interleaved, so it holds 2 * num_kv_heads."
-    )
+    return spec.odd_combined_kv_heads_message(kv_pages.shape[2] + 1)
 
 
 def _scale_not_float(name):
     def break_(arrays, options, case, param):
         value = (1, 2, np.float32(0.5))[param % 3]
         options[name] = value
-        return (
-            f"{name}={value!r} must be a Python float or None, got {type(value).__name__}; "
-            f"pass float({name}) instead."
-        )
+        return spec.scale_not_float_message(name, value)
 
     return break_
 
@@ -200,7 +194,7 @@ def _negative_num_seqs(arrays, options, case, param):
     wrapped = case.max_num_seqs + 1 + num_seqs
     if wrapped > case.num_seqs:
         arrays["cu_q_lens"][wrapped] = 0
-    return f"num_seqs[0]={_jax_int(num_seqs)} must be non-negative: it counts the sequences in the batch."
+    return spec.negative_num_seqs_message(_JaxInt(num_seqs))
 
 
 def _decreasing_cu_q_lens(arrays, options, case, param):
@@ -208,10 +202,7 @@ def _decreasing_cu_q_lens(arrays, options, case, param):
     last = num_seqs - 1  # the last sequence, so that no later sequence's q_len grows
     q_len = -1 - param % 3
     arrays["cu_q_lens"][num_seqs] = arrays["cu_q_lens"][last] + q_len
-    return (
-        f"q_len={_jax_int(q_len)} must be non-negative at sequence {last}: cu_q_lens must not decrease over the"
-        " first num_seqs + 1 entries."
-    )
+    return spec.negative_q_len_message(_JaxInt(q_len), last)
 
 
 def _page_out_of_range(arrays, options, case, param):
@@ -225,10 +216,7 @@ def _page_out_of_range(arrays, options, case, param):
     page = param // len(readers) % math.ceil(kv_len / case.page_size)
     value = (case.total_num_pages, -1, case.total_num_pages + 1000)[param % 3]
     arrays["page_indices"][seq, page] = value
-    return (
-        f"page_indices[{seq}, {page}]={value} must be in [0, {case.total_num_pages}) "
-        f"(total_num_pages): sequence {seq} reads page {page} of its kv_len={kv_len}."
-    )
+    return spec.page_out_of_range_message(seq, page, value, case.total_num_pages, kv_len)
 
 
 RULES: dict[str, Rule] = {

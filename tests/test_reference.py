@@ -11,12 +11,12 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ups
 
 from reference import compare, error_bound, oracle, ragged_paged_attention
 from reference.jnp_reference import _ragged_paged_attention
+from strategies.case import Case
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 F32 = np.dtype(np.float32)
-INT32 = np.iinfo(np.int32)
 
 
 def build_case(
@@ -35,44 +35,26 @@ def build_case(
     spare_pages=1,
     garbage=True,
 ):
-    """Random ragged inputs with NaN in every slot no live key or row owns, and (with ``garbage``) arbitrary
-    int32 in unused page-table entries and metadata slots past num_seqs."""
-    rng = np.random.default_rng(seed)
-    n = len(q_lens)
-    max_num_seqs = n + spare_seqs
-    pages_per_seq = max(1, math.ceil(max(kv_lens, default=1) / page_size)) + spare_pages
-    pages_used = [math.ceil(kv / page_size) for kv in kv_lens]
-    total_num_pages = sum(pages_used) + 2
-    num_tokens = sum(q_lens) + spare_rows
-    page_indices = np.zeros((max_num_seqs, pages_per_seq), np.int32)
-    kv_lens_arr = np.zeros(max_num_seqs, np.int32)
-    cu_q_lens = np.full(max_num_seqs + 1, sum(q_lens), np.int32)
-    cu_q_lens[: n + 1] = np.cumsum([0, *q_lens])
-    kv_lens_arr[:n] = kv_lens
-    if garbage:
-        page_indices[:] = rng.integers(INT32.min, INT32.max, page_indices.shape, dtype=np.int32)
-        kv_lens_arr[n:] = rng.integers(INT32.min, INT32.max, max_num_seqs - n, dtype=np.int32)
-        cu_q_lens[n + 1 :] = rng.integers(INT32.min, INT32.max, max_num_seqs - n, dtype=np.int32)
-    permutation = rng.permutation(total_num_pages)
-    live = np.zeros((total_num_pages, page_size), bool)
-    start = 0
-    for i, (used, kv_len) in enumerate(zip(pages_used, kv_lens, strict=True)):
-        pages = permutation[start : start + used]
-        start += used
-        page_indices[i, :used] = pages
-        live[pages] = (np.arange(used * page_size) < kv_len).reshape(used, page_size)
-    q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(q_dtype)
-    q[sum(q_lens) :] = np.nan
-    kv_pages = rng.standard_normal((total_num_pages, page_size, 2 * num_kv_heads, head_dim)).astype(kv_dtype)
-    kv_pages[~live] = np.nan
-    return {
-        "q": q,
-        "kv_pages": kv_pages,
-        "kv_lens": kv_lens_arr,
-        "page_indices": page_indices,
-        "cu_q_lens": cu_q_lens,
-        "num_seqs": np.array([n], np.int32),
-    }
+    """The arrays of a ``Case`` sized to the layout plus spare sequence slots, query rows and pages: NaN in
+    every slot no live key or row owns, and (with ``garbage``) arbitrary int32 in unused page-table entries
+    and metadata slots past num_seqs."""
+    case = Case(
+        max_num_batched_tokens=sum(q_lens) + spare_rows,
+        max_num_seqs=len(q_lens) + spare_seqs,
+        pages_per_seq=max(1, math.ceil(max(kv_lens, default=1) / page_size)) + spare_pages,
+        total_num_pages=sum(math.ceil(kv / page_size) for kv in kv_lens) + 2,
+        page_size=page_size,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        q_dtype=np.dtype(q_dtype).name,
+        kv_dtype=np.dtype(kv_dtype).name,
+        q_lens=tuple(q_lens),
+        kv_lens=tuple(kv_lens),
+        seed=seed,
+        garbage=garbage,
+    )
+    return case.arrays()
 
 
 def check_reference(arrays, **options):

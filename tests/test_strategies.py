@@ -11,8 +11,8 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ups
 
 from harness.targets import as_jax
 from kernel import dynamic_validate_inputs
-from kernel.validation import DEFAULT_MASK_VALUE
-from strategies.valid import OUR_KERNEL, coverage_labels, valid_cases
+from spec.interface import DEFAULT_MASK_VALUE
+from strategies.valid import OUR_KERNEL, Capabilities, coverage_labels, valid_cases
 from strategies.violations import RULES, UPSTREAM_RULES, invalid_cases
 
 
@@ -100,3 +100,21 @@ def test_every_coverage_label_occurs():
     expected |= {f"GQA ratio {r}" for r in OUR_KERNEL.gqa_ratios}
     expected |= {f"values: {v}" for v in ("normal", "large", "ties", "tiny")}
     assert expected <= set(seen), expected - set(seen)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(head_dims=(96,)), r"Capabilities\(head_dims=\(96,\)\): \[96\] not in the specified space; choose "
+         r"a non-empty subset of \(64, 128, 256\)\."),
+        (dict(kv_dtypes=("float32", "float16")), r"\['float16'\] not in the specified space"),
+        (dict(q_dtypes=()), r"q_dtypes=\(\)\): empty, so nothing can be drawn"),
+        (dict(buckets=("huge",)), r"\['huge'\] not in the specified space; choose a non-empty subset of "
+         r"\('tiny', 'small', 'medium'\)"),
+        (dict(num_kv_heads=(1,), even_kv_heads_for_fp8=True), r"no even num_kv_heads for the 8-bit KV dtypes"),
+    ],
+)  # fmt: skip
+def test_capabilities_outside_the_specified_space_are_one_clear_error(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Capabilities(**fields)
+    Capabilities(head_dims=(128,), kv_dtypes=("bfloat16",), buckets=("medium",))  # a subset is fine
