@@ -17,7 +17,6 @@ import jax
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-
 INTERPRET = "interpret"
 FAST_INTERPRET = "fast-interpret"
 TPU = "tpu"

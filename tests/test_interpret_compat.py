@@ -649,8 +649,11 @@ def test_a_gap_whose_internals_moved_stays_unpatched_warns_once_and_the_rest_app
         raise InternalsMoved("interpret_pallas_call.get takes (something_else)")
 
     with layer_off():
-        monkeypatch.setattr(tpu_gaps, "GAPS", (dataclasses.replace(tpu_gaps.REF_VIEWS, check_internals=moved),
-                                               *tpu_gaps.GAPS[1:]))
+        monkeypatch.setattr(
+            tpu_gaps,
+            "GAPS",
+            (dataclasses.replace(tpu_gaps.REF_VIEWS, check_internals=moved), *tpu_gaps.GAPS[1:]),
+        )
         monkeypatch.setattr(interpret_compat, "_statuses", None)
         try:
             with pytest.warns(UserWarning, match=f"tpu-ref-views .* on jax {jax.__version__}"):
@@ -676,7 +679,9 @@ def test_importing_the_layer_imports_no_private_jax_module():
         "import harness.interpret_compat\n"
         "print(sorted(m for m in set(sys.modules) - before if m.startswith('jax._src')))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert result.stdout.strip() == "[]"
 
 

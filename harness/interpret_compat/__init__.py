@@ -32,7 +32,15 @@ import jax
 
 from harness.interpret_compat.views import tpu_bitcast
 
-__all__ = ["GapStatus", "gap_statuses", "install", "is_installed", "tpu_bitcast", "uninstall", "unpatched_gaps"]
+__all__ = [
+    "GapStatus",
+    "gap_statuses",
+    "install",
+    "is_installed",
+    "tpu_bitcast",
+    "uninstall",
+    "unpatched_gaps",
+]
 
 PATCHED = "patched"
 """The gap exists on this jax and its patch applies (applied while the layer is installed)."""
@@ -66,7 +74,9 @@ def _survey(gap) -> GapStatus:
     """Probe ``gap`` on the unpatched interpreters and check the internals its patch replaces."""
     try:
         if not gap.probe():
-            return GapStatus(gap.name, gap.interpreter, CLOSED, f"jax {jax.__version__} has no gap {gap.name}")
+            return GapStatus(
+                gap.name, gap.interpreter, CLOSED, f"jax {jax.__version__} has no gap {gap.name}"
+            )
         gap.check_internals()
     except Exception as error:  # noqa: BLE001 - whatever moved, the gap stays unpatched with the reason
         reason = (

@@ -109,11 +109,7 @@ def _leading_for(leading: tuple, num_args: int) -> tuple:
     if len(leading) == 2:
         return [None] * num_args, leading[1]
     (context,) = leading
-    return (
-        context.replace(
-            in_avals=[None] * num_args, should_discharge=[True] + [False] * (num_args - 1)
-        ),
-    )
+    return (context.replace(in_avals=[None] * num_args, should_discharge=[True] + [False] * (num_args - 1)),)
 
 
 def _rule_internals(*primitive_names: str) -> None:
@@ -215,7 +211,9 @@ def _view_stores_internals() -> None:
     internals = _internals()
     require_attributes(internals.discharge, "transform_array", "transform_swap_array")
     require_attributes(internals.state_utils, "bitcast")
-    require_parameters(internals.discharge.transform_swap_array, ["x", "transforms", "val"], "transform_swap_array")
+    require_parameters(
+        internals.discharge.transform_swap_array, ["x", "transforms", "val"], "transform_swap_array"
+    )
     require_parameters(internals.discharge.transform_array, ["x", "transforms"], "transform_array")
     require_attributes(internals.indexing.NDIndexer, "make_trivial_indexer")
     _rule_internals("swap_p")
@@ -349,7 +347,9 @@ def _scalar_prefetch_internals() -> None:
     interpreter = _internals().hlo_interpreter
     require_attributes(interpreter, "kernel_to_hlo_jaxpr")
     require_parameters(
-        interpreter.kernel_to_hlo_jaxpr, ["jaxpr", "consts", "grid_mapping"], "hlo_interpreter.kernel_to_hlo_jaxpr"
+        interpreter.kernel_to_hlo_jaxpr,
+        ["jaxpr", "consts", "grid_mapping"],
+        "hlo_interpreter.kernel_to_hlo_jaxpr",
     )
 
 
@@ -401,7 +401,11 @@ def _kernel_jaxpr_carrying_scalar_prefetch(original_kernel_to_hlo_jaxpr: Callabl
 def _scalar_prefetch_patches() -> list[Patch]:
     interpreter = _internals().hlo_interpreter
     return [
-        Patch(interpreter, "kernel_to_hlo_jaxpr", _kernel_jaxpr_carrying_scalar_prefetch(interpreter.kernel_to_hlo_jaxpr))
+        Patch(
+            interpreter,
+            "kernel_to_hlo_jaxpr",
+            _kernel_jaxpr_carrying_scalar_prefetch(interpreter.kernel_to_hlo_jaxpr),
+        )
     ]
 
 
@@ -454,7 +458,9 @@ def _transform_array_moving_bits(original: Callable) -> Callable:
         bits = _moves_bits(x, transforms)
         if bits is None:
             return original(x, transforms)
-        return jax.lax.bitcast_convert_type(original(jax.lax.bitcast_convert_type(x, bits), transforms), x.dtype)
+        return jax.lax.bitcast_convert_type(
+            original(jax.lax.bitcast_convert_type(x, bits), transforms), x.dtype
+        )
 
     return transform_array
 
@@ -468,7 +474,9 @@ def _transform_swap_array_moving_bits(original: Callable) -> Callable:
         old_bits, new_bits = original(
             jax.lax.bitcast_convert_type(x, bits), transforms, jax.lax.bitcast_convert_type(val, bits)
         )
-        return jax.lax.bitcast_convert_type(old_bits, x.dtype), jax.lax.bitcast_convert_type(new_bits, x.dtype)
+        return jax.lax.bitcast_convert_type(old_bits, x.dtype), jax.lax.bitcast_convert_type(
+            new_bits, x.dtype
+        )
 
     return transform_swap_array
 
@@ -478,7 +486,11 @@ def _narrow_float_patches() -> list[Patch]:
     discharge = _internals().discharge
     return [
         Patch(discharge, "transform_array", _transform_array_moving_bits(discharge.transform_array)),
-        Patch(discharge, "transform_swap_array", _transform_swap_array_moving_bits(discharge.transform_swap_array)),
+        Patch(
+            discharge,
+            "transform_swap_array",
+            _transform_swap_array_moving_bits(discharge.transform_swap_array),
+        ),
     ]
 
 

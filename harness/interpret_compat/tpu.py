@@ -93,15 +93,22 @@ def _views_internals() -> None:
     require_attributes(internals.utils, "to_range", "get_uninitialized_value")
     for name in ("get", "store", "swap"):
         function = getattr(interpreter, name)
-        require(hasattr(function, "__wrapped__"), f"interpret_pallas_call.{name} is not a fail_on_exception wrapper")
+        require(
+            hasattr(function, "__wrapped__"),
+            f"interpret_pallas_call.{name} is not a fail_on_exception wrapper",
+        )
         require_parameters(function.__wrapped__, _ACCESS_PARAMETERS, f"interpret_pallas_call.{name}")
-    require_parameters(interpreter.store.__wrapped__, [*_ACCESS_PARAMETERS, "val"], "interpret_pallas_call.store")
+    require_parameters(
+        interpreter.store.__wrapped__, [*_ACCESS_PARAMETERS, "val"], "interpret_pallas_call.store"
+    )
     require_parameters(
         interpreter.swap.__wrapped__, [*_ACCESS_PARAMETERS, "val", "mask"], "interpret_pallas_call.swap"
     )
     get_buffer_content = internals.shared_memory.SharedMemory.get_buffer_content
     require_parameters(get_buffer_content, ["self", "key", "rnge", None], "SharedMemory.get_buffer_content")
-    require("increment_clock" in parameter_names(get_buffer_content), "get_buffer_content has no increment_clock")
+    require(
+        "increment_clock" in parameter_names(get_buffer_content), "get_buffer_content has no increment_clock"
+    )
     _thread_argument(get_buffer_content)
 
 
@@ -145,7 +152,12 @@ def _view_patches() -> list[Patch]:
         shared_memory = interpreter._get_shared_memory()
         space = space_names[int(memory_space)]
         device_id, local_core_id = int(device_id), int(local_core_id)
-        key = (space, int(buffer_id), device_id, interpreter._local_core_id_or_zero_if_hbm(local_core_id, space))
+        key = (
+            space,
+            int(buffer_id),
+            device_id,
+            interpreter._local_core_id_or_zero_if_hbm(local_core_id, space),
+        )
         read_range = internals.utils.to_range(jax.tree.map(int, prefix))
         content, (buffer_shape, _), _ = shared_memory.get_buffer_content(
             key, read_range, thread_of(shared_memory, device_id, local_core_id), increment_clock=False
@@ -165,8 +177,12 @@ def _view_patches() -> list[Patch]:
     def get(token, device_id, local_core_id, memory_space, buffer_id, transforms, *args, **kwargs):
         prefix, views = view_algebra.split_at_first_view(transforms)
         if not views:
-            return original_get(token, device_id, local_core_id, memory_space, buffer_id, transforms, *args, **kwargs)
-        token, region = original_get(token, device_id, local_core_id, memory_space, buffer_id, prefix, *args, **kwargs)
+            return original_get(
+                token, device_id, local_core_id, memory_space, buffer_id, transforms, *args, **kwargs
+            )
+        token, region = original_get(
+            token, device_id, local_core_id, memory_space, buffer_id, prefix, *args, **kwargs
+        )
         views = jax.tree.map(int, views)
         shared_memory = interpreter._get_shared_memory()
         fill = None
@@ -192,7 +208,9 @@ def _view_patches() -> list[Patch]:
         except view_algebra.ViewOutOfBounds as error:
             where = location(device_id, local_core_id, memory_space, buffer_id)
             raise ValueError(_view_error(error, "write", where, views)) from None
-        return original_store(token, device_id, local_core_id, memory_space, buffer_id, prefix, updated, *args, **kwargs)
+        return original_store(
+            token, device_id, local_core_id, memory_space, buffer_id, prefix, updated, *args, **kwargs
+        )
 
     @interpreter.fail_on_exception
     def swap(token, device_id, local_core_id, memory_space, buffer_id, transforms, val, mask, **kwargs):
@@ -219,7 +237,11 @@ def _view_patches() -> list[Patch]:
             old_value = np.where(np.asarray(mask), old_value, np.asarray(val))
         return token, old_value
 
-    return [Patch(interpreter, "get", get), Patch(interpreter, "store", store), Patch(interpreter, "swap", swap)]
+    return [
+        Patch(interpreter, "get", get),
+        Patch(interpreter, "store", store),
+        Patch(interpreter, "swap", swap),
+    ]
 
 
 REF_VIEWS = Gap(
@@ -259,10 +281,17 @@ def _masked_swap_probe() -> bool:
 def _masked_swap_internals() -> None:
     memory = _internals().shared_memory.SharedMemory
     require_parameters(
-        memory.swap_buffer_content, ["self", "key", "rnge", "value", "mask", None], "SharedMemory.swap_buffer_content"
+        memory.swap_buffer_content,
+        ["self", "key", "rnge", "value", "mask", None],
+        "SharedMemory.swap_buffer_content",
     )
-    require_parameters(memory.get_buffer_content, ["self", "key", "rnge", None], "SharedMemory.get_buffer_content")
-    require("increment_clock" in parameter_names(memory.get_buffer_content), "get_buffer_content has no increment_clock")
+    require_parameters(
+        memory.get_buffer_content, ["self", "key", "rnge", None], "SharedMemory.get_buffer_content"
+    )
+    require(
+        "increment_clock" in parameter_names(memory.get_buffer_content),
+        "get_buffer_content has no increment_clock",
+    )
 
 
 def _within(rnge: tuple, in_bounds_shape: tuple[int, ...]) -> tuple:
