@@ -396,6 +396,54 @@ def test_race_detection_sees_dma_and_reads_through_views(read_before_wait):
         np.testing.assert_array_equal(Backend(INTERPRET).run(jax.jit(call), X3), np.asarray(X3)[1])
 
 
+@pytest.mark.parametrize("slot_read", [0, 1], ids=["other-slot", "same-slot"])
+def test_race_through_a_bitcast_double_buffer_is_reported_for_the_touched_slot_only(slot_read):
+    """tpu-inference v3's pattern: DMA into one slot of a bf16 double buffer, then read a slot through a
+    bitcast of the whole buffer. Reading the other slot is no race; reading the slot in flight is one."""
+
+    def kernel(x_hbm, o_ref, buffer, semaphore):
+        copy = pltpu.make_async_copy(x_hbm, buffer.at[1], semaphore)
+        copy.start()
+        o_ref[...] = buffer.bitcast(jnp.uint32)[slot_read]
+        copy.wait()
+
+    def call(x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.uint32),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((2, 16, 128), jnp.bfloat16), pltpu.SemaphoreType.DMA(())],
+        )(x)
+
+    x = random_array((16, 128), jnp.bfloat16)
+    if slot_read == 1:
+        with pytest.raises(RaceDetected):
+            Backend(INTERPRET).run(jax.jit(call), x)
+    else:
+        got = Backend(INTERPRET).run(jax.jit(call), x)
+        assert got.shape == (8, 128)  # slot 0 is uninitialised scratch: only the absence of a race matters
+
+
+def test_touched_box_follows_reshape_bitcast_and_indexing():
+    from harness.interpret_compat.views import _touched_box
+
+    rows_8_to_15_of_a_reshape = (("reshape", (32, 128)), ("index", ((8, 16, 1), (0, 128, 1))))
+    assert _touched_box((2, 16, 128), 32, rows_8_to_15_of_a_reshape) == (
+        slice(0, 1),
+        slice(8, 16),
+        slice(0, 128),
+    )
+    slot_1_of_a_packing_bitcast = (("bitcast", 32), ("index", (1,)))
+    assert _touched_box((2, 16, 128), 16, slot_1_of_a_packing_bitcast) == (
+        slice(1, 2),
+        slice(0, 16),
+        slice(0, 128),
+    )
+    words_4_to_7_as_halves = (("bitcast", 16), ("index", ((4, 8, 1),)))
+    assert _touched_box((16, 128), 32, words_4_to_7_as_halves) == (slice(2, 4), slice(0, 128))
+    assert _touched_box((2, 16, 128), 16, (("bitcast", 32),)) is None  # the whole region
+
+
 # --- scalar-prefetch state across grid steps ------------------------------------------------------------
 
 

@@ -8,9 +8,9 @@ Gap ``tpu-masked-swap``: the in-bounds check of a masked swap clears the mask on
 mask on e.g. a ``(4, 2, 128)`` ref raises "Out-of-bounds masked swap".
 
 Race detection and views: an access through a reshape/bitcast view is reported to the race detector as an
-access to the whole region the view was taken of (the ref before its first reshape/bitcast), a superset
-of the elements touched. Stores through a view read that region and write it back whole (no race-read is
-recorded for the read).
+access to the smallest box of the region the view was taken of (the ref before its first reshape/bitcast)
+that holds every element it touches (``views.touched_box``): taking one slot of a bitcast double buffer
+records that slot only. Stores through a view read the region without a record and write back that box.
 """
 
 from __future__ import annotations
@@ -40,12 +40,14 @@ _ACCESS_PARAMETERS = ["token", "device_id", "local_core_id", "memory_space", "bu
 def _internals() -> types.SimpleNamespace:
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call, shared_memory
     from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+    from jax._src.state import indexing as state_indexing
     from jax._src.state import types as state_types
 
     return types.SimpleNamespace(
         interpreter=interpret_pallas_call,
         shared_memory=shared_memory,
         utils=interpret_utils,
+        indexing=state_indexing,
         state_types=state_types,
     )
 
@@ -91,6 +93,8 @@ def _views_internals() -> None:
         "_local_core_id_or_zero_if_hbm",
     )
     require_attributes(internals.utils, "to_range", "get_uninitialized_value")
+    require_attributes(internals.indexing.NDIndexer, "from_indices_shape")
+    require_parameters(internals.indexing.Slice, ["start", "size", "stride"], "indexing.Slice")
     for name in ("get", "store", "swap"):
         function = getattr(interpreter, name)
         require(
@@ -169,6 +173,14 @@ def _view_patches() -> list[Patch]:
             )
         return content
 
+    def narrowed(prefix, region: np.ndarray, views) -> tuple[tuple, tuple[slice, ...] | None]:
+        """``prefix`` extended to the box of ``region`` the views touch, and that box (None: the whole)."""
+        box = view_algebra.touched_box(region.shape, region.dtype, views)
+        if box is None:
+            return tuple(prefix), None
+        slices = tuple(internals.indexing.Slice(part.start, part.stop - part.start, 1) for part in box)
+        return (*prefix, internals.indexing.NDIndexer.from_indices_shape(slices, region.shape)), box
+
     original_get = interpreter.get.__wrapped__
     original_store = interpreter.store.__wrapped__
     original_swap = interpreter.swap.__wrapped__
@@ -180,18 +192,32 @@ def _view_patches() -> list[Patch]:
             return original_get(
                 token, device_id, local_core_id, memory_space, buffer_id, transforms, *args, **kwargs
             )
-        token, region = original_get(
-            token, device_id, local_core_id, memory_space, buffer_id, prefix, *args, **kwargs
-        )
         views = jax.tree.map(int, views)
+        where = location(device_id, local_core_id, memory_space, buffer_id)
         shared_memory = interpreter._get_shared_memory()
+        region = None
+        if shared_memory.detect_races:  # record a read of the touched box only
+            try:
+                region = read_region_unrecorded(
+                    device_id, local_core_id, memory_space, buffer_id, prefix, "read"
+                )
+            except ValueError:
+                region = None  # out of bounds: the read of the whole region below reports it
+        touched, box = (tuple(prefix), None) if region is None else narrowed(prefix, region, views)
+        if box is None:
+            token, region = original_get(
+                token, device_id, local_core_id, memory_space, buffer_id, prefix, *args, **kwargs
+            )
+        else:
+            token, _ = original_get(
+                token, device_id, local_core_id, memory_space, buffer_id, touched, *args, **kwargs
+            )
         fill = None
         if shared_memory.out_of_bounds_reads != "raise":
             fill = internals.utils.get_uninitialized_value(region.dtype, shared_memory.uninitialized_memory)
         try:
             return token, view_algebra.read_view(region, views, fill=fill)
         except view_algebra.ViewOutOfBounds as error:
-            where = location(device_id, local_core_id, memory_space, buffer_id)
             raise IndexError(_view_error(error, "read", where, views)) from None
 
     @interpreter.fail_on_exception
@@ -208,8 +234,17 @@ def _view_patches() -> list[Patch]:
         except view_algebra.ViewOutOfBounds as error:
             where = location(device_id, local_core_id, memory_space, buffer_id)
             raise ValueError(_view_error(error, "write", where, views)) from None
+        touched, box = narrowed(prefix, region, views)
         return original_store(
-            token, device_id, local_core_id, memory_space, buffer_id, prefix, updated, *args, **kwargs
+            token,
+            device_id,
+            local_core_id,
+            memory_space,
+            buffer_id,
+            touched,
+            updated if box is None else updated[box],
+            *args,
+            **kwargs,
         )
 
     @interpreter.fail_on_exception
@@ -229,9 +264,22 @@ def _view_patches() -> list[Patch]:
             updated = view_algebra.write_view(region, views, new_value)
         except view_algebra.ViewOutOfBounds as error:
             raise ValueError(_view_error(error, "swap", where, views)) from None
+        touched, box = narrowed(prefix, region, views)
         token, previous = original_swap(
-            token, device_id, local_core_id, memory_space, buffer_id, prefix, updated, None, **kwargs
+            token,
+            device_id,
+            local_core_id,
+            memory_space,
+            buffer_id,
+            touched,
+            updated if box is None else updated[box],
+            None,
+            **kwargs,
         )
+        if box is not None:
+            whole = region.copy()
+            whole[box] = previous
+            previous = whole
         old_value = view_algebra.read_view(previous, views)
         if mask is not None:
             old_value = np.where(np.asarray(mask), old_value, np.asarray(val))

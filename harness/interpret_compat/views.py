@@ -185,3 +185,63 @@ def write_view(region: np.ndarray, views: tuple, new_value: np.ndarray) -> np.nd
             updated[numpy_index(transform)] = written
             written = updated
     return written
+
+
+def _view_key(transform) -> tuple:
+    if is_reshape(transform):
+        return ("reshape", tuple(int(size) for size in transform.shape))
+    if is_bitcast(transform):
+        return ("bitcast", _bit_width(transform.dtype))
+    return (
+        "index",
+        tuple(
+            (part.start, part.stop, part.step) if isinstance(part, slice) else part
+            for part in numpy_index(transform)
+        ),
+    )
+
+
+def touched_box(region_shape: tuple[int, ...], region_dtype, views: tuple) -> tuple[slice, ...] | None:
+    """The smallest box of ``region`` that holds every element an access through ``views`` touches, or None
+    when that is the whole region (or the views leave its bounds, which the access itself reports)."""
+    key = tuple(_view_key(transform) for transform in views)
+    return _touched_box(tuple(region_shape), _bit_width(region_dtype), key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _touched_box(region_shape: tuple[int, ...], region_bits: int, views: tuple) -> tuple[slice, ...] | None:
+    # Each view element carries the ids (flat positions in the region) of the region elements it covers, in
+    # a trailing axis: a wider bitcast element covers several narrower ones.
+    ids = np.arange(int(np.prod(region_shape)), dtype=np.int64).reshape(*region_shape, 1)
+    bits = region_bits
+    for kind, argument in views:
+        if kind == "reshape":
+            ids = ids.reshape(*argument, ids.shape[-1])
+        elif kind == "index":
+            index = tuple(slice(*part) if isinstance(part, tuple) else part for part in argument)
+            view_shape = ids.shape[:-1]
+            if any(
+                isinstance(part, int) and not 0 <= part < size
+                for part, size in zip(index, view_shape, strict=False)
+            ):
+                return None
+            ids = ids[index]
+        else:
+            source_bits, target_bits = bits, argument
+            if source_bits < target_bits:
+                packing = target_bits // source_bits
+                *leading, rows, cols, covered = ids.shape
+                if rows % packing:
+                    return None
+                grouped = ids.reshape(*leading, rows // packing, packing, cols, covered)
+                ids = np.moveaxis(grouped, -3, -2).reshape(*leading, rows // packing, cols, packing * covered)
+            elif source_bits > target_bits:
+                ids = np.repeat(ids, source_bits // target_bits, axis=-3)
+            bits = target_bits
+    if ids.size == 0:
+        return None
+    positions = np.unravel_index(ids.ravel(), region_shape)
+    box = tuple(slice(int(axis.min()), int(axis.max()) + 1) for axis in positions)
+    if all(part.stop - part.start == size for part, size in zip(box, region_shape, strict=True)):
+        return None
+    return box
