@@ -188,6 +188,7 @@ def write_view(region: np.ndarray, views: tuple, new_value: np.ndarray) -> np.nd
 
 
 def _view_key(transform) -> tuple:
+    """A hashable description of ``transform`` (concrete sizes, as Python ints)."""
     if is_reshape(transform):
         return ("reshape", tuple(int(size) for size in transform.shape))
     if is_bitcast(transform):
@@ -195,7 +196,7 @@ def _view_key(transform) -> tuple:
     return (
         "index",
         tuple(
-            (part.start, part.stop, part.step) if isinstance(part, slice) else part
+            (int(part.start), int(part.stop), int(part.step)) if isinstance(part, slice) else int(part)
             for part in numpy_index(transform)
         ),
     )
