@@ -708,6 +708,8 @@ def test_a_gap_whose_internals_moved_stays_unpatched_warns_once_and_the_rest_app
                 assert interpret_compat.install() is False
             reasons = interpret_compat.unpatched_gaps()
             assert list(reasons) == ["tpu-ref-views"]
+            assert interpret_compat.unpatched_gaps("tpu") == reasons
+            assert interpret_compat.unpatched_gaps("generic") == {}
             assert "something_else" in reasons["tpu-ref-views"]
             assert tpu_interpreter.get.__wrapped__.__module__ == tpu_interpreter.__name__  # left alone
             assert interpret_compat.gap_statuses()["tpu-masked-swap"].state == interpret_compat.PATCHED

@@ -108,9 +108,18 @@ def gap_statuses() -> dict[str, GapStatus]:
         return dict(_surveyed())
 
 
-def unpatched_gaps() -> dict[str, str]:
-    """{gap: reason} for the gaps this jax may have that the layer cannot patch (empty when all is well)."""
-    return {name: status.reason for name, status in gap_statuses().items() if status.state == UNPATCHED}
+def unpatched_gaps(interpreter: str | None = None) -> dict[str, str]:
+    """{gap: reason} for the gaps this jax may have that the layer cannot patch (empty when all is well).
+
+    ``interpreter`` ("tpu" or "generic") keeps the gaps of that interpreter only.
+    """
+    if interpreter not in (None, "tpu", "generic"):
+        raise ValueError(f"interpreter={interpreter!r}: use 'tpu', 'generic' or None (both).")
+    return {
+        name: status.reason
+        for name, status in gap_statuses().items()
+        if status.state == UNPATCHED and interpreter in (None, status.interpreter)
+    }
 
 
 def is_installed() -> bool:
