@@ -356,7 +356,11 @@ def _within(rnge: tuple, in_bounds_shape: tuple[int, ...]) -> tuple:
 
 def _masked_swap_patches() -> list[Patch]:
     """Check a masked swap's mask against the in-bounds extent of *every* axis, then hand the in-bounds part,
-    already merged with the mask, to the original as an unmasked swap (so its clocks and logging stay)."""
+    already merged with the mask, to the original as an unmasked swap (so its clocks and logging stay).
+
+    The read of the current values and the swap take the memory's lock separately: with several simulated
+    cores writing the same elements at once the merge can use stale values, which is a race that
+    ``detect_races`` reports."""
     memory_class = _internals().shared_memory.SharedMemory
     original = memory_class.swap_buffer_content
 
