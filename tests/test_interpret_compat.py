@@ -550,9 +550,10 @@ def assert_gap(gap: str, run_without_layer, error_text: str, *, whole_gap: bool 
             )
             return
     if state == interpret_compat.CLOSED or not whole_gap:
+        what = "its patch" if state == interpret_compat.CLOSED else "the part of its patch for this case"
         warnings.warn(
-            f"jax {jax.__version__} no longer fails with {error_text!r} ({gap}): its patch can go once this jax "
-            "is the lowest supported version (pyproject.toml).",
+            f"jax {jax.__version__} no longer fails with {error_text!r} ({gap}): {what} can go once this "
+            "jax is the lowest supported version (pyproject.toml).",
             stacklevel=2,
         )
         return
