@@ -195,7 +195,9 @@ def main(argv=None) -> int:
     arguments = parser.parse_args(argv)
 
     if not interpret_compat.install():
-        print(f"interpret_compat is off for jax {jax.__version__}; upstream cannot run in interpret mode.")
+        print(
+            f"upstream cannot run in interpret mode: {'; '.join(interpret_compat.unpatched_gaps().values())}"
+        )
         return 2
     axes = set(QUICK_AXES) if arguments.quick else None
     if arguments.only:

@@ -17,11 +17,6 @@ import jax
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-try:  # private: where jax 0.10 keeps the race detector's verdict
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interpreter
-except ImportError:  # another jax layout: races are still detected and printed, but not asserted
-    _interpreter = None
-
 INTERPRET = "interpret"
 FAST_INTERPRET = "fast-interpret"
 TPU = "tpu"
@@ -57,6 +52,40 @@ def watchdog(what: str, seconds: float = CALL_TIMEOUT_SECONDS):
 
 class RaceDetected(AssertionError):
     """The TPU interpreter saw a data race (e.g. a VMEM buffer read while a DMA still writes it)."""
+
+
+# How jax's race detector words a race, in the exception it raises (jax >= 0.11, ``on_race="raise"``).
+_RACE_MESSAGE = "RACE DETECTED"
+
+
+def checking_interpret_params() -> pltpu.InterpretParams:
+    """The TPU interpreter as the ``interpret`` backend runs it: every check on, races raise.
+
+    jax >= 0.11 raises a race inside the interpreter's callback when ``on_race="raise"``; jax 0.10 has no
+    ``on_race`` and only sets ``races.races_found``, which ``Backend.run`` reads after the call.
+    """
+    options = dict(detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan")
+    if "on_race" in {field.name for field in dataclasses.fields(pltpu.InterpretParams)}:
+        options["on_race"] = "raise"
+    return pltpu.InterpretParams(**options)
+
+
+def _race_report(error: BaseException) -> str | None:
+    """The race detector's account of the race behind ``error`` (its first lines), or None if not a race."""
+    text = str(error)
+    start = text.find(_RACE_MESSAGE)
+    if start < 0:
+        return None
+    lines = [line.strip() for line in text[start:].splitlines()[:5] if line.strip()]
+    return "the TPU interpreter detected a data race in the kernel: " + "; ".join(lines[1:] or lines)
+
+
+def _race_flagged_after_call() -> bool:
+    """jax 0.10's verdict: ``races.races_found`` of the last interpreted call (False where jax has none)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    races = getattr(interpret_pallas_call, "races", None)
+    return bool(races is not None and getattr(races, "races_found", False))
 
 
 @functools.cache
@@ -99,9 +128,7 @@ class Backend:
             interpret_compat.install()
         params = True
         if self.name == INTERPRET:
-            params = pltpu.InterpretParams(
-                detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
-            )
+            params = checking_interpret_params()
         with pltpu.force_tpu_interpret_mode(params):
             try:
                 yield
@@ -112,12 +139,14 @@ class Backend:
 
     def run(self, fn, *args, **kwargs) -> np.ndarray:
         """Calls ``fn`` on this backend and returns its output as a NumPy array (races raise)."""
-        with self.context(), watchdog(f"a kernel call on {self.name}"):
-            out = np.asarray(jax.block_until_ready(fn(*args, **kwargs)))
-        if self.name == INTERPRET and _interpreter is not None:
-            races = getattr(_interpreter, "races", None)
-            if races is not None and races.races_found:
-                raise RaceDetected(
-                    "the TPU interpreter detected a data race in the kernel (races.races_found)"
-                )
+        try:
+            with self.context(), watchdog(f"a kernel call on {self.name}"):
+                out = np.asarray(jax.block_until_ready(fn(*args, **kwargs)))
+        except Exception as error:
+            report = _race_report(error) if self.name == INTERPRET else None
+            if report is not None:
+                raise RaceDetected(report) from error
+            raise
+        if self.name == INTERPRET and _race_flagged_after_call():
+            raise RaceDetected("the TPU interpreter detected a data race in the kernel (races.races_found)")
         return out
