@@ -1,7 +1,7 @@
 """The example in flight and the failing example, on disk: what every numeric and validation property runs in.
 
-``recorded`` writes the example as a pending repro pair before the kernel runs (so a hang that ends the
-process leaves it behind, turned into a hang repro by the watchdog), rewrites it as the repro pair when
+``recorded`` writes the example as a pending repro before the kernel runs and, when the watchdog takes a
+call for a hang, writes it as the repro pair marked as a hang before the process ends; it writes the pair when
 the enclosed check fails (Hypothesis replays the shrunk example last, so the pair on disk is the minimal
 one), skips the test when the target cannot run here (a recognised interpreter limitation), and records
 every example in the run log.
@@ -32,10 +32,13 @@ def recorded(directory, property_name: str, target, backend, arrays: dict, optio
         property_name, target.name, backend.name, arrays, options,
         interpreter_compat=backend.interpreter_compat, test=current_test(), **fields,
     )  # fmt: skip
-    pending = repro.write(example, directory, pending=True)
+    pending = repro.write_pending(example, directory)
 
     def on_hang(what, seconds):
-        path = repro.mark_hang(pending, seconds)
+        example.hang = {"seconds": seconds}
+        example.failure = f"hang: {what} did not return within {seconds:g} s"
+        path = repro.write(example, directory)
+        repro.discard_pending(pending)
         runlog.record(**notes, repro=str(path), hang=seconds)
         return (
             f"rpa-harness: HANG: {what} did not return within {seconds:g} s (RPA_CALL_TIMEOUT) in "

@@ -7,8 +7,8 @@ report, the exception raised on valid input (``error``: type and message), or a 
 timeout). The NPZ holds the exact input arrays (as raw bits, so bfloat16 and fp8 survive; the JSON names
 each dtype). Both are written atomically.
 
-A *pending* pair (``NAME.pending.json`` + ``.npz``) is the example in flight, written before the kernel
-runs; when the watchdog takes a call for a hang, ``mark_hang`` turns it into ``NAME.json`` + ``NAME.npz``.
+``NAME.pending.json`` is the example in flight, written before the kernel runs (see ``write_pending``);
+when the watchdog takes a call for a hang, the example is written as the pair, marked ``hang``.
 """
 
 import dataclasses
@@ -90,9 +90,9 @@ def path_for(property_name: str, directory: str | os.PathLike, *, pending: bool 
     return Path(directory) / f"{file_stem(property_name)}{PENDING_SUFFIX if pending else ''}.json"
 
 
-def write(repro: Repro, directory: str | os.PathLike, *, pending: bool = False) -> Path:
-    """Writes NAME.json and NAME.npz (NAME.pending.* for the example in flight); returns the JSON path."""
-    json_path = path_for(repro.property, directory, pending=pending)
+def write(repro: Repro, directory: str | os.PathLike) -> Path:
+    """Writes NAME.json and NAME.npz (one pair per property); returns the JSON path."""
+    json_path = path_for(repro.property, directory)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     bits = {}
@@ -104,6 +104,24 @@ def write(repro: Repro, directory: str | os.PathLike, *, pending: bool = False) 
             else value
         )
     np.savez(buffer, **bits)
+    _atomic_write(json_path.with_suffix(".npz"), buffer.getvalue())
+    _atomic_write(json_path, _metadata(repro, json_path))
+    return json_path
+
+
+def write_pending(repro: Repro, directory: str | os.PathLike) -> Path:
+    """Writes NAME.pending.json, the example in flight (its case, options and dtypes); returns its path.
+
+    Only the JSON: it is written before every example, and the arrays (~2 MB, ~15 ms to write) stay in
+    memory until a hang needs them (``write`` of the example marked as a hang, from the watchdog thread).
+    A process that dies some other way still leaves the case (``case_repr`` rebuilds it) on disk.
+    """
+    pending = path_for(repro.property, directory, pending=True)
+    _atomic_write(pending, _metadata(repro, None))
+    return pending
+
+
+def _metadata(repro: Repro, json_path: Path | None) -> bytes:
     meta = {
         "property": repro.property,
         "target": repro.target,
@@ -120,11 +138,9 @@ def write(repro: Repro, directory: str | os.PathLike, *, pending: bool = False) 
         "error": repro.error,
         "hang": repro.hang,
         "test": repro.test,
-        "arrays": json_path.with_suffix(".npz").name,
+        "arrays": json_path.with_suffix(".npz").name if json_path else None,
     }
-    _atomic_write(json_path.with_suffix(".npz"), buffer.getvalue())
-    _atomic_write(json_path, (json.dumps(meta, indent=2, default=_json_default) + "\n").encode())
-    return json_path
+    return (json.dumps(meta, indent=2, default=_json_default) + "\n").encode()
 
 
 def _json_default(value):
@@ -150,6 +166,11 @@ def read(path: str | os.PathLike) -> Repro:
             raise ReproError(
                 f"{path}: not a repro: missing field {', '.join(map(repr, missing))} "
                 f"(a repro JSON has {', '.join(REQUIRED_FIELDS)})"
+            )
+        if meta["arrays"] is None:
+            raise ReproError(
+                f"{path}: the example in flight when its process ended, without its arrays; "
+                f"its case is in the file's case_repr"
             )
         stored = np.load(path.parent / meta["arrays"])
         arrays = {
@@ -180,21 +201,5 @@ def read(path: str | os.PathLike) -> Repro:
         raise ReproError(f"{path}: not a readable repro file ({type(error).__name__}: {error})") from None
 
 
-def mark_hang(pending_path: Path, seconds: float) -> Path:
-    """Turns the pending pair into NAME.json + NAME.npz marked as a hang; returns the JSON path."""
-    meta = json.loads(pending_path.read_text())
-    final = pending_path.with_name(pending_path.name.replace(f"{PENDING_SUFFIX}.json", ".json"))
-    os.replace(pending_path.with_suffix(".npz"), final.with_suffix(".npz"))
-    meta.update(
-        arrays=final.with_suffix(".npz").name,
-        hang={"seconds": seconds},
-        failure=f"hang: the kernel call did not return within {seconds:g} s",
-    )
-    _atomic_write(final, (json.dumps(meta, indent=2) + "\n").encode())
-    pending_path.unlink()
-    return final
-
-
 def discard_pending(pending_path: Path) -> None:
-    for path in (pending_path, pending_path.with_suffix(".npz")):
-        path.unlink(missing_ok=True)
+    pending_path.unlink(missing_ok=True)
