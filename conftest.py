@@ -17,6 +17,7 @@ needs an opt-in capability carries ``rpa_requires("name", reason=...)``.
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,16 @@ def _is_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
 
+_config = None  # pytest_runtest_logreport is given only the report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    global _config
+    _config = session.config
+    session.config.rpa_started = time.time()
+
+
 @pytest.hookimpl(tryfirst=True)  # before junitxml and the terminal reporter read the report
 def pytest_runtest_logreport(report):
     """In the process that sees every report (the xdist controller, or the only one): the run's verdicts."""
@@ -247,19 +258,13 @@ def pytest_runtest_logreport(report):
         config.rpa_numeric["ran"] += 1
 
 
-_config = None
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session):
-    global _config
-    _config = session.config
-
 
 def _hang_note(config, nodeid: str) -> str:
     """Names the hang repro a crashed worker's watchdog left for this test (if any)."""
     directory = Path(config.getoption("--rpa-repro-dir"))
     for path in sorted(directory.glob("*.json")):
+        if path.stat().st_mtime < config.rpa_started:  # left by an earlier run
+            continue
         try:
             written = repro.read(path)
         except repro.ReproError:

@@ -145,3 +145,13 @@ def test_the_catalogue_recognises_only_known_limitations():
     assert "TPU interpreter" in interpreter_limitations.recognise(gap)
     assert interpreter_limitations.recognise(RuntimeError("internal kernel error: unsupported batch")) is None
     assert interpreter_limitations.recognise(AttributeError("'Foo' object has no attribute 'indices'")) is None
+
+
+def test_the_repro_profile_without_its_example_database_is_one_usage_error(tmp_path, pytestconfig):
+    missing = tmp_path / "no-such-database"
+    result = run(
+        "-m", "pytest", DIFFERENTIAL, "-p", "no:cacheprovider", "-p", "no:xdist", "--hypothesis-profile=repro",
+        cwd=pytestconfig.rootpath, env={"RPA_HYPOTHESIS_DB": str(missing)},
+    )  # fmt: skip
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"RPA_HYPOTHESIS_DB={missing}: no such folder" in result.stderr and not missing.exists()
