@@ -153,8 +153,9 @@ def replay(args) -> int:
     program = snippet(repro, path, target_name, backend)
     if args.script:
         Path(args.script).write_text(program)
-    timeout = args.timeout or (repro.hang["seconds"] if repro.hang else backends.CALL_TIMEOUT_SECONDS)
-    backends.CALL_TIMEOUT_SECONDS = timeout
+    if args.timeout or repro.hang:  # the watchdog of every kernel call this replay makes
+        backends.CALL_TIMEOUT_SECONDS = args.timeout or repro.hang["seconds"]
+    timeout = backends.CALL_TIMEOUT_SECONDS
     kind = repro.property.split("[", 1)[0]
     print(
         f"property: {repro.property}\ntarget:   {target_name}\nbackend:  {backend.name} "
