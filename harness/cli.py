@@ -146,9 +146,12 @@ def replay(args) -> int:
     except TargetError as error:
         print(f"rpa-harness replay: {error}", file=sys.stderr)
         return BAD_FILE
-    cannot_run = backend.skip_reason or declared_unrunnable(target, backend)
-    if cannot_run:
-        print(f"rpa-harness replay: cannot run here: {cannot_run}; pass --backend interpret", file=sys.stderr)
+    if backend.skip_reason:
+        print(f"rpa-harness replay: cannot run here: {backend.skip_reason}; pass --backend interpret", file=sys.stderr)
+        return CANNOT_RUN
+    declared = declared_unrunnable(target, backend)
+    if declared:
+        print(f"rpa-harness replay: cannot run here: target {target_name} {declared}", file=sys.stderr)
         return CANNOT_RUN
     program = snippet(repro, path, target_name, backend)
     if args.script:
