@@ -25,21 +25,56 @@ BACKENDS = (INTERPRET, FAST_INTERPRET, TPU)
 
 
 # A kernel call that takes longer is taken for a hang (a DMA wait with nothing pending never returns and
-# ignores signals): the process prints every thread's stack and exits, and pytest-xdist replaces the worker.
+# ignores signals, and a Python thread cannot be stopped): the process ends, and pytest-xdist replaces the worker.
 CALL_TIMEOUT_SECONDS = float(os.environ.get("RPA_CALL_TIMEOUT", "300"))
+HANG_EXIT_CODE = 70
+
+# The TPU interpreter's parameters on the checking backend (also written into replay's standalone snippet).
+CHECKING_INTERPRET_PARAMS = dict(detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan")
+
+# Set by a test runner that captures output (pytest's capture manager): restores the real stderr before the
+# watchdog writes its message and ends the process, so that the message is not lost in a capture buffer.
+release_captured_output = None
+
+# Set while a case is in flight: called with (what, seconds) when the watchdog fires; returns (message, exit code).
+_hang_handler = None
 
 
 @contextlib.contextmanager
-def watchdog(what: str, seconds: float = CALL_TIMEOUT_SECONDS):
-    """Kills the process if the enclosed call has not returned after ``seconds``."""
+def on_hang(handler):
+    """While the enclosed block runs, a hang calls ``handler(what, seconds) -> (message, exit code)`` before exiting.
+
+    The handler turns the case on disk into a hang repro and names it, so the hang is not lost with the process.
+    """
+    global _hang_handler
+    previous, _hang_handler = _hang_handler, handler
+    try:
+        yield
+    finally:
+        _hang_handler = previous
+
+
+@contextlib.contextmanager
+def watchdog(what: str, seconds: float | None = None):
+    """Ends the process if the enclosed call has not returned after ``seconds`` (default RPA_CALL_TIMEOUT)."""
+    seconds = CALL_TIMEOUT_SECONDS if seconds is None else seconds
 
     def expire():
+        message, code = f"rpa-harness: {what} did not return within {seconds:g} s (RPA_CALL_TIMEOUT)", HANG_EXIT_CODE
+        if _hang_handler is not None:
+            try:
+                message, code = _hang_handler(what, seconds)
+            except Exception as error:  # the hang is still reported, without its repro
+                message += f"; writing the hang repro failed: {type(error).__name__}: {error}"
+        if release_captured_output is not None:
+            release_captured_output()
         sys.stderr.write(
-            f"\nrpa-harness: {what} did not return within {seconds:.0f} s (RPA_CALL_TIMEOUT); "
-            "taking it for a hang (e.g. a DMA wait with nothing pending). Stacks:\n"
+            f"\n{message}\n(taken for a hang, e.g. a DMA wait with nothing pending). Stacks:\n"
         )
         faulthandler.dump_traceback(all_threads=True)
-        os._exit(70)
+        sys.stderr.write(f"\n{message}\n")
+        sys.stderr.flush()
+        os._exit(code)
 
     timer = threading.Timer(seconds, expire)
     timer.daemon = True
@@ -64,7 +99,7 @@ def checking_interpret_params() -> pltpu.InterpretParams:
     jax >= 0.11 raises a race inside the interpreter's callback when ``on_race="raise"``; jax 0.10 has no
     ``on_race`` and only sets ``races.races_found``, which ``Backend.run`` reads after the call.
     """
-    options = dict(detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan")
+    options = dict(CHECKING_INTERPRET_PARAMS)
     if "on_race" in {field.name for field in dataclasses.fields(pltpu.InterpretParams)}:
         options["on_race"] = "raise"
     return pltpu.InterpretParams(**options)

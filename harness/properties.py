@@ -10,6 +10,7 @@ import numpy as np
 
 import reference
 from harness.backends import Backend
+from harness.interpreter_limitations import recognise
 from harness.targets import Target, first_line_of_error
 
 DIFFERENTIAL = "differential"
@@ -20,6 +21,28 @@ DETERMINISM = "determinism"
 
 class PropertyFailure(AssertionError):
     """A property does not hold; ``str()`` is the report."""
+
+
+class RaisedOnValidInput(PropertyFailure):
+    """The target raised on valid input: a failure like any other, with the exception kept for replay."""
+
+    def __init__(self, report: str, error_type: str = "", error_message: str = ""):
+        super().__init__(report)
+        self.error_type, self.error_message = error_type, error_message
+
+
+class CannotRun(Exception):
+    """The target cannot run on this backend for a recognised reason (an interpreter limitation)."""
+
+
+def declared_unrunnable(target: Target, backend: Backend) -> str | None:
+    """The reason the target declares it does not run on the backend, or None."""
+    if backend.name not in target.capabilities.backends:
+        return (
+            f"it declares backends={target.capabilities.backends} in RPA_HARNESS_CAPABILITIES "
+            f"(declared, not {backend.name})"
+        )
+    return None
 
 
 def check_differential(target: Target, backend: Backend, arrays: dict, options: dict):
@@ -33,13 +56,50 @@ def check_differential(target: Target, backend: Backend, arrays: dict, options: 
 
 
 def run_valid(target: Target, backend: Backend, arrays: dict, options: dict) -> np.ndarray:
-    """Runs the target on valid inputs: any exception (an out-of-bounds read, a race) is a failure."""
+    """Runs the target on valid inputs and checks the output's contract (shape, dtype, finite live rows).
+
+    An exception is a failure (an out-of-bounds read, a race, a crash of the kernel), unless it is a
+    recognised interpreter limitation (``CannotRun``).
+    """
+    label = f"{target.name} on {backend.name}"
     try:
-        return backend.run(target.attention, arrays, options)
+        out = backend.run(target.attention, arrays, options)
     except Exception as error:
-        raise PropertyFailure(
-            f"{target.name} on {backend.name} raised on valid inputs: {first_line_of_error(error)}"
+        message = first_line_of_error(error)
+        reason = recognise(error)
+        if reason is not None:
+            raise CannotRun(f"{reason} (recognised: {message})") from None
+        error_type = type(error).__name__
+        raise RaisedOnValidInput(
+            f"{label} raised on valid inputs: {message}", error_type, message.removeprefix(f"{error_type}: ")
         ) from None
+    check_contract(out, arrays, label)
+    return out
+
+
+def check_contract(out: np.ndarray, arrays: dict, label: str) -> None:
+    """The output has q's shape and dtype, and no NaN or Inf in a row some sequence owns."""
+    q = np.asarray(arrays["q"])
+    if out.shape != q.shape:
+        raise PropertyFailure(
+            f"{label}: output shape {out.shape}; the specification is q's shape {q.shape} "
+            "([max_num_batched_tokens, num_q_heads, head_dim])"
+        )
+    if out.dtype != q.dtype:
+        raise PropertyFailure(f"{label}: output dtype {out.dtype}; the specification is q's dtype {q.dtype}")
+    rows = valid_rows(arrays)
+    finite = np.isfinite(out[rows].astype(np.float64))
+    if not finite.all():
+        token, head, dim = np.argwhere(~finite)[0]
+        row = int(rows[token])
+        cu_q_lens = np.asarray(arrays["cu_q_lens"])
+        num_seqs = int(np.asarray(arrays["num_seqs"])[0])
+        sequence = int(np.searchsorted(cu_q_lens[1 : num_seqs + 1], row, side="right"))
+        raise PropertyFailure(
+            f"{label}: {int((~finite).sum())} non-finite values in live rows (of {finite.size}); first at "
+            f"sequence {sequence}, token {row - int(cu_q_lens[sequence])} (row {row}), head {head}, dim {dim}: "
+            f"{out[row, head, dim]!r}"
+        )
 
 
 def check_validation(
@@ -86,22 +146,33 @@ def check_same_bits(first: np.ndarray, second: np.ndarray, rows: np.ndarray, wha
 
 
 def check_padding_isolation(target: Target, backend: Backend, case) -> None:
-    """Valid rows are bit-identical with clean padding and with NaN pages/tails/rows and garbage metadata."""
+    """Valid rows are bit-identical with clean padding and with NaN pages/tails/rows and garbage metadata.
+
+    The clean call runs twice first: a non-deterministic kernel is reported as such, not as a padding leak.
+    """
     clean = dataclasses.replace(case, poison=False, garbage=False).arrays()
     dirty = dataclasses.replace(case, poison=True, garbage=True).arrays()
+    clean_out = run_valid(target, backend, clean, case.options())
     check_same_bits(
+        clean_out,
         run_valid(target, backend, clean, case.options()),
+        valid_rows(clean),
+        NON_DETERMINISTIC,
+    )
+    check_same_bits(
+        clean_out,
         run_valid(target, backend, dirty, case.options()),
         valid_rows(clean),
         "padding changed the output (clean padding vs NaN pages/tails/rows and garbage metadata)",
     )
 
 
+NON_DETERMINISTIC = "non-deterministic: two identical calls gave different bits"
+
+
 def check_determinism(target: Target, backend: Backend, arrays: dict, options: dict) -> None:
     first = run_valid(target, backend, arrays, options)
-    check_same_bits(
-        first, run_valid(target, backend, arrays, options), valid_rows(arrays), "two identical calls"
-    )
+    check_same_bits(first, run_valid(target, backend, arrays, options), valid_rows(arrays), NON_DETERMINISTIC)
 
 
 def recheck(kind: str, target: Target, backend: Backend, repro) -> None:

@@ -1,13 +1,16 @@
-"""Repro files: a failing example on disk, replayable without Hypothesis.
+"""Repro files: a failing example on disk, replayable without Hypothesis (the file format only).
 
 A repro is a pair ``NAME.json`` + ``NAME.npz``. The JSON says which property failed, on which target and
-backend, with which versions, the case (its repr and JSON), the keyword options and, for a validation
-property, the expected message. The NPZ holds the exact input arrays (as raw bits, so bfloat16 and fp8
-survive; the JSON names each dtype). Both are written atomically, and rewritten on every failing call:
-Hypothesis replays the shrunk example last, so the pair on disk is the minimal one.
+backend (and whether the interpreter compatibility layer was on), with which versions, the case (its repr
+and JSON), the keyword options, for a validation property the expected message, and how it failed: the
+report, the exception raised on valid input (``error``: type and message), or a hang (``hang``: the
+timeout). The NPZ holds the exact input arrays (as raw bits, so bfloat16 and fp8 survive; the JSON names
+each dtype). Both are written atomically.
+
+``NAME.pending.json`` is the example in flight, written before the kernel runs (see ``write_pending``);
+when the watchdog takes a call for a hang, the example is written as the pair, marked ``hang``.
 """
 
-import contextlib
 import dataclasses
 import io
 import json
@@ -19,9 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import runlog
 from strategies.case import DTYPES, Case
-from strategies.valid import coverage_labels
 
 DEFAULT_REPRO_DIR = "rpa-repros"
 INT_DTYPES = {str(np.dtype(t)): np.dtype(t) for t in (np.int16, np.int32, np.uint32, np.float32)}
@@ -43,6 +44,14 @@ class Repro:
     stage: str | None = None  # "static" or "dynamic" for validation properties
     failure: str = ""  # the report or error seen when it was written
     versions: dict = dataclasses.field(default_factory=dict)
+    interpreter_compat: bool = True  # whether the backend ran with harness.interpret_compat installed
+    error: dict | None = None  # {"type", "message"} of the exception the target raised on valid input
+    hang: dict | None = None  # {"seconds": N}: the call did not return within N s
+    test: str = ""  # the pytest node id that wrote it
+
+
+REQUIRED_FIELDS = ("property", "target", "backend", "options", "dtypes", "arrays")
+PENDING_SUFFIX = ".pending"
 
 
 def versions() -> dict:
@@ -76,11 +85,15 @@ def file_stem(property_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", property_name).strip("_")
 
 
+def path_for(property_name: str, directory: str | os.PathLike, *, pending: bool = False) -> Path:
+    """The JSON path of a property's repro (one pair per property), or of its pending pair."""
+    return Path(directory) / f"{file_stem(property_name)}{PENDING_SUFFIX if pending else ''}.json"
+
+
 def write(repro: Repro, directory: str | os.PathLike) -> Path:
     """Writes NAME.json and NAME.npz (one pair per property); returns the JSON path."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    json_path = directory / f"{file_stem(repro.property)}.json"
+    json_path = path_for(repro.property, directory)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     bits = {}
     for name, value in repro.arrays.items():
@@ -91,6 +104,24 @@ def write(repro: Repro, directory: str | os.PathLike) -> Path:
             else value
         )
     np.savez(buffer, **bits)
+    _atomic_write(json_path.with_suffix(".npz"), buffer.getvalue())
+    _atomic_write(json_path, _metadata(repro, json_path))
+    return json_path
+
+
+def write_pending(repro: Repro, directory: str | os.PathLike) -> Path:
+    """Writes NAME.pending.json, the example in flight (its case, options and dtypes); returns its path.
+
+    Only the JSON: it is written before every example, and the arrays (~2 MB, ~15 ms to write) stay in
+    memory until a hang needs them (``write`` of the example marked as a hang, from the watchdog thread).
+    A process that dies some other way still leaves the case (``case_repr`` rebuilds it) on disk.
+    """
+    pending = path_for(repro.property, directory, pending=True)
+    _atomic_write(pending, _metadata(repro, None))
+    return pending
+
+
+def _metadata(repro: Repro, json_path: Path | None) -> bytes:
     meta = {
         "property": repro.property,
         "target": repro.target,
@@ -103,11 +134,13 @@ def write(repro: Repro, directory: str | os.PathLike) -> Path:
         "stage": repro.stage,
         "failure": repro.failure,
         "versions": repro.versions or versions(),
-        "arrays": json_path.with_suffix(".npz").name,
+        "interpreter_compat": repro.interpreter_compat,
+        "error": repro.error,
+        "hang": repro.hang,
+        "test": repro.test,
+        "arrays": json_path.with_suffix(".npz").name if json_path else None,
     }
-    _atomic_write(json_path.with_suffix(".npz"), buffer.getvalue())
-    _atomic_write(json_path, (json.dumps(meta, indent=2, default=_json_default) + "\n").encode())
-    return json_path
+    return (json.dumps(meta, indent=2, default=_json_default) + "\n").encode()
 
 
 def _json_default(value):
@@ -126,6 +159,19 @@ def read(path: str | os.PathLike) -> Repro:
     path = Path(path)
     try:
         meta = json.loads(path.read_text())
+        if not isinstance(meta, dict):
+            raise ReproError(f"{path}: not a repro: the JSON is a {type(meta).__name__}, not an object")
+        missing = [name for name in REQUIRED_FIELDS if name not in meta]
+        if missing:
+            raise ReproError(
+                f"{path}: not a repro: missing field {', '.join(map(repr, missing))} "
+                f"(a repro JSON has {', '.join(REQUIRED_FIELDS)})"
+            )
+        if meta["arrays"] is None:
+            raise ReproError(
+                f"{path}: the example in flight when its process ended, without its arrays; "
+                f"its case is in the file's case_repr"
+            )
         stored = np.load(path.parent / meta["arrays"])
         arrays = {
             name: stored[name].view(_dtype_by_name(dtype)).reshape(stored[name].shape)
@@ -142,33 +188,18 @@ def read(path: str | os.PathLike) -> Repro:
             stage=meta.get("stage"),
             failure=meta.get("failure", ""),
             versions=meta.get("versions", {}),
+            interpreter_compat=meta.get("interpreter_compat", True),
+            error=meta.get("error"),
+            hang=meta.get("hang"),
+            test=meta.get("test", ""),
         )
     except FileNotFoundError as error:
         raise ReproError(
             f"{error.filename}: no such file (a repro is a NAME.json with its NAME.npz beside it)"
         ) from None
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ReproError(f"{path}: not a readable repro file ({type(error).__name__}: {error})") from None
 
 
-@contextlib.contextmanager
-def written_on_failure(directory, property_name: str, target, backend, arrays: dict, options: dict, **fields):
-    """Writes the repro pair when the enclosed check fails, and names it in the failure message.
-
-    Every example passing through here is also recorded in the run log (for ``rpa-harness run`` and the
-    benchmarks), with whatever the body adds to the yielded dict (e.g. the comparison's max error/bound).
-    """
-    case = fields.get("case")
-    notes = {
-        "labels": coverage_labels(case) if case is not None and fields.get("expected_error") is None else []
-    }
-    try:
-        yield notes
-    except AssertionError as failure:
-        repro = Repro(
-            property_name, target.name, backend.name, arrays, options, failure=str(failure), **fields
-        )
-        path = write(repro, directory)
-        runlog.record(**notes, repro=str(path))
-        raise type(failure)(f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}") from None
-    runlog.record(**notes)
+def discard_pending(pending_path: Path) -> None:
+    pending_path.unlink(missing_ok=True)

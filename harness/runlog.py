@@ -27,3 +27,18 @@ def read(directory) -> list[dict]:
         for path in sorted(Path(directory).glob("*.jsonl"))
         for line in path.read_text().splitlines()
     ]
+
+
+SESSION_FILE = "session.json"
+
+
+def write_session(**fields) -> None:
+    """The run's own verdicts (e.g. that no numeric property ran), written by the process that sees every test."""
+    directory = os.environ.get(ENV)
+    if directory:
+        (Path(directory) / SESSION_FILE).write_text(json.dumps(fields) + "\n")
+
+
+def read_session(directory) -> dict:
+    path = Path(directory) / SESSION_FILE
+    return json.loads(path.read_text()) if path.exists() else {}

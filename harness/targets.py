@@ -3,7 +3,7 @@
 A target may narrow what the strategies draw for it and opt into our stricter properties by defining
 ``RPA_HARNESS_CAPABILITIES`` (a dict of ``strategies.valid.Capabilities`` fields). Known modules without
 such a declaration (upstream's) get theirs from ``KNOWN_CAPABILITIES``; any other module is held to the
-full specified space and upstream's own errors only.
+full specified space, on every backend, and upstream's own errors only.
 """
 
 import dataclasses
@@ -11,7 +11,6 @@ import importlib
 import types
 
 import jax.numpy as jnp
-import numpy as np
 
 from strategies.valid import OUR_KERNEL, UPSTREAM_KERNEL, Capabilities
 
@@ -74,26 +73,3 @@ def first_line_of_error(error: BaseException) -> str:
     """The real exception behind a JaxRuntimeError is on the last line of its embedded traceback."""
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
-
-
-def smallest_output(target: Target, backend) -> np.ndarray:
-    """Runs the target once on a tiny case it supports (used to tell whether it can run at all)."""
-    from strategies.case import Case
-    from strategies.valid import required_block_sizes
-
-    caps = target.capabilities
-    case = Case(
-        max_num_batched_tokens=8,
-        max_num_seqs=2,
-        pages_per_seq=2,
-        total_num_pages=4,
-        page_size=caps.page_sizes[-1] if 16 not in caps.page_sizes else 16,
-        num_q_heads=caps.num_kv_heads[0] * 2,
-        num_kv_heads=caps.num_kv_heads[0],
-        head_dim=caps.head_dims[0],
-        q_lens=(3, 1),
-        kv_lens=(5, 9),
-    )
-    if caps.needs_block_sizes:
-        case = dataclasses.replace(case, **required_block_sizes({"pages_per_seq": case.pages_per_seq}))
-    return backend.run(target.attention, case.arrays(), case.options())

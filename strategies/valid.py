@@ -51,6 +51,9 @@ class Capabilities:
     # (upstream casts only the scaled side to q's dtype, then fails `assert k.dtype == v.dtype`).
     paired_kv_scales_for_mixed_dtypes: bool = False
     buckets: tuple[str, ...] = ("tiny", "small")
+    # The backends (harness.backends names) the target is declared to run on; elsewhere its numeric
+    # properties are skipped as "cannot run" (declared). Any other error on valid input is a failure.
+    backends: tuple[str, ...] = ("interpret", "fast-interpret", "tpu")
     # Opt-ins beyond the specified behaviour: our stricter ValueErrors, and lowering to Mosaic on CPU.
     strict_validation: bool = False
     lowers_for_tpu: bool = False

@@ -27,6 +27,7 @@ def failing_repro(tmp_path_factory, pytestconfig):
     paths = sorted(repro_dir.glob("*.json"))
     assert [p.name for p in paths] == ["differential_fast-interpret.json"], result.stdout[-3000:]
     assert str(paths[0]) in result.stdout, "the failure message must name the repro file"
+    assert not list(repro_dir.glob("*.pending.*")), "the pending example in flight is removed"
     return paths[0], pytestconfig.rootpath
 
 
@@ -62,6 +63,51 @@ def test_replay_of_a_missing_or_malformed_file_is_one_clear_error(tmp_path, pyte
     bad.write_text("{not json")
     malformed = run("-m", "harness.cli", "replay", str(bad), cwd=pytestconfig.rootpath)
     assert malformed.returncode == 2 and "not a readable repro file" in malformed.stderr
+    not_a_repro = tmp_path / "other.json"
+    not_a_repro.write_text(json.dumps({"property": "differential[interpret]", "target": "kernel"}))
+    missing_field = run("-m", "harness.cli", "replay", str(not_a_repro), cwd=pytestconfig.rootpath)
+    assert missing_field.returncode == 2, missing_field.stdout + missing_field.stderr
+    assert "missing field 'backend', 'options', 'dtypes', 'arrays'" in missing_field.stderr
+    assert missing_field.stderr.count("\n") == 1 and "KeyError" not in missing_field.stderr
+
+
+def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path):
+    path, root = failing_repro
+    script = tmp_path / "repro.py"
+    result = run("-m", "harness.cli", "replay", str(path), "--script", str(script), cwd=root)
+    assert result.returncode == 1, result.stdout + result.stderr
+    program = script.read_text()
+    assert "interpret_compat.install()" in program and "force_tpu_interpret_mode(True)" in program
+    printed = run(str(script), cwd=root)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert "FAIL" in printed.stdout and "worst: sequence 1," in printed.stdout, printed.stdout
+
+
+def test_replay_snippet_uses_the_checking_backends_parameters(failing_repro):
+    path, root = failing_repro
+    result = run("-m", "harness.cli", "replay", str(path), "--backend", "interpret", "--interpreter-compat", "off",
+                 cwd=root)  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "pltpu.InterpretParams(detect_races=True, out_of_bounds_reads='raise', uninitialized_memory='nan')" in (
+        result.stdout
+    )
+    assert "interpret_compat.install()" not in result.stdout
+
+
+def test_replay_of_a_crash_is_not_a_reproduced_bug(failing_repro, tmp_path):
+    """A numeric repro that now raises, or an exception other than the recorded one, exits 3 ("cannot run")."""
+    path, root = failing_repro
+    crashed = run("-m", "harness.cli", "replay", str(path), "--target", "tests.broken.raises_on_batches", cwd=root)
+    assert crashed.returncode == 3, crashed.stdout + crashed.stderr
+    assert "cannot run here: an interpreter or backend crash: raised RuntimeError" in crashed.stdout
+    meta = json.loads(path.read_text())
+    meta["error"] = {"type": "RuntimeError", "message": "another message"}
+    other = tmp_path / path.name
+    other.write_text(json.dumps(meta))
+    (tmp_path / meta["arrays"]).write_bytes(path.with_suffix(".npz").read_bytes())
+    different = run("-m", "harness.cli", "replay", str(other), "--target", "tests.broken.raises_on_batches", cwd=root)
+    assert different.returncode == 3, different.stdout + different.stderr
+    assert "a different error than recorded" in different.stdout and "another message" in different.stdout
 
 
 def test_unknown_target_is_one_usage_error(pytestconfig):
@@ -69,3 +115,9 @@ def test_unknown_target_is_one_usage_error(pytestconfig):
                  cwd=pytestconfig.rootpath)  # fmt: skip
     assert result.returncode == 4, result.stdout + result.stderr
     assert "cannot import it" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_run_shows_a_pytest_usage_error_as_is(pytestconfig):
+    result = run("-m", "harness.cli", "run", "--target", "no_such_module", "-n", "0", cwd=pytestconfig.rootpath)
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "cannot import it" in result.stderr and "rpa-harness summary" not in result.stdout

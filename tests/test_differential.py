@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import reference
 from harness.properties import DIFFERENTIAL, check_differential
-from harness.repro import written_on_failure
+from harness.recording import recorded
 from strategies.valid import valid_cases
 from tests.budget import (
     ANY_CONFIG_EXAMPLES,
@@ -21,40 +21,39 @@ from tests.budget import (
 )
 
 
-def draw_and_compare(target, backend, runnable, repro_dir, data, *, pooled, variant=""):
+def draw_and_compare(target, backend, repro_dir, data, *, pooled, variant=""):
     """Draws a valid case (pooled configurations or the whole static space) and compares with the oracle."""
-    runnable(backend)
     case = data.draw(valid_cases(target.capabilities, pooled=pooled), label="case")
     arrays, options = case.arrays(), case.options()
     name = f"{DIFFERENTIAL}{variant}[{backend.name}]"
-    with written_on_failure(repro_dir, name, target, backend, arrays, options, case=case) as notes:
+    with recorded(repro_dir, name, target, backend, arrays, options, case=case) as notes:
         comparison = check_differential(target, backend, arrays, options)
         notes.update(max_ratio=comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
 
 
 @settings(max_examples=POOLED_EXAMPLES)
 @given(data=st.data())
-def test_kernel_matches_oracle(target, volume_backend, runnable, repro_dir, data):
-    draw_and_compare(target, volume_backend, runnable, repro_dir, data, pooled=True)
+def test_kernel_matches_oracle(target, volume_backend, repro_dir, data):
+    draw_and_compare(target, volume_backend, repro_dir, data, pooled=True)
 
 
 @settings(max_examples=ANY_CONFIG_EXAMPLES)
 @given(data=st.data())
-def test_kernel_matches_oracle_any_config(target, volume_backend, runnable, repro_dir, data):
-    draw_and_compare(target, volume_backend, runnable, repro_dir, data, pooled=False, variant="-any-config")
+def test_kernel_matches_oracle_any_config(target, volume_backend, repro_dir, data):
+    draw_and_compare(target, volume_backend, repro_dir, data, pooled=False, variant="-any-config")
 
 
 @settings(max_examples=CHECKING_EXAMPLES)
 @given(data=st.data())
-def test_kernel_matches_oracle_checked(target, checking_backend, runnable, repro_dir, data):
-    draw_and_compare(target, checking_backend, runnable, repro_dir, data, pooled=True, variant="-checked")
+def test_kernel_matches_oracle_checked(target, checking_backend, repro_dir, data):
+    draw_and_compare(target, checking_backend, repro_dir, data, pooled=True, variant="-checked")
 
 
 @settings(max_examples=CHECKING_ANY_CONFIG_EXAMPLES)
 @given(data=st.data())
-def test_kernel_matches_oracle_checked_any_config(target, checking_backend, runnable, repro_dir, data):
+def test_kernel_matches_oracle_checked_any_config(target, checking_backend, repro_dir, data):
     draw_and_compare(
-        target, checking_backend, runnable, repro_dir, data, pooled=False, variant="-checked-any-config"
+        target, checking_backend, repro_dir, data, pooled=False, variant="-checked-any-config"
     )
 
 

@@ -10,27 +10,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness.properties import DETERMINISM, PADDING, check_determinism, check_padding_isolation
-from harness.repro import written_on_failure
+from harness.recording import recorded
 from strategies.valid import valid_cases
 
 
 @given(data=st.data())
-def test_padding_does_not_change_valid_rows(target, volume_backend, runnable, repro_dir, data):
-    runnable(volume_backend)
+def test_padding_does_not_change_valid_rows(target, volume_backend, repro_dir, data):
     case = data.draw(valid_cases(target.capabilities, pooled=True), label="case")
     dirty = dataclasses.replace(case, poison=True, garbage=True)
     name = f"{PADDING}[{volume_backend.name}]"
-    with written_on_failure(
+    with recorded(
         repro_dir, name, target, volume_backend, dirty.arrays(), case.options(), case=dirty
     ):
         check_padding_isolation(target, volume_backend, case)
 
 
 @given(data=st.data())
-def test_same_call_gives_same_bits(target, volume_backend, runnable, repro_dir, data):
-    runnable(volume_backend)
+def test_same_call_gives_same_bits(target, volume_backend, repro_dir, data):
     case = data.draw(valid_cases(target.capabilities, pooled=True), label="case")
     arrays, options = case.arrays(), case.options()
     name = f"{DETERMINISM}[{volume_backend.name}]"
-    with written_on_failure(repro_dir, name, target, volume_backend, arrays, options, case=case):
+    with recorded(repro_dir, name, target, volume_backend, arrays, options, case=case):
         check_determinism(target, volume_backend, arrays, options)

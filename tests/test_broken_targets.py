@@ -1,0 +1,170 @@
+"""Broken targets fail the run with their own first line and exit code, and leave a repro that replays.
+
+Each broken target (``tests/broken/``) wraps the bundled kernel. The runs use the fast interpreter, the
+dev profile and ``-x``: each stops at its first failure, shrunk.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from harness import cli, interpreter_limitations
+
+DIFFERENTIAL = "tests/test_differential.py::test_kernel_matches_oracle"
+PADDING = "tests/test_padding.py::test_padding_does_not_change_valid_rows"
+FIRST_LINE = re.compile(r"^E\s+harness\.properties\.\w+: (.*)$", re.MULTILINE)
+
+# target -> (property test, the failure's first line contains, repro file)
+BROKEN = {
+    "raises_on_batches": (
+        DIFFERENTIAL,
+        "raised on valid inputs: RuntimeError: internal kernel error: unsupported batch",
+        "differential_fast-interpret.json",
+    ),
+    "wrong_dtype": (
+        DIFFERENTIAL,
+        "output dtype float32; the specification is q's dtype bfloat16",
+        "differential_fast-interpret.json",
+    ),
+    "wrong_shape": (DIFFERENTIAL, "output shape (", "differential_fast-interpret.json"),
+    "nan_in_a_live_row": (DIFFERENTIAL, "non-finite values in live rows", "differential_fast-interpret.json"),
+    "nondeterministic": (
+        PADDING,
+        "non-deterministic: two identical calls gave different bits",
+        "padding-isolation_fast-interpret.json",
+    ),
+}
+
+
+@pytest.fixture(autouse=True)
+def _bundled_kernel_only(pytestconfig):
+    if pytestconfig.rpa_target.name != "kernel":
+        pytest.skip("the broken targets wrap the bundled kernel")
+
+
+def run(*args, cwd, env=None):
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=900,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def run_properties(target, tests, repro_dir, cwd, *extra, env=None):
+    return run(
+        "-m", "pytest", *tests, "-p", "no:cacheprovider", "-q", "-x", f"--rpa-target=tests.broken.{target}",
+        "--rpa-backend=fast-interpret", "--hypothesis-profile=dev", f"--rpa-repro-dir={repro_dir}", *extra,
+        cwd=cwd, env=env,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("broken", BROKEN)
+def test_broken_target_fails_with_its_reason_and_replays(broken, tmp_path, pytestconfig, capsys):
+    test, reason, repro_name = BROKEN[broken]
+    result = run_properties(broken, [test], tmp_path, pytestconfig.rootpath, "-p", "no:xdist")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    first_lines = FIRST_LINE.findall(result.stdout)
+    assert first_lines and reason in first_lines[0], (reason, first_lines, output[-3000:])
+    path = tmp_path / repro_name
+    assert path.exists() and str(path) in result.stdout, (sorted(tmp_path.iterdir()), output[-3000:])
+    assert cli.main(["replay", str(path)]) == 1  # in this process: jax is imported already
+    assert reason in capsys.readouterr().out
+    if broken == "raises_on_batches":
+        assert cli.main(["replay", str(path), "--target", "kernel"]) == 0
+        assert "passes now" in capsys.readouterr().out
+
+
+# The watchdog's time includes the first call's compilation (a few seconds, more on a loaded machine): a
+# shorter timeout would take a slow compilation for a hang.
+HANG_TIMEOUT = "30"
+
+
+def hang_case(path):
+    """The recorded case, checked to be one the broken target hangs on (not a slow compilation)."""
+    meta = json.loads(path.read_text())
+    case = json.loads(meta["case"])
+    assert case["q_lens"] and case["q_lens"][0] >= 2, f"not a case tests.broken.hangs hangs on: {case}"
+    return meta
+
+
+def test_a_hang_fails_the_test_and_leaves_a_hang_repro(tmp_path, pytestconfig):
+    root = pytestconfig.rootpath
+    result = run_properties("hangs", [DIFFERENTIAL], tmp_path, root, "-n", "1", env={"RPA_CALL_TIMEOUT": HANG_TIMEOUT})
+    output = result.stdout + result.stderr
+    path = tmp_path / "differential_fast-interpret.json"
+    assert result.returncode == 1, output[-3000:]
+    assert "crashed while running" in result.stdout and f"HANG: a kernel call did not return within {HANG_TIMEOUT} s" in output
+    assert f"repro: {path}" in result.stdout, output[-3000:]
+    meta = hang_case(path)
+    assert meta["hang"] == {"seconds": float(HANG_TIMEOUT)} and meta["test"] == f"{DIFFERENTIAL}[fast-interpret]"
+    assert not list(tmp_path.glob("*.pending.*")), "the pending example becomes the hang repro"
+    replay = run("-m", "harness.cli", "replay", str(path), "--timeout", "2", cwd=root)
+    assert replay.returncode == 1, replay.stdout + replay.stderr
+    assert "still hangs after 2 s" in replay.stderr, replay.stderr[-2000:]
+    # the first call compiles: give it time (the recorded timeout is the default)
+    fixed = run("-m", "harness.cli", "replay", str(path), "--target", "kernel", "--timeout", "120", cwd=root)
+    assert fixed.returncode == 0 and "passes now" in fixed.stdout, fixed.stdout + fixed.stderr
+
+
+def test_a_hang_without_xdist_ends_the_run_naming_the_repro(tmp_path, pytestconfig):
+    result = run_properties(
+        "hangs", [DIFFERENTIAL], tmp_path, pytestconfig.rootpath, "-p", "no:xdist", env={"RPA_CALL_TIMEOUT": HANG_TIMEOUT}
+    )
+    path = tmp_path / "differential_fast-interpret.json"
+    assert result.returncode == 70, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"repro: {path}" in result.stderr and path.exists(), result.stderr[-2000:]
+    hang_case(path)
+
+
+@pytest.mark.parametrize(
+    "broken, reason",
+    [
+        ("declares_tpu_only", "it declares backends=('tpu',)"),
+        ("needs_a_tpu", "the kernel looks up TPU-tuned parameters"),
+    ],
+)
+def test_a_run_where_no_numeric_property_ran_is_not_green(broken, reason, tmp_path, pytestconfig):
+    root = pytestconfig.rootpath
+    result = run_properties(broken, [DIFFERENTIAL, PADDING], tmp_path, root, "-p", "no:xdist")
+    assert result.returncode == 5, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = result.stdout[: result.stdout.index("short test summary")]  # first, before pytest's own
+    assert "NOT GREEN: no numeric property ran against target" in summary, result.stdout[-3000:]
+    assert f"cannot run on fast-interpret: {reason}" in summary, result.stdout[-3000:]
+    allowed = run_properties(broken, [DIFFERENTIAL], tmp_path, root, "-p", "no:xdist", "--rpa-allow-no-numeric")
+    assert allowed.returncode == 0, allowed.stdout[-3000:] + allowed.stderr[-3000:]
+    assert not list(tmp_path.iterdir()), "a target that cannot run leaves no repro"
+
+
+@pytest.mark.parametrize("setting", ["RPA_RUN_LOG", "--rpa-repro-dir"])
+def test_an_unusable_harness_folder_is_one_usage_error(setting, tmp_path, pytestconfig):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    folder = blocker / "logs"  # cannot be created: its parent is a file
+    env, extra = ({"RPA_RUN_LOG": str(folder)}, ()) if setting == "RPA_RUN_LOG" else ({}, (f"{setting}={folder}",))
+    result = run(
+        "-m", "pytest", DIFFERENTIAL, "-p", "no:cacheprovider", "-p", "no:xdist", "--rpa-backend=fast-interpret",
+        *extra, cwd=pytestconfig.rootpath, env=env,
+    )  # fmt: skip
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"{setting}={folder}: cannot write there" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_catalogue_recognises_only_known_limitations():
+    gap = AttributeError("'ReshapeTransform' object has no attribute 'indices'")
+    assert "TPU interpreter" in interpreter_limitations.recognise(gap)
+    assert interpreter_limitations.recognise(RuntimeError("internal kernel error: unsupported batch")) is None
+    assert interpreter_limitations.recognise(AttributeError("'Foo' object has no attribute 'indices'")) is None
+
+
+def test_the_repro_profile_without_its_example_database_is_one_usage_error(tmp_path, pytestconfig):
+    missing = tmp_path / "no-such-database"
+    result = run(
+        "-m", "pytest", DIFFERENTIAL, "-p", "no:cacheprovider", "-p", "no:xdist", "--hypothesis-profile=repro",
+        cwd=pytestconfig.rootpath, env={"RPA_HYPOTHESIS_DB": str(missing)},
+    )  # fmt: skip
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"RPA_HYPOTHESIS_DB={missing}: no such folder" in result.stderr and not missing.exists()
