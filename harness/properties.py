@@ -10,7 +10,7 @@ import numpy as np
 
 import reference
 from harness.backends import Backend
-from harness.interpreter_limitations import recognise
+from harness.interpret_compat.limitations import recognise
 from harness.targets import Target, first_line_of_error
 
 DIFFERENTIAL = "differential"

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from harness import cli, interpreter_limitations
+from harness import cli
+from harness.interpret_compat import limitations as interpreter_limitations
 
 DIFFERENTIAL = "tests/test_differential.py::test_kernel_matches_oracle"
 PADDING = "tests/test_padding.py::test_padding_does_not_change_valid_rows"

@@ -16,6 +16,8 @@ internals moved stays unpatched, with one warning naming it and the jax version,
 - ``tpu``: the TPU interpreter's gaps (``tpu-ref-views``, ``tpu-masked-swap``).
 - ``generic``: the generic interpreter's gaps (``generic-literal-indices``, ``generic-view-stores``,
   ``generic-scalar-prefetch-state``, ``generic-narrow-float-bits``).
+- ``limitations``: the interpreter limitations the harness recognises by their error, the only errors on
+  valid input that mean "cannot run here" rather than a kernel bug.
 
 Importing this package imports no private jax module; ``install()`` does. Install before tracing: the
 interpreters bind the patched functions when a kernel is traced, so ``install`` and ``uninstall`` clear
