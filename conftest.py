@@ -5,10 +5,13 @@ Options (each also read from an environment variable):
   --rpa-backend=NAME            RPA_BACKEND         interpret | fast-interpret | tpu | auto (default: auto)
   --rpa-repro-dir=DIR           RPA_REPRO_DIR       where failing examples are written (default: rpa-repros)
   --rpa-interpreter-compat=on|off                   patch the TPU interpreter for ref reshape/bitcast (default: on)
+  --rpa-precision=NAME[,NAME]   RPA_PRECISION       precision contract(s) the target is judged under
+                                                    (default: its RPA_HARNESS_PRECISION, else float32)
 Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
 RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
 """
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 from harness import backends, repro, targets
+from reference.tolerance import CONTRACTS, PrecisionError, parse_precision
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
 _common = dict(
@@ -77,6 +81,12 @@ def pytest_addoption(parser):
         choices=("on", "off"),
         help="patch the TPU interpreter so kernels that reshape or bitcast refs run (default: on)",
     )
+    group.addoption(
+        "--rpa-precision",
+        default=os.environ.get("RPA_PRECISION", ""),
+        help=f"precision contract(s) the target is judged under, comma-separated ({', '.join(CONTRACTS)}; "
+        "default: the target's RPA_HARNESS_PRECISION, else float32)",
+    )
 
 
 @pytest.hookimpl(trylast=True)  # after Hypothesis's plugin has loaded --hypothesis-profile
@@ -90,6 +100,12 @@ def pytest_configure(config):
         config.rpa_target = targets.load(config.getoption("--rpa-target"))
     except targets.TargetError as error:
         raise pytest.UsageError(str(error)) from None
+    if config.getoption("--rpa-precision"):
+        try:
+            precision = parse_precision(config.getoption("--rpa-precision"))
+        except PrecisionError as error:
+            raise pytest.UsageError(f"--rpa-precision: {error}") from None
+        config.rpa_target = dataclasses.replace(config.rpa_target, precision=precision)
     compat = config.getoption("--rpa-interpreter-compat") == "on"
     config.rpa_backends = [
         backends.Backend(name, compat) for name in backends.resolve(config.getoption("--rpa-backend"))

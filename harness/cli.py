@@ -8,6 +8,7 @@ rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repr
 
 import argparse
 import collections
+import dataclasses
 import os
 import subprocess
 import sys
@@ -82,10 +83,19 @@ def replay(args) -> int:
     if backend.skip_reason:
         print(f"rpa-harness replay: {backend.skip_reason}; pass --backend interpret", file=sys.stderr)
         return 2
+    if repro.precision is not None:  # judged under the contract it failed under
+        from reference import PrecisionError, parse_precision
+
+        try:
+            target = dataclasses.replace(target, precision=parse_precision(repro.precision))
+        except PrecisionError as error:
+            print(f"rpa-harness replay: {path}: {error}", file=sys.stderr)
+            return 2
     from harness.properties import recheck
 
     kind = repro.property.split("[", 1)[0]
     print(f"property: {repro.property}\ntarget:   {target_name}\nbackend:  {backend.name}")
+    print(f"precision: {', '.join(target.precision)}")
     if repro.case is not None:
         print(f"case:     {repro.case.describe()}")
     try:

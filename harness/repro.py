@@ -43,6 +43,7 @@ class Repro:
     stage: str | None = None  # "static" or "dynamic" for validation properties
     failure: str = ""  # the report or error seen when it was written
     versions: dict = dataclasses.field(default_factory=dict)
+    precision: tuple[str, ...] | None = None  # the target's precision contract when it failed
 
 
 def versions() -> dict:
@@ -103,6 +104,7 @@ def write(repro: Repro, directory: str | os.PathLike) -> Path:
         "stage": repro.stage,
         "failure": repro.failure,
         "versions": repro.versions or versions(),
+        "precision": list(repro.precision) if repro.precision is not None else None,
         "arrays": json_path.with_suffix(".npz").name,
     }
     _atomic_write(json_path.with_suffix(".npz"), buffer.getvalue())
@@ -142,6 +144,7 @@ def read(path: str | os.PathLike) -> Repro:
             stage=meta.get("stage"),
             failure=meta.get("failure", ""),
             versions=meta.get("versions", {}),
+            precision=tuple(meta["precision"]) if meta.get("precision") is not None else None,
         )
     except FileNotFoundError as error:
         raise ReproError(
@@ -166,8 +169,9 @@ def written_on_failure(directory, property_name: str, target, backend, arrays: d
         yield notes
     except AssertionError as failure:
         repro = Repro(
-            property_name, target.name, backend.name, arrays, options, failure=str(failure), **fields
-        )
+            property_name, target.name, backend.name, arrays, options, failure=str(failure),
+            precision=getattr(target, "precision", None), **fields,
+        )  # fmt: skip
         path = write(repro, directory)
         runlog.record(**notes, repro=str(path))
         raise type(failure)(f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}") from None
