@@ -201,7 +201,8 @@ def contract_report(groups, worst):
         + ", ".join(f"{'all' if len(c) == len(CONTRACTS) else c[-1]} {n}" for c, n in totals.items())
     )
     lines.append(
-        "max ratio: largest error/bound of a case under the contract; off: the same output judged under float32; "
+        "max ratio: largest error/bound of a case under the contract; off: the same output judged under "
+        "float32; "
         "bound/f32 and upstream/bound: medians over elements (upstream = 0.15 or 0.2 (1 + |o|))"
     )
     if worst is not None:

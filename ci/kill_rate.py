@@ -8,6 +8,7 @@ The correct kernel must pass the same run (exit status 1 otherwise, or when a ru
   python ci/kill_rate.py                                  # every mutant, both interpreters as in CI
   python ci/kill_rate.py --variants causal_off_by_one,sm_scale_ignored --jobs 2
   python ci/kill_rate.py --backend fast-interpret         # the volume interpreter alone
+  python ci/kill_rate.py --precision probabilities-in-value-dtype   # every run judged under that contract
 
 With the fast interpreter alone the checked properties do not run, so a mutant only the TPU interpreter can
 see (``dma_wait_one_page_short``: the generic interpreter completes every DMA when it starts) survives.

@@ -122,7 +122,7 @@ APPROX_RECIPROCAL = "approx-reciprocal"
 CONTRACTS = {
     FLOAT32: "float32 logits, softmax, accumulation and matrix products, exact division (the default)",
     PROBABILITIES_IN_VALUE_DTYPE: "P rounded to V's dtype before P @ V",
-    ACCUMULATORS_IN_OUTPUT_DTYPE: "running sum and output accumulator stored in the output dtype per KV block",
+    ACCUMULATORS_IN_OUTPUT_DTYPE: "running sum and accumulator stored in the output dtype per KV block",
     BF16_MATMUL: "float32 operands of both matrix products rounded to bfloat16, float32 accumulation",
     BF16X3_MATMUL: "float32 operands of both matrix products as bfloat16 hi + lo, three passes",
     APPROX_RECIPROCAL: "the normaliser's reciprocal with relative error <= 2**-8",
@@ -280,8 +280,8 @@ class Comparison:
             else f" (precision {describe_precision(self.precision)})"
         )
         lines = [
-            f"{self.label} vs float64 oracle{contract}: {verdict}: {self.num_over} of {self.num_checked} elements over "
-            f"the bound, {self.nonfinite} non-finite, max error/bound {self.max_ratio:.3g}"
+            f"{self.label} vs float64 oracle{contract}: {verdict}: {self.num_over} of {self.num_checked} "
+            f"elements over the bound, {self.nonfinite} non-finite, max error/bound {self.max_ratio:.3g}"
         ]
         if self.worst is not None:
             w = self.worst
