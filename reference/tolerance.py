@@ -87,7 +87,10 @@ Measured (``benchmarks/tolerance_calibration.py``, unit-normal data): float32 bo
 sm_scale = 1/sqrt(d), i.e. >= 1000x below upstream's 0.15 + 0.15 |o|; with sm_scale = 1 at d = 128 (logits
 of std ~11) the d * A_k term dominates and the bound reaches ~1.6e-3 where the output cancels (~100x). In
 bfloat16 the bound is half an ulp plus ~1e-4, >= 48x below upstream's. The jnp reference reaches error/bound
-<= 0.05 in float32 and <= 0.998 in bfloat16 (round-to-nearest uses almost all of its half ulp).
+<= 0.05 in float32 and <= 0.998 in bfloat16 (round-to-nearest uses almost all of its half ulp). Per contract
+(``--contracts``, 2,400 cases, NumPy variants making exactly each choice): 0 false alarms, largest
+error/bound 0.71 (P in V's dtype), 0.63 (accumulators), 0.71 (bf16-matmul), 0.99 (bf16x3), 0.999
+(approximate reciprocal: the variant uses the full 2**-8 error) and 0.87 all combined.
 """
 
 import dataclasses

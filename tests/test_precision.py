@@ -120,7 +120,7 @@ def test_variant_fails_under_float32_passes_under_its_contract_and_is_diagnosed(
 
 
 def test_bf16x3_variant_passes_under_its_contract():
-    """Three bf16 passes are nearly float32 (their error is ~3 * 2**-16 per product): no diagnosis needed."""
+    """Three bf16 passes lose ~3 * 2**-16 per product: within its contract, and a single pass is not."""
     arrays = long_case(F32, F32)
     result = oracle(**arrays, sm_scale=1.0)
     out = contract_attention(**arrays, sm_scale=1.0, precision=(BF16X3_MATMUL,))
