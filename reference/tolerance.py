@@ -333,8 +333,9 @@ def diagnose(error, finite, result, rows, precision=DEFAULT_PRECISION) -> str:
     if accepted:
         _, ratio, candidate = min(accepted, key=lambda item: item[0])
         extra = [name for name in candidate if name not in parse_precision(precision)]
+        named = "all precision contracts combined" if len(candidate) == len(CONTRACTS) else " + ".join(extra)
         return (
-            f"consistent with {' + '.join(extra)} (max error/bound {ratio:.3g} under it): an undeclared "
+            f"consistent with {named} (max error/bound {ratio:.3g} under it): an undeclared "
             "precision choice, or a bug of that size"
         )
     tail = f" (max error/bound {loosest:.3g} even with all contracts combined)" if loosest is not None else ""

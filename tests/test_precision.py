@@ -235,3 +235,16 @@ def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded
         and "--rpa-precision: unknown precision contract(s) bf16; known:" in unknown.stderr
     )
     assert "Traceback" not in unknown.stderr
+
+
+def test_errors_only_all_contracts_together_explain_are_diagnosed_as_such():
+    result = oracle(**long_case(BF16, BF16), sm_scale=0.25)
+    owned = result.owned_rows
+    combined = error_bound(result, precision=ALL)
+    assert all(
+        (0.9 * combined[owned] > error_bound(result, precision=(name,))[owned]).any() for name in CONTRACTS
+    )
+    comparison = compare(result.out + 0.9 * combined, result)
+    assert comparison.diagnosis.startswith(
+        "consistent with all precision contracts combined (max error/bound 0.9"
+    )
