@@ -6,6 +6,8 @@ Options (each also read from an environment variable):
   --rpa-repro-dir=DIR           RPA_REPRO_DIR       where failing examples are written (default: rpa-repros)
   --rpa-interpreter-compat=on|off                   patch the interpreters' known gaps (default: on)
   --rpa-allow-no-numeric        RPA_ALLOW_NO_NUMERIC=1  a run in which no numeric property ran may pass
+  --rpa-precision=NAME[,NAME]   RPA_PRECISION       precision contract(s) the target is judged under
+                                                    (default: its RPA_HARNESS_PRECISION, else float32)
 Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
 RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
 
@@ -15,6 +17,7 @@ fixtures skip a backend that is absent or that the target declares it does not r
 needs an opt-in capability carries ``rpa_requires("name", reason=...)``.
 """
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -25,6 +28,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 from harness import backends, properties, repro, runlog, targets
+from reference.tolerance import CONTRACTS, PrecisionError, parse_precision
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
 _common = dict(
@@ -86,6 +90,12 @@ def pytest_addoption(parser):
         help="patch the interpreters' known gaps (harness.interpret_compat; default: on)",
     )
     group.addoption(
+        "--rpa-precision",
+        default=os.environ.get("RPA_PRECISION", ""),
+        help=f"precision contract(s) the target is judged under, comma-separated ({', '.join(CONTRACTS)}; "
+        "default: the target's RPA_HARNESS_PRECISION, else float32)",
+    )
+    group.addoption(
         "--rpa-allow-no-numeric",
         action="store_true",
         default=os.environ.get("RPA_ALLOW_NO_NUMERIC", "") not in ("", "0"),
@@ -114,6 +124,12 @@ def pytest_configure(config):
         config.rpa_target = targets.load(config.getoption("--rpa-target"))
     except targets.TargetError as error:
         raise pytest.UsageError(str(error)) from None
+    if config.getoption("--rpa-precision"):
+        try:
+            precision = parse_precision(config.getoption("--rpa-precision"))
+        except PrecisionError as error:
+            raise pytest.UsageError(f"--rpa-precision: {error}") from None
+        config.rpa_target = dataclasses.replace(config.rpa_target, precision=precision)
     compat = config.getoption("--rpa-interpreter-compat") == "on"
     config.rpa_backends = [
         backends.Backend(name, compat) for name in backends.resolve(config.getoption("--rpa-backend"))

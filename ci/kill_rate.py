@@ -8,6 +8,7 @@ The correct kernel must pass the same run (exit status 1 otherwise, or when a ru
   python ci/kill_rate.py                                  # every mutant, both interpreters as in CI
   python ci/kill_rate.py --variants causal_off_by_one,sm_scale_ignored --jobs 2
   python ci/kill_rate.py --backend fast-interpret         # the volume interpreter alone
+  python ci/kill_rate.py --precision probabilities-in-value-dtype   # every run judged under that contract
 
 With the fast interpreter alone the checked properties do not run, so a mutant only the TPU interpreter can
 see (``dma_wait_one_page_short``: the generic interpreter completes every DMA when it starts) survives.
@@ -85,7 +86,9 @@ def failed_test(output: str) -> str:
     return match.group(1).split("/")[-1] if match else ""
 
 
-def run_variant(variant: str, backend: str, out_dir: Path, timeout: float, workers: int) -> Outcome:
+def run_variant(
+    variant: str, backend: str, out_dir: Path, timeout: float, workers: int, precision: str = ""
+) -> Outcome:
     work = out_dir / variant
     log_dir, repro_dir = work / "log", work / "repros"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -97,6 +100,7 @@ def run_variant(variant: str, backend: str, out_dir: Path, timeout: float, worke
         *PROPERTY_FILES,
         f"--rpa-target={target_module(variant)}",
         f"--rpa-backend={backend}",
+        *([f"--rpa-precision={precision}"] if precision else []),
         f"--rpa-repro-dir={repro_dir}",
         "--hypothesis-profile=ci",
         *(f"--deselect={test}" for test in TARGET_INDEPENDENT),
@@ -108,6 +112,7 @@ def run_variant(variant: str, backend: str, out_dir: Path, timeout: float, worke
     ]
     env = {**os.environ, runlog.ENV: str(log_dir), "HYPOTHESIS_PROFILE": "ci"}
     env.pop("RPA_TARGET", None)
+    env.pop("RPA_PRECISION", None)
     start = time.monotonic()
     seconds_to_failure = None
     with open(work / "pytest.out", "w") as output:
@@ -219,6 +224,9 @@ def main(argv=None) -> int:
         "--out-dir", type=Path, help="logs, repros and pytest output per variant (default: a temp dir)"
     )
     parser.add_argument("--no-correct", action="store_true", help="skip the run of the correct kernel")
+    parser.add_argument(
+        "--precision", default="", help="--rpa-precision for every run (default: each target's own, float32)"
+    )
     args = parser.parse_args(argv)
 
     names = [m.name for m in mutants.MUTANTS]
@@ -228,17 +236,25 @@ def main(argv=None) -> int:
         if unknown:
             parser.error(f"--variants: unknown mutant(s) {', '.join(unknown)}; known: {', '.join(names)}")
         names = chosen
+    if args.precision:
+        from reference import PrecisionError, parse_precision
+
+        try:
+            parse_precision(args.precision)
+        except PrecisionError as error:
+            parser.error(f"--precision: {error}")
     variants = ([] if args.no_correct else [CORRECT]) + names
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="rpa-kill-rate-"))
     print(
-        f"kill rate: {len(names)} mutants on {args.backend}, {args.jobs} job(s); work files in {out_dir}",
+        f"kill rate: {len(names)} mutants on {args.backend}, precision {args.precision or 'as each target declares'}, "
+        f"{args.jobs} job(s); work files in {out_dir}",
         flush=True,
     )
 
     outcomes = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = {
-            pool.submit(run_variant, v, args.backend, out_dir, args.timeout, args.workers): v
+            pool.submit(run_variant, v, args.backend, out_dir, args.timeout, args.workers, args.precision): v
             for v in variants
         }
         for future in concurrent.futures.as_completed(futures):

@@ -12,6 +12,7 @@ rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repr
 
 import argparse
 import collections
+import dataclasses
 import os
 import subprocess
 import sys
@@ -153,6 +154,14 @@ def replay(args) -> int:
     if declared:
         print(f"rpa-harness replay: cannot run here: target {target_name} {declared}", file=sys.stderr)
         return CANNOT_RUN
+    if repro.precision is not None:  # judged under the contract it failed under
+        from reference import PrecisionError, parse_precision
+
+        try:
+            target = dataclasses.replace(target, precision=parse_precision(repro.precision))
+        except PrecisionError as error:
+            print(f"rpa-harness replay: {path}: {error}", file=sys.stderr)
+            return BAD_FILE
     program = snippet(repro, path, target_name, backend)
     if args.script:
         Path(args.script).write_text(program)
@@ -162,7 +171,8 @@ def replay(args) -> int:
     kind = repro.property.split("[", 1)[0]
     print(
         f"property: {repro.property}\ntarget:   {target_name}\nbackend:  {backend.name} "
-        f"(interpreter compat {'on' if compat else 'off'})\nrecorded: {_recorded(repro)}"
+        f"(interpreter compat {'on' if compat else 'off'})\nrecorded: {_recorded(repro)}\n"
+        f"precision: {', '.join(target.precision)}"
     )
     if repro.case is not None:
         print(f"case:     {repro.case.describe()}")

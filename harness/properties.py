@@ -46,10 +46,13 @@ def declared_unrunnable(target: Target, backend: Backend) -> str | None:
 
 
 def check_differential(target: Target, backend: Backend, arrays: dict, options: dict):
-    """The target's output matches the float64 oracle within the tolerance model, on valid rows."""
+    """The target's output matches the float64 oracle within the tolerance model of its precision
+    contract (``target.precision``), on valid rows."""
     actual = run_valid(target, backend, arrays, options)
     expected = reference.oracle(**arrays, **options)
-    comparison = reference.compare(actual, expected, label=f"{target.name} on {backend.name}")
+    comparison = reference.compare(
+        actual, expected, label=f"{target.name} on {backend.name}", precision=target.precision
+    )
     if not comparison.ok:
         raise PropertyFailure(str(comparison))
     return comparison

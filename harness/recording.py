@@ -30,7 +30,8 @@ def recorded(directory, property_name: str, target, backend, arrays: dict, optio
     }
     example = repro.Repro(
         property_name, target.name, backend.name, arrays, options,
-        interpreter_compat=backend.interpreter_compat, test=current_test(), **fields,
+        interpreter_compat=backend.interpreter_compat, test=current_test(),
+        precision=getattr(target, "precision", None), **fields,
     )  # fmt: skip
     pending = repro.write_pending(example, directory)
 

@@ -48,6 +48,7 @@ class Repro:
     error: dict | None = None  # {"type", "message"} of the exception the target raised on valid input
     hang: dict | None = None  # {"seconds": N}: the call did not return within N s
     test: str = ""  # the pytest node id that wrote it
+    precision: tuple[str, ...] | None = None  # the target's precision contract when it failed
 
 
 REQUIRED_FIELDS = ("property", "target", "backend", "options", "dtypes", "arrays")
@@ -134,6 +135,7 @@ def _metadata(repro: Repro, json_path: Path | None) -> bytes:
         "stage": repro.stage,
         "failure": repro.failure,
         "versions": repro.versions or versions(),
+        "precision": list(repro.precision) if repro.precision is not None else None,
         "interpreter_compat": repro.interpreter_compat,
         "error": repro.error,
         "hang": repro.hang,
@@ -192,6 +194,7 @@ def read(path: str | os.PathLike) -> Repro:
             error=meta.get("error"),
             hang=meta.get("hang"),
             test=meta.get("test", ""),
+            precision=tuple(meta["precision"]) if meta.get("precision") is not None else None,
         )
     except FileNotFoundError as error:
         raise ReproError(

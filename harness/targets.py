@@ -4,6 +4,9 @@ A target may narrow what the strategies draw for it and opt into our stricter pr
 ``RPA_HARNESS_CAPABILITIES`` (a dict of ``strategies.valid.Capabilities`` fields). Known modules without
 such a declaration (upstream's) get theirs from ``KNOWN_CAPABILITIES``; any other module is held to the
 full specified space, on every backend, and upstream's own errors only.
+
+A target declares the precision contract it is judged under with ``RPA_HARNESS_PRECISION`` (a tuple of
+names from ``reference.CONTRACTS``, default float32 throughout); ``--rpa-precision`` overrides it.
 """
 
 import dataclasses
@@ -12,6 +15,7 @@ import types
 
 import jax.numpy as jnp
 
+from reference.tolerance import DEFAULT_PRECISION, PrecisionError, parse_precision
 from strategies.valid import OUR_KERNEL, UPSTREAM_KERNEL, Capabilities
 
 DEFAULT_TARGET = "kernel"
@@ -33,6 +37,7 @@ class Target:
     name: str
     module: types.ModuleType
     capabilities: Capabilities
+    precision: tuple[str, ...] = DEFAULT_PRECISION  # the precision contract its outputs are judged under
 
     def attention(self, arrays: dict, options: dict):
         """Calls the target's kernel on NumPy inputs (converted to jax arrays, as users call it)."""
@@ -63,10 +68,17 @@ def load(name: str) -> Target:
         )
     declared = getattr(module, "RPA_HARNESS_CAPABILITIES", None)
     if declared is not None:
-        capabilities = Capabilities(**declared)
+        try:
+            capabilities = Capabilities(**declared)
+        except (TypeError, ValueError) as error:
+            raise TargetError(f"--rpa-target={name}: RPA_HARNESS_CAPABILITIES: {error}") from None
     else:
         capabilities = KNOWN_CAPABILITIES.get(name, Capabilities())
-    return Target(name, module, capabilities)
+    try:
+        precision = parse_precision(getattr(module, "RPA_HARNESS_PRECISION", DEFAULT_PRECISION))
+    except PrecisionError as error:
+        raise TargetError(f"--rpa-target={name}: RPA_HARNESS_PRECISION: {error}") from None
+    return Target(name, module, capabilities, precision)
 
 
 def first_line_of_error(error: BaseException) -> str:

@@ -170,6 +170,21 @@ MUTANTS = (
         "probs = jnp.exp(logits - m_new).astype(jnp.bfloat16).astype(jnp.float32)",
     ),
     Mutant(
+        "softmax_in_q_dtype",
+        "softmax in q's dtype: the exponent's argument and the weights rounded to it (bf16 for bf16 q)",
+        KERNEL_FILE,
+        "probs = jnp.exp(logits - m_new)",
+        "probs = jnp.exp((logits - m_new).astype(q_ref.dtype)).astype(jnp.float32)",
+    ),
+    Mutant(
+        "pv_in_bfloat16",
+        "P @ V with bfloat16 operands and a bfloat16 result per KV block, also for a float32 V",
+        KERNEL_FILE,
+        "jnp.dot(probs, v, preferred_element_type=jnp.float32)",
+        "jnp.dot(\n                probs.astype(jnp.bfloat16), v.astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16\n"
+        "            ).astype(jnp.float32)",
+    ),
+    Mutant(
         "no_max_subtraction",
         "softmax without max subtraction: exp overflows for logits above ~88",
         KERNEL_FILE,

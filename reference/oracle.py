@@ -11,6 +11,7 @@ kv_len, so garbage page indices and NaN in page tails, unused pages or unowned q
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 
 from reference.tolerance import key_error_units
@@ -36,6 +37,15 @@ class OracleResult:
     flushable_pv: (
         np.ndarray
     )  # float64 [T, H, D]: sum of p_k |v_k| over keys whose weight is below f32's normal range
+    # What the precision contracts other than float32 need (``reference.tolerance.CONTRACTS``):
+    page_size: int
+    key_dtype: np.dtype  # K as the kernel multiplies it: q's dtype when k_scale is set, else the KV dtype
+    value_dtype: np.dtype  # V likewise (v_scale)
+    dot_sensitivity: np.ndarray  # float64 [T, H, D]: bound on sum_k p_k A_k |v_k - o|
+    max_dot_abs: np.ndarray  # float64 [T, H, D]: max of A_k over keys with p_k > 0 (constant along D)
+    value_underflow: (
+        np.ndarray
+    )  # float64 [T, H, D]: sum_k min(p_k, half the value dtype's smallest subnormal) (|v_k| + |o|)
 
     @property
     def owned_rows(self) -> np.ndarray:
@@ -51,6 +61,24 @@ def _scaled(x, scale, q_dtype):
     if scale is None:
         return _as_float64(x)
     return _as_float64((np.asarray(x).astype(np.float32) * np.float32(scale)).astype(q_dtype))
+
+
+def _value_dtype(kv_dtype, scale, q_dtype) -> np.dtype:
+    return np.dtype(q_dtype if scale is not None else kv_dtype)
+
+
+def _half_smallest_subnormal(dtype) -> float:
+    return float(ml_dtypes.finfo(dtype).smallest_subnormal) / 2
+
+
+def _weighted_deviation(weights, v, o):
+    """Bound on sum_k weights_k |v_k - o| (weights >= 0): the smaller of the triangle inequality and
+    Cauchy-Schwarz, sqrt(sum w * sum w (v - o)^2)."""
+    weight_total = weights.sum(axis=-1, keepdims=True)
+    spread = weights @ (v * v) - 2 * o * (weights @ v) + o * o * weight_total
+    cauchy_schwarz = np.sqrt(weight_total * np.maximum(spread, 0.0))
+    triangle = weights @ np.abs(v) + np.abs(o) * weight_total
+    return np.minimum(cauchy_schwarz, triangle)
 
 
 def _check_live_metadata(num_tokens, page_size, pages_per_seq, total_num_pages, kv_lens, cu_q_lens, pages, n):
@@ -104,6 +132,11 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
     abs_pv = np.zeros(shape)
     flushable_pv = np.zeros(shape)
     sensitivity = np.zeros(shape)
+    dot_sensitivity = np.zeros(shape)
+    max_dot_abs = np.zeros(shape)
+    value_underflow = np.zeros(shape)
+    value_dtype = _value_dtype(kv_pages.dtype, v_scale, q.dtype)
+    value_subnormal = _half_smallest_subnormal(value_dtype)
     row_sequence = np.full(num_tokens, -1)
     row_token = np.full(num_tokens, -1)
     row_kv_len = np.zeros(num_tokens, np.int64)
@@ -144,16 +177,17 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
             with np.errstate(invalid="ignore", over="ignore"):
                 eps = key_error_units(dot_abs, raw, logits, top - logits, head_dim)
                 weighted = np.where(probs > 0, probs * eps, 0.0)
-            weight_total = weighted.sum(axis=-1, keepdims=True)
-            spread = weighted @ (v * v) - 2 * o * (weighted @ v) + o * o * weight_total
-            cauchy_schwarz = np.sqrt(weight_total * np.maximum(spread, 0.0))
-            triangle = weighted @ np.abs(v) + np.abs(o) * weight_total
+            live_dot_abs = np.where(probs > 0, dot_abs, 0.0)
+            small_probs = np.minimum(probs, value_subnormal)
             to_rows = (num_kv_heads, group, last - first, head_dim)
             for target, value in (
                 (out, o),
                 (abs_pv, probs @ np.abs(v)),
                 (flushable_pv, np.where(weights < 2.0**-125, probs, 0.0) @ np.abs(v)),
-                (sensitivity, np.minimum(cauchy_schwarz, triangle)),
+                (sensitivity, _weighted_deviation(weighted, v, o)),
+                (dot_sensitivity, _weighted_deviation(probs * live_dot_abs, v, o)),
+                (max_dot_abs, np.broadcast_to(live_dot_abs.max(axis=-1, keepdims=True), o.shape)),
+                (value_underflow, small_probs @ np.abs(v) + np.abs(o) * small_probs.sum(-1, keepdims=True)),
             ):
                 target[rows] = (
                     value.reshape(to_rows).transpose(2, 0, 1, 3).reshape(last - first, -1, head_dim)
@@ -170,4 +204,10 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
         abs_pv=abs_pv,
         logit_sensitivity=sensitivity,
         flushable_pv=flushable_pv,
+        page_size=page_size,
+        key_dtype=_value_dtype(kv_pages.dtype, k_scale, q.dtype),
+        value_dtype=value_dtype,
+        dot_sensitivity=dot_sensitivity,
+        max_dot_abs=max_dot_abs,
+        value_underflow=value_underflow,
     )

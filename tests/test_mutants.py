@@ -71,6 +71,8 @@ NUMERIC_WITNESSES = {
     "dma_wait_one_page_short": MIXED,
     "acc_not_rescaled": MIXED,
     "softmax_in_bfloat16": MIXED,
+    "softmax_in_q_dtype": QUANTISED,
+    "pv_in_bfloat16": MIXED,
     "no_max_subtraction": LARGE_VALUES,
     "logits_in_q_dtype": QUANTISED,
 }

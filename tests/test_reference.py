@@ -158,6 +158,38 @@ def test_oracle_by_hand():
     check_reference(arrays, sm_scale=0.5, mask_value=-1.0)
 
 
+def test_oracle_quantities_for_the_precision_contracts_by_hand():
+    """Row 1 of the hand case: keys 0 and 1 with weights p0, 1 - p0; dot conditions A = 0.5 * (|2*1|, |1*1|)."""
+    q = np.array([[[1.0, 0.0]], [[2.0, 1.0]]], np.float32)
+    kv_pages = np.zeros((1, 2, 2, 2), np.float32)
+    kv_pages[0, 0] = [[1.0, 0.0], [3.0, 5.0]]
+    kv_pages[0, 1] = [[0.0, 1.0], [-1.0, 7.0]]
+    arrays = dict(
+        q=q,
+        kv_pages=kv_pages,
+        kv_lens=np.array([2], np.int32),
+        page_indices=np.array([[0]], np.int32),
+        cu_q_lens=np.array([0, 2], np.int32),
+        num_seqs=np.array([1], np.int32),
+    )
+    result = oracle(**arrays, sm_scale=0.5)
+    p = np.array([math.exp(1.0), math.exp(0.5)]) / (math.exp(1.0) + math.exp(0.5))
+    values = np.array([[3.0, 5.0], [-1.0, 7.0]])
+    dot_abs = np.array([1.0, 0.5])
+    o = p @ values
+    exact = (p * dot_abs) @ np.abs(values - o)
+    assert result.page_size == 2 and result.key_dtype == F32 and result.value_dtype == F32
+    np.testing.assert_array_equal(result.max_dot_abs[1, 0], [1.0, 1.0])
+    assert (result.dot_sensitivity[1, 0] >= exact * (1 - 1e-12)).all()
+    assert (result.dot_sensitivity[1, 0] <= (p * dot_abs) @ (np.abs(values) + np.abs(o)) * (1 + 1e-12)).all()
+    assert (result.value_underflow < 2.0**-140).all()  # float32 V: half its smallest subnormal is 2**-150
+    # fp8 V with a scale is read in q's dtype; without one, in the KV dtype, where tiny weights underflow.
+    fp8 = dict(arrays, kv_pages=kv_pages.astype(E4M3), q=q.astype(BF16))
+    assert oracle(**fp8, v_scale=2.0).value_dtype == BF16 and oracle(**fp8).value_dtype == E4M3
+    peaked = oracle(**dict(fp8, q=(q * 30).astype(BF16)))  # row 1 weights ~ (1, e^-30)
+    assert 0 < peaked.value_underflow[1, 0, 0] <= 2.0**-10 * (1 + 7 + 5)
+
+
 def test_oracle_reproduces_the_scale_rounding_to_q_dtype():
     """k_scale: fp8 -> float32 * scale (float32 rounding) -> q's dtype; a value off the bf16 grid shows it."""
     kv_pages = np.zeros((1, 1, 2, 1), E4M3)
