@@ -5,10 +5,14 @@ Options (each also read from an environment variable):
   --rpa-backend=NAME            RPA_BACKEND         interpret | fast-interpret | tpu | auto (default: auto)
   --rpa-repro-dir=DIR           RPA_REPRO_DIR       where failing examples are written (default: rpa-repros)
   --rpa-interpreter-compat=on|off                   patch the TPU interpreter for ref reshape/bitcast (default: on)
+  --rpa-known-issues=auto|none|NAME[,NAME...]
+                                RPA_KNOWN_ISSUES    known issues whose cases are not drawn (default: auto, the
+                                                    target's declaration; see harness/known_issues.py)
 Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
 RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
 """
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -16,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from harness import backends, repro, targets
+from harness import backends, known_issues, repro, targets
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
 _common = dict(
@@ -77,6 +81,12 @@ def pytest_addoption(parser):
         choices=("on", "off"),
         help="patch the TPU interpreter so kernels that reshape or bitcast refs run (default: on)",
     )
+    group.addoption(
+        known_issues.OPTION,
+        default=os.environ.get("RPA_KNOWN_ISSUES", known_issues.AUTO),
+        help="auto (the target's RPA_HARNESS_KNOWN_ISSUES), none, or NAME[,NAME...]: known issues whose "
+        "cases are not drawn and whose repros must still fail",
+    )
 
 
 @pytest.hookimpl(trylast=True)  # after Hypothesis's plugin has loaded --hypothesis-profile
@@ -90,6 +100,13 @@ def pytest_configure(config):
         config.rpa_target = targets.load(config.getoption("--rpa-target"))
     except targets.TargetError as error:
         raise pytest.UsageError(str(error)) from None
+    try:
+        declared = known_issues.parse_option(
+            config.getoption(known_issues.OPTION), config.rpa_target.known_issues
+        )
+    except known_issues.KnownIssueError as error:
+        raise pytest.UsageError(str(error)) from None
+    config.rpa_target = dataclasses.replace(config.rpa_target, known_issues=declared)
     compat = config.getoption("--rpa-interpreter-compat") == "on"
     config.rpa_backends = [
         backends.Backend(name, compat) for name in backends.resolve(config.getoption("--rpa-backend"))

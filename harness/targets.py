@@ -13,6 +13,7 @@ import types
 import jax.numpy as jnp
 import numpy as np
 
+from harness import known_issues
 from strategies.valid import OUR_KERNEL, UPSTREAM_KERNEL, Capabilities
 
 DEFAULT_TARGET = "kernel"
@@ -22,6 +23,11 @@ KNOWN_CAPABILITIES = {
     DEFAULT_TARGET: OUR_KERNEL,
     UPSTREAM_TARGET: UPSTREAM_KERNEL,
     f"{UPSTREAM_TARGET}.kernel": UPSTREAM_KERNEL,
+}
+# Known issues of modules without an RPA_HARNESS_KNOWN_ISSUES declaration (harness/known_issues.py).
+KNOWN_ISSUES = {
+    UPSTREAM_TARGET: known_issues.UPSTREAM_KNOWN_ISSUES,
+    f"{UPSTREAM_TARGET}.kernel": known_issues.UPSTREAM_KNOWN_ISSUES,
 }
 
 
@@ -34,6 +40,7 @@ class Target:
     name: str
     module: types.ModuleType
     capabilities: Capabilities
+    known_issues: tuple = ()  # harness.known_issues.KnownIssue entries: their cases are not drawn
 
     def attention(self, arrays: dict, options: dict):
         """Calls the target's kernel on NumPy inputs (converted to jax arrays, as users call it)."""
@@ -67,7 +74,12 @@ def load(name: str) -> Target:
         capabilities = Capabilities(**declared)
     else:
         capabilities = KNOWN_CAPABILITIES.get(name, Capabilities())
-    return Target(name, module, capabilities)
+    declared_issues = getattr(module, "RPA_HARNESS_KNOWN_ISSUES", KNOWN_ISSUES.get(name, ()))
+    try:
+        issues = known_issues.resolve(declared_issues, f"{name}.RPA_HARNESS_KNOWN_ISSUES")
+    except known_issues.KnownIssueError as error:
+        raise TargetError(str(error)) from None
+    return Target(name, module, capabilities, issues)
 
 
 def first_line_of_error(error: BaseException) -> str:
