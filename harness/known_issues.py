@@ -302,3 +302,14 @@ def parse_option(value: str, declared: tuple[KnownIssue, ...]) -> tuple[KnownIss
         return ()
     names = [name.strip() for name in value.split(",") if name.strip()]
     return resolve(names, f"{OPTION}={value}")
+
+
+def describe_matches(case: Case) -> str:
+    """A line for a failure report naming the catalogued issues the failing case matches, if any."""
+    names = [issue.name for issue in CATALOGUE if issue.matches(case)]
+    if not names:
+        return ""
+    return (
+        f"\n  known issue{'s' * (len(names) > 1)} this case matches: {', '.join(names)} "
+        f"(harness/known_issues.py; declare it in RPA_HARNESS_KNOWN_ISSUES or with {OPTION})"
+    )

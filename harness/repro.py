@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import runlog
+from harness import known_issues, runlog
 from strategies.case import DTYPES, Case
 from strategies.valid import coverage_labels
 
@@ -170,5 +170,9 @@ def written_on_failure(directory, property_name: str, target, backend, arrays: d
         )
         path = write(repro, directory)
         runlog.record(**notes, repro=str(path))
-        raise type(failure)(f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}") from None
+        numeric = case is not None and fields.get("expected_error") is None
+        known = known_issues.describe_matches(case) if numeric else ""
+        raise type(failure)(
+            f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}{known}"
+        ) from None
     runlog.record(**notes)
