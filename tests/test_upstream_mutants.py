@@ -11,10 +11,20 @@ import mutants.upstream
 from harness import known_issues
 from harness.backends import FAST_INTERPRET, Backend
 from harness.properties import PropertyFailure, check_differential
-from harness.targets import UPSTREAM_TARGET, load
+from harness.targets import UPSTREAM_TARGET, first_line_of_error, load, smallest_output
 from strategies.case import Case
 
 FAST = Backend(FAST_INTERPRET)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def upstream_runs_here():
+    """Skips (with the reason) where upstream's kernel cannot run on the fast interpreter at all."""
+    try:
+        smallest_output(load(UPSTREAM_TARGET), FAST)
+    except Exception as error:  # any failure on the tiniest case: this jax cannot run upstream's kernel
+        pytest.skip(f"upstream's kernel cannot run on {FAST.name} here: {first_line_of_error(error)}")
+
 
 # One sequence with context (3 queries over 6 keys, two pages), one KV block per page, 2 query heads on 1
 # KV head: no empty sequence, no query tail, default mask value, no scales.
