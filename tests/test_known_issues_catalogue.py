@@ -44,7 +44,7 @@ def drawn(strategy, count: int) -> list[Case]:
 
 @pytest.fixture(scope="module")
 def upstream_cases() -> list[Case]:
-    return drawn(valid_cases(UPSTREAM_KERNEL), 300) + drawn(valid_cases(UPSTREAM_KERNEL, pooled=True), 300)
+    return drawn(valid_cases(UPSTREAM_KERNEL), 200) + drawn(valid_cases(UPSTREAM_KERNEL, pooled=True), 200)
 
 
 @pytest.mark.parametrize("issue", CATALOGUE, ids=lambda issue: issue.name)
@@ -63,7 +63,7 @@ def test_predicate_is_narrow(issue, upstream_cases):
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["any-config", "pooled"])
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=__import__("hypothesis").strategies.data())
 def test_declared_issues_are_never_drawn(pooled, data):
     case = data.draw(valid_cases(UPSTREAM_KERNEL, pooled=pooled, excluding=CATALOGUE))
