@@ -8,6 +8,9 @@ Options (each also read from an environment variable):
   --rpa-allow-no-numeric        RPA_ALLOW_NO_NUMERIC=1  a run in which no numeric property ran may pass
   --rpa-precision=NAME[,NAME]   RPA_PRECISION       precision contract(s) the target is judged under
                                                     (default: its RPA_HARNESS_PRECISION, else float32)
+  --rpa-known-issues=auto|none|NAME[,NAME...]
+                                RPA_KNOWN_ISSUES    known issues whose cases are not drawn (default: auto, the
+                                                    target's declaration; see harness/known_issues.py)
 Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
 RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
 
@@ -27,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from harness import backends, properties, repro, runlog, targets
+from harness import backends, known_issues, properties, repro, runlog, targets
 from reference.tolerance import CONTRACTS, PrecisionError, parse_precision
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
@@ -96,6 +99,12 @@ def pytest_addoption(parser):
         "default: the target's RPA_HARNESS_PRECISION, else float32)",
     )
     group.addoption(
+        known_issues.OPTION,
+        default=os.environ.get("RPA_KNOWN_ISSUES", known_issues.AUTO),
+        help="auto (the target's RPA_HARNESS_KNOWN_ISSUES), none, or NAME[,NAME...]: known issues whose "
+        "cases are not drawn and whose repros must still fail",
+    )
+    group.addoption(
         "--rpa-allow-no-numeric",
         action="store_true",
         default=os.environ.get("RPA_ALLOW_NO_NUMERIC", "") not in ("", "0"),
@@ -130,6 +139,13 @@ def pytest_configure(config):
         except PrecisionError as error:
             raise pytest.UsageError(f"--rpa-precision: {error}") from None
         config.rpa_target = dataclasses.replace(config.rpa_target, precision=precision)
+    try:
+        declared = known_issues.parse_option(
+            config.getoption(known_issues.OPTION), config.rpa_target.known_issues
+        )
+    except known_issues.KnownIssueError as error:
+        raise pytest.UsageError(str(error)) from None
+    config.rpa_target = dataclasses.replace(config.rpa_target, known_issues=declared)
     compat = config.getoption("--rpa-interpreter-compat") == "on"
     config.rpa_backends = [
         backends.Backend(name, compat) for name in backends.resolve(config.getoption("--rpa-backend"))
@@ -179,8 +195,13 @@ CHECKING = (backends.INTERPRET, backends.TPU)
 
 
 def pytest_generate_tests(metafunc):
-    """``volume_backend``: where many examples run; ``checking_backend``: where memory safety is checked."""
-    for fixture, kinds in (("volume_backend", VOLUME), ("checking_backend", CHECKING)):
+    """``volume_backend``: where many examples run; ``checking_backend``: where memory safety is checked;
+    ``replay_backend``: every chosen backend (a repro replayed once on each)."""
+    for fixture, kinds in (
+        ("volume_backend", VOLUME),
+        ("checking_backend", CHECKING),
+        ("replay_backend", backends.BACKENDS),
+    ):
         if fixture in metafunc.fixturenames:
             chosen = [b for b in metafunc.config.rpa_backends if b.name in kinds]
             metafunc.parametrize(
@@ -220,6 +241,11 @@ def volume_backend(request, pytestconfig):
 
 @pytest.fixture(scope="session")
 def checking_backend(request, pytestconfig):
+    return _runnable_backend(pytestconfig, request.param)
+
+
+@pytest.fixture(scope="session")
+def replay_backend(request, pytestconfig):
     return _runnable_backend(pytestconfig, request.param)
 
 

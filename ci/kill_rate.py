@@ -9,6 +9,11 @@ The correct kernel must pass the same run (exit status 1 otherwise, or when a ru
   python ci/kill_rate.py --variants causal_off_by_one,sm_scale_ignored --jobs 2
   python ci/kill_rate.py --backend fast-interpret         # the volume interpreter alone
   python ci/kill_rate.py --precision probabilities-in-value-dtype   # every run judged under that contract
+  python ci/kill_rate.py --upstream                       # seeded bugs in upstream's kernel (mutants/upstream.py)
+
+With ``--upstream`` the variants are upstream's kernel with one seeded bug each, declaring upstream's known
+issues, and the correct kernel is upstream's own: a kill shows that the known issues' exclusion leaves the
+rest of upstream's kernel under test.
 
 With the fast interpreter alone the checked properties do not run, so a mutant only the TPU interpreter can
 see (``dma_wait_one_page_short``: the generic interpreter completes every DMA when it starts) survives.
@@ -58,8 +63,8 @@ class Outcome:
     shrunk: str = ""  # "S seqs / T tokens" of the repro left on disk
 
 
-def target_module(variant: str) -> str:
-    return variant if variant == CORRECT else f"mutants.{variant}"
+def target_module(variant: str, correct: str = CORRECT) -> str:
+    return variant if variant == correct else f"mutants.{variant}"
 
 
 def first_failure(log_dir: Path) -> int | None:
@@ -87,7 +92,8 @@ def failed_test(output: str) -> str:
 
 
 def run_variant(
-    variant: str, backend: str, out_dir: Path, timeout: float, workers: int, precision: str = ""
+    variant: str, backend: str, out_dir: Path, timeout: float, workers: int, precision: str = "",
+    correct: str = CORRECT,
 ) -> Outcome:
     work = out_dir / variant
     log_dir, repro_dir = work / "log", work / "repros"
@@ -98,7 +104,7 @@ def run_variant(
         "-m",
         "pytest",
         *PROPERTY_FILES,
-        f"--rpa-target={target_module(variant)}",
+        f"--rpa-target={target_module(variant, correct)}",
         f"--rpa-backend={backend}",
         *([f"--rpa-precision={precision}"] if precision else []),
         f"--rpa-repro-dir={repro_dir}",
@@ -137,7 +143,7 @@ def run_variant(
         status = "timeout"
     elif rc in (0, 1):
         status = {(True, 0): "passed", (True, 1): "FAILED", (False, 0): "survived", (False, 1): "killed"}[
-            (variant == CORRECT, rc)
+            (variant == correct, rc)
         ]
     else:
         status = f"error (rc {rc})"
@@ -186,8 +192,8 @@ def table(outcomes: list[Outcome]) -> str:
     return "\n".join([line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
 
 
-def totals(outcomes: list[Outcome]) -> str:
-    mutants = [o for o in outcomes if o.variant != CORRECT]
+def totals(outcomes: list[Outcome], correct: str = CORRECT) -> str:
+    mutants = [o for o in outcomes if o.variant != correct]
     killed = [o for o in mutants if o.status == "killed"]
     times = [o.seconds_to_failure for o in killed if o.seconds_to_failure is not None]
     examples = [o.examples_to_failure for o in killed if o.examples_to_failure is not None]
@@ -227,12 +233,21 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--precision", default="", help="--rpa-precision for every run (default: each target's own, float32)"
     )
+    parser.add_argument(
+        "--upstream", action="store_true", help="seeded bugs in upstream's kernel (mutants/upstream.py)"
+    )
     args = parser.parse_args(argv)
 
-    names = [m.name for m in mutants.MUTANTS]
+    catalogue, correct, prefix = mutants.BY_NAME, CORRECT, ""
+    if args.upstream:
+        import mutants.upstream
+        from harness.targets import UPSTREAM_TARGET
+
+        catalogue, correct, prefix = mutants.upstream.BY_NAME, UPSTREAM_TARGET, "upstream."
+    names = list(catalogue)
     if args.variants:
         chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
-        unknown = [v for v in chosen if v not in mutants.BY_NAME]
+        unknown = [v for v in chosen if v not in catalogue]
         if unknown:
             parser.error(f"--variants: unknown mutant(s) {', '.join(unknown)}; known: {', '.join(names)}")
         names = chosen
@@ -243,7 +258,8 @@ def main(argv=None) -> int:
             parse_precision(args.precision)
         except PrecisionError as error:
             parser.error(f"--precision: {error}")
-    variants = ([] if args.no_correct else [CORRECT]) + names
+    names = [prefix + name for name in names]
+    variants = ([] if args.no_correct else [correct]) + names
     out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="rpa-kill-rate-"))
     print(
         f"kill rate: {len(names)} mutants on {args.backend}, precision {args.precision or 'as each target declares'}, "
@@ -254,7 +270,9 @@ def main(argv=None) -> int:
     outcomes = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = {
-            pool.submit(run_variant, v, args.backend, out_dir, args.timeout, args.workers, args.precision): v
+            pool.submit(
+                run_variant, v, args.backend, out_dir, args.timeout, args.workers, args.precision, correct
+            ): v
             for v in variants
         }
         for future in concurrent.futures.as_completed(futures):
@@ -265,10 +283,12 @@ def main(argv=None) -> int:
     print()
     print(table(ordered))
     print()
-    print(totals(ordered))
-    correct = outcomes.get(CORRECT)
-    if correct is not None and correct.status != "passed":
-        print(f"the correct kernel did not pass the same run ({correct.status}): see {out_dir / CORRECT}")
+    print(totals(ordered, correct))
+    correct_outcome = outcomes.get(correct)
+    if correct_outcome is not None and correct_outcome.status != "passed":
+        print(
+            f"the correct kernel did not pass the same run ({correct_outcome.status}): see {out_dir / correct}"
+        )
         return 1
     return 1 if any(o.status.startswith(("error", "timeout")) for o in ordered) else 0
 

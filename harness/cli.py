@@ -7,7 +7,10 @@ rpa-harness replay FILE [--target MODULE] [--backend NAME] [--interpreter-compat
     recognised interpreter limitation, a backend that is absent or not declared, or an error other than
     the recorded one).
 rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repro-dir DIR] [-- PYTEST ARGS]
-    runs pytest on the properties and ends with a table: property, examples, result, repros, coverage.
+    runs pytest on the properties and ends with a table: property, examples, result, repros, coverage,
+    and the declared known issues (cases avoided, whether each still reproduces).
+rpa-harness report FILE [--target MODULE] [--backend NAME] [--run-script]
+    prints an upstream-ready bug report (Markdown) for a differential repro; exit 2 for a bad file.
 """
 
 import argparse
@@ -31,6 +34,7 @@ PROPERTY_TESTS = (
     "tests/test_validation.py",
     "tests/test_padding.py",
     "tests/test_lowering.py",
+    "tests/test_known_issues.py",
 )
 PASSES, FAILS, BAD_FILE, CANNOT_RUN = 0, 1, 2, 3
 
@@ -232,6 +236,7 @@ def run(args) -> int:
         code = subprocess.call(command, cwd=REPO_ROOT, env=env)
         if code != 4 and junit.exists():  # a usage error is pytest's own one line; no tests ran
             print(summary(junit, runlog.read(scratch), runlog.read_session(scratch)))
+            print(known_issues_summary(runlog.read_events(scratch)))
     return code
 
 
@@ -273,6 +278,42 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
     return "\n".join(lines)
 
 
+def known_issues_summary(events: list[dict]) -> str:
+    """Rows for the declared known issues: drawn cases moved out of each, and whether its repro still fails."""
+    replays = collections.defaultdict(list)
+    avoided = collections.Counter()
+    for e in events:
+        if e.get("kind") == "known-issue-replay":
+            replays[e["issue"]].append(f"{e['backend']}: {e['outcome']}")
+        elif e.get("kind") == "known-issue-avoided":
+            avoided[e["issue"]] += 1
+    names = list(replays) + [name for name in avoided if name not in replays]
+    if not names:
+        return "known issues: none declared (or none replayed)"
+    width = max(len(name) for name in names)
+    lines = [
+        f"known issues declared ({len(names)}): drawn cases moved out of each, and the replay of its repro",
+        f"{'issue':<{width}}  {'avoided':>7}  replay",
+    ]
+    lines += [
+        f"{n:<{width}}  {avoided.get(n, 0):>7}  {', '.join(sorted(replays.get(n, ['not run'])))}"
+        for n in names
+    ]
+    return "\n".join(lines)
+
+
+def report(args) -> int:
+    from harness.bug_report import render
+
+    try:
+        print(render(Path(args.file), target_name=args.target, backend_name=args.backend,
+                     with_script_output=args.run_script), end="")  # fmt: skip
+    except (repro_files.ReproError, TargetError) as error:
+        print(f"rpa-harness report: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="rpa-harness", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -295,8 +336,13 @@ def main(argv=None) -> int:
     run_parser.add_argument("-n", type=int, default=2, help="pytest-xdist workers (default 2)")
     run_parser.add_argument("--repro-dir", default=repro_files.DEFAULT_REPRO_DIR)
     run_parser.add_argument("pytest_args", nargs="*", help="passed to pytest after --")
+    report_parser = commands.add_parser("report", help="print an upstream-ready bug report for a repro")
+    report_parser.add_argument("file")
+    report_parser.add_argument("--target", help="module to report on (default: the one in the repro)")
+    report_parser.add_argument("--backend", choices=BACKENDS, help="default: the one in the repro")
+    report_parser.add_argument("--run-script", action="store_true", help="run the script, show its output")
     args = parser.parse_args(argv)
-    return replay(args) if args.command == "replay" else run(args)
+    return {"replay": replay, "run": run, "report": report}[args.command](args)
 
 
 if __name__ == "__main__":

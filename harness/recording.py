@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from harness import backends, repro, runlog
+from harness import backends, known_issues, repro, runlog
 from harness.properties import CannotRun, RaisedOnValidInput
 from strategies.valid import coverage_labels
 
@@ -58,7 +58,9 @@ def recorded(directory, property_name: str, target, backend, arrays: dict, optio
             example.error = {"type": failure.error_type, "message": failure.error_message}
         path = repro.write(example, directory)
         runlog.record(**notes, repro=str(path))
-        raise type(failure)(f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}") from None
+        numeric = case is not None and fields.get("expected_error") is None
+        known = known_issues.describe_matches(case) if numeric else ""
+        raise type(failure)(f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}{known}") from None
     finally:
         repro.discard_pending(pending)
     runlog.record(**notes)

@@ -42,3 +42,21 @@ def write_session(**fields) -> None:
 def read_session(directory) -> dict:
     path = Path(directory) / SESSION_FILE
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def record_event(kind: str, **fields) -> None:
+    """Appends one event that is not an example (e.g. a known issue avoided) to the run log's events."""
+    directory = os.environ.get(ENV)
+    if not directory:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+    with open(Path(directory) / f"{os.getpid()}.events", "a") as log:
+        log.write(json.dumps({"kind": kind, "test": test, "pid": os.getpid(), **fields}) + "\n")
+
+
+def read_events(directory) -> list[dict]:
+    return [
+        json.loads(line)
+        for path in sorted(Path(directory).glob("*.events"))
+        for line in path.read_text().splitlines()
+    ]

@@ -15,6 +15,7 @@ import types
 
 import jax.numpy as jnp
 
+from harness import known_issues
 from reference.tolerance import DEFAULT_PRECISION, PrecisionError, parse_precision
 from strategies.valid import OUR_KERNEL, UPSTREAM_KERNEL, Capabilities
 
@@ -25,6 +26,11 @@ KNOWN_CAPABILITIES = {
     DEFAULT_TARGET: OUR_KERNEL,
     UPSTREAM_TARGET: UPSTREAM_KERNEL,
     f"{UPSTREAM_TARGET}.kernel": UPSTREAM_KERNEL,
+}
+# Known issues of modules without an RPA_HARNESS_KNOWN_ISSUES declaration (harness/known_issues.py).
+KNOWN_ISSUES = {
+    UPSTREAM_TARGET: known_issues.UPSTREAM_KNOWN_ISSUES,
+    f"{UPSTREAM_TARGET}.kernel": known_issues.UPSTREAM_KNOWN_ISSUES,
 }
 
 
@@ -38,6 +44,7 @@ class Target:
     module: types.ModuleType
     capabilities: Capabilities
     precision: tuple[str, ...] = DEFAULT_PRECISION  # the precision contract its outputs are judged under
+    known_issues: tuple = ()  # harness.known_issues.KnownIssue entries: their cases are not drawn
 
     def attention(self, arrays: dict, options: dict):
         """Calls the target's kernel on NumPy inputs (converted to jax arrays, as users call it)."""
@@ -78,7 +85,12 @@ def load(name: str) -> Target:
         precision = parse_precision(getattr(module, "RPA_HARNESS_PRECISION", DEFAULT_PRECISION))
     except PrecisionError as error:
         raise TargetError(f"--rpa-target={name}: RPA_HARNESS_PRECISION: {error}") from None
-    return Target(name, module, capabilities, precision)
+    declared_issues = getattr(module, "RPA_HARNESS_KNOWN_ISSUES", KNOWN_ISSUES.get(name, ()))
+    try:
+        issues = known_issues.resolve(declared_issues, f"{name}.RPA_HARNESS_KNOWN_ISSUES")
+    except known_issues.KnownIssueError as error:
+        raise TargetError(str(error)) from None
+    return Target(name, module, capabilities, precision, issues)
 
 
 def first_line_of_error(error: BaseException) -> str:

@@ -10,7 +10,7 @@ behind a branch the shrinker can turn off.
 import dataclasses
 import math
 
-from hypothesis import event
+from hypothesis import event, reject
 from hypothesis import strategies as st
 
 from spec.interface import DEFAULT_MASK_VALUE
@@ -84,11 +84,12 @@ class Capabilities:
 
 
 OUR_KERNEL = Capabilities(strict_validation=True, lowers_for_tpu=True)
+# One K/V scale with mixed dtypes is an upstream bug, not a documented limitation: it is the known issue
+# one-kv-scale-with-mixed-dtypes (harness/known_issues.py), not paired_kv_scales_for_mixed_dtypes.
 UPSTREAM_KERNEL = Capabilities(
     head_dims=(128, 256),
     even_kv_heads_for_fp8=True,
     needs_block_sizes=True,
-    paired_kv_scales_for_mixed_dtypes=True,
 )
 
 SM_SCALES = (1.0, 0.125, 0.05)
@@ -286,8 +287,12 @@ def valid_cases(
     pooled: bool = False,
     with_options: bool = True,
     values=("normal", "large", "ties", "tiny"),
+    excluding=(),
 ) -> Case:
-    """A valid case: from the whole static space, or (``pooled``) from the few configurations of POOL."""
+    """A valid case: from the whole static space, or (``pooled``) from the few configurations of POOL.
+
+    ``excluding``: known issues of the target (see ``outside_known_issues``) whose cases are not drawn.
+    """
     if pooled:
         config, opts = draw(st.sampled_from(pool(capabilities)))
     else:
@@ -306,7 +311,33 @@ def valid_cases(
         poison=draw(st.booleans()),
         garbage=draw(st.booleans()),
     )
+    case = outside_known_issues(case, excluding)
     label_coverage(case)
+    return case
+
+
+def outside_known_issues(case: Case, known_issues) -> Case:
+    """``case`` moved out of every known issue, or rejected when it cannot be.
+
+    A known issue is an object with ``name``, ``matches(case)`` and ``avoid(case)`` (the nearest case
+    outside it), e.g. ``harness.known_issues.KnownIssue``. Moving the drawn case, rather than filtering it,
+    keeps rejections rare and lets shrinking work as usual. Moving a case out of one issue can move it into
+    another (dropping a sequence changes the data a predicate reads), so the passes repeat until none
+    applies.
+    """
+    for _ in range(len(known_issues) + 1):
+        moved = case
+        for issue in known_issues:
+            before, moved = moved, issue.avoid(moved)
+            if moved != before:
+                event(f"known issue avoided: {issue.name}")
+        if moved == case:
+            break
+        case = moved
+    for issue in known_issues:
+        if issue.matches(case):
+            event(f"known issue rejected: {issue.name}")
+            reject()
     return case
 
 

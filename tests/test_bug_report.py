@@ -1,0 +1,54 @@
+"""`rpa-harness report` writes an upstream-ready report, and `rpa-harness run` summarises the known issues."""
+
+import subprocess
+import sys
+
+import pytest
+
+from harness import bug_report, cli, known_issues
+from harness.backends import FAST_INTERPRET, Backend
+from harness.targets import UPSTREAM_TARGET, first_line_of_error, load, smallest_output
+
+ONE_SCALE = known_issues.BY_NAME["one-kv-scale-with-mixed-dtypes"]
+
+
+def test_report_of_a_known_issue():
+    try:
+        smallest_output(load(UPSTREAM_TARGET), Backend(FAST_INTERPRET))
+    except Exception as error:  # this jax cannot run upstream's kernel: there is nothing to report on
+        pytest.skip(f"upstream's kernel cannot run here: {first_line_of_error(error)}")
+    report = bug_report.render(ONE_SCALE.repro, backend_name=FAST_INTERPRET)
+    assert ONE_SCALE.description in report.splitlines()[0]
+    for part in ("## Environment", "- jax ", "## The case", "`(1, 1)`", "q bfloat16, KV cache float32",
+                 "`v_scale=0.5`", "## Expected and actual", "AssertionError", "```python",
+                 "harness/interpret_compat.py"):  # fmt: skip
+        assert part in report, part
+    script = report.split("```python\n", 1)[1].split("```", 1)[0]
+    compile(script, "report script", "exec")
+    status, output = bug_report.run_script(script)
+    assert status != 0 and "assert k.dtype == v.dtype" in output, output
+
+
+def test_report_of_a_bad_file_is_one_error(tmp_path, pytestconfig):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    result = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "report", str(bad)],
+        cwd=pytestconfig.rootpath, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2 and "not a readable repro file" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_summary_lists_declared_issues_with_avoided_counts_and_replays():
+    events = [
+        {"kind": "known-issue-avoided", "issue": "a"},
+        {"kind": "known-issue-avoided", "issue": "a"},
+        {"kind": "known-issue-replay", "issue": "a", "backend": "interpret", "outcome": "reproduces"},
+        {"kind": "known-issue-replay", "issue": "b", "backend": "interpret", "outcome": "FIXED"},
+    ]
+    lines = cli.known_issues_summary(events).splitlines()
+    assert lines[0].startswith("known issues declared (2)")
+    assert lines[2].split() == ["a", "2", "interpret:", "reproduces"]
+    assert lines[3].split() == ["b", "0", "interpret:", "FIXED"]
+    assert "none declared" in cli.known_issues_summary([])

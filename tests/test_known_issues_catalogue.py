@@ -1,0 +1,130 @@
+"""Meta-tests of the known-issue catalogue: each predicate catches its own repro and little else, the
+strategies never draw a declared issue's case (and what they draw instead is still valid), and the
+declarations and ``--rpa-known-issues`` resolve as documented."""
+
+import dataclasses
+import itertools
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
+
+from harness import known_issues, targets
+from harness import repro as repro_files
+from harness.targets import as_jax
+from strategies.case import Case
+from strategies.valid import UPSTREAM_KERNEL, valid_cases
+
+CATALOGUE = known_issues.CATALOGUE
+# Largest share of drawn cases (no issue excluded) a predicate may match: the rest of the space stays tested.
+NARROW = 0.25
+
+
+def drawn(strategy, count: int) -> list[Case]:
+    """``count`` cases from a strategy, the same on every run."""
+    cases = []
+
+    @settings(
+        max_examples=count,
+        derandomize=True,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        deadline=None,
+    )
+    @given(strategy)
+    def collect(case):
+        cases.append(case)
+
+    collect()
+    return cases
+
+
+@pytest.fixture(scope="module")
+def upstream_cases() -> list[Case]:
+    return drawn(valid_cases(UPSTREAM_KERNEL), 200) + drawn(valid_cases(UPSTREAM_KERNEL, pooled=True), 200)
+
+
+@pytest.mark.parametrize("issue", CATALOGUE, ids=lambda issue: issue.name)
+def test_predicate_matches_its_own_repro(issue):
+    case = repro_files.read(issue.repro).case
+    assert issue.matches(case), f"{issue.name} does not match its own repro's case: {case.describe()}"
+    assert not issue.matches(issue.nearest_outside(case))
+
+
+@pytest.mark.parametrize("issue", CATALOGUE, ids=lambda issue: issue.name)
+def test_predicate_is_narrow(issue, upstream_cases):
+    matching = [case for case in upstream_cases if issue.matches(case)]
+    assert matching, f"{issue.name} matches none of {len(upstream_cases)} drawn cases: is it reachable?"
+    share = len(matching) / len(upstream_cases)
+    assert share <= NARROW, f"{issue.name} matches {share:.0%} of drawn cases; narrow it to its cause"
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["any-config", "pooled"])
+@settings(max_examples=100, deadline=None)
+@given(data=__import__("hypothesis").strategies.data())
+def test_declared_issues_are_never_drawn(pooled, data):
+    case = data.draw(valid_cases(UPSTREAM_KERNEL, pooled=pooled, excluding=CATALOGUE))
+    assert [issue.name for issue in CATALOGUE if issue.matches(case)] == []
+    upstream.dynamic_validate_inputs(**as_jax(case.arrays()), **case.options())
+
+
+def test_moving_out_of_an_issue_keeps_the_case_close(upstream_cases):
+    """The nearest case outside an issue changes only what the issue is about."""
+    for issue, case in itertools.product(CATALOGUE, upstream_cases):
+        if not issue.matches(case):
+            continue
+        moved = issue.nearest_outside(case)
+        assert not issue.matches(moved), (issue.name, case)
+        changed = {
+            f.name for f in dataclasses.fields(Case) if getattr(moved, f.name) != getattr(case, f.name)
+        }
+        assert changed <= {"q_lens", "kv_lens", "k_scale", "v_scale", "mask_value"}, (issue.name, changed)
+
+
+def test_head_blocks_restate_upstream():
+    """``upstream_head_blocks`` gives upstream's grid size for every head layout and dtype drawn."""
+    for kv_heads, ratio, q_dtype, kv_dtype in itertools.product(
+        (1, 2, 4, 8), (1, 2, 3, 4, 8), UPSTREAM_KERNEL.q_dtypes, UPSTREAM_KERNEL.kv_dtypes
+    ):
+        case = Case(8, 2, 2, 4, 16, kv_heads * ratio, kv_heads, 128, q_dtype=q_dtype, kv_dtype=kv_dtype)
+        try:
+            q_heads_per_block, _ = upstream.get_min_heads_per_blk(
+                kv_heads * ratio, 2 * kv_heads, case.arrays()["q"].dtype, case.arrays()["kv_pages"].dtype
+            )
+        except ValueError:  # a combined head count upstream cannot tile: not drawn for it
+            continue
+        assert known_issues.upstream_head_blocks(case) == kv_heads * ratio // q_heads_per_block, case
+
+
+def test_upstream_declares_every_upstream_finding():
+    declared = targets.load(targets.UPSTREAM_TARGET).known_issues
+    assert [issue.name for issue in declared] == list(known_issues.UPSTREAM_KNOWN_ISSUES)
+    findings = sorted(p.name for p in known_issues.FINDINGS_DIR.iterdir() if p.is_dir())
+    assert sorted(issue.name for issue in declared) == findings
+    assert targets.load(targets.DEFAULT_TARGET).known_issues == ()
+
+
+def test_option_values():
+    declared = known_issues.CATALOGUE[:2]
+    assert known_issues.parse_option("auto", declared) == declared
+    assert known_issues.parse_option("none", declared) == ()
+    first, third = CATALOGUE[0], CATALOGUE[2]
+    assert known_issues.parse_option(f"{first.name}, {third.name}", ()) == (first, third)
+    with pytest.raises(known_issues.KnownIssueError) as error:
+        known_issues.parse_option("no-such-issue", declared)
+    message = str(error.value)
+    assert "'no-such-issue'" in message and all(issue.name in message for issue in CATALOGUE)
+    assert "\n" not in message
+
+
+def test_unknown_known_issue_is_one_usage_error(pytestconfig):
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/test_known_issues.py", "--rpa-known-issues=no-such-issue",
+         "-p", "no:cacheprovider"],
+        cwd=pytestconfig.rootpath, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "unknown known issue 'no-such-issue'" in result.stderr and "Traceback" not in result.stderr

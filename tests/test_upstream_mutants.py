@@ -1,0 +1,69 @@
+"""The seeded bugs in upstream's kernel (``mutants/upstream.py``) stay usable: every patch applies, every
+variant imports with upstream's known issues declared, and each one differs from upstream's kernel on a
+small case outside every known issue (so the issues' exclusion cannot hide it). ``ci/kill_rate.py
+--upstream`` runs the ci profile against them."""
+
+import dataclasses
+
+import pytest
+
+import mutants.upstream
+from harness import known_issues
+from harness.backends import FAST_INTERPRET, Backend
+from harness.properties import CannotRun, PropertyFailure, check_differential
+from harness.targets import UPSTREAM_TARGET, load
+from strategies.case import Case
+
+FAST = Backend(FAST_INTERPRET)
+
+
+# One sequence with context (3 queries over 6 keys, two pages), one KV block per page, 2 query heads on 1
+# KV head: no empty sequence, no query tail, default mask value, no scales.
+BASE = Case(
+    max_num_batched_tokens=8,
+    max_num_seqs=2,
+    pages_per_seq=4,
+    total_num_pages=9,
+    page_size=4,
+    num_q_heads=2,
+    num_kv_heads=1,
+    head_dim=128,
+    q_lens=(3,),
+    kv_lens=(6,),
+    num_kv_pages_per_block=1,
+    num_queries_per_block=8,
+    poison=False,
+)
+WITNESSES = {
+    "causal_off_by_one": BASE,
+    "sliding_window_off_by_one": dataclasses.replace(BASE, sliding_window=2),
+    "softmax_sum_not_rescaled": dataclasses.replace(BASE, kv_lens=(12,), values="large"),
+    "partial_last_page_not_fetched": BASE,
+    "last_block_prefetch_off_by_one": dataclasses.replace(BASE, q_lens=(1, 2), kv_lens=(4, 3)),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def upstream_runs_here():
+    """Skips (with the reason) where upstream's kernel cannot run on the fast interpreter: a recognised
+    interpreter limitation. Any other error, or a wrong output, fails the module."""
+    try:
+        check_differential(load(UPSTREAM_TARGET), FAST, BASE.arrays(), BASE.options())
+    except CannotRun as reason:
+        pytest.skip(f"upstream's kernel cannot run on {FAST.name} here: {reason}")
+
+
+def test_every_upstream_mutant_has_a_witness():
+    assert sorted(WITNESSES) == sorted(mutants.upstream.BY_NAME)
+
+
+@pytest.mark.parametrize("name", sorted(WITNESSES))
+def test_upstream_mutant_differs_from_upstream_outside_the_known_issues(name):
+    case = WITNESSES[name]
+    assert [i.name for i in known_issues.CATALOGUE if i.matches(case)] == []
+    arrays, options = case.arrays(), case.options()
+    check_differential(load(UPSTREAM_TARGET), FAST, arrays, options)
+    mutant = load(f"mutants.upstream.{name}")
+    assert mutant.known_issues == tuple(known_issues.BY_NAME[n] for n in known_issues.UPSTREAM_KNOWN_ISSUES)
+    with pytest.raises(PropertyFailure):
+        check_differential(mutant, FAST, arrays, options)
