@@ -1,0 +1,290 @@
+"""tpu-inference's ragged paged attention v3 as a harness target: ``--rpa-target=harness.tpu_inference_v3``.
+
+v3 (PyPI ``tpu-inference``, ``tpu_inference/kernels/ragged_paged_attention/v3/kernel.py``) is the kernel
+that serves vLLM on TPU. Its API differs from upstream jax's: the new tokens' keys and values are inputs
+that the kernel writes into a packed cache, which it returns with the attention. This module adapts an
+upstream-style call (a cache that already holds every key) to v3's, so that the harness's properties run
+unchanged, and exposes the rest of v3's contract for ``tests/test_v3_target.py``:
+
+- ``ragged_paged_attention`` / ``dynamic_validate_inputs``: upstream's signatures; the attention output.
+- ``call_v3``: the same call returning v3's updated cache too; ``check_updated_cache`` judges it bit for bit.
+- ``v3_inputs``: the upstream-style case in v3's layout (what is passed, and what the cache must become).
+
+It lives in ``harness/`` because it is glue between the harness and an external kernel, like
+``harness/targets.py`` (a module, so it cannot hold a ``targets/`` folder); a top-level package would add
+a folder to the layout for one file.
+
+Install v3 without its dependencies (its ``__init__`` imports vllm, and it pins a jax it does not need):
+
+    pip install --no-deps tpu-inference==0.32.0
+"""
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
+_KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
+# Upstream's default mask value; v3's default (finfo(out_dtype).min, replacing the logit) masks as fully.
+UPSTREAM_DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+DEFAULT_VMEM_LIMIT_BYTES = 64 * 2**20
+DEFAULT_QUERIES_PER_BLOCK = 8
+DEFAULT_KV_PAGES_PER_BLOCK = 2
+
+
+def _load_kernel_module() -> types.ModuleType:
+    """Imports v3's kernel module without running ``tpu_inference/__init__.py`` (it imports vllm).
+
+    The package entries are stubs whose ``__path__`` is the installed folder, so the kernel's absolute
+    imports of its siblings (``...v3.util``) resolve to the installed files.
+    """
+    if "tpu_inference" not in sys.modules:
+        spec = importlib.util.find_spec("tpu_inference")  # finds the package without running it
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(
+                f"tpu-inference is not installed; install its RPA v3 kernel with `{INSTALL_COMMAND}` "
+                "(--no-deps: the kernel needs only jax, and the package's own dependencies include vllm)"
+            )
+        name, path = "", list(spec.submodule_search_locations)[0]
+        for part in ("tpu_inference", "kernels", "ragged_paged_attention", "v3"):
+            name, path = (f"{name}.{part}", os.path.join(path, part)) if name else (part, path)
+            stub = types.ModuleType(name)
+            stub.__path__ = [path]
+            sys.modules.setdefault(name, stub)
+    return importlib.import_module(_KERNEL_MODULE)
+
+
+v3 = _load_kernel_module()
+
+# What the strategies draw for v3 (fields of strategies.valid.Capabilities). Outside of it, not yet tested:
+# a custom mask_value (v3 replaces the masked logit with it, upstream adds it: a different option, so only
+# the default, which masks fully under both meanings, is drawn), q_scale (no upstream counterpart), q_len == 0
+# (v3 forbids it and hangs on it: tests/test_v3_target.py), and page sizes v3 rejects for a KV dtype.
+RPA_HARNESS_CAPABILITIES = dict(
+    head_dims=(64, 128, 256),
+    page_size_multiple_of_kv_packing=True,
+    empty_sequences=False,
+    additive_mask_value=False,
+)
+# v3 keeps its softmax max, denominator and P @ V accumulator in the output dtype (bfloat16 for bfloat16
+# queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).
+# Its kernel computes logits and P in float32 and does not round P to V's dtype (its reference does).
+RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype",)
+
+
+def kv_packing(dtype) -> int:
+    """Values per 32-bit word in v3's cache: 1 for float32, 2 for bfloat16, 4 for fp8."""
+    return 32 // (np.dtype(dtype).itemsize * 8)
+
+
+def _align(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class V3Inputs:
+    """One upstream-style call in v3's terms, and the cache v3 must return."""
+
+    args: tuple  # queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution (NumPy)
+    kwargs: dict  # keyword options for v3
+    expected_cache: np.ndarray  # the packed cache with every live key and value in place
+    new_slots: np.ndarray  # bool [pages, page_size]: the slots v3 writes (positions [kv_len - q_len, kv_len))
+    slot_owner: np.ndarray  # int [pages, page_size]: sequence whose page holds the slot, -1 for none
+    slot_position: np.ndarray  # int [pages, page_size]: the key position of the slot in its sequence
+
+
+def pack_cache(kv_pages: np.ndarray) -> np.ndarray:
+    """Upstream's ``[pages, page_size, 2 * kv_heads, head_dim]`` (K/V interleaved) in v3's layout
+    ``[pages, page_size, align(2 * kv_heads, packing) // packing, packing, align(head_dim, 128)]``,
+    zero-filled in the padded heads and dims as v3 writes them."""
+    pages, page_size, heads_x2, head_dim = kv_pages.shape
+    packing = kv_packing(kv_pages.dtype)
+    padded = np.zeros(
+        (pages, page_size, _align(heads_x2, packing), _align(head_dim, 128)), kv_pages.dtype
+    )
+    padded[:, :, :heads_x2, :head_dim] = kv_pages
+    return padded.reshape(pages, page_size, padded.shape[2] // packing, packing, padded.shape[3])
+
+
+def decode_prefix(q_lens: np.ndarray) -> int:
+    """How many leading sequences are decodes (q_len == 1): v3's decode kernel runs those."""
+    count = 0
+    for q_len in q_lens:
+        if q_len != 1:
+            break
+        count += 1
+    return count
+
+
+def block_sizes(tokens_per_block: int, chunk_unit: int) -> tuple[int, int]:
+    """A block and its compute chunk: half the block when that is a whole number of units."""
+    units = tokens_per_block // chunk_unit
+    return tokens_per_block, (units // 2 if units % 2 == 0 else units) * chunk_unit
+
+
+def v3_inputs(
+    q,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = UPSTREAM_DEFAULT_MASK_VALUE,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+) -> V3Inputs:
+    """Maps an upstream-style call to v3's.
+
+    The new tokens of sequence ``i`` are its last ``q_len`` keys (positions ``[kv_len - q_len, kv_len)``),
+    taken from the case's pages into ``keys``/``values`` rows ``cu_q_lens[i]..``; their cache slots are set
+    to NaN in the cache v3 receives, so a kernel that reads them from the cache instead of from the new
+    tokens returns NaN, and the cache it must return is the case's cache, packed. Padding rows of the new
+    keys/values are NaN where q's padding row is NaN (poisoned cases), zero otherwise.
+    """
+    q, kv_pages = np.asarray(q), np.asarray(kv_pages)
+    kv_lens, cu_q_lens = np.asarray(kv_lens), np.asarray(cu_q_lens)
+    page_table = np.asarray(page_indices)
+    n = int(np.asarray(num_seqs)[0])
+    pages, page_size, heads_x2, head_dim = kv_pages.shape
+    max_tokens = q.shape[0]
+
+    new_kv = np.zeros((max_tokens, heads_x2, head_dim), kv_pages.dtype)
+    poisoned_rows = np.isnan(q.astype(np.float32)).all(axis=(1, 2))
+    new_kv[poisoned_rows] = np.nan
+    new_slots = np.zeros((pages, page_size), bool)
+    slot_owner = np.full((pages, page_size), -1)
+    slot_position = np.full((pages, page_size), -1)
+    pages_per_seq = page_table.shape[1]
+    live = range(min(max(n, 0), len(kv_lens)))  # invalid metadata is v3's validators' business: skip it
+    for i in live:
+        start, q_len, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1] - cu_q_lens[i]), int(kv_lens[i])
+        for p in range(min(math.ceil(kv_len / page_size), pages_per_seq)):
+            page = page_table[i, p]
+            if 0 <= page < pages:
+                slot_owner[page] = i
+                slot_position[page] = p * page_size + np.arange(page_size)
+        for j in range(max(q_len, 0)):
+            position, row = kv_len - q_len + j, start + j
+            if not (0 <= row < max_tokens and 0 <= position < pages_per_seq * page_size):
+                continue
+            page, slot = page_table[i, position // page_size], position % page_size
+            if 0 <= page < pages:
+                new_kv[row] = kv_pages[page, slot]
+                new_slots[page, slot] = True
+
+    expected_cache = pack_cache(kv_pages)
+    stale = kv_pages.copy()
+    stale[new_slots] = np.nan
+    decodes = decode_prefix(np.diff(cu_q_lens[: len(live) + 1]))
+    bq = num_queries_per_block or DEFAULT_QUERIES_PER_BLOCK
+    bkv_pages = num_kv_pages_per_block or min(DEFAULT_KV_PAGES_PER_BLOCK, pages_per_seq)
+    bq, bq_chunk = block_sizes(bq, 1)
+    bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
+    sizes = (bq, bkv, bq_chunk, bkv_chunk)
+    kwargs = dict(
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        # v3's mask_value replaces a masked logit; upstream's is added. Only the defaults mean the same.
+        mask_value=None if mask_value in (None, UPSTREAM_DEFAULT_MASK_VALUE) else mask_value,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        d_block_sizes=sizes,
+        m_block_sizes=sizes,
+        vmem_limit_bytes=vmem_limit_bytes or DEFAULT_VMEM_LIMIT_BYTES,
+    )
+    args = (
+        q,
+        new_kv[:, 0::2],
+        new_kv[:, 1::2],
+        pack_cache(stale),
+        kv_lens,
+        page_table.reshape(-1),
+        cu_q_lens,
+        np.array([decodes, decodes, n], np.int32),
+    )
+    return V3Inputs(args, kwargs, expected_cache, new_slots, slot_owner, slot_position)
+
+
+
+
+@functools.cache
+def _jitted(options: tuple):
+    """v3 under jit, one per option set: v3 donates its inputs to its outputs (jit keeps the caller's
+    arrays), and each static configuration compiles once."""
+    kwargs = dict(options)
+    return jax.jit(lambda *arrays: v3.ragged_paged_attention(*arrays, **kwargs))
+
+
+def call_v3(inputs: V3Inputs):
+    """Runs v3 (on whatever backend the caller's context selects): ``(attention, updated packed cache)``."""
+    return _jitted(tuple(sorted(inputs.kwargs.items())))(*(jnp.asarray(a) for a in inputs.args))
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+    """Upstream's call on v3: v3's static validation first (its errors), then the attention."""
+    inputs = v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
+    v3.static_validate_inputs(*map(jnp.asarray, inputs.args), **inputs.kwargs)
+    out, _ = call_v3(inputs)
+    return out
+
+
+def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+    """v3's own ``dynamic_validate_inputs`` (its rules, its messages) on the mapped inputs."""
+    inputs = v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
+    v3.dynamic_validate_inputs(*map(jnp.asarray, inputs.args), **inputs.kwargs)
+
+
+class CacheMismatch(AssertionError):
+    """v3's updated cache is not the expected one; ``str()`` says which slots and whose."""
+
+
+def check_updated_cache(inputs: V3Inputs, updated_cache) -> None:
+    """The returned cache equals the expected one bit for bit: every new token written to its slot, and
+    no other page, slot, padded head or padded dim changed (NaN payloads included)."""
+    actual, expected = np.asarray(updated_cache), inputs.expected_cache
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise CacheMismatch(
+            f"v3 returned a cache of {actual.shape} {actual.dtype}, expected {expected.shape} {expected.dtype}"
+        )
+    bits = f"u{expected.dtype.itemsize}"
+    differs = (actual.view(bits) != expected.view(bits)).reshape(*expected.shape[:2], -1)
+    if not differs.any():
+        return
+    slots = np.argwhere(differs.any(axis=-1))
+    lines = []
+    for page, slot in slots[:5]:
+        owner, position = inputs.slot_owner[page, slot], inputs.slot_position[page, slot]
+        whose = (
+            f"sequence {owner}, key position {position}" if owner >= 0 else "a page no live sequence uses"
+        )
+        role = "a new token's slot" if inputs.new_slots[page, slot] else "a slot v3 must leave unchanged"
+        flat = np.flatnonzero(differs[page, slot])
+        a = actual[page, slot].reshape(-1)[flat[0]]
+        e = expected[page, slot].reshape(-1)[flat[0]]
+        lines.append(
+            f"  page {page}, slot {slot} ({role}; {whose}): {len(flat)} elements differ, first at packed "
+            f"element {flat[0]}: got {a!r}, expected {e!r}"
+        )
+    written = int((differs.any(axis=-1) & inputs.new_slots).sum())
+    raise CacheMismatch(
+        f"v3's updated cache differs from the expected cache in {len(slots)} slots ({written} of "
+        f"{int(inputs.new_slots.sum())} new-token slots, {len(slots) - written} slots it must leave unchanged):\n"
+        + "\n".join(lines)
+    )
