@@ -108,9 +108,7 @@ def pack_cache(kv_pages: np.ndarray) -> np.ndarray:
     zero-filled in the padded heads and dims as v3 writes them."""
     pages, page_size, heads_x2, head_dim = kv_pages.shape
     packing = kv_packing(kv_pages.dtype)
-    padded = np.zeros(
-        (pages, page_size, _align(heads_x2, packing), _align(head_dim, 128)), kv_pages.dtype
-    )
+    padded = np.zeros((pages, page_size, _align(heads_x2, packing), _align(head_dim, 128)), kv_pages.dtype)
     padded[:, :, :heads_x2, :head_dim] = kv_pages
     return padded.reshape(pages, page_size, padded.shape[2] // packing, packing, padded.shape[3])
 
@@ -194,7 +192,9 @@ def v3_inputs(
     decodes = decode_prefix(np.diff(cu_q_lens[: len(live) + 1]))
     bq = DEFAULT_QUERIES_PER_BLOCK if num_queries_per_block is None else num_queries_per_block
     bkv_pages = (
-        min(DEFAULT_KV_PAGES_PER_BLOCK, pages_per_seq) if num_kv_pages_per_block is None else num_kv_pages_per_block
+        min(DEFAULT_KV_PAGES_PER_BLOCK, pages_per_seq)
+        if num_kv_pages_per_block is None
+        else num_kv_pages_per_block
     )
     bq, bq_chunk = block_sizes(bq, 1)
     bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
@@ -224,8 +224,6 @@ def v3_inputs(
     return V3Inputs(args, kwargs, expected_cache, new_slots, slot_owner, slot_position)
 
 
-
-
 @functools.cache
 def _jitted(options: tuple):
     """v3 under jit, one per option set: v3 donates its inputs to its outputs (jit keeps the caller's
@@ -240,10 +238,8 @@ def call_v3(inputs: V3Inputs):
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
-    """Upstream's call on v3: v3's static validation first (its errors), then the attention."""
-    inputs = v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
-    v3.static_validate_inputs(*map(jnp.asarray, inputs.args), **inputs.kwargs)
-    out, _ = call_v3(inputs)
+    """Upstream's call on v3: the attention (v3 raises its static validators' errors while tracing)."""
+    out, _ = call_v3(v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options))
     return out
 
 
@@ -309,9 +305,7 @@ def check_updated_cache(inputs: V3Inputs, updated_cache) -> None:
     lines = []
     for page, slot in slots[:5]:
         owner, position = inputs.slot_owner[page, slot], inputs.slot_position[page, slot]
-        whose = (
-            f"sequence {owner}, key position {position}" if owner >= 0 else "a page no live sequence uses"
-        )
+        whose = f"sequence {owner}, key position {position}" if owner >= 0 else "a page no live sequence uses"
         role = "a new token's slot" if inputs.new_slots[page, slot] else "a slot v3 must leave unchanged"
         flat = np.flatnonzero(differs[page, slot])
         a = actual[page, slot].reshape(-1)[flat[0]]
@@ -413,6 +407,7 @@ def main(argv=None) -> int:
         if verdict.known_finding:
             print(f"  (exactly the slots of docs/tpu-inference-v3-findings/{verdict.known_finding})")
     return 0 if verdict.comparison.ok and verdict.cache_error is None else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -112,16 +112,26 @@ def _static_cases():
         dict(num_queries_per_block=0),
         "decode bq_csz=0 and bq_sz=0 must satisfy (0 < bq_csz and bq_sz % bq_csz == 0).",
     )
-    odd_heads = dict(arrays, q=np.concatenate([arrays["q"]] * 3, axis=1)[:, :3], kv_pages=np.concatenate(
-        [arrays["kv_pages"]] * 2, axis=2))
+    odd_heads = dict(
+        arrays,
+        q=np.concatenate([arrays["q"]] * 3, axis=1)[:, :3],
+        kv_pages=np.concatenate([arrays["kv_pages"]] * 2, axis=2),
+    )
     yield (
         "num_q_heads not a multiple of num_kv_heads",
         odd_heads,
         {},
         "Expected actual_num_q_heads=3 to be divisible by actual_num_kv_heads=2.",
     )
-    fp8 = dataclasses.replace(BASE, page_size=2, pages_per_seq=5, total_num_pages=12, kv_dtype="float8_e4m3fn")
-    yield "page_size not a multiple of the fp8 packing", fp8.arrays(), {}, "page_size=2 must be divisible by kv_packing=4."
+    fp8 = dataclasses.replace(
+        BASE, page_size=2, pages_per_seq=5, total_num_pages=12, kv_dtype="float8_e4m3fn"
+    )
+    yield (
+        "page_size not a multiple of the fp8 packing",
+        fp8.arrays(),
+        {},
+        "page_size=2 must be divisible by kv_packing=4.",
+    )
 
 
 def _dynamic_cases():
@@ -181,10 +191,19 @@ def test_valid_case_passes_v3_validation():
     TARGET.validate(BASE.arrays(), BASE.options())
 
 
+@settings(max_examples=max(20, settings.default.max_examples))
+@given(case=valid_cases(CAPABILITIES))
+def test_drawn_cases_pass_v3_validation(case):
+    """The declared capabilities draw only what v3's own validators accept (no kernel call: cheap)."""
+    TARGET.validate(case.arrays(), case.options())
+
+
 # ---- The hang: a q_len == 0 sequence before a live one (v3's validator forbids q_len == 0) ----
 
 ROOT = Path(__file__).resolve().parents[1]
-HANG_REPRO = ROOT / "docs/tpu-inference-v3-findings/q-len-zero-before-a-live-sequence-hangs/v3-hang_interpret.json"
+HANG_REPRO = (
+    ROOT / "docs/tpu-inference-v3-findings/q-len-zero-before-a-live-sequence-hangs/v3-hang_interpret.json"
+)
 HANG_TIMEOUT_SECONDS = 60  # a cold call of this size takes 3-30 s here (30 s on a loaded 2-core machine)
 
 
