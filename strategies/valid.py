@@ -50,6 +50,14 @@ class Capabilities:
     # Whether k_scale and v_scale must be given together when q's dtype differs from the KV dtype
     # (upstream casts only the scaled side to q's dtype, then fails `assert k.dtype == v.dtype`).
     paired_kv_scales_for_mixed_dtypes: bool = False
+    # Whether page_size must be a multiple of the KV dtype's values per 32-bit word (tpu-inference v3 packs
+    # them: bfloat16 2, fp8 4); page sizes a KV dtype cannot use are not drawn with it.
+    page_size_multiple_of_kv_packing: bool = False
+    # Whether a live sequence may have q_len == 0 (tpu-inference v3 requires 0 < q_len <= kv_len).
+    empty_sequences: bool = True
+    # Whether mask_value has upstream's meaning (added to masked logits); if not (v3 replaces the logit
+    # with it), only the default mask is drawn.
+    additive_mask_value: bool = True
     buckets: tuple[str, ...] = ("tiny", "small")
     # The backends (harness.backends names) the target is declared to run on; elsewhere its numeric
     # properties are skipped as "cannot run" (declared). Any other error on valid input is a failure.
@@ -126,6 +134,20 @@ def make_config(
     )
 
 
+def _kv_packing(kv_dtype: str) -> int:
+    return 4 if kv_dtype.startswith("float8") else 2 if kv_dtype == "bfloat16" else 1
+
+
+def _kv_dtypes_for(capabilities: Capabilities, page_size: int) -> tuple[str, ...]:
+    if capabilities.page_size_multiple_of_kv_packing:
+        return tuple(d for d in capabilities.kv_dtypes if page_size % _kv_packing(d) == 0)
+    return capabilities.kv_dtypes
+
+
+def _page_sizes_for(capabilities: Capabilities, kv_dtype: str) -> tuple[int, ...]:
+    return tuple(p for p in capabilities.page_sizes if kv_dtype in _kv_dtypes_for(capabilities, p))
+
+
 def _kv_heads_for(capabilities: Capabilities, kv_dtype: str) -> tuple[int, ...]:
     if capabilities.even_kv_heads_for_fp8 and kv_dtype.startswith("float8"):
         return tuple(h for h in capabilities.num_kv_heads if h % 2 == 0)
@@ -137,7 +159,7 @@ def static_configs(draw, capabilities: Capabilities = OUR_KERNEL, *, buckets=Non
     """Static shapes and dtypes: the part that decides which compiled kernel runs."""
     bucket = draw(st.sampled_from(buckets or capabilities.buckets))
     page_size = draw(st.sampled_from(capabilities.page_sizes))
-    kv_dtype = draw(st.sampled_from(capabilities.kv_dtypes))
+    kv_dtype = draw(st.sampled_from(_kv_dtypes_for(capabilities, page_size)))
     num_kv_heads = draw(st.sampled_from(_kv_heads_for(capabilities, kv_dtype)))
     ratio = draw(st.sampled_from(capabilities.gqa_ratios))
     head_dim = draw(st.sampled_from(capabilities.head_dims))
@@ -185,7 +207,7 @@ def pool(capabilities: Capabilities = OUR_KERNEL) -> list[tuple[dict, dict]]:
         if layout["kv_dtype"] not in capabilities.kv_dtypes:
             layout["kv_dtype"] = capabilities.kv_dtypes[0]
         layout["head_dim"] = _nearest(layout["head_dim"], capabilities.head_dims)
-        layout["page_size"] = _nearest(layout["page_size"], capabilities.page_sizes)
+        layout["page_size"] = _nearest(layout["page_size"], _page_sizes_for(capabilities, layout["kv_dtype"]))
         layout["num_kv_heads"] = _nearest(
             layout["num_kv_heads"], _kv_heads_for(capabilities, layout["kv_dtype"])
         )
@@ -194,6 +216,8 @@ def pool(capabilities: Capabilities = OUR_KERNEL) -> list[tuple[dict, dict]]:
             layout["bucket"] = capabilities.buckets[0]
         config = make_config(**layout)
         opts = dict(opts)
+        if not capabilities.additive_mask_value:
+            opts.pop("mask_value", None)
         if capabilities.needs_block_sizes:
             opts = {**required_block_sizes(config), **opts}
         if "num_kv_pages_per_block" in opts:
@@ -216,7 +240,9 @@ def options(draw, config: dict, capabilities: Capabilities = OUR_KERNEL) -> dict
         sm_scale=draw(st.sampled_from(SM_SCALES)),
         sliding_window=draw(optional(SLIDING_WINDOWS)),
         soft_cap=draw(optional(SOFT_CAPS)),
-        mask_value=draw(st.one_of(st.just(DEFAULT_MASK_VALUE), st.sampled_from(MASK_VALUES))),
+        mask_value=draw(st.one_of(st.just(DEFAULT_MASK_VALUE), st.sampled_from(MASK_VALUES)))
+        if capabilities.additive_mask_value
+        else DEFAULT_MASK_VALUE,
         k_scale=draw(optional(KV_SCALES)),
         v_scale=draw(optional(KV_SCALES)),
         vmem_limit_bytes=draw(optional(VMEM_LIMITS)),
@@ -234,44 +260,51 @@ def options(draw, config: dict, capabilities: Capabilities = OUR_KERNEL) -> dict
     return drawn
 
 
-def kv_lengths(capacity: int, boundaries: tuple[int, ...]) -> st.SearchStrategy[int]:
-    """A kv_len in [0, capacity]: uniform, or on/next to a page or KV-block boundary."""
+def kv_lengths(capacity: int, boundaries: tuple[int, ...], shortest: int = 0) -> st.SearchStrategy[int]:
+    """A kv_len in [shortest, capacity]: uniform, or on/next to a page or KV-block boundary."""
     near_boundary = st.tuples(st.sampled_from(boundaries), st.sampled_from((0, -1, 1))).map(
-        lambda b: min(max(b[0] + b[1], 0), capacity)
+        lambda b: min(max(b[0] + b[1], shortest), capacity)
     )
-    return st.one_of(st.integers(0, capacity), near_boundary)
+    return st.one_of(st.integers(shortest, capacity), near_boundary)
 
 
 @st.composite
-def sequence(draw, capacity: int, boundaries: tuple[int, ...]) -> tuple[int, int]:
-    """One sequence's (q_len, kv_len): decode, prefill, or a chunk of a longer prompt (maybe empty)."""
-    kv_len = draw(kv_lengths(capacity, boundaries))
+def sequence(draw, capacity: int, boundaries: tuple[int, ...], empty: bool = True) -> tuple[int, int]:
+    """One sequence's (q_len, kv_len): decode, prefill, or a chunk of a longer prompt (empty if allowed)."""
+    kv_len = draw(kv_lengths(capacity, boundaries, shortest=0 if empty else 1))
     kind = draw(st.sampled_from(("decode", "prefill", "chunk")))
     q_len = {
         "decode": min(kv_len, 1),
         "prefill": kv_len,
-        "chunk": draw(st.integers(0, kv_len)),
+        "chunk": draw(st.integers(0 if empty else 1, kv_len)),
     }[kind]
     return q_len, kv_len
 
 
 @st.composite
-def layouts(draw, config: dict, kv_block_pages: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def layouts(
+    draw, config: dict, kv_block_pages: int | None = None, *, empty_sequences: bool = True
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The ragged layout: up to max_num_seqs sequences whose query rows fit the token budget.
 
-    Query lengths are clipped to the rows left, in order, so every draw is valid by construction.
+    Query lengths are clipped to the rows left, in order, so every draw is valid by construction; without
+    ``empty_sequences`` the sequences that would get no row are dropped.
     """
     page_size, capacity = config["page_size"], config["pages_per_seq"] * config["page_size"]
     boundary_pages = {1, 2, config["pages_per_seq"] - 1, config["pages_per_seq"]}
     if kv_block_pages:
         boundary_pages |= {kv_block_pages, 2 * kv_block_pages}
     boundaries = tuple(sorted(p * page_size for p in boundary_pages if 0 < p * page_size <= capacity))
-    seqs = draw(st.lists(sequence(capacity, boundaries), min_size=1, max_size=config["max_num_seqs"]))
+    seqs = draw(
+        st.lists(sequence(capacity, boundaries, empty_sequences), min_size=1, max_size=config["max_num_seqs"])
+    )
     if draw(st.integers(0, 15)) == 15:  # an empty batch (num_seqs = 0) is valid; 1 in 16, shrinks away
         seqs = []
     rows_left = config["max_num_batched_tokens"]
     q_lens, kv_lens = [], []
     for q_len, kv_len in seqs:
+        if not empty_sequences and rows_left == 0:
+            break
         q_len = min(q_len, rows_left)
         rows_left -= q_len
         q_lens.append(q_len)
@@ -300,7 +333,9 @@ def valid_cases(
         opts = draw(options(config, capabilities)) if with_options else {}
         if not with_options and capabilities.needs_block_sizes:
             opts = required_block_sizes(config)
-    q_lens, kv_lens = draw(layouts(config, opts.get("num_kv_pages_per_block")))
+    q_lens, kv_lens = draw(
+        layouts(config, opts.get("num_kv_pages_per_block"), empty_sequences=capabilities.empty_sequences)
+    )
     case = Case(
         **config,
         **opts,
