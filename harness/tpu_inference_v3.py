@@ -74,6 +74,8 @@ RPA_HARNESS_CAPABILITIES = dict(
     page_size_multiple_of_kv_packing=True,
     empty_sequences=False,
     additive_mask_value=False,
+    # The generic interpreter cannot run v3's data-dependent copy sizes (pl.ds with a traced length).
+    backends=("interpret", "tpu"),
 )
 # v3 keeps its softmax max, denominator and P @ V accumulator in the output dtype (bfloat16 for bfloat16
 # queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).
