@@ -9,6 +9,10 @@ the patterns narrow: an error that matches by accident hides a kernel bug as a s
 import dataclasses
 import re
 
+import jax
+
+from harness import interpret_compat
+
 
 @dataclasses.dataclass(frozen=True)
 class Limitation:
@@ -40,9 +44,23 @@ LIMITATIONS = (
 
 
 def recognise(error: BaseException) -> str | None:
-    """The reason an error means "cannot run on this backend", or None when it is not a known limitation."""
+    """The reason an error means "cannot run on this backend", or None when it is not a known limitation.
+
+    Where the compat layer is installed but could not patch a gap on this jax, the reason names those gaps:
+    that, not the kernel, is what to look at.
+    """
     text = f"{type(error).__name__}: {error}"
     for limitation in LIMITATIONS:
         if re.search(limitation.pattern, text):
-            return limitation.reason
+            return limitation.reason + _unpatched_note()
     return None
+
+
+def _unpatched_note() -> str:
+    if not interpret_compat.is_installed():
+        return ""
+    gaps = interpret_compat.unpatched_gaps()
+    if not gaps:
+        return ""
+    named = "; ".join(f"{gap}: {reason}" for gap, reason in gaps.items())
+    return f" [the compat layer could not patch on jax {jax.__version__}: {named}]"
