@@ -1,6 +1,7 @@
 """End to end: a buggy target fails, leaves a repro pair, and `rpa-harness replay` pins it down."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,8 +10,8 @@ import pytest
 BUGGY = "tests.injected.head_swap"
 
 
-def run(*args, cwd):
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+def run(*args, cwd, env=None):
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     program = script.read_text()
     assert "interpret_compat.install()" in program and "force_tpu_interpret_mode(True)" in program
-    printed = run(str(script), cwd=root)
+    printed = run(str(script), cwd=root, env={**os.environ, "PYTHONPATH": str(root)})  # where the target lives
     assert printed.returncode == 0, printed.stderr[-2000:]
     assert "FAIL" in printed.stdout and "worst: sequence 1," in printed.stdout, printed.stdout
 

@@ -36,7 +36,7 @@ except ImportError as error:
 from harness import targets
 from harness.backends import INTERPRET, Backend
 from harness.properties import PropertyFailure
-from harness.repro import written_on_failure
+from harness.recording import recorded
 from harness.targets import first_line_of_error
 from strategies.case import Case
 from strategies.valid import Capabilities, valid_cases
@@ -63,7 +63,7 @@ def draw_and_check(data, repro_dir, *, pooled: bool, variant: str = ""):
     case = data.draw(valid_cases(CAPABILITIES, pooled=pooled), label="case")
     arrays, options = case.arrays(), case.options()
     name = f"{PROPERTY}{variant}[{INTERPRET}]"
-    with written_on_failure(repro_dir, name, TARGET, BACKEND, arrays, options, case=case) as notes:
+    with recorded(repro_dir, name, TARGET, BACKEND, arrays, options, case=case) as notes:
         verdict = v3target.judge(arrays, options)
         notes.update(max_ratio=verdict.comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
         if verdict.known_finding:
