@@ -17,11 +17,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 
+import reference
 from harness import interpret_compat
 from harness.backends import INTERPRET, Backend, RaceDetected
 from harness.interpret_compat import generic as generic_gaps
 from harness.interpret_compat import tpu as tpu_gaps
 from harness.interpret_compat.patching import InternalsMoved
+from strategies.case import Case
 
 INTERPRETERS = ["tpu", "generic"]
 
@@ -739,60 +741,62 @@ def test_importing_the_layer_imports_no_private_jax_module():
 # --- upstream's kernel, end to end ---------------------------------------------------------------------
 
 
-def rpa_inputs(*, q_heads, kv_heads, page_size, kv_dtype, seqs, seed):
-    """Token-packed queries and a shuffled page table for (q_len, kv_len) sequences, plus a padding slot."""
-    rng = np.random.default_rng(seed)
-    head_dim, max_num_seqs, pages_per_seq = 128, len(seqs) + 1, 4
-    num_tokens = 16
-    total_pages = max_num_seqs * pages_per_seq
-    q = jnp.asarray(rng.standard_normal((num_tokens, q_heads, head_dim)), jnp.float32)
-    kv = rng.standard_normal((total_pages, page_size, 2 * kv_heads, head_dim)).astype(np.float32)
-    kv_pages = jnp.asarray(kv, kv_dtype)
-    kv_lens = np.zeros(max_num_seqs, np.int32)
-    cu_q_lens = np.zeros(max_num_seqs + 1, np.int32)
-    for i, (q_len, kv_len) in enumerate(seqs):
-        kv_lens[i] = kv_len
-        cu_q_lens[i + 1] = cu_q_lens[i] + q_len
-    cu_q_lens[len(seqs) + 1 :] = cu_q_lens[len(seqs)]
-    page_indices = rng.permutation(total_pages).reshape(max_num_seqs, pages_per_seq).astype(np.int32)
-    arrays = (q, kv_pages, jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu_q_lens))
-    return (*arrays, jnp.asarray([len(seqs)], jnp.int32))
-
-
 # One sequence layout and page geometry for both: upstream's reference runs op by op and compiles per
 # shape, so shared shapes keep this file fast.
-UPSTREAM_SEQS = [(5, 37), (1, 9)]
+# A decode and a chunked prefill over 4 pages of 16 keys per sequence, a spare sequence slot, 16 query rows.
+UPSTREAM_BASE = Case(
+    max_num_batched_tokens=16,
+    max_num_seqs=3,
+    pages_per_seq=4,
+    total_num_pages=12,
+    page_size=16,
+    num_q_heads=8,
+    num_kv_heads=1,
+    head_dim=128,
+    q_lens=(5, 1),
+    kv_lens=(37, 9),
+    seed=11,
+    sm_scale=128**-0.5,
+    poison=False,  # upstream's reference reads whole pages; NaN there would reach its output
+)
 UPSTREAM_CONFIGS = {
-    "f32-8q1kv-window-softcap-strided-path": dict(
-        inputs=dict(q_heads=8, kv_heads=1, kv_dtype=jnp.float32),
-        options=dict(num_kv_pages_per_block=3, num_queries_per_block=4, sliding_window=12, soft_cap=20.0),
+    "f32-8q1kv-window-softcap-strided-path": dataclasses.replace(
+        UPSTREAM_BASE, num_kv_pages_per_block=3, num_queries_per_block=4, sliding_window=12, soft_cap=20.0
     ),
     # Three KV blocks for sequence 0: the next query block's first KV block sits in buffer 1, which only
-    # the buffer index carried in scalar-prefetch memory tells it (gap 6).
-    "f32-8q1kv-odd-kv-blocks-carried-buffer-index": dict(
-        inputs=dict(q_heads=8, kv_heads=1, kv_dtype=jnp.float32),
-        options=dict(num_kv_pages_per_block=1, num_queries_per_block=4),
+    # the buffer index carried in scalar-prefetch memory tells it (gap generic-scalar-prefetch-state).
+    "f32-8q1kv-odd-kv-blocks-carried-buffer-index": dataclasses.replace(
+        UPSTREAM_BASE, num_kv_pages_per_block=1, num_queries_per_block=4
     ),
-    "bf16-kv-4q2kv-bitcast-path": dict(
-        inputs=dict(q_heads=4, kv_heads=2, kv_dtype=jnp.bfloat16),
-        options=dict(num_kv_pages_per_block=2, num_queries_per_block=8),
+    "bf16-kv-4q2kv-bitcast-path": dataclasses.replace(
+        UPSTREAM_BASE, num_q_heads=4, num_kv_heads=2, kv_dtype="bfloat16", num_kv_pages_per_block=2,
+        num_queries_per_block=8,
     ),
 }
 
 
 @pytest.mark.parametrize("config", list(UPSTREAM_CONFIGS))
 def test_upstream_rpa_matches_its_reference_under_both_interpreters(config):
-    spec = UPSTREAM_CONFIGS[config]
-    args = rpa_inputs(**spec["inputs"], page_size=16, seqs=UPSTREAM_SEQS, seed=11)
-    options = dict(spec["options"], sm_scale=128**-0.5)
-    block_sizes = {k: options.pop(k) for k in ("num_kv_pages_per_block", "num_queries_per_block")}
-    # The reference casts probabilities to the KV dtype; give it the same values in float32 instead.
+    case = UPSTREAM_CONFIGS[config]
+    arrays, options = case.arrays(), case.options()
+    reference_options = {
+        k: v for k, v in options.items() if k not in ("num_kv_pages_per_block", "num_queries_per_block")
+    }
+    # Upstream's reference casts probabilities to the KV dtype; give it the same values in float32 instead.
     # NumPy arguments keep its slicing out of XLA.
-    reference_args = [np.asarray(a) for a in (args[0], args[1].astype(jnp.float32), *args[2:])]
-    expected = np.asarray(upstream.ref_ragged_paged_attention(*reference_args, **options))
-    num_tokens = expected.shape[0]
+    reference_arrays = dict(arrays, kv_pages=arrays["kv_pages"].astype(np.float32))
+    upstream_expected = np.asarray(
+        upstream.ref_ragged_paged_attention(*reference_arrays.values(), **reference_options)
+    )
+    expected = reference.oracle(**arrays, **options)
+    num_tokens = upstream_expected.shape[0]
     for interpreter in INTERPRETERS:
         with pltpu.force_tpu_interpret_mode(interpret_params(interpreter)):
-            got = np.asarray(upstream.ragged_paged_attention(*args, **options, **block_sizes))
-        assert np.isfinite(got[:num_tokens]).all(), interpreter
-        np.testing.assert_allclose(got[:num_tokens], expected, rtol=1e-5, atol=2e-5, err_msg=interpreter)
+            got = np.asarray(
+                upstream.ragged_paged_attention(**{k: jnp.asarray(v) for k, v in arrays.items()}, **options)
+            )
+        comparison = reference.compare(got, expected, label=f"upstream on the {interpreter} interpreter")
+        assert comparison.ok, str(comparison)
+        np.testing.assert_allclose(
+            got[:num_tokens], upstream_expected, rtol=1e-5, atol=2e-5, err_msg=interpreter
+        )
