@@ -77,7 +77,8 @@ def first_failure(log_dir: Path) -> int | None:
 
 def shrunk_size(repro_dir: Path) -> str:
     """Sequences and query tokens of the most recent repro (the shrunk example is written last)."""
-    files = sorted(repro_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
+    written = (p for p in repro_dir.glob("*.json") if not p.name.endswith(f"{repro.PENDING_SUFFIX}.json"))
+    files = sorted(written, key=lambda p: p.stat().st_mtime)  # a pending file is an example in flight
     if not files:
         return ""
     case = repro.read(files[-1]).case
