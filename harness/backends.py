@@ -172,11 +172,12 @@ class Backend:
                     pltpu.reset_tpu_interpret_mode_state()
                 raise
 
-    def run(self, fn, *args, **kwargs) -> np.ndarray:
-        """Calls ``fn`` on this backend and returns its output as a NumPy array (races raise)."""
+    def run(self, fn, *args, **kwargs):
+        """Calls ``fn`` on this backend and returns its output as NumPy (an array, or a tuple of them for a
+        kernel with several outputs); races raise."""
         try:
             with self.context(), watchdog(f"a kernel call on {self.name}"):
-                out = np.asarray(jax.block_until_ready(fn(*args, **kwargs)))
+                out = jax.tree.map(np.asarray, jax.block_until_ready(fn(*args, **kwargs)))
         except Exception as error:
             report = _race_report(error) if self.name == INTERPRET else None
             if report is not None:

@@ -19,7 +19,6 @@ Install v3 without its dependencies (its ``__init__`` imports vllm, and it pins 
     pip install --no-deps tpu-inference==0.32.0
 """
 
-import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -31,6 +30,8 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from harness.backends import INTERPRET, Backend
 
 INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
@@ -328,28 +329,10 @@ def check_updated_cache(inputs: V3Inputs, updated_cache) -> None:
 
 # ---- Running v3 on the TPU interpreter, and replaying its repros ----
 
-CHECKED_INTERPRET_PARAMS = dict(out_of_bounds_reads="raise", uninitialized_memory="nan")
-
-
-@contextlib.contextmanager
-def interpreted(seconds: float | None = None):
-    """The TPU interpreter with the compat layer, as ``Backend("interpret")`` but without race detection:
-    with it the compat layer reports a race on every v3 call (it counts an access through a bitcast view
-    as touching the whole double buffer), so races in v3 are not checked yet. v3 cannot run on the generic
-    interpreter (its copy sizes are data-dependent). A call that outlives the watchdog is a hang."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    from harness import backends, interpret_compat
-
-    interpret_compat.install()
-    timeout = backends.CALL_TIMEOUT_SECONDS if seconds is None else seconds
-    params = pltpu.InterpretParams(detect_races=False, **CHECKED_INTERPRET_PARAMS)
-    with pltpu.force_tpu_interpret_mode(params), backends.watchdog("a tpu-inference v3 call", timeout):
-        try:
-            yield
-        except BaseException:
-            pltpu.reset_tpu_interpret_mode_state()
-            raise
+# The checking TPU interpreter with the compat layer, as the harness's ``interpret`` backend: out-of-bounds
+# reads raise, scratch is NaN, races raise, a call that outlives the watchdog is a hang. v3 cannot run on
+# the generic interpreter (its copy sizes are data-dependent).
+CHECKING = Backend(INTERPRET)
 
 
 SLIDING_WINDOW_FINDING = "sliding-window-skips-cache-writes"
@@ -371,10 +354,10 @@ def judge(arrays: dict, options: dict, label: str = "tpu-inference v3 on interpr
     import reference
 
     inputs = v3_inputs(**arrays, **options)
-    with interpreted():
-        out, cache = call_v3(inputs)
-        out, cache = np.asarray(out), np.asarray(cache)
-    comparison = reference.compare(out, reference.oracle(**arrays, **options), label=label)
+    out, cache = CHECKING.run(call_v3, inputs)
+    comparison = reference.compare(
+        out, reference.oracle(**arrays, **options), label=label, precision=RPA_HARNESS_PRECISION
+    )
     try:
         check_updated_cache(inputs, cache)
     except CacheMismatch as error:
