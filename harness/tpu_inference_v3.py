@@ -75,6 +75,9 @@ RPA_HARNESS_CAPABILITIES = dict(
     page_size_multiple_of_kv_packing=True,
     empty_sequences=False,
     additive_mask_value=False,
+    # v3 folds k_scale into the score scale and applies v_scale after P @ V, without upstream's rounding
+    # of the scaled cache to q's dtype (docs/tpu-inference-v3-findings/README.md).
+    kv_scales_round_to_q_dtype=False,
     # The generic interpreter cannot run v3's data-dependent copy sizes (pl.ds with a traced length).
     backends=("interpret", "tpu"),
 )

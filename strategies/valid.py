@@ -14,7 +14,7 @@ from hypothesis import event, reject
 from hypothesis import strategies as st
 
 from spec.interface import DEFAULT_MASK_VALUE
-from strategies.case import Case
+from strategies.case import DTYPES, Case
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,10 @@ class Capabilities:
     # Whether mask_value has upstream's meaning (added to masked logits); if not (v3 replaces the logit
     # with it), only the default mask is drawn.
     additive_mask_value: bool = True
+    # Whether a K/V scale has upstream's meaning: the scaled cache is rounded to q's dtype. If not
+    # (tpu-inference v3 folds k_scale into the score scale and applies v_scale after P @ V, unrounded), no
+    # scale is drawn where that rounding is lossy, i.e. where the KV dtype is wider than q's.
+    kv_scales_round_to_q_dtype: bool = True
     buckets: tuple[str, ...] = ("tiny", "small")
     # The backends (harness.backends names) the target is declared to run on; elsewhere its numeric
     # properties are skipped as "cannot run" (declared). Any other error on valid input is a failure.
@@ -225,12 +229,21 @@ def pool(capabilities: Capabilities = OUR_KERNEL) -> list[tuple[dict, dict]]:
         if _kv_scales_paired(capabilities, config) and ("k_scale" in opts) != ("v_scale" in opts):
             opts.pop("k_scale", None)
             opts.pop("v_scale", None)
+        if _kv_scales_unspecified(capabilities, config):
+            opts.pop("k_scale", None)
+            opts.pop("v_scale", None)
         entries.append((config, opts))
     return entries
 
 
 def _kv_scales_paired(capabilities: Capabilities, config: dict) -> bool:
     return capabilities.paired_kv_scales_for_mixed_dtypes and config["q_dtype"] != config["kv_dtype"]
+
+
+def _kv_scales_unspecified(capabilities: Capabilities, config: dict) -> bool:
+    """Where the target's scales mean something other than upstream's: a lossy rounding it skips."""
+    wider = DTYPES[config["kv_dtype"]].itemsize > DTYPES[config["q_dtype"]].itemsize
+    return not capabilities.kv_scales_round_to_q_dtype and wider
 
 
 @st.composite
@@ -248,6 +261,8 @@ def options(draw, config: dict, capabilities: Capabilities = OUR_KERNEL) -> dict
         vmem_limit_bytes=draw(optional(VMEM_LIMITS)),
     )
     if _kv_scales_paired(capabilities, config) and (drawn["k_scale"] is None) != (drawn["v_scale"] is None):
+        drawn["k_scale"] = drawn["v_scale"] = None
+    if _kv_scales_unspecified(capabilities, config):
         drawn["k_scale"] = drawn["v_scale"] = None
     kv_blocks = st.integers(1, min(4, config["pages_per_seq"])) | st.just(config["pages_per_seq"])
     query_blocks = st.sampled_from(QUERY_BLOCKS)
