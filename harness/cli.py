@@ -23,19 +23,12 @@ import tempfile
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from harness import backends, runlog
-from harness import repro as repro_files
-from harness.backends import AUTO, BACKENDS, Backend
-from harness.targets import DEFAULT_TARGET, TargetError, load
+from rpa_harness import backends, runlog
+from rpa_harness import repro as repro_files
+from rpa_harness.backends import AUTO, BACKENDS, Backend
+from rpa_harness.targets import DEFAULT_TARGET, TargetError, load
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PROPERTY_TESTS = (
-    "tests/test_differential.py",
-    "tests/test_validation.py",
-    "tests/test_padding.py",
-    "tests/test_lowering.py",
-    "tests/test_known_issues.py",
-)
+PROPERTIES_PACKAGE = "rpa_harness.properties"  # the shipped properties (tests/properties/ in a checkout)
 PASSES, FAILS, BAD_FILE, CANNOT_RUN = 0, 1, 2, 3
 
 
@@ -100,7 +93,7 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
     else:
         if kind == "padding-isolation" and repro.case is not None:
             lines += [
-                "from strategies.case import Case",
+                "from rpa_harness.strategies.case import Case",
                 f"case = {repro.case!r}",
                 "first = run(dataclasses.replace(case, poison=False, garbage=False).arrays())  # clean padding",
             ]
@@ -128,14 +121,14 @@ def _recorded(repro: repro_files.Repro) -> str:
 
 
 def replay(args) -> int:
-    from harness.properties import (
+    from rpa_harness.checks import (
         CannotRun,
         PropertyFailure,
         RaisedOnValidInput,
         declared_unrunnable,
         recheck,
     )
-    from harness.targets import first_line_of_error
+    from rpa_harness.targets import first_line_of_error
 
     path = Path(args.file)
     try:
@@ -159,7 +152,7 @@ def replay(args) -> int:
         print(f"rpa-harness replay: cannot run here: target {target_name} {declared}", file=sys.stderr)
         return CANNOT_RUN
     if repro.precision is not None:  # judged under the contract it failed under
-        from reference import PrecisionError, parse_precision
+        from rpa_harness.reference import PrecisionError, parse_precision
 
         try:
             target = dataclasses.replace(target, precision=parse_precision(repro.precision))
@@ -221,11 +214,12 @@ def replay(args) -> int:
 
 
 def run(args) -> int:
+    """pytest on the shipped properties, from the current folder (so the user's own modules import)."""
     with tempfile.TemporaryDirectory(prefix="rpa-run-") as scratch:
         junit = Path(scratch) / "junit.xml"
         env = dict(os.environ, RPA_RUN_LOG=scratch)
         command = [
-            sys.executable, "-m", "pytest", *PROPERTY_TESTS, f"--rootdir={REPO_ROOT}",
+            sys.executable, "-m", "pytest", "--pyargs", PROPERTIES_PACKAGE, "-p", "no:cacheprovider",
             f"--hypothesis-profile={args.profile}", f"--rpa-target={args.target}", f"--rpa-backend={args.backend}",
             f"--rpa-repro-dir={args.repro_dir}", f"--junitxml={junit}", "-q",
         ]  # fmt: skip
@@ -233,11 +227,23 @@ def run(args) -> int:
             command += ["-n", str(args.n)]
         command += args.pytest_args
         print("+", " ".join(command), flush=True)
-        code = subprocess.call(command, cwd=REPO_ROOT, env=env)
-        if code != 4 and junit.exists():  # a usage error is pytest's own one line; no tests ran
+        code = subprocess.call(command, env=env)
+        if code in PYTEST_RAN and _ran_tests(junit):  # otherwise pytest's own message is the whole story
             print(summary(junit, runlog.read(scratch), runlog.read_session(scratch)))
             print(known_issues_summary(runlog.read_events(scratch)))
     return code
+
+
+# pytest's exit codes after a session that ran: all passed, some failed, none collected (or our NOT GREEN).
+# 2 (interrupted), 3 (internal error) and 4 (usage error) print pytest's own message and no table.
+PYTEST_RAN = (0, 1, 5)
+
+
+def _ran_tests(junit: Path) -> bool:
+    try:
+        return any(True for _ in ElementTree.parse(junit).iter("testcase"))
+    except (OSError, ElementTree.ParseError):
+        return False
 
 
 def summary(junit: Path, examples: list[dict], session: dict | None = None) -> str:
@@ -303,7 +309,7 @@ def known_issues_summary(events: list[dict]) -> str:
 
 
 def report(args) -> int:
-    from harness.bug_report import render
+    from rpa_harness.bug_report import render
 
     try:
         print(render(Path(args.file), target_name=args.target, backend_name=args.backend,
