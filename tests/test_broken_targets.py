@@ -17,7 +17,7 @@ from rpa_harness.interpret_compat import limitations as interpreter_limitations
 
 DIFFERENTIAL = "tests/properties/test_differential.py::test_kernel_matches_oracle"
 PADDING = "tests/properties/test_padding.py::test_padding_does_not_change_valid_rows"
-FIRST_LINE = re.compile(r"^E\s+harness\.properties\.\w+: (.*)$", re.MULTILINE)
+FIRST_LINE = re.compile(r"^E\s+rpa_harness\.checks\.\w+: (.*)$", re.MULTILINE)
 
 # target -> (property test, the failure's first line contains, repro file)
 BROKEN = {
