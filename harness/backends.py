@@ -131,12 +131,25 @@ def tpu_available() -> bool:
         return False
 
 
+class BackendChoiceError(ValueError):
+    """A ``--rpa-backend`` that cannot be honoured here: a usage error, never a run of skips."""
+
+
 def resolve(choice: str) -> tuple[str, ...]:
-    """The backends a ``--rpa-backend`` choice stands for."""
+    """The backends a ``--rpa-backend`` choice stands for.
+
+    ``tpu`` without a TPU is an error rather than skips: a nightly that lands on a runner without a TPU
+    must not go green.
+    """
     if choice == AUTO:
         return (TPU,) if tpu_available() else (FAST_INTERPRET, INTERPRET)
     if choice not in BACKENDS:
-        raise ValueError(f"--rpa-backend={choice!r} is not one of {', '.join((*BACKENDS, AUTO))}")
+        raise BackendChoiceError(f"--rpa-backend={choice!r} is not one of {', '.join((*BACKENDS, AUTO))}")
+    if choice == TPU and not tpu_available():
+        raise BackendChoiceError(
+            "--rpa-backend=tpu: no TPU visible to jax (jax.devices('tpu') is empty); use auto or an "
+            f"interpreter ({INTERPRET}, {FAST_INTERPRET})"
+        )
     return (choice,)
 
 

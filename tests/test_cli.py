@@ -122,3 +122,34 @@ def test_run_shows_a_pytest_usage_error_as_is(pytestconfig):
     result = run("-m", "rpa_harness.cli", "run", "--target", "no_such_module", "-n", "0", cwd=pytestconfig.rootpath)
     assert result.returncode == 4, result.stdout + result.stderr
     assert "cannot import it" in result.stderr and "rpa-harness summary" not in result.stdout
+
+
+def test_tpu_backend_without_a_tpu_is_one_usage_error(pytestconfig):
+    result = run("-m", "pytest", "tests/properties/test_validation.py", "--rpa-backend=tpu", "-p", "no:cacheprovider",
+                 cwd=pytestconfig.rootpath)  # fmt: skip
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "no TPU visible to jax" in result.stderr and "use auto or an interpreter" in result.stderr
+    assert "skipped" not in result.stdout and "Traceback" not in result.stderr
+
+
+def test_run_shows_an_unknown_pytest_argument_as_is(tmp_path):
+    """Outside any checkout: pytest's own usage error, exit 4, and no summary table under it."""
+    result = run("-m", "rpa_harness.cli", "run", "-n", "0", "--", "--no-such-pytest-option", cwd=tmp_path)
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "--no-such-pytest-option" in result.stderr and "rpa-harness summary" not in result.stdout
+
+
+def test_plugin_is_inert_in_a_suite_that_does_not_run_the_harness(tmp_path):
+    """A user's own tests in an environment with the harness: Hypothesis' profiles untouched, no target imported."""
+    (tmp_path / "test_theirs.py").write_text(
+        "import sys\nfrom hypothesis import settings\n\n"
+        "def test_untouched():\n"
+        "    assert settings.default.max_examples == 100, settings.default  # Hypothesis' own, default or ci\n"
+        "    assert 'rpa_harness.kernel' not in sys.modules\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RPA_", "HYPOTHESIS_"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr

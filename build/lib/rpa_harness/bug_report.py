@@ -1,0 +1,365 @@
+"""An upstream-ready bug report, in Markdown, from a repro pair (``rpa-harness report REPRO.json``).
+
+The report says what fails in words a kernel maintainer reads without the harness: a title, the
+environment, the case (sequences as ``(q_len, kv_len)``, heads, dtypes, options, the page table rows of
+the live sequences), expected against actual at the worst element (re-run now, on the repro's backend),
+and a standalone script that needs only jax, numpy and ml_dtypes. Off TPU the script also needs the
+harness's interpreter compatibility layer when the kernel cannot run in jax's interpreters without it
+(upstream's cannot, on jax 0.10.2); the report says so. The script's data is drawn from a fixed seed (q
+scaled for unit-variance logits) and its metadata (lengths, page table, options) is the repro's; it
+compares the kernel with a float64 reference written out in the script and, when the module has one,
+with the module's own reference.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from rpa_harness import reference
+from rpa_harness import known_issues
+from rpa_harness import repro as repro_files
+from rpa_harness.backends import INTERPRET, TPU, Backend
+from rpa_harness.targets import Target, first_line_of_error, load
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BLOCK_OPTIONS = ("num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes")
+
+
+@dataclasses.dataclass
+class Observation:
+    """What the kernel does on the repro's inputs now."""
+
+    error: str | None  # the exception, when the call raised
+    comparison: reference.Comparison | None
+    module_reference: float | None  # the module's own reference at the worst element, if it has one
+
+
+def known_issue_for(path: Path) -> known_issues.KnownIssue | None:
+    for issue in known_issues.CATALOGUE:
+        if issue.repro.resolve() == path.resolve():
+            return issue
+    return None
+
+
+def observe(target: Target, backend: Backend, repro: repro_files.Repro) -> Observation:
+    arrays, options = repro.arrays, repro.options
+    try:
+        actual = backend.run(target.attention, arrays, options)
+    except Exception as error:  # the report shows whatever the call raised
+        return Observation(first_line_of_error(error), None, None)
+    comparison = reference.compare(actual, reference.oracle(**arrays, **options), label="kernel")
+    module_reference = None
+    own = getattr(target.module, "ref_ragged_paged_attention", None)
+    if own is not None and comparison.worst is not None:
+        try:
+            ref_options = {k: v for k, v in options.items() if k not in BLOCK_OPTIONS}
+            ref_out = np.asarray(own(*_as_jax_list(arrays), **ref_options)).astype(np.float64)
+            w = comparison.worst
+            module_reference = float(ref_out[w.row, w.head, w.dim])
+        except Exception:  # a reference that cannot run on these inputs is left out of the report
+            module_reference = None
+    return Observation(None, comparison, module_reference)
+
+
+def _as_jax_list(arrays: dict) -> list:
+    import jax.numpy as jnp
+
+    names = ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+    return [jnp.asarray(arrays[name]) for name in names]
+
+
+def case_in_words(repro: repro_files.Repro) -> list[str]:
+    arrays, options = repro.arrays, repro.options
+    q, kv_pages = arrays["q"], arrays["kv_pages"]
+    n = int(arrays["num_seqs"][0])
+    cu, kv_lens, pages = arrays["cu_q_lens"], arrays["kv_lens"], arrays["page_indices"]
+    seqs = [(int(cu[i + 1] - cu[i]), int(kv_lens[i])) for i in range(n)]
+    total_pages, page_size, combined, head_dim = kv_pages.shape
+    lines = [
+        f"- {n} sequence{'s' * (n != 1)}, as `(q_len, kv_len)`: "
+        + (", ".join(f"`({a}, {b})`" for a, b in seqs) or "none")
+        + f" ({int(cu[n])} query row(s) of `max_num_batched_tokens = {q.shape[0]}`; "
+        f"`max_num_seqs = {pages.shape[0]}`)",
+        f"- heads: {q.shape[1]} query, {combined // 2} KV (combined K/V axis {combined}), head_dim {head_dim}",
+        f"- dtypes: q {q.dtype}, KV cache {kv_pages.dtype}",
+        f"- paged cache: {total_pages} pages of {page_size} tokens, `pages_per_seq = {pages.shape[1]}`; "
+        "page table rows of the sequences: " + ", ".join(f"`{pages[i].tolist()}`" for i in range(n)),
+        "- options: " + (", ".join(f"`{k}={v!r}`" for k, v in options.items()) or "none (defaults)"),
+    ]
+    if repro.case is not None:
+        lines.append(
+            f"- data: `values={repro.case.values!r}` (seed {repro.case.seed}), NaN in padding: "
+            f"{repro.case.poison}, garbage in unused metadata slots: {repro.case.garbage}"
+        )
+    return lines
+
+
+def expected_vs_actual(observation: Observation) -> list[str]:
+    if observation.error is not None:
+        return [
+            "Expected: an output of shape `q.shape` (the call is valid: upstream's validators accept it, and "
+            "its reference computes it).",
+            "",
+            f"Actual: the call raises `{observation.error}`.",
+        ]
+    c = observation.comparison
+    if c.ok:
+        return ["The kernel now agrees with the float64 reference on this case: the repro passes."]
+    w = c.worst
+    lines = [
+        f"Worst element: sequence {w.sequence}, token {w.token} (output row {w.row}), head {w.head}, dim {w.dim}.",
+        "",
+        "| | value |",
+        "|---|---|",
+        f"| expected (float64 reference) | {w.expected:.9g} |",
+    ]
+    if observation.module_reference is not None:
+        lines.append(
+            f"| the module's own `ref_ragged_paged_attention` | {observation.module_reference:.9g} |"
+        )
+    lines += [
+        f"| actual (kernel) | {w.actual:.9g} |",
+        f"| error | {w.error:.3g} (the harness's bound for this element: {w.bound:.3g}) |",
+        "",
+        f"{c.num_over} of {c.num_checked} output elements of the live rows are off "
+        f"({c.nonfinite} non-finite).",
+    ]
+    return lines
+
+
+SCRIPT_REFERENCE = '''
+def reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0, sliding_window=None,
+              soft_cap=None, mask_value=None, k_scale=None, v_scale=None, **block_sizes):
+    """float64 attention with the kernel's documented semantics: sequence i's queries attend to its keys
+    [0, kv_len), query j at position kv_len - q_len + j; soft cap, then the mask value is added to
+    masked logits; K/V scales multiply in float32 and round to q's dtype."""
+    mask_value = -0.7 * float(np.finfo(np.float32).max) if mask_value is None else mask_value
+    kv_heads, head_dim = kv_pages.shape[2] // 2, kv_pages.shape[3]
+    group = q.shape[1] // kv_heads
+    out = np.zeros(q.shape, np.float64)
+    for i in range(int(num_seqs[0])):
+        start, end, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1]), int(kv_lens[i])
+        if start == end:
+            continue
+        pages = kv_pages[page_indices[i]]
+        k = pages[:, :, 0::2].reshape(-1, kv_heads, head_dim)[:kv_len]
+        v = pages[:, :, 1::2].reshape(-1, kv_heads, head_dim)[:kv_len]
+        if k_scale is not None:
+            k = (k.astype(np.float32) * np.float32(k_scale)).astype(q.dtype)
+        if v_scale is not None:
+            v = (v.astype(np.float32) * np.float32(v_scale)).astype(q.dtype)
+        k = np.repeat(k.astype(np.float64), group, axis=1)
+        v = np.repeat(v.astype(np.float64), group, axis=1)
+        logits = np.einsum("qhd,khd->hqk", q[start:end].astype(np.float64), k) * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
+        position = kv_len - (end - start) + np.arange(end - start)[:, None]
+        key = np.arange(kv_len)[None, :]
+        masked = key > position
+        if sliding_window is not None:
+            masked |= position - sliding_window >= key
+        logits = logits + np.where(masked, mask_value, 0.0)
+        weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        weights /= weights.sum(axis=-1, keepdims=True)
+        out[start:end] = np.einsum("hqk,khd->qhd", weights, v)
+    return out
+'''
+
+
+def script(repro: repro_files.Repro, target_name: str, backend_name: str, needs_compat: bool) -> str:
+    """A standalone program: jax, numpy and ml_dtypes (and, off TPU when needed, the compat layer)."""
+    arrays, options = repro.arrays, repro.options
+    q, kv_pages = arrays["q"], arrays["kv_pages"]
+    interpret = "pltpu.InterpretParams()" if backend_name == INTERPRET else "True"
+    compat = (
+        [
+            "    # jax's TPU interpreters cannot run this kernel as they ship (ref reshape/bitcast transforms,",
+            "    # masked stores, scalar-prefetch state between grid steps): rpa-harness's compatibility layer",
+            "    # patches the interpreters, never the kernel. Run from an rpa-harness checkout (PYTHONPATH=.).",
+            "    from harness import interpret_compat",
+            "",
+            "    interpret_compat.install()",
+        ]
+        if needs_compat
+        else []
+    )
+    own_reference = (
+        [
+            "own = module.ref_ragged_paged_attention(*inputs, **{k: v for k, v in options.items() if k not in "
+            f"{BLOCK_OPTIONS!r}}})",
+            'print("module reference at the worst element:", float(np.asarray(own, np.float64)[worst]))',
+        ]
+        if target_name.startswith("jax.experimental.pallas.ops.tpu.ragged_paged_attention")
+        else []
+    )
+    lines = [
+        "import contextlib",
+        "import importlib",
+        "",
+        "import jax",
+        "import jax.numpy as jnp",
+        "import ml_dtypes",
+        "import numpy as np",
+        "from jax.experimental.pallas import tpu as pltpu",
+        "",
+        f"module = importlib.import_module({target_name!r})",
+        'on_tpu = jax.default_backend() == "tpu"',
+        "if not on_tpu:",
+        *compat,
+        f"    run_on = pltpu.force_tpu_interpret_mode({interpret})",
+        "else:",
+        "    run_on = contextlib.nullcontext()",
+        "",
+        "rng = np.random.default_rng(0)",
+        "# unit-variance logits: q scaled by 1 / sqrt(head_dim)",
+        f"q = (rng.standard_normal({q.shape}, dtype=np.float32) / np.float32({q.shape[-1]} ** 0.5)).astype("
+        f"{_dtype_expr(q.dtype)})",
+        f"kv_pages = rng.standard_normal({kv_pages.shape}, dtype=np.float32).astype("
+        f"{_dtype_expr(kv_pages.dtype)})",
+        *(
+            f"{name} = np.array({arrays[name].tolist()}, np.int32)"
+            for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+        ),
+        f"options = {options!r}",
+        SCRIPT_REFERENCE,
+        "inputs = [jnp.asarray(x) for x in (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)]",
+        "rows = int(cu_q_lens[num_seqs[0]])",
+        "expected = reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)[:rows]",
+        "with run_on:",
+        "    out = module.ragged_paged_attention(*inputs, **options)",
+        "actual = np.asarray(out, np.float64)[:rows]",
+        "error = np.abs(actual - expected)",
+        "worst = np.unravel_index(int(np.argmax(error)), error.shape)",
+        'print("worst (row, head, dim):", tuple(int(i) for i in worst))',
+        'print("expected (float64 reference):", expected[worst], " kernel:", actual[worst], " error:", error[worst])',
+        *own_reference,
+        "# upstream's own tests allow 0.15 (float32 cache) / 0.2 (other caches); the error is far larger",
+        f"assert error.max() <= {0.15 if kv_pages.dtype == np.float32 else 0.2}, "
+        '"the kernel disagrees with the reference"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _dtype_expr(dtype: np.dtype) -> str:
+    return (
+        f"ml_dtypes.{dtype.name}" if hasattr(ml_dtypes, dtype.name) and dtype.kind == "V" else f"np.{dtype}"
+    )
+
+
+def run_script(text: str, timeout: float = 900) -> tuple[int, str]:
+    """Runs a script from the repository root (where the compat layer imports); returns (status, output)."""
+    result = subprocess.run(
+        [sys.executable, "-c", text], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )  # fmt: skip
+    tail = [line for line in (result.stdout + result.stderr).splitlines() if "Warning" not in line]
+    return result.returncode, "\n".join(tail[-12:])
+
+
+def render(path: Path, *, target_name=None, backend_name=None, with_script_output=False) -> str:
+    """The Markdown report for the repro at ``path`` (re-running it on the target and backend)."""
+    repro = repro_files.read(path)
+    target = load(target_name or repro.target)
+    backend = Backend(backend_name or repro.backend)
+    kind = repro.property.split("[", 1)[0]
+    if not kind.startswith("differential"):
+        raise repro_files.ReproError(
+            f"{path}: a report is written for differential repros (kernel output against the reference); "
+            f"this one is {repro.property!r}: replay it with `rpa-harness replay {path}`"
+        )
+    issue = known_issue_for(path)
+    observation = observe(target, backend, repro)
+    needs_compat = backend.name != TPU and target.name.startswith(
+        "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
+    )
+    function = f"{target.name}.ragged_paged_attention"
+    if issue is not None:
+        title = f"`{function}`: {issue.description}"
+    elif observation.error is not None:
+        title = f"`{function}` raises on valid inputs: {observation.error[:100]}"
+    else:
+        title = f"`{function}` returns wrong output (error {observation.comparison.worst.error:.3g})"
+    versions = repro.versions or repro_files.versions()
+    program = script(repro, target.name, backend.name, needs_compat)
+    sections = [
+        f"# {title}",
+        "",
+        "## Environment",
+        "",
+        *(f"- {name} {version}" for name, version in versions.items()),
+        f"- ml_dtypes {ml_dtypes.__version__}",
+        f"- run on: {_backend_words(backend.name)}"
+        + (
+            "; the kernel runs in jax's interpreters only with rpa-harness's interpreter compatibility "
+            "layer (`harness/interpret_compat/`), which patches the interpreters, never the kernel"
+            if needs_compat
+            else ""
+        ),  # fmt: skip
+        "",
+        "## The case",
+        "",
+        *case_in_words(repro),
+        "",
+        "The inputs are valid: upstream's `dynamic_validate_inputs` accepts them.",
+        "",
+        "## Expected and actual",
+        "",
+        *expected_vs_actual(observation),
+        "",
+        "## Reproduce",
+        "",
+        "Needs jax, numpy and ml_dtypes"
+        + (
+            "; off TPU also rpa-harness's interpreter compatibility layer (run it from an rpa-harness "
+            "checkout with `PYTHONPATH=.`): without it jax's interpreters cannot run this kernel at all."
+            if needs_compat
+            else "."
+        )
+        + " The data is random (seed 0, logits of unit variance); the lengths, page table and options are "
+        "the failing case's.",
+        "",
+        "```python",
+        program.rstrip(),
+        "```",
+    ]
+    if with_script_output:
+        status, output = run_script(program)
+        if status == 0:
+            verdict = "PASSES: the issue does not show with this data"
+        elif "the kernel disagrees with the reference" in output:
+            verdict = "fails: the kernel disagrees with the reference"
+        else:
+            verdict = "fails with an exception (see the output)"
+        sections += [
+            "",
+            f"Output of the script on the CPU of this report's environment (exit status {status}: {verdict}):",
+            "",
+            "```",
+            output,
+            "```",
+        ]
+    sections += [
+        "",
+        "Found by rpa-harness (property-based differential testing of RPA kernels): "
+        f"`rpa-harness replay {_relative(path)}` re-runs the exact failing inputs.",
+    ]
+    return "\n".join(sections) + "\n"
+
+
+def _backend_words(name: str) -> str:
+    return {
+        INTERPRET: "CPU, Pallas TPU interpreter (`force_tpu_interpret_mode(InterpretParams(...))`)",
+        TPU: "TPU",
+    }.get(name, "CPU, generic Pallas interpreter (`force_tpu_interpret_mode(True)`)")
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)

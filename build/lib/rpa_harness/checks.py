@@ -1,0 +1,192 @@
+"""The checks behind every property, shared by the pytest properties and ``rpa-harness replay``.
+
+Each check takes concrete inputs (NumPy arrays and keyword options), runs the target on a backend and
+raises ``PropertyFailure`` with the report a kernel developer reads; it returns quietly when it holds.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from rpa_harness import reference
+from rpa_harness.backends import Backend
+from rpa_harness.interpret_compat.limitations import recognise
+from rpa_harness.targets import Target, first_line_of_error
+
+DIFFERENTIAL = "differential"
+VALIDATION = "validation"
+PADDING = "padding-isolation"
+DETERMINISM = "determinism"
+
+
+class PropertyFailure(AssertionError):
+    """A property does not hold; ``str()`` is the report."""
+
+
+class RaisedOnValidInput(PropertyFailure):
+    """The target raised on valid input: a failure like any other, with the exception kept for replay."""
+
+    def __init__(self, report: str, error_type: str = "", error_message: str = ""):
+        super().__init__(report)
+        self.error_type, self.error_message = error_type, error_message
+
+
+class CannotRun(Exception):
+    """The target cannot run on this backend for a recognised reason (an interpreter limitation)."""
+
+
+def declared_unrunnable(target: Target, backend: Backend) -> str | None:
+    """The reason the target declares it does not run on the backend, or None."""
+    if backend.name not in target.capabilities.backends:
+        return (
+            f"it declares backends={target.capabilities.backends} in RPA_HARNESS_CAPABILITIES "
+            f"(declared, not {backend.name})"
+        )
+    return None
+
+
+def check_differential(target: Target, backend: Backend, arrays: dict, options: dict):
+    """The target's output matches the float64 oracle within the tolerance model of its precision
+    contract (``target.precision``), on valid rows."""
+    actual = run_valid(target, backend, arrays, options)
+    expected = reference.oracle(**arrays, **options)
+    comparison = reference.compare(
+        actual, expected, label=f"{target.name} on {backend.name}", precision=target.precision
+    )
+    if not comparison.ok:
+        raise PropertyFailure(str(comparison))
+    return comparison
+
+
+def run_valid(target: Target, backend: Backend, arrays: dict, options: dict) -> np.ndarray:
+    """Runs the target on valid inputs and checks the output's contract (shape, dtype, finite live rows).
+
+    An exception is a failure (an out-of-bounds read, a race, a crash of the kernel), unless it is a
+    recognised interpreter limitation (``CannotRun``).
+    """
+    label = f"{target.name} on {backend.name}"
+    try:
+        out = backend.run(target.attention, arrays, options)
+    except Exception as error:
+        message = first_line_of_error(error)
+        reason = recognise(error)
+        if reason is not None:
+            raise CannotRun(f"{reason} (recognised: {message})") from None
+        error_type = type(error).__name__
+        raise RaisedOnValidInput(
+            f"{label} raised on valid inputs: {message}", error_type, message.removeprefix(f"{error_type}: ")
+        ) from None
+    check_contract(out, arrays, label)
+    return out
+
+
+def check_contract(out: np.ndarray, arrays: dict, label: str) -> None:
+    """The output has q's shape and dtype, and no NaN or Inf in a row some sequence owns."""
+    q = np.asarray(arrays["q"])
+    if out.shape != q.shape:
+        raise PropertyFailure(
+            f"{label}: output shape {out.shape}; the specification is q's shape {q.shape} "
+            "([max_num_batched_tokens, num_q_heads, head_dim])"
+        )
+    if out.dtype != q.dtype:
+        raise PropertyFailure(f"{label}: output dtype {out.dtype}; the specification is q's dtype {q.dtype}")
+    rows = valid_rows(arrays)
+    finite = np.isfinite(out[rows].astype(np.float64))
+    if not finite.all():
+        token, head, dim = np.argwhere(~finite)[0]
+        row = int(rows[token])
+        cu_q_lens = np.asarray(arrays["cu_q_lens"])
+        num_seqs = int(np.asarray(arrays["num_seqs"])[0])
+        sequence = int(np.searchsorted(cu_q_lens[1 : num_seqs + 1], row, side="right"))
+        raise PropertyFailure(
+            f"{label}: {int((~finite).sum())} non-finite values in live rows (of {finite.size}); first at "
+            f"sequence {sequence}, token {row - int(cu_q_lens[sequence])} (row {row}), head {head}, dim {dim}: "
+            f"{out[row, head, dim]!r}"
+        )
+
+
+def check_validation(
+    target: Target, backend: Backend, arrays: dict, options: dict, stage: str, expected: str
+):
+    """The target raises ValueError(expected): static rules from the kernel call, dynamic ones from the validator."""
+    if stage == "static":
+        call = lambda: backend.run(target.attention, arrays, options)  # noqa: E731
+        where = "ragged_paged_attention"
+    else:
+        call = lambda: target.validate(arrays, options)  # noqa: E731
+        where = "dynamic_validate_inputs"
+    try:
+        call()
+    except ValueError as error:
+        if str(error) != expected:
+            raise PropertyFailure(
+                f"{where} raised ValueError with the wrong message.\n  expected: {expected}\n  got:      {error}"
+            ) from None
+        return
+    except Exception as error:
+        raise PropertyFailure(
+            f"{where} raised {first_line_of_error(error)}\n  expected: ValueError: {expected}"
+        ) from None
+    raise PropertyFailure(f"{where} accepted the input.\n  expected: ValueError: {expected}")
+
+
+def valid_rows(arrays: dict) -> np.ndarray:
+    """Query rows that belong to a live sequence (the rest of the output is unspecified)."""
+    total = int(arrays["cu_q_lens"][int(arrays["num_seqs"][0])])
+    return np.arange(total)
+
+
+def check_same_bits(first: np.ndarray, second: np.ndarray, rows: np.ndarray, what: str) -> None:
+    """Two outputs agree bit for bit on the given rows."""
+    a, b = first[rows], second[rows]
+    same = (a.view(f"u{a.dtype.itemsize}") == b.view(f"u{b.dtype.itemsize}")) if a.size else np.ones(0, bool)
+    if not same.all():
+        token, head, dim = np.argwhere(~same)[0]
+        raise PropertyFailure(
+            f"{what}: {int((~same).sum())} of {same.size} valid output elements differ; first at row "
+            f"{int(rows[token])}, head {head}, dim {dim}: {a[token, head, dim]!r} vs {b[token, head, dim]!r}"
+        )
+
+
+def check_padding_isolation(target: Target, backend: Backend, case) -> None:
+    """Valid rows are bit-identical with clean padding and with NaN pages/tails/rows and garbage metadata.
+
+    The clean call runs twice first: a non-deterministic kernel is reported as such, not as a padding leak.
+    """
+    clean = dataclasses.replace(case, poison=False, garbage=False).arrays()
+    dirty = dataclasses.replace(case, poison=True, garbage=True).arrays()
+    clean_out = run_valid(target, backend, clean, case.options())
+    check_same_bits(
+        clean_out,
+        run_valid(target, backend, clean, case.options()),
+        valid_rows(clean),
+        NON_DETERMINISTIC,
+    )
+    check_same_bits(
+        clean_out,
+        run_valid(target, backend, dirty, case.options()),
+        valid_rows(clean),
+        "padding changed the output (clean padding vs NaN pages/tails/rows and garbage metadata)",
+    )
+
+
+NON_DETERMINISTIC = "non-deterministic: two identical calls gave different bits"
+
+
+def check_determinism(target: Target, backend: Backend, arrays: dict, options: dict) -> None:
+    first = run_valid(target, backend, arrays, options)
+    check_same_bits(first, run_valid(target, backend, arrays, options), valid_rows(arrays), NON_DETERMINISTIC)
+
+
+def recheck(kind: str, target: Target, backend: Backend, repro) -> None:
+    """Re-runs the property a repro was written for (raises PropertyFailure while it still fails)."""
+    if kind.startswith(DIFFERENTIAL):
+        check_differential(target, backend, repro.arrays, repro.options)
+    elif kind == VALIDATION:
+        check_validation(target, backend, repro.arrays, repro.options, repro.stage, repro.expected_error)
+    elif kind == PADDING:
+        check_padding_isolation(target, backend, repro.case)
+    elif kind == DETERMINISM:
+        check_determinism(target, backend, repro.arrays, repro.options)
+    else:
+        raise ValueError(f"unknown property {kind!r} in repro")

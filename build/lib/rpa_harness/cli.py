@@ -1,0 +1,355 @@
+"""``rpa-harness``: replay a repro without Hypothesis, or run the property campaign with a summary.
+
+rpa-harness replay FILE [--target MODULE] [--backend NAME] [--interpreter-compat on|off] [--timeout S]
+                        [--script OUT.py]
+    exit 0: the property holds now; 1: it still fails the same way (a wrong output, the same exception as
+    recorded, a hang that still hangs); 2: the file is missing or malformed; 3: it cannot run here (a
+    recognised interpreter limitation, a backend that is absent or not declared, or an error other than
+    the recorded one).
+rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repro-dir DIR] [-- PYTEST ARGS]
+    runs pytest on the properties and ends with a table: property, examples, result, repros, coverage,
+    and the declared known issues (cases avoided, whether each still reproduces).
+rpa-harness report FILE [--target MODULE] [--backend NAME] [--run-script]
+    prints an upstream-ready bug report (Markdown) for a differential repro; exit 2 for a bad file.
+"""
+
+import argparse
+import collections
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+from rpa_harness import backends, runlog
+from rpa_harness import repro as repro_files
+from rpa_harness.backends import AUTO, BACKENDS, Backend
+from rpa_harness.targets import DEFAULT_TARGET, TargetError, load
+
+PROPERTIES_PACKAGE = "rpa_harness.properties"  # the shipped properties (tests/properties/ in a checkout)
+PASSES, FAILS, BAD_FILE, CANNOT_RUN = 0, 1, 2, 3
+
+
+def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Backend) -> str:
+    """A standalone Python program that makes the failing call, as the backend made it, and prints the outcome.
+
+    Same interpreter parameters as the backend, the compatibility layer installed when the backend had it
+    on; a differential repro prints the comparison with the float64 oracle (its worst element), a padding or
+    determinism repro the first element that differs, a validation repro the error raised.
+    """
+    npz = json_path.with_suffix(".npz").resolve()
+    dtypes = {name: str(value.dtype) for name, value in repro.arrays.items()}
+    if backend.name == backends.TPU:
+        context = "contextlib.nullcontext()"
+    elif backend.name == backends.INTERPRET:
+        params = ", ".join(f"{k}={v!r}" for k, v in backends.CHECKING_INTERPRET_PARAMS.items())
+        context = f"pltpu.force_tpu_interpret_mode(pltpu.InterpretParams({params}))"
+    else:
+        context = "pltpu.force_tpu_interpret_mode(True)"
+    compat = backend.name != backends.TPU and backend.interpreter_compat
+    lines = [
+        f'"""Standalone reproduction of {json_path} ({repro.property}, {target} on {backend.name})."""',
+        "import contextlib, dataclasses, importlib",
+        "import jax, jax.numpy as jnp, ml_dtypes, numpy as np",
+        "from jax.experimental.pallas import tpu as pltpu",
+        *(["from harness import interpret_compat", "interpret_compat.install()"] if compat else []),
+        f"target = importlib.import_module({target!r})",
+        f"stored = np.load({str(npz)!r})",
+        f"dtypes = {dtypes!r}",
+        "inputs = {k: stored[k].view(np.dtype(getattr(ml_dtypes, d, d))).reshape(stored[k].shape)",
+        "          for k, d in dtypes.items()}",
+        f"options = {repro.options!r}",
+        "",
+        "def run(inputs):",
+        f"    with {context}:",
+        "        arrays = {k: jnp.asarray(v) for k, v in inputs.items()}",
+        "        return np.asarray(jax.block_until_ready(target.ragged_paged_attention(**arrays, **options)))",
+        "",
+    ]
+    kind = repro.property.split("[", 1)[0]
+    if repro.expected_error is not None:
+        call = (
+            "target.dynamic_validate_inputs(**{k: jnp.asarray(v) for k, v in inputs.items()}, **options)"
+            if repro.stage == "dynamic"
+            else "run(inputs)"
+        )
+        lines += [
+            "try:",
+            f"    {call}",
+            "except Exception as error:",
+            '    print(f"raised {type(error).__name__}: {error}")',
+            "else:",
+            '    print("accepted the input")',
+            f"print({'expected: ValueError: ' + repro.expected_error!r})",
+        ]
+    elif kind.startswith("differential"):
+        lines += [
+            "import reference",
+            "out = run(inputs)",
+            f"print(reference.compare(out, reference.oracle(**inputs, **options), label={target + ' on ' + backend.name!r}))",
+        ]
+    else:
+        if kind == "padding-isolation" and repro.case is not None:
+            lines += [
+                "from rpa_harness.strategies.case import Case",
+                f"case = {repro.case!r}",
+                "first = run(dataclasses.replace(case, poison=False, garbage=False).arrays())  # clean padding",
+            ]
+        else:
+            lines += ["first = run(inputs)"]
+        lines += [
+            "second = run(inputs)",
+            "rows = slice(0, int(inputs['cu_q_lens'][int(inputs['num_seqs'][0])]))",
+            "a, b = first[rows], second[rows]",
+            "differ = a.view(f'u{a.dtype.itemsize}') != b.view(f'u{b.dtype.itemsize}')",
+            "print(f'{int(differ.sum())} of {differ.size} valid output elements differ')",
+            "if differ.any():",
+            "    row, head, dim = np.argwhere(differ)[0]",
+            "    print(f'first at row {row}, head {head}, dim {dim}: {a[row, head, dim]!r} vs {b[row, head, dim]!r}')",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _recorded(repro: repro_files.Repro) -> str:
+    if repro.hang:
+        return f"a hang (no return within {repro.hang['seconds']:g} s)"
+    if repro.error:
+        return f"{repro.error['type']}: {repro.error['message']}"
+    return (repro.failure.splitlines() or ["a failing property"])[0]
+
+
+def replay(args) -> int:
+    from rpa_harness.checks import (
+        CannotRun,
+        PropertyFailure,
+        RaisedOnValidInput,
+        declared_unrunnable,
+        recheck,
+    )
+    from rpa_harness.targets import first_line_of_error
+
+    path = Path(args.file)
+    try:
+        repro = repro_files.read(path)
+    except repro_files.ReproError as error:
+        print(f"rpa-harness replay: {error}", file=sys.stderr)
+        return BAD_FILE
+    target_name = args.target or repro.target
+    compat = repro.interpreter_compat if args.interpreter_compat is None else args.interpreter_compat == "on"
+    backend = Backend(args.backend or repro.backend, compat)
+    try:
+        target = load(target_name)
+    except TargetError as error:
+        print(f"rpa-harness replay: {error}", file=sys.stderr)
+        return BAD_FILE
+    if backend.skip_reason:
+        print(f"rpa-harness replay: cannot run here: {backend.skip_reason}; pass --backend interpret", file=sys.stderr)
+        return CANNOT_RUN
+    declared = declared_unrunnable(target, backend)
+    if declared:
+        print(f"rpa-harness replay: cannot run here: target {target_name} {declared}", file=sys.stderr)
+        return CANNOT_RUN
+    if repro.precision is not None:  # judged under the contract it failed under
+        from rpa_harness.reference import PrecisionError, parse_precision
+
+        try:
+            target = dataclasses.replace(target, precision=parse_precision(repro.precision))
+        except PrecisionError as error:
+            print(f"rpa-harness replay: {path}: {error}", file=sys.stderr)
+            return BAD_FILE
+    program = snippet(repro, path, target_name, backend)
+    if args.script:
+        Path(args.script).write_text(program)
+    if args.timeout or repro.hang:  # the watchdog of every kernel call this replay makes
+        backends.CALL_TIMEOUT_SECONDS = args.timeout or repro.hang["seconds"]
+    timeout = backends.CALL_TIMEOUT_SECONDS
+    kind = repro.property.split("[", 1)[0]
+    print(
+        f"property: {repro.property}\ntarget:   {target_name}\nbackend:  {backend.name} "
+        f"(interpreter compat {'on' if compat else 'off'})\nrecorded: {_recorded(repro)}\n"
+        f"precision: {', '.join(target.precision)}"
+    )
+    if repro.case is not None:
+        print(f"case:     {repro.case.describe()}")
+    if args.script:
+        print(f"script:   {args.script}")
+
+    def on_hang(what, seconds):
+        if repro.hang:
+            return f"rpa-harness replay: still hangs after {seconds:g} s: {what} did not return", FAILS
+        return (
+            f"rpa-harness replay: cannot run here: {what} did not return within {seconds:g} s "
+            f"(a hang; recorded: {_recorded(repro)})",
+            CANNOT_RUN,
+        )
+
+    try:
+        with backends.on_hang(on_hang):
+            recheck(kind, target, backend, repro)
+    except CannotRun as reason:
+        print(f"\ncannot run here (interpreter limitation): {reason}")
+        return CANNOT_RUN
+    except RaisedOnValidInput as failure:
+        raised = f"{failure.error_type}: {failure.error_message}"
+        if repro.error and (failure.error_type, failure.error_message) == (repro.error["type"], repro.error["message"]):
+            print(f"\nFAILS the same way: {failure}\n\nStandalone reproduction:\n{program}")
+            return FAILS
+        what = "a different error than recorded" if repro.error else "an interpreter or backend crash"
+        print(f"\ncannot run here: {what}: raised {raised}\n  recorded: {_recorded(repro)}")
+        return CANNOT_RUN
+    except PropertyFailure as failure:
+        note = "" if not (repro.error or repro.hang) else f"\n  (recorded: {_recorded(repro)})"
+        print(f"\nFAILS:\n{failure}{note}\n\nStandalone reproduction:\n{program}")
+        return FAILS
+    except Exception as error:  # the oracle or the harness itself: never a reproduced bug
+        print(f"\ncannot run here: the replay itself crashed: {first_line_of_error(error)}")
+        return CANNOT_RUN
+    if repro.hang:
+        print(f"\npasses now (recorded: {_recorded(repro)}; returned within {timeout:g} s)")
+    else:
+        print("\npasses now")
+    return PASSES
+
+
+def run(args) -> int:
+    """pytest on the shipped properties, from the current folder (so the user's own modules import)."""
+    with tempfile.TemporaryDirectory(prefix="rpa-run-") as scratch:
+        junit = Path(scratch) / "junit.xml"
+        env = dict(os.environ, RPA_RUN_LOG=scratch)
+        command = [
+            sys.executable, "-m", "pytest", "--pyargs", PROPERTIES_PACKAGE, "-p", "no:cacheprovider",
+            f"--hypothesis-profile={args.profile}", f"--rpa-target={args.target}", f"--rpa-backend={args.backend}",
+            f"--rpa-repro-dir={args.repro_dir}", f"--junitxml={junit}", "-q",
+        ]  # fmt: skip
+        if args.n and args.n > 1:
+            command += ["-n", str(args.n)]
+        command += args.pytest_args
+        print("+", " ".join(command), flush=True)
+        code = subprocess.call(command, env=env)
+        if code in PYTEST_RAN and _ran_tests(junit):  # otherwise pytest's own message is the whole story
+            print(summary(junit, runlog.read(scratch), runlog.read_session(scratch)))
+            print(known_issues_summary(runlog.read_events(scratch)))
+    return code
+
+
+# pytest's exit codes after a session that ran: all passed, some failed, none collected (or our NOT GREEN).
+# 2 (interrupted), 3 (internal error) and 4 (usage error) print pytest's own message and no table.
+PYTEST_RAN = (0, 1, 5)
+
+
+def _ran_tests(junit: Path) -> bool:
+    try:
+        return any(True for _ in ElementTree.parse(junit).iter("testcase"))
+    except (OSError, ElementTree.ParseError):
+        return False
+
+
+def summary(junit: Path, examples: list[dict], session: dict | None = None) -> str:
+    """The closing table: one row per property test, after the run's own verdicts."""
+    results = {}
+    if junit.exists():
+        for case in ElementTree.parse(junit).iter("testcase"):
+            test = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            outcome = "passed"
+            for child in case:
+                if child.tag in ("failure", "error"):
+                    outcome = "FAILED"
+                elif child.tag == "skipped":
+                    outcome = f"skipped: {child.get('message', '')[:70]}"
+            results[test] = outcome
+    counts = collections.Counter(e["test"] for e in examples)
+    repros = collections.defaultdict(set)
+    labels = collections.Counter()
+    for e in examples:
+        if e.get("repro"):
+            repros[e["test"]].add(f"hang after {e['hang']:g} s: {e['repro']}" if e.get("hang") else e["repro"])
+        labels.update(e.get("labels", []))
+    width = max([len(t) for t in results] + [8])
+    session = session or {}
+    lines = ["", "rpa-harness summary"]
+    if session.get("no_numeric"):
+        lines.append(session["no_numeric"])
+    lines += [
+        f"rpa-harness: target cannot run on {name}: {reason}" for name, reason in session.get("cannot_run", {}).items()
+    ]
+    lines.append(f"{'property':<{width}}  {'examples':>8}  result")
+    for test, outcome in results.items():
+        lines.append(f"{test:<{width}}  {counts.get(test, 0):>8}  {outcome}")
+        lines.extend(f"{'':<{width}}  {'':>8}  repro: {path}" for path in sorted(repros.get(test, ())))
+    lines.append(
+        f"coverage labels seen ({len(labels)}): " + ", ".join(f"{k} x{v}" for k, v in sorted(labels.items()))
+    )
+    return "\n".join(lines)
+
+
+def known_issues_summary(events: list[dict]) -> str:
+    """Rows for the declared known issues: drawn cases moved out of each, and whether its repro still fails."""
+    replays = collections.defaultdict(list)
+    avoided = collections.Counter()
+    for e in events:
+        if e.get("kind") == "known-issue-replay":
+            replays[e["issue"]].append(f"{e['backend']}: {e['outcome']}")
+        elif e.get("kind") == "known-issue-avoided":
+            avoided[e["issue"]] += 1
+    names = list(replays) + [name for name in avoided if name not in replays]
+    if not names:
+        return "known issues: none declared (or none replayed)"
+    width = max(len(name) for name in names)
+    lines = [
+        f"known issues declared ({len(names)}): drawn cases moved out of each, and the replay of its repro",
+        f"{'issue':<{width}}  {'avoided':>7}  replay",
+    ]
+    lines += [
+        f"{n:<{width}}  {avoided.get(n, 0):>7}  {', '.join(sorted(replays.get(n, ['not run'])))}"
+        for n in names
+    ]
+    return "\n".join(lines)
+
+
+def report(args) -> int:
+    from rpa_harness.bug_report import render
+
+    try:
+        print(render(Path(args.file), target_name=args.target, backend_name=args.backend,
+                     with_script_output=args.run_script), end="")  # fmt: skip
+    except (repro_files.ReproError, TargetError) as error:
+        print(f"rpa-harness report: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="rpa-harness", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    replay_parser = commands.add_parser("replay", help="replay a repro file without Hypothesis")
+    replay_parser.add_argument("file")
+    replay_parser.add_argument("--target", help="module to replay against (default: the one in the repro)")
+    replay_parser.add_argument("--backend", choices=BACKENDS, help="default: the one in the repro")
+    replay_parser.add_argument(
+        "--interpreter-compat", choices=("on", "off"), help="default: as the repro was recorded"
+    )
+    replay_parser.add_argument(
+        "--timeout", type=float, help="seconds before a call is taken for a hang (default: the recorded "
+        "hang's timeout, else RPA_CALL_TIMEOUT)",
+    )  # fmt: skip
+    replay_parser.add_argument("--script", help="also write the standalone reproduction to this file")
+    run_parser = commands.add_parser("run", help="run the property campaign (pytest) and print a summary")
+    run_parser.add_argument("--profile", default="ci", choices=("dev", "ci", "nightly", "repro"))
+    run_parser.add_argument("--target", default=DEFAULT_TARGET)
+    run_parser.add_argument("--backend", default=AUTO, choices=(*BACKENDS, AUTO))
+    run_parser.add_argument("-n", type=int, default=2, help="pytest-xdist workers (default 2)")
+    run_parser.add_argument("--repro-dir", default=repro_files.DEFAULT_REPRO_DIR)
+    run_parser.add_argument("pytest_args", nargs="*", help="passed to pytest after --")
+    report_parser = commands.add_parser("report", help="print an upstream-ready bug report for a repro")
+    report_parser.add_argument("file")
+    report_parser.add_argument("--target", help="module to report on (default: the one in the repro)")
+    report_parser.add_argument("--backend", choices=BACKENDS, help="default: the one in the repro")
+    report_parser.add_argument("--run-script", action="store_true", help="run the script, show its output")
+    args = parser.parse_args(argv)
+    return {"replay": replay, "run": run, "report": report}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,506 @@
+"""Patches for the generic (HLO) interpreter (``force_tpu_interpret_mode(True)``), which runs a kernel's
+grid as a loop over its state-discharged jaxpr.
+
+Gap ``generic-literal-indices``: masked ``pltpu.store`` / ``pl.load`` on ``ref.at[<python int>]``: the
+literal reaches the Pallas ``load_p`` / ``swap_p`` discharge rules as ``TypedInt``, which has no ``.shape``.
+
+Gap ``generic-view-stores``: stores and DMAs through a reshaped or bitcast ref raise
+``NotImplementedError: Unsupported transform: ReshapeTransform(...)`` (``state.discharge.transform_swap_array``),
+and ``pltpu.store`` through any transformed ref writes back an array of the transformed shape (the
+``swap_p`` discharge rule).
+
+Gap ``generic-scalar-prefetch-state``: writes to scalar-prefetch refs are dropped between grid steps: each
+step starts from the operands as passed, where on TPU (and in the TPU interpreter) they live in SMEM for the
+whole call. Upstream's RPA kernel hands the next grid step its sequence and KV-buffer index this way, so
+without the patch it reads the other, stale buffer of its double buffer (wrong rows, no error).
+
+Gap ``generic-narrow-float-bits`` (a cost, not an error): XLA CPU computes a ``dynamic-slice`` or
+``dynamic-update-slice`` of an 8- or 16-bit float buffer by converting the *whole* buffer to a wider float
+and back, so every page DMA into an fp8 KV scratch converts the scratch and the source (float8_e4m3fn
+through f16 in software: a pooled fp8 RPA call took 190 ms instead of 3 ms). The patched accesses move the
+bits as unsigned integers of the same width instead; the values are bit-identical.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from rpa_harness.interpret_compat import views as view_algebra
+from rpa_harness.interpret_compat.patching import (
+    Gap,
+    InternalsMoved,
+    Patch,
+    parameter_names,
+    require,
+    require_attributes,
+    require_parameters,
+)
+
+
+@functools.cache
+def _internals() -> types.SimpleNamespace:
+    from jax._src import core as jax_core
+    from jax._src import literals as jax_literals
+    from jax._src import tree_util as jax_tree_util
+    from jax._src.pallas import hlo_interpreter
+    from jax._src.pallas import primitives as pallas_primitives
+    from jax._src.state import discharge as state_discharge
+    from jax._src.state import indexing as state_indexing
+    from jax._src.state import utils as state_utils
+
+    return types.SimpleNamespace(
+        core=jax_core,
+        literals=jax_literals,
+        tree_util=jax_tree_util,
+        hlo_interpreter=hlo_interpreter,
+        primitives=pallas_primitives,
+        discharge=state_discharge,
+        indexing=state_indexing,
+        state_utils=state_utils,
+    )
+
+
+def _run_generic(kernel, out_shape, *operands, **call_options):
+    """``kernel`` on the generic interpreter, unpatched (a probe runs before any patch is applied)."""
+
+    def call(*args):
+        return pl.pallas_call(kernel, out_shape=out_shape, **call_options)(*args)
+
+    with pltpu.force_tpu_interpret_mode(True):
+        return np.asarray(jax.jit(call)(*operands))
+
+
+def _fails_with(run: Callable[[], object], message: str) -> bool:
+    """Whether ``run`` raises an error containing ``message`` (the gap); other errors propagate."""
+    try:
+        run()
+    except Exception as error:  # noqa: BLE001 - the message decides
+        if message in str(error):
+            return True
+        raise
+    return False
+
+
+def _rows_1_and_2(shape):
+    row = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    return (row >= 1) & (row < 3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Discharge rules: 0.10 calls them as rule(in_avals, out_avals, *args_flat, args_tree=...), later jax as
+# rule(ctx, *args_flat, args_tree=...) with ctx.in_avals.
+
+
+def _leading_and_flat(args: tuple, args_tree) -> tuple[tuple, list]:
+    split = len(args) - args_tree.num_leaves
+    return args[:split], list(args[split:])
+
+
+def _leading_for(leading: tuple, num_args: int) -> tuple:
+    """The rule's leading arguments for a call with ``num_args`` flat arguments of unknown aval."""
+    if len(leading) == 2:
+        return [None] * num_args, leading[1]
+    (context,) = leading
+    return (context.replace(in_avals=[None] * num_args, should_discharge=[True] + [False] * (num_args - 1)),)
+
+
+def _rule_internals(*primitive_names: str) -> None:
+    internals = _internals()
+    rules = internals.discharge._discharge_rules
+    for name in primitive_names:
+        primitive = getattr(internals.primitives, name)
+        require(primitive in rules, f"no discharge rule for {name}")
+        parameters = parameter_names(rules[primitive])
+        require("args_tree" in parameters, f"the {name} discharge rule takes no args_tree")
+        leading = [p for p in parameters if p not in ("args_flat", "args_tree", "_", "params")]
+        require(
+            leading in (["in_avals", "out_avals"], ["ctx"]),
+            f"the {name} discharge rule takes ({', '.join(parameters)})",
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap generic-literal-indices.
+
+
+def _literal_indices_probe() -> bool:
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        pltpu.store(o_ref.at[1], x_ref[1], mask=_rows_1_and_2((2, 128)))
+
+    x = jnp.ones((4, 2, 128), jnp.float32)
+    return _fails_with(
+        lambda: _run_generic(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), x),
+        "'TypedInt' object has no attribute 'shape'",
+    )
+
+
+def _literal_indices_internals() -> None:
+    require_attributes(_internals().literals, "TypedInt")
+    _rule_internals("load_p", "swap_p")
+
+
+def _untyped_literals(args_flat) -> list:
+    """Turn literal ``TypedInt`` scalars into 0-d arrays, which the Pallas discharge rules expect."""
+    typed_int = _internals().literals.TypedInt
+    return [np.asarray(int(arg), dtype=arg.dtype) if isinstance(arg, typed_int) else arg for arg in args_flat]
+
+
+def _with_untyped_literals(original_rule: Callable) -> Callable:
+    @functools.wraps(original_rule)
+    def rule(*args, args_tree, **params):
+        leading, args_flat = _leading_and_flat(args, args_tree)
+        return original_rule(*leading, *_untyped_literals(args_flat), args_tree=args_tree, **params)
+
+    return rule
+
+
+def _literal_indices_patches() -> list[Patch]:
+    internals = _internals()
+    rules = internals.discharge._discharge_rules
+    return [
+        Patch(rules, primitive, _with_untyped_literals(rules[primitive]))
+        for primitive in (internals.primitives.load_p, internals.primitives.swap_p)
+    ]
+
+
+LITERAL_INDICES = Gap(
+    name="generic-literal-indices",
+    interpreter="generic",
+    symptom="masked store/load on ref.at[<int>]: 'TypedInt' object has no attribute 'shape'",
+    probe=_literal_indices_probe,
+    check_internals=_literal_indices_internals,
+    patches=_literal_indices_patches,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap generic-view-stores.
+
+
+def _view_stores_probe() -> bool:
+    x = jnp.arange(2 * 8 * 128, dtype=jnp.float32).reshape(2, 8, 128)
+    out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    def store_through_view(x_ref, o_ref):
+        o_ref.reshape(16, 128)[...] = x_ref[...].reshape(16, 128)
+
+    def masked_store_through_view(x_ref, o_ref):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        pltpu.store(o_ref.reshape(16, 128), x_ref[...].reshape(16, 128), mask=_rows_1_and_2((16, 128)))
+
+    if _fails_with(lambda: _run_generic(store_through_view, out_shape, x), "Unsupported transform"):
+        return True
+    try:
+        got = _run_generic(masked_store_through_view, out_shape, x)
+    except Exception:  # noqa: BLE001 - a crash of the unpatched rule is the gap too
+        return True
+    expected = np.where(np.asarray(_rows_1_and_2((16, 128))), np.asarray(x).reshape(16, 128), 0.0)
+    return not np.array_equal(got.reshape(16, 128), expected)
+
+
+def _view_stores_internals() -> None:
+    internals = _internals()
+    require_attributes(internals.discharge, "transform_array", "transform_swap_array")
+    require_attributes(internals.state_utils, "bitcast")
+    require_parameters(
+        internals.discharge.transform_swap_array, ["x", "transforms", "val"], "transform_swap_array"
+    )
+    require_parameters(internals.discharge.transform_array, ["x", "transforms"], "transform_array")
+    require_attributes(internals.indexing.NDIndexer, "make_trivial_indexer")
+    _rule_internals("swap_p")
+
+
+def _jax_view(value, transform):
+    if view_algebra.is_reshape(transform):
+        return value.reshape(transform.shape)
+    return _internals().state_utils.bitcast(value, transform.dtype)
+
+
+def _jax_unview(value, transform, before):
+    if view_algebra.is_reshape(transform):
+        return value.reshape(before.shape)
+    return _internals().state_utils.bitcast(value, before.dtype)
+
+
+def _transform_swap_array_through_views(original: Callable) -> Callable:
+    """Splits the transforms at each view, lets the original handle the indexer runs and undoes the view
+    (reshape back, TPU-layout bitcast back) in between."""
+    discharge = _internals().discharge
+
+    @functools.wraps(original)
+    def transform_swap_array(x, transforms, val):
+        head, rest = view_algebra.split_at_first_view(transforms)
+        if not rest:
+            return original(x, transforms, val)
+        view, tail = rest[0], rest[1:]
+        region = discharge.transform_array(x, head)
+        old_value, new_viewed = transform_swap_array(_jax_view(region, view), tail, val)
+        _, new_x = original(x, head, _jax_unview(new_viewed, view, region))
+        return old_value, new_x
+
+    return transform_swap_array
+
+
+def _swap_rule_writing_back(original_rule: Callable) -> Callable:
+    """``swap_p`` with transforms before its final indexer (e.g. ``pltpu.store(ref.reshape(...), ...)``):
+    run the rule on the transformed region and write that back through the earlier transforms."""
+    internals = _internals()
+
+    @functools.wraps(original_rule)
+    def rule(*args, args_tree, **params):
+        leading, args_flat = _leading_and_flat(args, args_tree)
+        ref, transforms, val, mask = args_tree.unflatten(args_flat)
+        transforms = list(transforms)
+        if transforms and view_algebra.is_indexer(transforms[-1]):
+            *earlier, last = transforms
+        else:
+            earlier, last = transforms, None
+        if not earlier:
+            return original_rule(*args, args_tree=args_tree, **params)
+        region = internals.discharge.transform_array(ref, earlier)
+        if last is None:
+            last = internals.indexing.NDIndexer.make_trivial_indexer(region.shape)
+        region_flat, region_tree = internals.tree_util.tree_flatten((region, (last,), val, mask))
+        (new_region, *_), out = original_rule(
+            *_leading_for(leading, len(region_flat)), *region_flat, args_tree=region_tree, **params
+        )
+        _, new_ref = internals.discharge.transform_swap_array(ref, earlier, new_region)
+        return (new_ref,) + (None,) * (len(args_flat) - 1), out
+
+    return rule
+
+
+def _view_stores_patches() -> list[Patch]:
+    internals = _internals()
+    rules = internals.discharge._discharge_rules
+    swap_p = internals.primitives.swap_p
+    return [
+        Patch(
+            internals.discharge,
+            "transform_swap_array",
+            _transform_swap_array_through_views(internals.discharge.transform_swap_array),
+        ),
+        Patch(rules, swap_p, _swap_rule_writing_back(rules[swap_p])),
+    ]
+
+
+VIEW_STORES = Gap(
+    name="generic-view-stores",
+    interpreter="generic",
+    symptom="stores and DMAs through ref.reshape/ref.bitcast: 'Unsupported transform: ReshapeTransform'",
+    probe=_view_stores_probe,
+    check_internals=_view_stores_internals,
+    patches=_view_stores_patches,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap generic-scalar-prefetch-state.
+
+PROBE_STEPS = 6
+
+
+def count_steps_in_scalar_prefetch(counter_ref, o_ref):
+    """Each grid step records the counter and increments it in scalar-prefetch memory."""
+    o_ref[0, pl.program_id(0)] = counter_ref[0]
+    counter_ref[0] = counter_ref[0] + 1
+
+
+def run_step_counter(start: int) -> np.ndarray:
+    """What each of PROBE_STEPS grid steps saw in a scalar-prefetch counter that starts at ``start``."""
+
+    def call(counter):
+        return pl.pallas_call(
+            count_steps_in_scalar_prefetch,
+            out_shape=jax.ShapeDtypeStruct((1, PROBE_STEPS), jnp.int32),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                grid=(PROBE_STEPS,),
+                in_specs=[],
+                out_specs=pl.BlockSpec((1, PROBE_STEPS), lambda i, counter: (0, 0), memory_space=pltpu.SMEM),
+            ),
+        )(counter)
+
+    with pltpu.force_tpu_interpret_mode(True):
+        return np.asarray(jax.jit(call)(jnp.array([start], jnp.int32)))[0]
+
+
+def _scalar_prefetch_probe() -> bool:
+    seen = run_step_counter(start=10)
+    if np.array_equal(seen, np.arange(10, 10 + PROBE_STEPS)):
+        return False
+    if np.array_equal(seen, np.full(PROBE_STEPS, 10)):
+        return True
+    raise InternalsMoved(f"a scalar-prefetch step counter starting at 10 saw {seen.tolist()}")
+
+
+def _scalar_prefetch_internals() -> None:
+    interpreter = _internals().hlo_interpreter
+    require_attributes(interpreter, "kernel_to_hlo_jaxpr")
+    require_parameters(
+        interpreter.kernel_to_hlo_jaxpr,
+        ["jaxpr", "consts", "grid_mapping"],
+        "hlo_interpreter.kernel_to_hlo_jaxpr",
+    )
+
+
+def _kernel_jaxpr_carrying_scalar_prefetch(original_kernel_to_hlo_jaxpr: Callable) -> Callable:
+    """Appends one scratch buffer per scalar-prefetch operand: the step reads the operands as passed when
+    every program id is 0 (the start of a run, and of each vmapped instance) and the carried values
+    otherwise, and writes its final values back into those buffers. ``index_map`` functions still see the
+    operands as passed (none of upstream's read a mutated one)."""
+    internals = _internals()
+
+    @functools.wraps(original_kernel_to_hlo_jaxpr)
+    def kernel_to_hlo_jaxpr(jaxpr, consts, grid_mapping):
+        step, step_consts, scratch_avals = original_kernel_to_hlo_jaxpr(jaxpr, consts, grid_mapping)
+        num_scalars = grid_mapping.num_index_operands
+        if not num_scalars:
+            return step, step_consts, scratch_avals
+        closed = hasattr(step, "jaxpr")  # later jax returns the ClosedJaxpr, 0.10 its jaxpr
+        step_jaxpr = step.jaxpr if closed else step
+        scalar_avals = [var.aval for var in step_jaxpr.invars[:num_scalars]]
+        num_program_ids = len(grid_mapping.grid) - len(grid_mapping.vmapped_dims)
+
+        def step_with_carried_scalars(*operands):
+            passed, blocks_and_scratch, carried = (
+                operands[:num_scalars],
+                operands[num_scalars:-num_scalars],
+                operands[-num_scalars:],
+            )
+            first_step = functools.reduce(
+                jnp.logical_and,
+                [internals.primitives.program_id(axis) == 0 for axis in range(num_program_ids)],
+                jnp.bool_(True),
+            )
+            scalars = [
+                jax.lax.select(jnp.broadcast_to(first_step, value.shape), value, previous)
+                for value, previous in zip(passed, carried, strict=True)
+            ]
+            outputs = internals.core.eval_jaxpr(step_jaxpr, step_consts, *scalars, *blocks_and_scratch)
+            return (*outputs, *outputs[:num_scalars])
+
+        operand_avals = [*(var.aval for var in step_jaxpr.invars), *scalar_avals]
+        with grid_mapping.trace_env():
+            carrying = jax.make_jaxpr(step_with_carried_scalars)(*operand_avals)
+        new_step = carrying if closed else carrying.jaxpr
+        return new_step, carrying.consts, [*scratch_avals, *scalar_avals]
+
+    return kernel_to_hlo_jaxpr
+
+
+def _scalar_prefetch_patches() -> list[Patch]:
+    interpreter = _internals().hlo_interpreter
+    return [
+        Patch(
+            interpreter,
+            "kernel_to_hlo_jaxpr",
+            _kernel_jaxpr_carrying_scalar_prefetch(interpreter.kernel_to_hlo_jaxpr),
+        )
+    ]
+
+
+SCALAR_PREFETCH_STATE = Gap(
+    name="generic-scalar-prefetch-state",
+    interpreter="generic",
+    symptom="writes to scalar-prefetch refs are dropped between grid steps (stale values, no error)",
+    probe=_scalar_prefetch_probe,
+    check_internals=_scalar_prefetch_internals,
+    patches=_scalar_prefetch_patches,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap generic-narrow-float-bits.
+
+
+def narrow_float_store_converts() -> bool:
+    """Whether XLA CPU converts a float8_e4m3fn buffer to f16 around a dynamic-update-slice."""
+
+    def store_rows(buffer, row):
+        return jax.lax.fori_loop(
+            0, buffer.shape[0], lambda i, b: jax.lax.dynamic_update_slice(b, row, (i, 0)), buffer
+        )
+
+    buffer = jnp.zeros((8, 128), jnp.float8_e4m3fn)
+    return "f16[8,128]" in jax.jit(store_rows).lower(buffer, buffer[:1]).compile().as_text()
+
+
+def _narrow_float_internals() -> None:
+    discharge = _internals().discharge
+    require_attributes(discharge, "transform_array", "transform_swap_array")
+    require_parameters(discharge.transform_swap_array, ["x", "transforms", "val"], "transform_swap_array")
+    require_parameters(discharge.transform_array, ["x", "transforms"], "transform_array")
+
+
+def _moves_bits(x, transforms) -> np.dtype | None:
+    """The unsigned dtype to move ``x`` as, when it is an 8- or 16-bit float accessed without views."""
+    if getattr(x, "dtype", None) is None or view_algebra.split_at_first_view(transforms)[1]:
+        return None
+    dtype = jnp.dtype(x.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
+        return None
+    return jnp.dtype(f"uint{8 * dtype.itemsize}")
+
+
+def _transform_array_moving_bits(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def transform_array(x, transforms):
+        bits = _moves_bits(x, transforms)
+        if bits is None:
+            return original(x, transforms)
+        return jax.lax.bitcast_convert_type(
+            original(jax.lax.bitcast_convert_type(x, bits), transforms), x.dtype
+        )
+
+    return transform_array
+
+
+def _transform_swap_array_moving_bits(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def transform_swap_array(x, transforms, val):
+        bits = _moves_bits(x, transforms)
+        if bits is None:
+            return original(x, transforms, val)
+        old_bits, new_bits = original(
+            jax.lax.bitcast_convert_type(x, bits), transforms, jax.lax.bitcast_convert_type(val, bits)
+        )
+        return jax.lax.bitcast_convert_type(old_bits, x.dtype), jax.lax.bitcast_convert_type(
+            new_bits, x.dtype
+        )
+
+    return transform_swap_array
+
+
+def _narrow_float_patches() -> list[Patch]:
+    """Outermost wrappers (applied after the view-store one) on the read and the write path."""
+    discharge = _internals().discharge
+    return [
+        Patch(discharge, "transform_array", _transform_array_moving_bits(discharge.transform_array)),
+        Patch(
+            discharge,
+            "transform_swap_array",
+            _transform_swap_array_moving_bits(discharge.transform_swap_array),
+        ),
+    ]
+
+
+NARROW_FLOAT_BITS = Gap(
+    name="generic-narrow-float-bits",
+    interpreter="generic",
+    symptom="every access to an 8/16-bit float buffer converts the whole buffer (slow, not wrong)",
+    probe=narrow_float_store_converts,
+    check_internals=_narrow_float_internals,
+    patches=_narrow_float_patches,
+)
+
+GAPS = (LITERAL_INDICES, VIEW_STORES, SCALAR_PREFETCH_STATE, NARROW_FLOAT_BITS)

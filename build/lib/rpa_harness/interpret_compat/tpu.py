@@ -1,0 +1,405 @@
+"""Patches for the TPU interpreter (``force_tpu_interpret_mode(InterpretParams(...))``).
+
+Gap ``tpu-ref-views``: ``ref.reshape(...)`` / ``ref.bitcast(...)`` on loads, stores, swaps and DMAs raise
+``AttributeError: '<Reshape|Bitcast>Transform' object has no attribute 'indices'``: the interpreter reduces
+every ref transform to index ranges (``interpret.utils.to_range``), which knows only ``NDIndexer``.
+
+Gap ``tpu-masked-swap``: the in-bounds check of a masked swap clears the mask only along axis 0, so a valid
+mask on e.g. a ``(4, 2, 128)`` ref raises "Out-of-bounds masked swap".
+
+Race detection and views: an access through a reshape/bitcast view is reported to the race detector as an
+access to the smallest box of the region the view was taken of (the ref before its first reshape/bitcast)
+that holds every element it touches (``views.touched_box``): taking one slot of a bitcast double buffer
+records that slot only. Stores through a view read the region without a record and write back that box.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from rpa_harness.interpret_compat import views as view_algebra
+from rpa_harness.interpret_compat.patching import (
+    Gap,
+    Patch,
+    parameter_names,
+    require,
+    require_attributes,
+    require_parameters,
+)
+
+_ACCESS_PARAMETERS = ["token", "device_id", "local_core_id", "memory_space", "buffer_id", "transforms"]
+
+
+@functools.cache
+def _internals() -> types.SimpleNamespace:
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call, shared_memory
+    from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+    from jax._src.state import indexing as state_indexing
+    from jax._src.state import types as state_types
+
+    return types.SimpleNamespace(
+        interpreter=interpret_pallas_call,
+        shared_memory=shared_memory,
+        utils=interpret_utils,
+        indexing=state_indexing,
+        state_types=state_types,
+    )
+
+
+def _thread_argument(get_buffer_content: Callable) -> Callable:
+    """How ``SharedMemory.get_buffer_content`` names the reading core: by thread key or global core id."""
+    who = parameter_names(get_buffer_content)[3]
+    if who == "thread":
+        return lambda shared_memory, device_id, local_core_id: (device_id, local_core_id)
+    require(who == "global_core_id", f"SharedMemory.get_buffer_content names the reader {who!r}")
+    return lambda shared_memory, device_id, local_core_id: shared_memory.get_global_core_id(
+        device_id, local_core_id
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap tpu-ref-views.
+
+
+def _views_probe() -> bool:
+    internals = _internals()
+    reshape = internals.state_types.ReshapeTransform(shape=(1,))
+    bitcast = internals.state_types.BitcastTransform(dtype=np.dtype(np.uint32))
+    for view in (reshape, bitcast):
+        try:
+            internals.utils.to_range((view,))
+        except Exception:  # noqa: BLE001 - any failure to reduce a view to a range is the gap
+            return True
+    return False
+
+
+def _views_internals() -> None:
+    internals = _internals()
+    interpreter = internals.interpreter
+    require_attributes(
+        interpreter,
+        "get",
+        "store",
+        "swap",
+        "fail_on_exception",
+        "_get_shared_memory",
+        "TPU_MEMORY_SPACE_NAMES",
+        "_local_core_id_or_zero_if_hbm",
+    )
+    require_attributes(internals.utils, "to_range", "get_uninitialized_value")
+    require_attributes(internals.indexing.NDIndexer, "from_indices_shape")
+    require_parameters(internals.indexing.Slice, ["start", "size", "stride"], "indexing.Slice")
+    for name in ("get", "store", "swap"):
+        function = getattr(interpreter, name)
+        require(
+            hasattr(function, "__wrapped__"),
+            f"interpret_pallas_call.{name} is not a fail_on_exception wrapper",
+        )
+        require_parameters(function.__wrapped__, _ACCESS_PARAMETERS, f"interpret_pallas_call.{name}")
+    require_parameters(
+        interpreter.store.__wrapped__, [*_ACCESS_PARAMETERS, "val"], "interpret_pallas_call.store"
+    )
+    require_parameters(
+        interpreter.swap.__wrapped__, [*_ACCESS_PARAMETERS, "val", "mask"], "interpret_pallas_call.swap"
+    )
+    get_buffer_content = internals.shared_memory.SharedMemory.get_buffer_content
+    require_parameters(get_buffer_content, ["self", "key", "rnge", None], "SharedMemory.get_buffer_content")
+    require(
+        "increment_clock" in parameter_names(get_buffer_content), "get_buffer_content has no increment_clock"
+    )
+    _thread_argument(get_buffer_content)
+
+
+def _location(memory_space_name: str, device_id, local_core_id, buffer_id) -> str:
+    return f"({int(device_id)} {int(local_core_id)} {memory_space_name} {int(buffer_id)})"
+
+
+def _region_shape(read_range, buffer_shape) -> tuple[int, ...]:
+    shape = []
+    for position, size in enumerate(buffer_shape):
+        if position >= len(read_range):
+            shape.append(size)
+        elif isinstance(read_range[position], slice):
+            part = read_range[position]
+            shape.append(len(range(part.start, part.stop, part.step)))
+    return tuple(shape)
+
+
+def _view_error(error: view_algebra.ViewOutOfBounds, what: str, location: str, views) -> str:
+    return (
+        f"Out-of-bounds {what} of {location} through a reshape/bitcast view: indexing "
+        f"{view_algebra.numpy_index(error.indexer)} into a view of shape {error.view_shape} "
+        f"(view transforms: {views})."
+    )
+
+
+def _view_patches() -> list[Patch]:
+    """Hand the interpreter the indexers *before* the first reshape or bitcast (so its bounds, race and NaN
+    machinery sees a plain region) and apply the views to that region in NumPy. DMAs call
+    ``get.__wrapped__`` / ``store.__wrapped__``, so they are covered too."""
+    internals = _internals()
+    interpreter = internals.interpreter
+    thread_of = _thread_argument(internals.shared_memory.SharedMemory.get_buffer_content)
+    space_names = interpreter.TPU_MEMORY_SPACE_NAMES
+
+    def location(device_id, local_core_id, memory_space, buffer_id) -> str:
+        return _location(space_names[int(memory_space)], device_id, local_core_id, buffer_id)
+
+    def read_region_unrecorded(device_id, local_core_id, memory_space, buffer_id, prefix, what: str):
+        """The region a view was taken of, read without a race-detector record (a recorded write follows)."""
+        shared_memory = interpreter._get_shared_memory()
+        space = space_names[int(memory_space)]
+        device_id, local_core_id = int(device_id), int(local_core_id)
+        key = (
+            space,
+            int(buffer_id),
+            device_id,
+            interpreter._local_core_id_or_zero_if_hbm(local_core_id, space),
+        )
+        read_range = internals.utils.to_range(jax.tree.map(int, prefix))
+        content, (buffer_shape, _), _ = shared_memory.get_buffer_content(
+            key, read_range, thread_of(shared_memory, device_id, local_core_id), increment_clock=False
+        )
+        if content is None or content.shape != _region_shape(read_range, buffer_shape):
+            raise ValueError(
+                f"Out-of-bounds {what} of {location(device_id, local_core_id, memory_space, buffer_id)}: the "
+                f"reshaped/bitcast ref covers [{read_range}] but the buffer has shape {tuple(buffer_shape)}."
+            )
+        return content
+
+    def narrowed(prefix, region: np.ndarray, views) -> tuple[tuple, tuple[slice, ...] | None]:
+        """``prefix`` extended to the box of ``region`` the views touch, and that box (None: the whole)."""
+        box = view_algebra.touched_box(region.shape, region.dtype, views)
+        if box is None:
+            return tuple(prefix), None
+        slices = tuple(internals.indexing.Slice(part.start, part.stop - part.start, 1) for part in box)
+        return (*prefix, internals.indexing.NDIndexer.from_indices_shape(slices, region.shape)), box
+
+    original_get = interpreter.get.__wrapped__
+    original_store = interpreter.store.__wrapped__
+    original_swap = interpreter.swap.__wrapped__
+
+    @interpreter.fail_on_exception
+    def get(token, device_id, local_core_id, memory_space, buffer_id, transforms, *args, **kwargs):
+        prefix, views = view_algebra.split_at_first_view(transforms)
+        if not views:
+            return original_get(
+                token, device_id, local_core_id, memory_space, buffer_id, transforms, *args, **kwargs
+            )
+        views = jax.tree.map(int, views)
+        where = location(device_id, local_core_id, memory_space, buffer_id)
+        shared_memory = interpreter._get_shared_memory()
+        region = None
+        if shared_memory.detect_races:  # record a read of the touched box only
+            try:
+                region = read_region_unrecorded(
+                    device_id, local_core_id, memory_space, buffer_id, prefix, "read"
+                )
+            except ValueError:
+                region = None  # out of bounds: the read of the whole region below reports it
+        touched, box = (tuple(prefix), None) if region is None else narrowed(prefix, region, views)
+        if box is None:
+            token, region = original_get(
+                token, device_id, local_core_id, memory_space, buffer_id, prefix, *args, **kwargs
+            )
+        else:
+            token, _ = original_get(
+                token, device_id, local_core_id, memory_space, buffer_id, touched, *args, **kwargs
+            )
+        fill = None
+        if shared_memory.out_of_bounds_reads != "raise":
+            fill = internals.utils.get_uninitialized_value(region.dtype, shared_memory.uninitialized_memory)
+        try:
+            return token, view_algebra.read_view(region, views, fill=fill)
+        except view_algebra.ViewOutOfBounds as error:
+            raise IndexError(_view_error(error, "read", where, views)) from None
+
+    @interpreter.fail_on_exception
+    def store(token, device_id, local_core_id, memory_space, buffer_id, transforms, val, *args, **kwargs):
+        prefix, views = view_algebra.split_at_first_view(transforms)
+        if not views:
+            return original_store(
+                token, device_id, local_core_id, memory_space, buffer_id, transforms, val, *args, **kwargs
+            )
+        views = jax.tree.map(int, views)
+        region = read_region_unrecorded(device_id, local_core_id, memory_space, buffer_id, prefix, "write")
+        try:
+            updated = view_algebra.write_view(region, views, np.asarray(val))
+        except view_algebra.ViewOutOfBounds as error:
+            where = location(device_id, local_core_id, memory_space, buffer_id)
+            raise ValueError(_view_error(error, "write", where, views)) from None
+        touched, box = narrowed(prefix, region, views)
+        return original_store(
+            token,
+            device_id,
+            local_core_id,
+            memory_space,
+            buffer_id,
+            touched,
+            updated if box is None else updated[box],
+            *args,
+            **kwargs,
+        )
+
+    @interpreter.fail_on_exception
+    def swap(token, device_id, local_core_id, memory_space, buffer_id, transforms, val, mask, **kwargs):
+        prefix, views = view_algebra.split_at_first_view(transforms)
+        if not views:
+            return original_swap(
+                token, device_id, local_core_id, memory_space, buffer_id, transforms, val, mask, **kwargs
+            )
+        views = jax.tree.map(int, views)
+        where = location(device_id, local_core_id, memory_space, buffer_id)
+        region = read_region_unrecorded(device_id, local_core_id, memory_space, buffer_id, prefix, "swap")
+        try:
+            new_value = np.asarray(val)
+            if mask is not None:
+                new_value = np.where(np.asarray(mask), new_value, view_algebra.read_view(region, views))
+            updated = view_algebra.write_view(region, views, new_value)
+        except view_algebra.ViewOutOfBounds as error:
+            raise ValueError(_view_error(error, "swap", where, views)) from None
+        touched, box = narrowed(prefix, region, views)
+        token, previous = original_swap(
+            token,
+            device_id,
+            local_core_id,
+            memory_space,
+            buffer_id,
+            touched,
+            updated if box is None else updated[box],
+            None,
+            **kwargs,
+        )
+        if box is not None:
+            whole = region.copy()
+            whole[box] = previous
+            previous = whole
+        old_value = view_algebra.read_view(previous, views)
+        if mask is not None:
+            old_value = np.where(np.asarray(mask), old_value, np.asarray(val))
+        return token, old_value
+
+    return [
+        Patch(interpreter, "get", get),
+        Patch(interpreter, "store", store),
+        Patch(interpreter, "swap", swap),
+    ]
+
+
+REF_VIEWS = Gap(
+    name="tpu-ref-views",
+    interpreter="tpu",
+    symptom="ref.reshape/ref.bitcast: 'ReshapeTransform' object has no attribute 'indices'",
+    probe=_views_probe,
+    check_internals=_views_internals,
+    patches=_view_patches,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap tpu-masked-swap.
+
+_SWAP_PROBE_SHAPE = (4, 2, 128)
+
+
+def _masked_swap_probe() -> bool:
+    """A valid mask on a ``(4, 2, 128)`` buffer, swapped through the unpatched method on a bare memory."""
+    internals = _internals()
+    key = ("vmem", 0, 0, 0)
+    memory = types.SimpleNamespace(
+        lock=threading.Lock(),
+        detect_races=False,
+        enable_logging=False,
+        mem={key: internals.shared_memory.Buffer(np.zeros(_SWAP_PROBE_SHAPE, np.float32))},
+    )
+    mask = np.zeros(_SWAP_PROBE_SHAPE, bool)
+    mask[1:3] = True
+    previous, _, _ = internals.shared_memory.SharedMemory.swap_buffer_content(
+        memory, key, (), np.ones(_SWAP_PROBE_SHAPE, np.float32), mask, (0, 0)
+    )
+    return previous is None
+
+
+def _masked_swap_internals() -> None:
+    memory = _internals().shared_memory.SharedMemory
+    require_parameters(
+        memory.swap_buffer_content,
+        ["self", "key", "rnge", "value", "mask", None],
+        "SharedMemory.swap_buffer_content",
+    )
+    require_parameters(
+        memory.get_buffer_content, ["self", "key", "rnge", None], "SharedMemory.get_buffer_content"
+    )
+    require(
+        "increment_clock" in parameter_names(memory.get_buffer_content),
+        "get_buffer_content has no increment_clock",
+    )
+
+
+def _within(rnge: tuple, in_bounds_shape: tuple[int, ...]) -> tuple:
+    """``rnge`` (slices and ints over the buffer) cut to the part that ``in_bounds_shape`` says exists."""
+    clipped, kept = [], iter(in_bounds_shape)
+    for part in rnge:
+        if isinstance(part, slice):
+            step = part.step or 1
+            clipped.append(slice(part.start, part.start + next(kept) * step, step))
+        else:
+            clipped.append(part)
+    return tuple(clipped)
+
+
+def _masked_swap_patches() -> list[Patch]:
+    """Check a masked swap's mask against the in-bounds extent of *every* axis, then hand the in-bounds part,
+    already merged with the mask, to the original as an unmasked swap (so its clocks and logging stay).
+
+    The read of the current values and the swap take the memory's lock separately: with several simulated
+    cores writing the same elements at once the merge can use stale values, which is a race that
+    ``detect_races`` reports."""
+    memory_class = _internals().shared_memory.SharedMemory
+    original = memory_class.swap_buffer_content
+
+    @functools.wraps(original)
+    def swap_buffer_content(self, key, rnge, value, mask, reader, *args, **kwargs):
+        if mask is None:
+            return original(self, key, rnge, value, mask, reader, *args, **kwargs)
+        current, shape_and_dtype, _ = self.get_buffer_content(key, rnge, reader, increment_clock=False)
+        if current is None:  # entirely out of bounds: an error only where the mask would write
+            if mask.any():
+                return None, shape_and_dtype, None
+            _, _, clock = self.get_buffer_content(key, (), reader)
+            return value.copy(), shape_and_dtype, clock
+        in_bounds = tuple(slice(0, size) for size in current.shape)
+        outside = np.ones(mask.shape, dtype=bool)
+        outside[in_bounds] = False
+        if (outside & mask).any():
+            return None, shape_and_dtype, None
+        inside_mask = mask[in_bounds]
+        merged = np.where(inside_mask, value[in_bounds], current)
+        before, shape_and_dtype, clock = original(
+            self, key, _within(tuple(rnge), current.shape), merged, None, reader, *args, **kwargs
+        )
+        if before is None:
+            return None, shape_and_dtype, clock
+        previous = value.copy()
+        previous[in_bounds] = np.where(inside_mask, before, value[in_bounds])
+        return previous, shape_and_dtype, clock
+
+    return [Patch(memory_class, "swap_buffer_content", swap_buffer_content)]
+
+
+MASKED_SWAP = Gap(
+    name="tpu-masked-swap",
+    interpreter="tpu",
+    symptom="a valid mask on a ref whose later axes are shorter than axis 0: 'Out-of-bounds masked swap'",
+    probe=_masked_swap_probe,
+    check_internals=_masked_swap_internals,
+    patches=_masked_swap_patches,
+)
+
+GAPS = (REF_VIEWS, MASKED_SWAP)

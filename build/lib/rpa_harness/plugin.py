@@ -1,0 +1,406 @@
+"""The pytest plugin of rpa-harness (entry point ``pytest11``): options, Hypothesis profiles, fixtures.
+
+Installed with the harness, so ``pytest --pyargs rpa_harness.properties --rpa-target=mypkg.rpa`` works in any
+repo. It is loaded in every pytest run of an environment that has rpa-harness, so it acts only where the
+harness runs: when an ``--rpa-*`` option or ``RPA_TARGET`` is given, when the run collects the shipped
+properties (``rpa_harness.properties``), or when the ini option ``rpa_harness = true`` says so (this repo's
+pyproject.toml). Elsewhere it registers its options and profiles and does nothing else: it loads no
+Hypothesis profile and imports no target.
+
+Options (each also read from an environment variable):
+  --rpa-target=MODULE           RPA_TARGET          the kernel module under test (default: rpa_harness.kernel)
+  --rpa-backend=NAME            RPA_BACKEND         interpret | fast-interpret | tpu | auto (default: auto)
+  --rpa-repro-dir=DIR           RPA_REPRO_DIR       where failing examples are written (default: rpa-repros)
+  --rpa-interpreter-compat=on|off                   patch the interpreters' known gaps (default: on)
+  --rpa-allow-no-numeric        RPA_ALLOW_NO_NUMERIC=1  a run in which no numeric property ran may pass
+  --rpa-precision=NAME[,NAME]   RPA_PRECISION       precision contract(s) the target is judged under
+                                                    (default: its RPA_HARNESS_PRECISION, else float32)
+  --rpa-known-issues=auto|none|NAME[,NAME...]
+                                RPA_KNOWN_ISSUES    known issues whose cases are not drawn (default: auto, the
+                                                    target's declaration; see harness/known_issues.py)
+Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
+RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
+
+Capabilities are resolved here, once: tests that run the target's kernel and compare numbers carry the
+``rpa_numeric`` marker (added to every test that uses ``volume_backend`` or ``checking_backend``, whose
+fixtures skip a backend that is absent or that the target declares it does not run on), and a test that
+needs an opt-in capability carries ``rpa_requires("name", reason=...)``.
+"""
+
+import dataclasses
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+from rpa_harness import backends, checks, known_issues, repro, runlog, targets
+from rpa_harness.reference.tolerance import CONTRACTS, PrecisionError, parse_precision
+
+DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
+_common = dict(
+    deadline=None,  # the first call of each shape compiles
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", max_examples=10, **_common)
+settings.register_profile(
+    "ci",
+    max_examples=40,
+    derandomize=True,  # also means database=None: every CI run sees the same examples
+    phases=[
+        Phase.explicit,
+        Phase.generate,
+        Phase.target,
+        Phase.shrink,
+    ],  # no `explain`: it re-runs the kernel
+    **_common,
+)
+settings.register_profile(
+    "nightly",
+    max_examples=400,  # per round; ci/nightly_tpu.sh repeats rounds until its time budget is spent
+    database=DirectoryBasedExampleDatabase(DATABASE_DIR),
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    **_common,
+)
+settings.register_profile(
+    "repro",
+    database=DirectoryBasedExampleDatabase(DATABASE_DIR),
+    phases=[Phase.explicit, Phase.reuse],  # replay the saved failures, generate nothing
+    **_common,
+)
+PROPERTIES_DIR = Path(__file__).resolve().parent.parent / "tests" / "properties"  # in a checkout
+
+
+def pytest_addoption(parser):
+    parser.addini(
+        "rpa_harness", type="bool", default=False,
+        help="run the rpa-harness plugin in this repo's every pytest run (default: only when the run names an "
+        "--rpa-* option or RPA_TARGET, or collects rpa_harness.properties)",
+    )  # fmt: skip
+    group = parser.getgroup("rpa-harness")
+    group.addoption(
+        "--rpa-target",
+        default=os.environ.get("RPA_TARGET", targets.DEFAULT_TARGET),
+        help=f"module with ragged_paged_attention and dynamic_validate_inputs (default: {targets.DEFAULT_TARGET})",
+    )
+    group.addoption(
+        "--rpa-backend",
+        default=os.environ.get("RPA_BACKEND", backends.AUTO),
+        choices=(*backends.BACKENDS, backends.AUTO),
+        help="auto: tpu when a TPU is present, else both interpreters",
+    )
+    group.addoption(
+        "--rpa-repro-dir",
+        default=os.environ.get("RPA_REPRO_DIR", repro.DEFAULT_REPRO_DIR),
+        help="directory for repro files of failing properties (default: rpa-repros)",
+    )
+    group.addoption(
+        "--rpa-interpreter-compat",
+        default="on",
+        choices=("on", "off"),
+        help="patch the interpreters' known gaps (rpa_harness.interpret_compat; default: on)",
+    )
+    group.addoption(
+        "--rpa-precision",
+        default=os.environ.get("RPA_PRECISION", ""),
+        help=f"precision contract(s) the target is judged under, comma-separated ({', '.join(CONTRACTS)}; "
+        "default: the target's RPA_HARNESS_PRECISION, else float32)",
+    )
+    group.addoption(
+        known_issues.OPTION,
+        default=os.environ.get("RPA_KNOWN_ISSUES", known_issues.AUTO),
+        help="auto (the target's RPA_HARNESS_KNOWN_ISSUES), none, or NAME[,NAME...]: known issues whose "
+        "cases are not drawn and whose repros must still fail",
+    )
+    group.addoption(
+        "--rpa-allow-no-numeric",
+        action="store_true",
+        default=os.environ.get("RPA_ALLOW_NO_NUMERIC", "") not in ("", "0"),
+        help="let a run pass in which every numeric property was skipped (default: such a run exits 5)",
+    )
+
+
+NUMERIC = "rpa_numeric"
+REQUIRES = "rpa_requires"
+NO_NUMERIC_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED  # 5: the target's numbers were never checked
+
+
+def _properties_dirs() -> list[Path]:
+    """Where the shipped properties are: the installed package, and tests/properties in a checkout."""
+    import rpa_harness.properties
+
+    return [Path(path).resolve() for path in rpa_harness.properties.__path__]
+
+
+def _names_the_harness(config) -> bool:
+    if config.getini("rpa_harness") or os.environ.get("RPA_TARGET"):
+        return True
+    arguments = [str(a) for a in config.invocation_params.args]
+    if any(a.startswith("--rpa-") or a.startswith("rpa_harness") for a in arguments):
+        return True
+    properties = _properties_dirs()
+    for argument in config.args:
+        path = Path(str(argument).split("::", 1)[0]).resolve()
+        if any(path == folder or folder in path.parents or path in folder.parents for folder in properties):
+            return True
+    return False
+
+
+def _active(config) -> bool:
+    return getattr(config, "rpa_active", False)
+
+
+@pytest.hookimpl(trylast=True)  # after Hypothesis's plugin has loaded --hypothesis-profile
+def pytest_configure(config):
+    config.rpa_active = _names_the_harness(config)
+    if not config.rpa_active:
+        return
+    if not config.getoption("hypothesis_profile", None):
+        settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+    config.addinivalue_line("markers", f"{NUMERIC}: runs the target's kernel and checks its output (set by conftest)")
+    config.addinivalue_line(
+        "markers", f"{REQUIRES}(capability, reason=None): skip unless the target's Capabilities opt in"
+    )
+    if os.environ.get("RPA_MAX_EXAMPLES"):  # resize the chosen profile (benchmarks, long local runs)
+        settings.register_profile(
+            "sized", parent=settings.default, max_examples=int(os.environ["RPA_MAX_EXAMPLES"])
+        )
+        settings.load_profile("sized")
+    _check_folders(config)
+    try:
+        config.rpa_target = targets.load(config.getoption("--rpa-target"))
+    except targets.TargetError as error:
+        raise pytest.UsageError(str(error)) from None
+    if config.getoption("--rpa-precision"):
+        try:
+            precision = parse_precision(config.getoption("--rpa-precision"))
+        except PrecisionError as error:
+            raise pytest.UsageError(f"--rpa-precision: {error}") from None
+        config.rpa_target = dataclasses.replace(config.rpa_target, precision=precision)
+    try:
+        declared = known_issues.parse_option(
+            config.getoption(known_issues.OPTION), config.rpa_target.known_issues
+        )
+    except known_issues.KnownIssueError as error:
+        raise pytest.UsageError(str(error)) from None
+    config.rpa_target = dataclasses.replace(config.rpa_target, known_issues=declared)
+    compat = config.getoption("--rpa-interpreter-compat") == "on"
+    try:
+        chosen = backends.resolve(config.getoption("--rpa-backend"))
+    except backends.BackendChoiceError as error:
+        raise pytest.UsageError(str(error)) from None
+    config.rpa_backends = [backends.Backend(name, compat) for name in chosen]
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        backends.release_captured_output = lambda: capture.suspend_global_capture(in_=False)
+    config.rpa_numeric = {"ran": 0, "skipped": 0}
+    config.rpa_cannot_run = {}  # backend name -> the first reason a numeric property gave for skipping it
+
+
+def _usable_folder(path, setting: str) -> None:
+    """Creates the folder if needed and checks that a file can be written in it, before anything runs."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise pytest.UsageError(
+            f"{setting}={path}: cannot write there ({type(error).__name__}: {error.strerror or error}); "
+            "pass a writable folder"
+        ) from None
+
+
+def _check_folders(config) -> None:
+    """The harness's own folders are usage errors, never failures of a property.
+
+    The repro folder, the run log (RPA_RUN_LOG) and a nightly example database are created when missing;
+    the ``repro`` profile replays a database, so there its folder must exist already.
+    """
+    _usable_folder(config.getoption("--rpa-repro-dir"), "--rpa-repro-dir")
+    if os.environ.get(runlog.ENV):
+        _usable_folder(os.environ[runlog.ENV], runlog.ENV)
+    database = settings.default.database
+    path = getattr(database, "path", None)
+    if isinstance(database, DirectoryBasedExampleDatabase) and path is not None:
+        if settings.get_current_profile_name() == "repro" and not Path(path).is_dir():
+            raise pytest.UsageError(
+                f"RPA_HYPOTHESIS_DB={path}: no such folder, so the repro profile has nothing to replay; "
+                "point it at the example database a nightly run saved"
+            )
+        _usable_folder(path, "RPA_HYPOTHESIS_DB")
+
+
+VOLUME = (backends.FAST_INTERPRET, backends.TPU)
+CHECKING = (backends.INTERPRET, backends.TPU)
+
+
+def pytest_generate_tests(metafunc):
+    """``volume_backend``: where many examples run; ``checking_backend``: where memory safety is checked;
+    ``replay_backend``: every chosen backend (a repro replayed once on each)."""
+    if not _active(metafunc.config):
+        return
+    for fixture, kinds in (
+        ("volume_backend", VOLUME),
+        ("checking_backend", CHECKING),
+        ("replay_backend", backends.BACKENDS),
+    ):
+        if fixture in metafunc.fixturenames:
+            chosen = [b for b in metafunc.config.rpa_backends if b.name in kinds]
+            metafunc.parametrize(
+                fixture, chosen, ids=[b.name for b in chosen], scope="session", indirect=True
+            )
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _active(config):
+        return
+    for item in items:
+        if {"volume_backend", "checking_backend"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(NUMERIC)
+
+
+def pytest_runtest_setup(item):
+    if not _active(item.config):
+        return
+    capabilities = item.config.rpa_target.capabilities
+    for marker in item.iter_markers(REQUIRES):
+        capability = marker.args[0]
+        if not getattr(capabilities, capability):
+            reason = marker.kwargs.get("reason") or f"needs the {capability} capability"
+            pytest.skip(f"{reason} (target {item.config.rpa_target.name} does not opt in: {capability})")
+
+
+def _runnable_backend(config, backend):
+    """A backend the target can run on, or a skip with the declared reason (absent TPU, declared backends)."""
+    if backend.skip_reason:
+        pytest.skip(backend.skip_reason)
+    declared = checks.declared_unrunnable(config.rpa_target, backend)
+    if declared:
+        pytest.skip(f"target {config.rpa_target.name} cannot run on {backend.name}: {declared}")
+    return backend
+
+
+@pytest.fixture(scope="session")
+def volume_backend(request, pytestconfig):
+    return _runnable_backend(pytestconfig, request.param)
+
+
+@pytest.fixture(scope="session")
+def checking_backend(request, pytestconfig):
+    return _runnable_backend(pytestconfig, request.param)
+
+
+@pytest.fixture(scope="session")
+def replay_backend(request, pytestconfig):
+    return _runnable_backend(pytestconfig, request.param)
+
+
+@pytest.fixture(scope="session")
+def target(pytestconfig):
+    return pytestconfig.rpa_target
+
+
+@pytest.fixture(scope="session")
+def backend(pytestconfig):
+    """The backend for properties that need one kernel run per example and no volume (the first chosen)."""
+    return pytestconfig.rpa_backends[0]
+
+
+@pytest.fixture(scope="session")
+def repro_dir(pytestconfig):
+    return Path(pytestconfig.getoption("--rpa-repro-dir"))
+
+
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+_config = None  # pytest_runtest_logreport is given only the report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    global _config
+    _config = session.config
+    session.config.rpa_started = time.time()
+
+
+@pytest.hookimpl(tryfirst=True)  # before junitxml and the terminal reporter read the report
+def pytest_runtest_logreport(report):
+    """In the process that sees every report (the xdist controller, or the only one): the run's verdicts."""
+    config = _config
+    if config is None or not _active(config) or _is_worker(config):
+        return
+    if report.failed and isinstance(report.longrepr, str) and "crashed while running" in report.longrepr:
+        report.longrepr += _hang_note(config, report.nodeid)
+    if NUMERIC not in report.keywords:
+        return
+    if report.skipped:
+        config.rpa_numeric["skipped"] += 1
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        prefix = f"Skipped: target {config.rpa_target.name} cannot run on "
+        if reason.startswith(prefix):
+            backend_name, _, why = reason[len(prefix) :].partition(": ")
+            config.rpa_cannot_run.setdefault(backend_name, why)
+    elif report.when == "call" or report.failed:
+        config.rpa_numeric["ran"] += 1
+
+
+
+def _hang_note(config, nodeid: str) -> str:
+    """Names the hang repro a crashed worker's watchdog left for this test (if any)."""
+    directory = Path(config.getoption("--rpa-repro-dir"))
+    for path in sorted(directory.glob("*.json")):
+        if path.stat().st_mtime < config.rpa_started:  # left by an earlier run
+            continue
+        try:
+            written = repro.read(path)
+        except repro.ReproError:
+            continue
+        if written.hang and written.test == nodeid:
+            return (
+                f"\nHANG: a kernel call did not return within {written.hang['seconds']:g} s (RPA_CALL_TIMEOUT)"
+                f"\n  repro: {path}\n  replay: rpa-harness replay {path}"
+            )
+    return "\n(no hang repro names this test: the worker ended for another reason; see its stderr above)"
+
+
+def _no_numeric_verdict(config) -> str | None:
+    numeric = getattr(config, "rpa_numeric", None)
+    if not numeric or numeric["ran"] or not numeric["skipped"] or config.getoption("--rpa-allow-no-numeric"):
+        return None
+    return (
+        f"rpa-harness: NOT GREEN: no numeric property ran against target {config.rpa_target.name} "
+        f"({numeric['skipped']} selected, all skipped; reasons below). Pass --rpa-allow-no-numeric "
+        "(or RPA_ALLOW_NO_NUMERIC=1) to accept a run that checks no numbers."
+    )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if not _active(config) or _is_worker(config):
+        return
+    verdict = _no_numeric_verdict(config)
+    if verdict and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = NO_NUMERIC_EXIT
+    if os.environ.get(runlog.ENV):
+        runlog.write_session(no_numeric=verdict, cannot_run=getattr(config, "rpa_cannot_run", {}))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_terminal_summary(terminalreporter, config):
+    if not _active(config):
+        return
+    verdict = _no_numeric_verdict(config)
+    if verdict:
+        terminalreporter.write_line(verdict, red=True, bold=True)
+    for backend_name, reason in getattr(config, "rpa_cannot_run", {}).items():
+        terminalreporter.write_line(
+            f"rpa-harness: target {config.rpa_target.name} cannot run on {backend_name}: {reason}. "
+            "Its numeric properties there were skipped; its validator properties ran.",
+            yellow=True,
+        )

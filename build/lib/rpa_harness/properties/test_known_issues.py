@@ -1,0 +1,50 @@
+"""Each known issue the target declares still reproduces: an expected failure until it is fixed.
+
+The strategies do not draw a declared issue's cases, so this property is what notices a fix: it replays
+the issue's repro pair against the target on every chosen backend. Still failing with the issue's symptom
+is an expected failure (xfail); passing fails the run, as a strict xfail does, asking to remove the entry;
+failing in another way (e.g. a crash instead of a wrong value) fails the run too, since that is news.
+"""
+
+import pytest
+
+from rpa_harness import repro as repro_files
+from rpa_harness import runlog
+from rpa_harness.known_issues import OPTION
+from rpa_harness.checks import recheck
+
+
+def pytest_generate_tests(metafunc):
+    if "known_issue" in metafunc.fixturenames:
+        issues = metafunc.config.rpa_target.known_issues
+        metafunc.parametrize("known_issue", issues, ids=[issue.name for issue in issues])
+
+
+def test_known_issue_still_reproduces(target, replay_backend, known_issue):
+    repro = repro_files.read(known_issue.repro)
+    kind = repro.property.split("[", 1)[0]
+    where = f"{known_issue.name} in {target.name} on {replay_backend.name}"
+
+    def record(outcome: str) -> None:  # for the summary of ``rpa-harness run``
+        runlog.record_event(
+            "known-issue-replay", issue=known_issue.name, backend=replay_backend.name, outcome=outcome
+        )
+
+    try:
+        recheck(kind, target, replay_backend, repro)
+    except AssertionError as failure:
+        report = str(failure)
+        if not known_issue.shows(report):
+            record("fails differently")
+            pytest.fail(
+                f"{where}: its repro {known_issue.repro} fails, but not with the issue's symptom "
+                f"(/{known_issue.symptom}/):\n{report}"
+            )
+        record("reproduces")
+        pytest.xfail(f"{where} still reproduces: {report.splitlines()[0][:200]}")
+    record("FIXED")
+    pytest.fail(
+        f"{known_issue.name} is fixed in {target.name} (its repro {known_issue.repro} passes on "
+        f"{replay_backend.name}): remove it from the known issues (the module's RPA_HARNESS_KNOWN_ISSUES, "
+        f"or {OPTION})"
+    )

@@ -1,0 +1,101 @@
+"""The target's kernel lowers to a Mosaic TPU custom call on every TPU generation the installed jax knows.
+
+Runs against ``--rpa-target`` when the target opts in (``lowers_for_tpu``; the bundled kernel does).
+
+Lowering runs Pallas' TPU lowering rules (block shapes, supported ops, memory spaces, DMA and semaphore
+use) without a TPU; Mosaic's own layout passes run only when libtpu compiles the call, which needs a TPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from rpa_harness.lowering import known_tpu_generations, lower_for_tpu, register_tpu_generation
+from rpa_harness.targets import DEFAULT_TARGET
+
+KERNEL_NAME = "rpa_harness_ragged_paged_attention"
+
+
+def _shapes(
+    *,
+    num_tokens=32,
+    max_num_seqs=4,
+    pages_per_seq=6,
+    page_size=16,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=128,
+    q_dtype=jnp.float32,
+    kv_dtype=jnp.float32,
+):
+    i32 = jnp.int32
+    return (
+        jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), q_dtype),
+        jax.ShapeDtypeStruct((max_num_seqs * pages_per_seq, page_size, 2 * num_kv_heads, head_dim), kv_dtype),
+        jax.ShapeDtypeStruct((max_num_seqs,), i32),
+        jax.ShapeDtypeStruct((max_num_seqs, pages_per_seq), i32),
+        jax.ShapeDtypeStruct((max_num_seqs + 1,), i32),
+        jax.ShapeDtypeStruct((1,), i32),
+    )
+
+
+CONFIGS = {
+    "f32_defaults": (_shapes(), {}),
+    "bf16_head_dim_256_page_32_window_soft_cap": (
+        _shapes(q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=256, page_size=32),
+        dict(sliding_window=64, soft_cap=30.0, sm_scale=0.0625),
+    ),
+    "fp8_e4m3_scaled_head_dim_64_page_8": (
+        _shapes(kv_dtype=jnp.float8_e4m3fn, head_dim=64, page_size=8),
+        dict(k_scale=0.5, v_scale=0.25),
+    ),
+    "fp8_e5m2_scaled_bf16_q_odd_group": (
+        _shapes(q_dtype=jnp.bfloat16, kv_dtype=jnp.float8_e5m2, num_q_heads=6),
+        dict(k_scale=2.0, v_scale=0.5),
+    ),
+    "fp8_e4m3_unscaled_bf16_q": (_shapes(q_dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn), {}),
+    "two_head_blocks_8_kv_heads": (_shapes(num_q_heads=16, num_kv_heads=8), {}),
+    "gqa_8_to_1_page_size_1": (_shapes(num_q_heads=8, num_kv_heads=1, page_size=1, pages_per_seq=64), {}),
+    "page_size_64_bf16_q_f32_kv": (_shapes(q_dtype=jnp.bfloat16, page_size=64, pages_per_seq=3), {}),
+    "non_dividing_blocks_vmem_limit_mask_value": (
+        _shapes(num_tokens=37),
+        dict(num_queries_per_block=5, num_kv_pages_per_block=4, vmem_limit_bytes=32 * 2**20, mask_value=-1.0),
+    ),
+}
+
+
+def _assert_mosaic_call(text, target):
+    assert "tpu_custom_call" in text
+    if target.name == DEFAULT_TARGET:  # the bundled kernel names its Mosaic call; other targets may not
+        assert KERNEL_NAME in text
+
+
+LOWERS = pytest.mark.rpa_requires("lowers_for_tpu", reason="lowering to Mosaic is an opt-in property")
+
+
+@LOWERS
+@pytest.mark.parametrize("chip", known_tpu_generations())
+def test_lowers_on_every_known_generation(target, chip):
+    shapes, options = CONFIGS["f32_defaults"]
+    _assert_mosaic_call(
+        lower_for_tpu(target.module.ragged_paged_attention, *shapes, chip=chip, **options), target
+    )
+
+
+@LOWERS
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+@pytest.mark.parametrize("config", [name for name in CONFIGS if name != "f32_defaults"])
+def test_lowers_over_configurations(target, config, chip):
+    shapes, options = CONFIGS[config]
+    _assert_mosaic_call(
+        lower_for_tpu(target.module.ragged_paged_attention, *shapes, chip=chip, **options), target
+    )
+
+
+def test_known_generations_include_v5e_and_v6e():
+    assert {"v5e", "v6e"} <= set(known_tpu_generations())
+
+
+def test_unknown_generation_is_rejected_with_the_known_ones():
+    with pytest.raises(ValueError, match="v5e"):
+        register_tpu_generation("v99")

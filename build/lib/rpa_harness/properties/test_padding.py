@@ -1,0 +1,36 @@
+"""Padding isolation and determinism: valid output rows depend only on the live data, bit for bit.
+
+Padding is everything outside the live sequences: unused pages, page tails past kv_len, query rows past
+cu_q_lens[num_seqs], and the unused slots of kv_lens, cu_q_lens and page_indices.
+"""
+
+import dataclasses
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rpa_harness.checks import DETERMINISM, PADDING, check_determinism, check_padding_isolation
+from rpa_harness.recording import recorded
+from rpa_harness.strategies.valid import valid_cases
+
+
+@given(data=st.data())
+def test_padding_does_not_change_valid_rows(target, volume_backend, repro_dir, data):
+    cases = valid_cases(target.capabilities, pooled=True, excluding=target.known_issues)
+    case = data.draw(cases, label="case")
+    dirty = dataclasses.replace(case, poison=True, garbage=True)
+    name = f"{PADDING}[{volume_backend.name}]"
+    with recorded(
+        repro_dir, name, target, volume_backend, dirty.arrays(), case.options(), case=dirty
+    ):
+        check_padding_isolation(target, volume_backend, case)
+
+
+@given(data=st.data())
+def test_same_call_gives_same_bits(target, volume_backend, repro_dir, data):
+    cases = valid_cases(target.capabilities, pooled=True, excluding=target.known_issues)
+    case = data.draw(cases, label="case")
+    arrays, options = case.arrays(), case.options()
+    name = f"{DETERMINISM}[{volume_backend.name}]"
+    with recorded(repro_dir, name, target, volume_backend, arrays, options, case=case):
+        check_determinism(target, volume_backend, arrays, options)

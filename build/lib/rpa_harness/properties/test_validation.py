@@ -1,0 +1,74 @@
+"""Invalid inputs raise the specified ValueError; valid ones pass; our validators agree with upstream's.
+
+Any target is held to upstream's rules and messages; our stricter rules apply to targets that opt in
+(``strict_validation``). Static rules must fire from ``ragged_paged_attention`` itself, dynamic ones from
+``dynamic_validate_inputs``.
+"""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
+
+from rpa_harness import runlog
+from rpa_harness.checks import VALIDATION, check_validation
+from rpa_harness.recording import recorded
+from rpa_harness.targets import as_jax
+from rpa_harness.strategies.valid import valid_cases
+from rpa_harness.strategies.violations import RULES, UPSTREAM_ACCEPTS, UPSTREAM_ASSERTS, UPSTREAM_SAME, invalid_cases
+from rpa_harness.properties.budget import EXAMPLES_PER_RULE
+
+
+def _rule_params():
+    """Every rule; our stricter ones (upstream asserts or accepts) need the strict_validation opt-in."""
+    for rule, spec in RULES.items():
+        if spec.upstream == UPSTREAM_SAME:
+            yield rule
+        else:
+            reason = f"{rule!r} is our stricter rule; upstream {spec.upstream}"
+            yield pytest.param(rule, marks=pytest.mark.rpa_requires("strict_validation", reason=reason))
+
+
+@pytest.mark.parametrize("rule", list(_rule_params()))
+@settings(max_examples=EXAMPLES_PER_RULE)
+@given(data=st.data())
+def test_invalid_input_raises_specified_error(target, backend, repro_dir, rule, data):
+    invalid = data.draw(invalid_cases(target.capabilities, rules=(rule,)), label="invalid case")
+    arrays, options, message = invalid.inputs()
+    fields = dict(case=invalid.case, expected_error=message, stage=invalid.stage)
+    with recorded(repro_dir, f"{VALIDATION}[{rule}]", target, backend, arrays, options, **fields):
+        check_validation(target, backend, arrays, options, invalid.stage, message)
+
+
+@given(data=st.data())
+def test_valid_input_passes_validation(target, data):
+    case = data.draw(valid_cases(target.capabilities), label="case")
+    runlog.record()  # no repro pair: a failure here is the validator rejecting a valid case, shown by pytest
+    target.validate(case.arrays(), case.options())
+
+
+@given(invalid=invalid_cases())
+def test_validators_agree_with_upstream(target, invalid):
+    """Same accept/reject and message as upstream's validator, except the documented differences."""
+    arrays, options, message = invalid.inputs()
+    runlog.record()
+    inputs = as_jax(arrays)
+    ours = _outcome(lambda: target.module.dynamic_validate_inputs(**inputs, **options))
+    theirs = _outcome(lambda: upstream.dynamic_validate_inputs(**inputs, **options))
+    documented = RULES[invalid.rule].upstream
+    if documented == UPSTREAM_ASSERTS:
+        assert theirs[0] == "AssertionError", (invalid.rule, theirs)
+    elif documented == UPSTREAM_ACCEPTS:
+        assert theirs == ("accepted", ""), (invalid.rule, theirs)
+    else:
+        assert ours == theirs, (invalid.rule, ours, theirs)
+    if target.capabilities.strict_validation or documented not in (UPSTREAM_ASSERTS, UPSTREAM_ACCEPTS):
+        assert ours == ("ValueError", message), (invalid.rule, ours, message)
+
+
+def _outcome(call):
+    try:
+        call()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "accepted", ""

@@ -1,0 +1,66 @@
+"""The example in flight and the failing example, on disk: what every numeric and validation property runs in.
+
+``recorded`` writes the example as a pending repro before the kernel runs and, when the watchdog takes a
+call for a hang, writes it as the repro pair marked as a hang before the process ends; it writes the pair when
+the enclosed check fails (Hypothesis replays the shrunk example last, so the pair on disk is the minimal
+one), skips the test when the target cannot run here (a recognised interpreter limitation), and records
+every example in the run log.
+"""
+
+import contextlib
+import os
+
+import pytest
+
+from rpa_harness import backends, known_issues, repro, runlog
+from rpa_harness.checks import CannotRun, RaisedOnValidInput
+from rpa_harness.strategies.valid import coverage_labels
+
+
+def current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+
+
+@contextlib.contextmanager
+def recorded(directory, property_name: str, target, backend, arrays: dict, options: dict, **fields):
+    """Runs the enclosed check with its example on disk; a failure names the repro pair it left."""
+    case = fields.get("case")
+    notes = {
+        "labels": coverage_labels(case) if case is not None and fields.get("expected_error") is None else []
+    }
+    example = repro.Repro(
+        property_name, target.name, backend.name, arrays, options,
+        interpreter_compat=backend.interpreter_compat, test=current_test(),
+        precision=getattr(target, "precision", None), **fields,
+    )  # fmt: skip
+    pending = repro.write_pending(example, directory)
+
+    def on_hang(what, seconds):
+        example.hang = {"seconds": seconds}
+        example.failure = f"hang: {what} did not return within {seconds:g} s"
+        path = repro.write(example, directory)
+        repro.discard_pending(pending)
+        runlog.record(**notes, repro=str(path), hang=seconds)
+        return (
+            f"rpa-harness: HANG: {what} did not return within {seconds:g} s (RPA_CALL_TIMEOUT) in "
+            f"{example.test or property_name}: {case.describe() if case is not None else 'see the repro'}\n  repro: {path}\n  replay: rpa-harness replay {path}",
+            backends.HANG_EXIT_CODE,
+        )
+
+    try:
+        with backends.on_hang(on_hang):
+            yield notes
+    except CannotRun as reason:
+        pytest.skip(f"target {target.name} cannot run on {backend.name}: {reason}")
+    except AssertionError as failure:
+        example.failure = str(failure)
+        if isinstance(failure, RaisedOnValidInput):
+            example.error = {"type": failure.error_type, "message": failure.error_message}
+        path = repro.write(example, directory)
+        runlog.record(**notes, repro=str(path))
+        numeric = case is not None and fields.get("expected_error") is None
+        known = known_issues.describe_matches(case) if numeric else ""
+        raise type(failure)(f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}{known}") from None
+    finally:
+        repro.discard_pending(pending)
+    runlog.record(**notes)

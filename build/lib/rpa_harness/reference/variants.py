@@ -1,0 +1,144 @@
+"""Float32 NumPy attention that makes the precision choices the contracts allow, for calibrating them.
+
+``contract_attention(..., precision=...)`` is an online-softmax (flash) attention over KV blocks of whole
+pages, written from the specification and vectorised over heads, query rows and the keys of a block. Each
+contract in ``precision`` switches on the choice it names, the way production kernels make it:
+
+- probabilities-in-value-dtype: the block's unnormalised weights are rounded to V's dtype for P @ V (the
+  normaliser is summed from the float32 weights);
+- accumulators-in-output-dtype: l and acc are rounded to the output dtype after each block, the block's row
+  sum is rounded before it is added, and the running max is rounded to it before the block's weights are
+  computed against it (tpu-inference's RPA v3);
+- bf16-matmul / bf16x3-matmul: float32 operands of both products rounded to bf16 / split into bf16 hi + lo
+  (three products, lo * lo dropped), float32 accumulation;
+- approx-reciprocal: the output is acc * (1 / l) * (1 + rho) with |rho| = the stated maximum (sign drawn per
+  row), the worst an approximate reciprocal may do.
+
+Keys past kv_len never enter; rows past cu_q_lens[num_seqs] are zeros. ``kv_pages_per_block`` (default 1,
+the most roundings per key) sets the KV block.
+"""
+
+import ml_dtypes
+import numpy as np
+
+from rpa_harness.reference.tolerance import (
+    ACCUMULATORS_IN_OUTPUT_DTYPE,
+    APPROX_RECIPROCAL,
+    APPROX_RECIPROCAL_ERROR,
+    BF16_MATMUL,
+    BF16X3_MATMUL,
+    PROBABILITIES_IN_VALUE_DTYPE,
+    parse_precision,
+)
+from rpa_harness.spec import DEFAULT_MASK_VALUE
+
+F32 = np.dtype(np.float32)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _round(x, dtype):
+    """x rounded to ``dtype`` and back to float32 (a no-op for float32)."""
+    return x if np.dtype(dtype) == F32 else x.astype(dtype).astype(np.float32)
+
+
+def _product(a, b, subscripts, passes):
+    """float32 einsum whose float32 operands go through bf16: 1 pass (rounded) or 3 (hi + lo split)."""
+    if passes == 1:
+        return np.einsum(subscripts, _round(a, BF16), _round(b, BF16))
+    if passes == 3:
+        a_hi, b_hi = _round(a, BF16), _round(b, BF16)
+        a_lo, b_lo = _round(a - a_hi, BF16), _round(b - b_hi, BF16)
+        return (
+            np.einsum(subscripts, a_hi, b_hi)
+            + np.einsum(subscripts, a_hi, b_lo)
+            + np.einsum(subscripts, a_lo, b_hi)
+        )
+    return np.einsum(subscripts, a, b)
+
+
+def _scaled(x, scale, q_dtype):
+    """K or V as the specification reads it (float32 times the scale, rounded to q's dtype), as float32."""
+    x = x.astype(np.float32)
+    return x if scale is None else (x * np.float32(scale)).astype(q_dtype).astype(np.float32)
+
+
+def contract_attention(
+    q,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    precision=(),
+    kv_pages_per_block=1,
+    seed=0,
+    sm_scale=1.0,
+    sliding_window=None,
+    soft_cap=None,
+    mask_value=DEFAULT_MASK_VALUE,
+    k_scale=None,
+    v_scale=None,
+    **unused_block_options,
+):
+    """Ragged paged attention in float32 NumPy with the choices of ``precision``; returns q's dtype."""
+    precision = parse_precision(precision)
+    mask_value = DEFAULT_MASK_VALUE if mask_value is None else mask_value
+    q = np.asarray(q)
+    kv_pages = np.asarray(kv_pages)
+    out_dtype = q.dtype
+    value_dtype = q.dtype if v_scale is not None else kv_pages.dtype
+    passes = 3 if BF16X3_MATMUL in precision else 1 if BF16_MATMUL in precision else 0
+    keep_out_dtype = ACCUMULATORS_IN_OUTPUT_DTYPE in precision
+    rng = np.random.default_rng(seed)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_combined, _ = kv_pages.shape
+    group = num_q_heads // (num_combined // 2)
+    block_keys = kv_pages_per_block * page_size
+    out = np.zeros(q.shape, np.float32)
+    for i in range(int(np.asarray(num_seqs)[0])):
+        start, end = (int(x) for x in np.asarray(cu_q_lens)[i : i + 2])
+        kv_len = int(np.asarray(kv_lens)[i])
+        if end == start or kv_len == 0:
+            continue
+        pages = np.asarray(page_indices)[i, : -(-kv_len // page_size)]
+        kv = kv_pages[pages].reshape(-1, num_combined, head_dim)[:kv_len]
+        k = np.repeat(_scaled(kv[:, 0::2], k_scale, q.dtype), group, axis=1)  # [keys, heads, dim]
+        v = np.repeat(_scaled(kv[:, 1::2], v_scale, q.dtype), group, axis=1)
+        rows = q[start:end].astype(np.float32)  # [rows, heads, dim]
+        positions = kv_len - (end - start) + np.arange(end - start)
+        m = np.full((num_q_heads, end - start, 1), -np.inf, np.float32)
+        total = np.zeros((num_q_heads, end - start, 1), np.float32)
+        acc = np.zeros((num_q_heads, end - start, head_dim), np.float32)
+        for first in range(0, kv_len, block_keys):
+            keys = np.arange(first, min(kv_len, first + block_keys))
+            logits = _product(rows, k[keys], "qhd,khd->hqk", passes) * np.float32(sm_scale)
+            if soft_cap is not None:
+                logits = np.float32(soft_cap) * np.tanh(logits / np.float32(soft_cap))
+            masked = keys[None, :] > positions[:, None]
+            if sliding_window is not None:
+                masked |= positions[:, None] - sliding_window >= keys[None, :]
+            logits = logits + np.where(masked, np.float32(mask_value), np.float32(0.0))
+            block_max = logits.max(axis=-1, keepdims=True)
+            if keep_out_dtype:
+                block_max = _round(block_max, out_dtype)
+            m_new = np.maximum(m, block_max)
+            weights = np.exp(logits - m_new)
+            rescale = np.exp(m - m_new)
+            row_sum = weights.sum(axis=-1, keepdims=True)
+            if PROBABILITIES_IN_VALUE_DTYPE in precision:
+                weights = _round(weights, value_dtype)
+            total = rescale * total + (_round(row_sum, out_dtype) if keep_out_dtype else row_sum)
+            acc = rescale * acc + _product(weights, v[keys], "hqk,khd->hqd", passes)
+            if keep_out_dtype:
+                total, acc = _round(total, out_dtype), _round(acc, out_dtype)
+            m = m_new
+        if APPROX_RECIPROCAL in precision:
+            sign = rng.choice(np.array([-1.0, 1.0], np.float32), size=total.shape)
+            rows_out = acc * (
+                (np.float32(1.0) / total) * (np.float32(1.0) + sign * np.float32(APPROX_RECIPROCAL_ERROR))
+            )
+        else:
+            rows_out = acc / total
+        out[start:end] = rows_out.transpose(1, 0, 2)
+    return out.astype(out_dtype)

@@ -1,0 +1,208 @@
+"""Repro files: a failing example on disk, replayable without Hypothesis (the file format only).
+
+A repro is a pair ``NAME.json`` + ``NAME.npz``. The JSON says which property failed, on which target and
+backend (and whether the interpreter compatibility layer was on), with which versions, the case (its repr
+and JSON), the keyword options, for a validation property the expected message, and how it failed: the
+report, the exception raised on valid input (``error``: type and message), or a hang (``hang``: the
+timeout). The NPZ holds the exact input arrays (as raw bits, so bfloat16 and fp8 survive; the JSON names
+each dtype). Both are written atomically.
+
+``NAME.pending.json`` is the example in flight, written before the kernel runs (see ``write_pending``);
+when the watchdog takes a call for a hang, the example is written as the pair, marked ``hang``.
+"""
+
+import dataclasses
+import io
+import json
+import os
+import platform
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from rpa_harness.strategies.case import DTYPES, Case
+
+DEFAULT_REPRO_DIR = "rpa-repros"
+INT_DTYPES = {str(np.dtype(t)): np.dtype(t) for t in (np.int16, np.int32, np.uint32, np.float32)}
+
+
+class ReproError(Exception):
+    """A repro file that is missing or malformed; the message names the file and the problem."""
+
+
+@dataclasses.dataclass
+class Repro:
+    property: str
+    target: str
+    backend: str
+    arrays: dict[str, np.ndarray]
+    options: dict
+    case: Case | None = None
+    expected_error: str | None = None  # the exact ValueError message a validation property expects
+    stage: str | None = None  # "static" or "dynamic" for validation properties
+    failure: str = ""  # the report or error seen when it was written
+    versions: dict = dataclasses.field(default_factory=dict)
+    interpreter_compat: bool = True  # whether the backend ran with rpa_harness.interpret_compat installed
+    error: dict | None = None  # {"type", "message"} of the exception the target raised on valid input
+    hang: dict | None = None  # {"seconds": N}: the call did not return within N s
+    test: str = ""  # the pytest node id that wrote it
+    precision: tuple[str, ...] | None = None  # the target's precision contract when it failed
+
+
+REQUIRED_FIELDS = ("property", "target", "backend", "options", "dtypes", "arrays")
+PENDING_SUFFIX = ".pending"
+
+
+def versions() -> dict:
+    import hypothesis
+    import jax
+    import jaxlib
+
+    return {
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "hypothesis": hypothesis.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def _dtype_by_name(name: str) -> np.dtype:
+    dtype = DTYPES.get(name) or INT_DTYPES.get(name)
+    if dtype is None:
+        raise ReproError(f"unknown dtype {name!r} in repro (known: {sorted({**DTYPES, **INT_DTYPES})})")
+    return dtype
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
+        tmp.write(data)
+    os.replace(tmp.name, path)
+
+
+def file_stem(property_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", property_name).strip("_")
+
+
+def path_for(property_name: str, directory: str | os.PathLike, *, pending: bool = False) -> Path:
+    """The JSON path of a property's repro (one pair per property), or of its pending pair."""
+    return Path(directory) / f"{file_stem(property_name)}{PENDING_SUFFIX if pending else ''}.json"
+
+
+def write(repro: Repro, directory: str | os.PathLike) -> Path:
+    """Writes NAME.json and NAME.npz (one pair per property); returns the JSON path."""
+    json_path = path_for(repro.property, directory)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    bits = {}
+    for name, value in repro.arrays.items():
+        value = np.asarray(value)
+        bits[name] = (
+            value.view(f"u{value.dtype.itemsize}")
+            if value.dtype.kind == "V" or value.dtype.name in DTYPES
+            else value
+        )
+    np.savez(buffer, **bits)
+    _atomic_write(json_path.with_suffix(".npz"), buffer.getvalue())
+    _atomic_write(json_path, _metadata(repro, json_path))
+    return json_path
+
+
+def write_pending(repro: Repro, directory: str | os.PathLike) -> Path:
+    """Writes NAME.pending.json, the example in flight (its case, options and dtypes); returns its path.
+
+    Only the JSON: it is written before every example, and the arrays (~2 MB, ~15 ms to write) stay in
+    memory until a hang needs them (``write`` of the example marked as a hang, from the watchdog thread).
+    A process that dies some other way still leaves the case (``case_repr`` rebuilds it) on disk.
+    """
+    pending = path_for(repro.property, directory, pending=True)
+    _atomic_write(pending, _metadata(repro, None))
+    return pending
+
+
+def _metadata(repro: Repro, json_path: Path | None) -> bytes:
+    meta = {
+        "property": repro.property,
+        "target": repro.target,
+        "backend": repro.backend,
+        "options": repro.options,
+        "dtypes": {name: str(np.asarray(value).dtype) for name, value in repro.arrays.items()},
+        "case": repro.case.to_json() if repro.case else None,
+        "case_repr": repr(repro.case) if repro.case else None,
+        "expected_error": repro.expected_error,
+        "stage": repro.stage,
+        "failure": repro.failure,
+        "versions": repro.versions or versions(),
+        "precision": list(repro.precision) if repro.precision is not None else None,
+        "interpreter_compat": repro.interpreter_compat,
+        "error": repro.error,
+        "hang": repro.hang,
+        "test": repro.test,
+        "arrays": json_path.with_suffix(".npz").name if json_path else None,
+    }
+    return (json.dumps(meta, indent=2, default=_json_default) + "\n").encode()
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):  # e.g. an invalid np.float32 k_scale: keep its type visible
+        return {"numpy_scalar": str(value.dtype), "value": value.item()}
+    raise TypeError(f"cannot store {value!r} of type {type(value).__name__} in a repro")
+
+
+def _option_from_json(value):
+    if isinstance(value, dict) and "numpy_scalar" in value:
+        return np.dtype(value["numpy_scalar"]).type(value["value"])
+    return value
+
+
+def read(path: str | os.PathLike) -> Repro:
+    path = Path(path)
+    try:
+        meta = json.loads(path.read_text())
+        if not isinstance(meta, dict):
+            raise ReproError(f"{path}: not a repro: the JSON is a {type(meta).__name__}, not an object")
+        missing = [name for name in REQUIRED_FIELDS if name not in meta]
+        if missing:
+            raise ReproError(
+                f"{path}: not a repro: missing field {', '.join(map(repr, missing))} "
+                f"(a repro JSON has {', '.join(REQUIRED_FIELDS)})"
+            )
+        if meta["arrays"] is None:
+            raise ReproError(
+                f"{path}: the example in flight when its process ended, without its arrays; "
+                f"its case is in the file's case_repr"
+            )
+        stored = np.load(path.parent / meta["arrays"])
+        arrays = {
+            name: stored[name].view(_dtype_by_name(dtype)).reshape(stored[name].shape)
+            for name, dtype in meta["dtypes"].items()
+        }
+        return Repro(
+            property=meta["property"],
+            target=meta["target"],
+            backend=meta["backend"],
+            arrays=arrays,
+            options={k: _option_from_json(v) for k, v in meta["options"].items()},
+            case=Case.from_json(meta["case"]) if meta.get("case") else None,
+            expected_error=meta.get("expected_error"),
+            stage=meta.get("stage"),
+            failure=meta.get("failure", ""),
+            versions=meta.get("versions", {}),
+            interpreter_compat=meta.get("interpreter_compat", True),
+            error=meta.get("error"),
+            hang=meta.get("hang"),
+            test=meta.get("test", ""),
+            precision=tuple(meta["precision"]) if meta.get("precision") is not None else None,
+        )
+    except FileNotFoundError as error:
+        raise ReproError(
+            f"{error.filename}: no such file (a repro is a NAME.json with its NAME.npz beside it)"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ReproError(f"{path}: not a readable repro file ({type(error).__name__}: {error})") from None
+
+
+def discard_pending(pending_path: Path) -> None:
+    pending_path.unlink(missing_ok=True)

@@ -1,0 +1,62 @@
+"""A per-run log of examples, for the summary of ``rpa-harness run`` (works across xdist workers).
+
+When ``RPA_RUN_LOG`` names a directory, every example a property runs appends one JSON line (the pytest
+test it belongs to, its coverage labels, and a repro path if it failed) to a file per process.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+ENV = "RPA_RUN_LOG"
+
+
+def record(**fields) -> None:
+    directory = os.environ.get(ENV)
+    if not directory:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+    with open(Path(directory) / f"{os.getpid()}.jsonl", "a") as log:
+        log.write(json.dumps({"test": test, "pid": os.getpid(), "time": time.time(), **fields}) + "\n")
+
+
+def read(directory) -> list[dict]:
+    return [
+        json.loads(line)
+        for path in sorted(Path(directory).glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+SESSION_FILE = "session.json"
+
+
+def write_session(**fields) -> None:
+    """The run's own verdicts (e.g. that no numeric property ran), written by the process that sees every test."""
+    directory = os.environ.get(ENV)
+    if directory:
+        (Path(directory) / SESSION_FILE).write_text(json.dumps(fields) + "\n")
+
+
+def read_session(directory) -> dict:
+    path = Path(directory) / SESSION_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def record_event(kind: str, **fields) -> None:
+    """Appends one event that is not an example (e.g. a known issue avoided) to the run log's events."""
+    directory = os.environ.get(ENV)
+    if not directory:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+    with open(Path(directory) / f"{os.getpid()}.events", "a") as log:
+        log.write(json.dumps({"kind": kind, "test": test, "pid": os.getpid(), **fields}) + "\n")
+
+
+def read_events(directory) -> list[dict]:
+    return [
+        json.loads(line)
+        for path in sorted(Path(directory).glob("*.events"))
+        for line in path.read_text().splitlines()
+    ]

@@ -1,0 +1,275 @@
+"""Upstream's interface of ragged paged attention, stated once: the options, their defaults, the input rules.
+
+Every other part reads it from here: the kernel and the references take their keyword signature from
+``Options`` (``takes_options``), the case model inherits its option fields from it, and the invalid-input
+table (``strategies/violations.py``) renders its expected messages with the message functions below, the
+ones the validators raise. This module imports no kernel, so a kernel that fails to import cannot take
+the judges down with it.
+
+The rules are upstream's (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``), checked in the same
+order and worded the same, character for character, so that a caller cannot tell the two validators apart
+on the inputs upstream rejects. Where upstream raises a bare ``AssertionError`` or accepts an input that
+makes the kernel read out of bounds or loop forever, a ``ValueError`` names the argument, the value and the
+rule (the README lists each difference). ``static_validate_inputs`` looks only at shapes, dtypes and
+options (it runs at trace time); ``dynamic_validate_inputs`` also reads the metadata arrays (call it
+eagerly, outside ``jax.jit``).
+"""
+
+import dataclasses
+import functools
+import inspect
+
+import numpy as np
+
+DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+ARRAY_NAMES = ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+
+# Field metadata: an option that only tunes how the kernel runs (block sizes, VMEM); the output is the same.
+TUNING = {"tuning": True}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """The keyword options of ``ragged_paged_attention``: each field's name, type and default are upstream's."""
+
+    sm_scale: float = 1.0
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    mask_value: float | None = DEFAULT_MASK_VALUE  # None means DEFAULT_MASK_VALUE
+    k_scale: float | None = None
+    v_scale: float | None = None
+    num_kv_pages_per_block: int | None = dataclasses.field(default=None, metadata=TUNING)
+    num_queries_per_block: int | None = dataclasses.field(default=None, metadata=TUNING)
+    vmem_limit_bytes: int | None = dataclasses.field(default=None, metadata=TUNING)
+
+    def keywords(self) -> dict:
+        """Every option as a keyword argument."""
+        return {name: getattr(self, name) for name in OPTION_NAMES}
+
+    def semantics(self) -> "Options":
+        """The options that decide the output: tuning options at their defaults, ``mask_value`` resolved.
+
+        Two calls whose ``semantics()`` are equal must return the same values, so a reference that jits on
+        these compiles once per meaning, not once per block size.
+        """
+        tuning = {f.name: f.default for f in dataclasses.fields(Options) if f.metadata.get("tuning")}
+        mask_value = DEFAULT_MASK_VALUE if self.mask_value is None else self.mask_value
+        return dataclasses.replace(self, mask_value=mask_value, **tuning)
+
+
+OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options))
+OPTION_DEFAULTS = Options()
+
+SIGNATURE = inspect.Signature(
+    [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ARRAY_NAMES]
+    + [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(Options)
+    ]
+)
+
+
+def takes_options(implementation):
+    """Gives ``implementation(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options)`` upstream's
+    signature: the six arrays, then every option of ``Options`` as a keyword with its default.
+
+    ``jax.jit(..., static_argnames=OPTION_NAMES)`` applies on top. An unknown keyword is a TypeError.
+    """
+
+    @functools.wraps(implementation)
+    def call(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+        return implementation(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, Options(**options))
+
+    call.__signature__ = SIGNATURE
+    return call
+
+
+# The messages, one function per rule. ``f"{x=}"`` in upstream renders ``x=`` and ``repr(x)``; each function
+# takes the values as the validator has them (a jax scalar renders as ``Array(7, dtype=int32)``).
+
+
+def odd_combined_kv_heads_message(num_combined_kv_heads) -> str:
+    return (
+        f"kv_pages.shape[2]={num_combined_kv_heads} (num_combined_kv_heads) must be even: K and V "
+        "heads are interleaved, so it holds 2 * num_kv_heads."
+    )
+
+
+def scale_not_float_message(name, value) -> str:
+    return (
+        f"{name}={value!r} must be a Python float or None, got {type(value).__name__}; "
+        f"pass float({name}) instead."
+    )
+
+
+def num_seqs_shape_message(shape) -> str:
+    return f"num_seqs.shape={shape!r} must be (1,)"
+
+
+def head_dim_mismatch_message(head_dim, head_dim_k) -> str:
+    return f"Q head_dim {head_dim} must be the same as that of K/V {head_dim_k}."
+
+
+def kv_lens_shape_message(shape, max_num_seqs) -> str:
+    return (
+        f"Expected kv_lens.shape={shape!r} to be ({max_num_seqs},) where"
+        " `max_num_seqs` is `page_indices.shape[0]`."
+    )
+
+
+def cu_q_lens_shape_message(shape, max_num_seqs) -> str:
+    return (
+        f"Expected cu_q_lens.shape={shape!r} to be ({max_num_seqs + 1},)  where"
+        " `max_num_seqs` is `page_indices.shape[0]`."
+    )
+
+
+def index_dtype_message(kv_lens_dtype, page_indices_dtype, cu_q_lens_dtype) -> str:
+    return (
+        "The dtype of `kv_lens`, `page_indices`, and `cu_q_lens` must be"
+        f" int32. Got kv_lens.dtype={kv_lens_dtype!r}, page_indices.dtype={page_indices_dtype!r},"
+        f" cu_q_lens.dtype={cu_q_lens_dtype!r}."
+    )
+
+
+def heads_not_divisible_message(num_q_heads, num_kv_heads) -> str:
+    return f"num_q_heads={num_q_heads!r} must be divisible by num_kv_heads={num_kv_heads!r}"
+
+
+def not_positive_message(name, value) -> str:
+    """sliding_window, num_queries_per_block and vmem_limit_bytes share upstream's wording."""
+    return f"{name}={value!r} must be positive."
+
+
+def soft_cap_zero_message(soft_cap) -> str:
+    return f"soft_cap={soft_cap!r} must not be 0.0."
+
+
+def kv_block_out_of_range_message(num_kv_pages_per_block, pages_per_seq) -> str:
+    return f"num_kv_pages_per_block={num_kv_pages_per_block!r} must be in range (0, {pages_per_seq}]."
+
+
+def negative_num_seqs_message(num_seqs) -> str:
+    return f"num_seqs[0]={num_seqs!r} must be non-negative: it counts the sequences in the batch."
+
+
+def num_seqs_over_max_message(num_seqs, max_num_seqs) -> str:
+    return f"num_seqs[0]={num_seqs!r} must be less or equal to max_num_seqs={max_num_seqs!r}"
+
+
+def too_few_pages_message(pages_per_seq, min_pages_per_seq, max_kv_len, page_size) -> str:
+    return (
+        f"pages_per_seq={pages_per_seq!r} must be greater or equal to"
+        f" min_pages_per_seq={min_pages_per_seq!r} given max_kv_len={max_kv_len!r} and page_size={page_size!r}."
+    )
+
+
+def too_many_tokens_message(total, max_num_batched_tokens) -> str:
+    return (
+        f"Total q tokens {total} must be less or equal to max_num_batched_tokens={max_num_batched_tokens!r}."
+    )
+
+
+def negative_q_len_message(q_len, seq) -> str:
+    return (
+        f"q_len={q_len!r} must be non-negative at sequence {seq}: cu_q_lens must not decrease over the"
+        " first num_seqs + 1 entries."
+    )
+
+
+def q_len_over_kv_len_message(q_len, kv_len, seq) -> str:
+    return f"q_len={q_len!r} must be less or equal to kv_len={kv_len!r} at sequence {seq}."
+
+
+def page_out_of_range_message(seq, page, value, total_num_pages, kv_len) -> str:
+    return (
+        f"page_indices[{seq}, {page}]={value} must be in [0, {total_num_pages}) "
+        f"(total_num_pages): sequence {seq} reads page {page} of its kv_len={kv_len}."
+    )
+
+
+def _check_scale(name, value):
+    if value is not None and not isinstance(value, float):
+        raise ValueError(scale_not_float_message(name, value))
+
+
+@takes_options
+def static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options):
+    """Checks what is known at trace time; raises ValueError on the first violation."""
+    _, num_q_heads, head_dim = q.shape
+    _, _, num_combined_kv_heads, head_dim_k = kv_pages.shape
+    if num_combined_kv_heads % 2 != 0:
+        raise ValueError(odd_combined_kv_heads_message(num_combined_kv_heads))
+    _check_scale("k_scale", options.k_scale)
+    _check_scale("v_scale", options.v_scale)
+    num_kv_heads = num_combined_kv_heads // 2
+    max_num_seqs, pages_per_seq = page_indices.shape
+    if num_seqs.shape != (1,):
+        raise ValueError(num_seqs_shape_message(num_seqs.shape))
+    if head_dim_k != head_dim:
+        raise ValueError(head_dim_mismatch_message(head_dim, head_dim_k))
+    if kv_lens.shape != (max_num_seqs,):
+        raise ValueError(kv_lens_shape_message(kv_lens.shape, max_num_seqs))
+    if cu_q_lens.shape != (max_num_seqs + 1,):
+        raise ValueError(cu_q_lens_shape_message(cu_q_lens.shape, max_num_seqs))
+    if any(a.dtype != np.int32 for a in (kv_lens, page_indices, cu_q_lens)):
+        raise ValueError(index_dtype_message(kv_lens.dtype, page_indices.dtype, cu_q_lens.dtype))
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(heads_not_divisible_message(num_q_heads, num_kv_heads))
+    sliding_window, soft_cap = options.sliding_window, options.soft_cap
+    num_kv_pages_per_block = options.num_kv_pages_per_block
+    num_queries_per_block = options.num_queries_per_block
+    vmem_limit_bytes = options.vmem_limit_bytes
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(not_positive_message("sliding_window", sliding_window))
+    if soft_cap is not None and soft_cap == 0.0:
+        raise ValueError(soft_cap_zero_message(soft_cap))
+    if num_kv_pages_per_block is not None and not 0 < num_kv_pages_per_block <= pages_per_seq:
+        raise ValueError(kv_block_out_of_range_message(num_kv_pages_per_block, pages_per_seq))
+    if num_queries_per_block is not None and num_queries_per_block <= 0:
+        raise ValueError(not_positive_message("num_queries_per_block", num_queries_per_block))
+    if vmem_limit_bytes is not None and vmem_limit_bytes <= 0:
+        raise ValueError(not_positive_message("vmem_limit_bytes", vmem_limit_bytes))
+
+
+@takes_options
+def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options):
+    """Runs the static checks, then the ones that read the metadata values.
+
+    Decisions are taken on NumPy copies (fast); messages are rendered from the caller's own arrays, as
+    upstream renders them (a jax array shows as ``Array(7, dtype=int32)``).
+    """
+    static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options.keywords())
+    max_num_batched_tokens = q.shape[0]
+    total_num_pages, page_size = kv_pages.shape[:2]
+    max_num_seqs, pages_per_seq = page_indices.shape
+    kv_lens_np = np.asarray(kv_lens)
+    cu_q_lens_np = np.asarray(cu_q_lens)
+    page_indices_np = np.asarray(page_indices)
+    n = int(np.asarray(num_seqs)[0])
+    if n < 0:
+        raise ValueError(negative_num_seqs_message(num_seqs[0]))
+    if n > max_num_seqs:
+        raise ValueError(num_seqs_over_max_message(num_seqs[0], max_num_seqs))
+    if pages_per_seq * page_size < int(kv_lens_np.max()):
+        import jax.numpy as jnp  # upstream renders these two as jax scalars, whatever the caller passed
+
+        max_kv_len = jnp.max(kv_lens)
+        min_pages_per_seq = (max_kv_len + (page_size - 1)) // page_size
+        raise ValueError(too_few_pages_message(pages_per_seq, min_pages_per_seq, max_kv_len, page_size))
+    if cu_q_lens_np[n] > max_num_batched_tokens:
+        raise ValueError(too_many_tokens_message(cu_q_lens[num_seqs[0]], max_num_batched_tokens))
+    q_lens_np = np.diff(cu_q_lens_np[: n + 1])
+    for i in range(n):
+        if q_lens_np[i] < 0:
+            raise ValueError(negative_q_len_message(cu_q_lens[i + 1] - cu_q_lens[i], i))
+        if q_lens_np[i] > kv_lens_np[i]:
+            raise ValueError(q_len_over_kv_len_message(cu_q_lens[i + 1] - cu_q_lens[i], kv_lens[i], i))
+        used = page_indices_np[i, : -(-int(kv_lens_np[i]) // page_size)]
+        bad = np.flatnonzero((used < 0) | (used >= total_num_pages))
+        if bad.size:
+            j = int(bad[0])
+            raise ValueError(
+                page_out_of_range_message(i, j, int(used[j]), total_num_pages, int(kv_lens_np[i]))
+            )

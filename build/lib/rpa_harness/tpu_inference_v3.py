@@ -1,0 +1,401 @@
+"""tpu-inference's ragged paged attention v3 as a harness target: ``--rpa-target=rpa_harness.tpu_inference_v3``.
+
+v3 (PyPI ``tpu-inference``, ``tpu_inference/kernels/ragged_paged_attention/v3/kernel.py``) is the kernel
+that serves vLLM on TPU. Its API differs from upstream jax's: the new tokens' keys and values are inputs
+that the kernel writes into a packed cache, which it returns with the attention. This module adapts an
+upstream-style call (a cache that already holds every key) to v3's, so that the harness's properties run
+unchanged, and exposes the rest of v3's contract for ``tests/test_v3_target.py``:
+
+- ``ragged_paged_attention`` / ``dynamic_validate_inputs``: upstream's signatures; the attention output.
+- ``call_v3``: the same call returning v3's updated cache too; ``check_updated_cache`` judges it bit for bit.
+- ``v3_inputs``: the upstream-style case in v3's layout (what is passed, and what the cache must become).
+
+It lives in ``harness/`` because it is glue between the harness and an external kernel, like
+``harness/targets.py`` (a module, so it cannot hold a ``targets/`` folder); a top-level package would add
+a folder to the layout for one file.
+
+Install v3 without its dependencies (its ``__init__`` imports vllm, and it pins a jax it does not need):
+
+    pip install --no-deps tpu-inference==0.32.0
+"""
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rpa_harness.backends import INTERPRET, Backend
+
+INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
+_KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
+# Upstream's default mask value; v3's default (finfo(out_dtype).min, replacing the logit) masks as fully.
+UPSTREAM_DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+DEFAULT_VMEM_LIMIT_BYTES = 64 * 2**20
+DEFAULT_QUERIES_PER_BLOCK = 8
+DEFAULT_KV_PAGES_PER_BLOCK = 2
+
+
+def _load_kernel_module() -> types.ModuleType:
+    """Imports v3's kernel module without running ``tpu_inference/__init__.py`` (it imports vllm).
+
+    The package entries are stubs whose ``__path__`` is the installed folder, so the kernel's absolute
+    imports of its siblings (``...v3.util``) resolve to the installed files.
+    """
+    if "tpu_inference" not in sys.modules:
+        spec = importlib.util.find_spec("tpu_inference")  # finds the package without running it
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(
+                f"tpu-inference is not installed; install its RPA v3 kernel with `{INSTALL_COMMAND}` "
+                "(--no-deps: the kernel needs only jax, and the package's own dependencies include vllm)"
+            )
+        name, path = "", list(spec.submodule_search_locations)[0]
+        for part in ("tpu_inference", "kernels", "ragged_paged_attention", "v3"):
+            name, path = (f"{name}.{part}", os.path.join(path, part)) if name else (part, path)
+            stub = types.ModuleType(name)
+            stub.__path__ = [path]
+            sys.modules.setdefault(name, stub)
+    return importlib.import_module(_KERNEL_MODULE)
+
+
+v3 = _load_kernel_module()
+
+# What the strategies draw for v3 (fields of rpa_harness.strategies.valid.Capabilities). Outside of it, not yet tested:
+# a custom mask_value (v3 replaces the masked logit with it, upstream adds it: a different option, so only
+# the default, which masks fully under both meanings, is drawn), q_scale (no upstream counterpart), q_len == 0
+# (v3 forbids it and hangs on it: tests/test_v3_target.py), and page sizes v3 rejects for a KV dtype.
+RPA_HARNESS_CAPABILITIES = dict(
+    head_dims=(64, 128, 256),
+    page_size_multiple_of_kv_packing=True,
+    empty_sequences=False,
+    additive_mask_value=False,
+    # v3 folds k_scale into the score scale and applies v_scale after P @ V, without upstream's rounding
+    # of the scaled cache to q's dtype (docs/tpu-inference-v3-findings/README.md).
+    kv_scales_round_to_q_dtype=False,
+    # The generic interpreter cannot run v3's data-dependent copy sizes (pl.ds with a traced length).
+    backends=("interpret", "tpu"),
+)
+# v3 keeps its softmax max, denominator and P @ V accumulator in the output dtype (bfloat16 for bfloat16
+# queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).
+# Its kernel computes logits and P in float32 and does not round P to V's dtype (its reference does).
+RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype",)
+
+
+def kv_packing(dtype) -> int:
+    """Values per 32-bit word in v3's cache: 1 for float32, 2 for bfloat16, 4 for fp8."""
+    return 32 // (np.dtype(dtype).itemsize * 8)
+
+
+def _align(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class V3Inputs:
+    """One upstream-style call in v3's terms, and the cache v3 must return."""
+
+    args: tuple  # queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution (NumPy)
+    kwargs: dict  # keyword options for v3
+    expected_cache: np.ndarray  # the packed cache with every live key and value in place
+    new_slots: np.ndarray  # bool [pages, page_size]: the slots v3 writes (positions [kv_len - q_len, kv_len))
+    slot_owner: np.ndarray  # int [pages, page_size]: sequence whose page holds the slot, -1 for none
+    slot_position: np.ndarray  # int [pages, page_size]: the key position of the slot in its sequence
+
+
+def pack_cache(kv_pages: np.ndarray) -> np.ndarray:
+    """Upstream's ``[pages, page_size, 2 * kv_heads, head_dim]`` (K/V interleaved) in v3's layout
+    ``[pages, page_size, align(2 * kv_heads, packing) // packing, packing, align(head_dim, 128)]``,
+    zero-filled in the padded heads and dims as v3 writes them."""
+    pages, page_size, heads_x2, head_dim = kv_pages.shape
+    packing = kv_packing(kv_pages.dtype)
+    padded = np.zeros((pages, page_size, _align(heads_x2, packing), _align(head_dim, 128)), kv_pages.dtype)
+    padded[:, :, :heads_x2, :head_dim] = kv_pages
+    return padded.reshape(pages, page_size, padded.shape[2] // packing, packing, padded.shape[3])
+
+
+def decode_prefix(q_lens: np.ndarray) -> int:
+    """How many leading sequences are decodes (q_len == 1): v3's decode kernel runs those."""
+    count = 0
+    for q_len in q_lens:
+        if q_len != 1:
+            break
+        count += 1
+    return count
+
+
+def block_sizes(tokens_per_block: int, chunk_unit: int) -> tuple[int, int]:
+    """A block and its compute chunk: half the block when that is a whole number of units."""
+    units = tokens_per_block // chunk_unit
+    return tokens_per_block, (units // 2 if units > 0 and units % 2 == 0 else units) * chunk_unit
+
+
+def v3_inputs(
+    q,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = UPSTREAM_DEFAULT_MASK_VALUE,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+) -> V3Inputs:
+    """Maps an upstream-style call to v3's.
+
+    The new tokens of sequence ``i`` are its last ``q_len`` keys (positions ``[kv_len - q_len, kv_len)``),
+    taken from the case's pages into ``keys``/``values`` rows ``cu_q_lens[i]..``; their cache slots are set
+    to NaN in the cache v3 receives, so a kernel that reads them from the cache instead of from the new
+    tokens returns NaN, and the cache it must return is the case's cache, packed. Padding rows of the new
+    keys/values are NaN where q's padding row is NaN (poisoned cases), zero otherwise.
+    """
+    q, kv_pages = np.asarray(q), np.asarray(kv_pages)
+    kv_lens, cu_q_lens = np.asarray(kv_lens), np.asarray(cu_q_lens)
+    page_table = np.asarray(page_indices)
+    n = int(np.asarray(num_seqs)[0])
+    pages, page_size, heads_x2, head_dim = kv_pages.shape
+    max_tokens = q.shape[0]
+
+    new_kv = np.zeros((max_tokens, heads_x2, head_dim), kv_pages.dtype)
+    poisoned_rows = np.isnan(q.astype(np.float32)).all(axis=(1, 2))
+    new_kv[poisoned_rows] = np.nan
+    new_slots = np.zeros((pages, page_size), bool)
+    slot_owner = np.full((pages, page_size), -1)
+    slot_position = np.full((pages, page_size), -1)
+    pages_per_seq = page_table.shape[1]
+    live = range(min(max(n, 0), len(kv_lens)))  # invalid metadata is v3's validators' business: skip it
+    for i in live:
+        start, q_len, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1] - cu_q_lens[i]), int(kv_lens[i])
+        for p in range(min(math.ceil(kv_len / page_size), pages_per_seq)):
+            page = page_table[i, p]
+            if 0 <= page < pages:
+                slot_owner[page] = i
+                slot_position[page] = p * page_size + np.arange(page_size)
+        for j in range(max(q_len, 0)):
+            position, row = kv_len - q_len + j, start + j
+            if not (0 <= row < max_tokens and 0 <= position < pages_per_seq * page_size):
+                continue
+            page, slot = page_table[i, position // page_size], position % page_size
+            if 0 <= page < pages:
+                new_kv[row] = kv_pages[page, slot]
+                new_slots[page, slot] = True
+
+    expected_cache = pack_cache(kv_pages)
+    stale = kv_pages.copy()
+    stale[new_slots] = np.nan
+    decodes = decode_prefix(np.diff(cu_q_lens[: len(live) + 1]))
+    bq = DEFAULT_QUERIES_PER_BLOCK if num_queries_per_block is None else num_queries_per_block
+    bkv_pages = (
+        min(DEFAULT_KV_PAGES_PER_BLOCK, pages_per_seq)
+        if num_kv_pages_per_block is None
+        else num_kv_pages_per_block
+    )
+    bq, bq_chunk = block_sizes(bq, 1)
+    bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
+    sizes = (bq, bkv, bq_chunk, bkv_chunk)
+    kwargs = dict(
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        # v3's mask_value replaces a masked logit; upstream's is added. Only the defaults mean the same.
+        mask_value=None if mask_value in (None, UPSTREAM_DEFAULT_MASK_VALUE) else mask_value,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        d_block_sizes=sizes,
+        m_block_sizes=sizes,
+        vmem_limit_bytes=DEFAULT_VMEM_LIMIT_BYTES if vmem_limit_bytes is None else vmem_limit_bytes,
+    )
+    args = (
+        q,
+        new_kv[:, 0::2],
+        new_kv[:, 1::2],
+        pack_cache(stale),
+        kv_lens,
+        page_table.reshape(-1),
+        cu_q_lens,
+        np.array([decodes, decodes, n], np.int32),
+    )
+    return V3Inputs(args, kwargs, expected_cache, new_slots, slot_owner, slot_position)
+
+
+@functools.cache
+def _jitted(options: tuple):
+    """v3 under jit, one per option set: v3 donates its inputs to its outputs (jit keeps the caller's
+    arrays), and each static configuration compiles once."""
+    kwargs = dict(options)
+    return jax.jit(lambda *arrays: v3.ragged_paged_attention(*arrays, **kwargs))
+
+
+def call_v3(inputs: V3Inputs):
+    """Runs v3 (on whatever backend the caller's context selects): ``(attention, updated packed cache)``."""
+    return _jitted(tuple(sorted(inputs.kwargs.items())))(*(jnp.asarray(a) for a in inputs.args))
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+    """Upstream's call on v3: the attention (v3 raises its static validators' errors while tracing)."""
+    out, _ = call_v3(v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options))
+    return out
+
+
+def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+    """v3's own ``dynamic_validate_inputs`` (its rules, its messages) on the mapped inputs."""
+    inputs = v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
+    v3.dynamic_validate_inputs(*map(jnp.asarray, inputs.args), **inputs.kwargs)
+
+
+def unwritten_by_sliding_window(inputs: V3Inputs) -> np.ndarray:
+    """bool [pages, page_size]: the new-token slots v3 0.32.0 does not write with a sliding window (finding
+    ``docs/tpu-inference-v3-findings/sliding-window-skips-cache-writes``).
+
+    v3 writes a KV block's new tokens to the cache only while its last query block runs, and with a sliding
+    window that query block starts its KV loop at block ``max(first_query_position - window, 0) // bkv``:
+    the new tokens in the KV blocks before it are never written. This recomputes that set from v3's loop
+    bounds, so that a campaign can tell this known finding from any other cache mismatch.
+    """
+    window = inputs.kwargs["sliding_window"]
+    unwritten = np.zeros_like(inputs.new_slots)
+    if window is None:
+        return unwritten
+    _, _, _, _, kv_lens, page_indices, cu_q_lens, distribution = inputs.args
+    page_size = inputs.new_slots.shape[1]
+    pages_per_seq = len(page_indices) // len(kv_lens)
+    decodes, _, num_seqs = (int(x) for x in distribution)
+    for i in range(num_seqs):
+        bq, bkv = (inputs.kwargs["d_block_sizes"] if i < decodes else inputs.kwargs["m_block_sizes"])[:2]
+        q_len, kv_len = int(cu_q_lens[i + 1] - cu_q_lens[i]), int(kv_lens[i])
+        q_block = min(bq, q_len) if i < decodes else bq  # the decode kernel's query block is one row
+        last_block_start = kv_len - q_len + (-(-q_len // q_block) - 1) * q_block
+        first_written = max(last_block_start - window, 0) // bkv * bkv
+        for position in range(kv_len - q_len, min(first_written, kv_len)):
+            page = page_indices[i * pages_per_seq + position // page_size]
+            unwritten[page, position % page_size] = True
+    return unwritten
+
+
+class CacheMismatch(AssertionError):
+    """v3's updated cache is not the expected one; ``str()`` says which slots and whose. ``slots`` is the
+    bool [pages, page_size] map of the slots that differ, ``stale`` whether each holds its input value."""
+
+    def __init__(self, message: str, slots: np.ndarray | None = None, stale: np.ndarray | None = None):
+        super().__init__(message)
+        self.slots, self.stale = slots, stale
+
+
+def check_updated_cache(inputs: V3Inputs, updated_cache) -> None:
+    """The returned cache equals the expected one bit for bit: every new token written to its slot, and
+    no other page, slot, padded head or padded dim changed (NaN payloads included)."""
+    actual, expected = np.asarray(updated_cache), inputs.expected_cache
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise CacheMismatch(
+            f"v3 returned a cache of {actual.shape} {actual.dtype}, expected {expected.shape} {expected.dtype}"
+        )
+    bits = f"u{expected.dtype.itemsize}"
+    differs = (actual.view(bits) != expected.view(bits)).reshape(*expected.shape[:2], -1)
+    if not differs.any():
+        return
+    stale_bits = np.asarray(inputs.args[3]).view(bits).reshape(differs.shape)
+    is_stale = (actual.view(bits).reshape(differs.shape) == stale_bits).all(axis=-1)
+    slots = np.argwhere(differs.any(axis=-1))
+    lines = []
+    for page, slot in slots[:5]:
+        owner, position = inputs.slot_owner[page, slot], inputs.slot_position[page, slot]
+        whose = f"sequence {owner}, key position {position}" if owner >= 0 else "a page no live sequence uses"
+        role = "a new token's slot" if inputs.new_slots[page, slot] else "a slot v3 must leave unchanged"
+        flat = np.flatnonzero(differs[page, slot])
+        a = actual[page, slot].reshape(-1)[flat[0]]
+        e = expected[page, slot].reshape(-1)[flat[0]]
+        lines.append(
+            f"  page {page}, slot {slot} ({role}; {whose}): {len(flat)} elements differ, first at packed "
+            f"element {flat[0]}: got {a!r}, expected {e!r}"
+        )
+    written = int((differs.any(axis=-1) & inputs.new_slots).sum())
+    raise CacheMismatch(
+        f"v3's updated cache differs from the expected cache in {len(slots)} slots ({written} of "
+        f"{int(inputs.new_slots.sum())} new-token slots, {len(slots) - written} slots it must leave unchanged):\n"
+        + "\n".join(lines),
+        slots=differs.any(axis=-1),
+        stale=is_stale,
+    )
+
+
+# ---- Running v3 on the TPU interpreter, and replaying its repros ----
+
+# The checking TPU interpreter with the compat layer, as the harness's ``interpret`` backend: out-of-bounds
+# reads raise, scratch is NaN, races raise, a call that outlives the watchdog is a hang. v3 cannot run on
+# the generic interpreter (its copy sizes are data-dependent).
+CHECKING = Backend(INTERPRET)
+
+
+SLIDING_WINDOW_FINDING = "sliding-window-skips-cache-writes"
+
+
+@dataclasses.dataclass
+class Verdict:
+    """Both outputs of one v3 call, judged."""
+
+    comparison: object  # reference.compare(...) of the attention with the float64 oracle
+    cache_error: CacheMismatch | None  # None: the updated cache is the expected one, bit for bit
+    known_finding: str | None  # the documented finding that explains the cache error exactly, if any
+
+
+def judge(arrays: dict, options: dict, label: str = "tpu-inference v3 on interpret") -> Verdict:
+    """Runs v3 once on an upstream-style case and judges both outputs: the attention against the float64
+    oracle, the updated cache bit for bit. A cache error is attributed to a documented finding only when
+    the differing slots are exactly the ones the finding predicts and each still holds its input value."""
+    from rpa_harness import reference
+
+    inputs = v3_inputs(**arrays, **options)
+    out, cache = CHECKING.run(call_v3, inputs)
+    comparison = reference.compare(
+        out, reference.oracle(**arrays, **options), label=label, precision=RPA_HARNESS_PRECISION
+    )
+    try:
+        check_updated_cache(inputs, cache)
+    except CacheMismatch as error:
+        predicted = unwritten_by_sliding_window(inputs)
+        known = predicted.any() and np.array_equal(error.slots, predicted) and error.stale[predicted].all()
+        return Verdict(comparison, error, SLIDING_WINDOW_FINDING if known else None)
+    return Verdict(comparison, None, None)
+
+
+def main(argv=None) -> int:
+    """``python -m rpa_harness.tpu_inference_v3 REPRO.json``: re-runs a v3 repro (attention and updated cache)
+    on the TPU interpreter; exit 1 while it fails, 0 once it passes, 2 for an unreadable repro."""
+    from rpa_harness import repro
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m rpa_harness.tpu_inference_v3 REPRO.json", file=sys.stderr)
+        return 4
+    try:
+        pair = repro.read(argv[0])
+    except repro.ReproError as error:
+        print(error, file=sys.stderr)
+        return 2
+    if pair.case is not None:
+        print(pair.case.describe())
+    verdict = judge(pair.arrays, pair.options)
+    print(verdict.comparison)
+    if verdict.cache_error is None:
+        print("updated cache: bit-identical to the expected cache")
+    else:
+        print(verdict.cache_error)
+        if verdict.known_finding:
+            print(f"  (exactly the slots of docs/tpu-inference-v3-findings/{verdict.known_finding})")
+    return 0 if verdict.comparison.ok and verdict.cache_error is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
