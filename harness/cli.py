@@ -17,13 +17,16 @@ import argparse
 import collections
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from rpa_harness import backends, runlog
+from rpa_harness import backends, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import AUTO, BACKENDS, Backend
 from rpa_harness.targets import DEFAULT_TARGET, TargetError, load
@@ -227,11 +230,56 @@ def run(args) -> int:
             command += ["-n", str(args.n)]
         command += args.pytest_args
         print("+", " ".join(command), flush=True)
-        code = subprocess.call(command, env=env)
+        code = _call_with_progress(command, env, scratch)
         if code in PYTEST_RAN and _ran_tests(junit):  # otherwise pytest's own message is the whole story
             print(summary(junit, runlog.read(scratch), runlog.read_session(scratch)))
             print(known_issues_summary(runlog.read_events(scratch)))
     return code
+
+
+def _call_with_progress(command: list[str], env: dict, log_dir: str) -> int:
+    """Runs pytest, passing its output through, with the run log's progress: a live line on a terminal,
+    plain lines every RPA_PROGRESS_SECONDS otherwise (CI logs)."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
+    state = progress.Progress(log_dir)
+    interactive = sys.stdout.isatty()
+    interval = float(os.environ.get(progress.INTERVAL_ENV, progress.DEFAULT_INTERVAL_SECONDS))
+    lock = threading.Lock()
+    status = {"line": "", "plain_at": time.time()}
+    width = shutil.get_terminal_size().columns - 1
+
+    def redraw():
+        if interactive and status["line"]:
+            sys.stdout.write("\r\033[K" + status["line"][:width])
+            sys.stdout.flush()
+
+    def watch():
+        while process.poll() is None:
+            time.sleep(1.0)
+            with lock:
+                now = time.time()
+                state.update()
+                if interactive:
+                    status["line"] = progress.live_line(state, now)
+                    redraw()
+                elif now - status["plain_at"] >= interval:
+                    print("\n".join(progress.plain_lines(state, now, since=status["plain_at"])), flush=True)
+                    status["plain_at"] = now
+
+    watcher = threading.Thread(target=watch, name="rpa-harness progress", daemon=True)
+    watcher.start()
+    for line in process.stdout:
+        with lock:
+            if interactive:
+                sys.stdout.write("\r\033[K")
+            sys.stdout.write(line)
+            redraw()
+    process.wait()
+    watcher.join()
+    if interactive:
+        sys.stdout.write("\r\033[K")
+    sys.stdout.flush()
+    return process.returncode
 
 
 # pytest's exit codes after a session that ran: all passed, some failed, none collected (or our NOT GREEN).

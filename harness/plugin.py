@@ -166,7 +166,7 @@ def pytest_configure(config):
 
 
 @pytest.hookimpl(trylast=True, specname="pytest_configure")  # after Hypothesis's plugin loaded the profile
-def configure_the_run(config):
+def pytest_configure_after_hypothesis(config):
     if not _active(config):
         return
     if not config.getoption("--hypothesis-profile", None):
@@ -265,9 +265,23 @@ def pytest_generate_tests(metafunc):
             )
 
 
+def _example_budget(item) -> int | None:
+    """The max_examples a Hypothesis property runs with (its own @settings, else the loaded profile's)."""
+    function = getattr(item, "obj", None)
+    if not getattr(function, "is_hypothesis_test", False):
+        return None
+    own = getattr(function, "_hypothesis_internal_use_settings", None)
+    return (own or settings.default).max_examples
+
+
 def pytest_collection_modifyitems(config, items):
     if not _active(config):
         return
+    if os.environ.get(runlog.ENV):
+        for item in items:
+            budget = _example_budget(item)
+            if budget is not None:
+                runlog.record_plan(item.nodeid, budget)
     for item in items:
         if {"volume_backend", "checking_backend"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(NUMERIC)
