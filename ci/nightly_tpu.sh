@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
 # Nightly entry point on a TPU host: installs .[tpu], then runs the properties compiled for TPU with the
-# nightly profile, in rounds until RPA_TIME_BUDGET seconds are spent, against our kernel and upstream's.
+# nightly profile over the production mix of buckets (RPA_BUCKETS, default small,medium,production), in
+# rounds until RPA_TIME_BUDGET seconds are spent, against our kernel and upstream's. Each round prints one
+# line; `rpa-harness run` prints progress while it runs and its summary table after.
 # The Hypothesis example database lives in $RPA_HYPOTHESIS_DB (restore it before, save it after, even on
-# failure); repro files go to $RPA_REPRO_DIR/<target>/.
+# failure); repro files go to $RPA_REPRO_DIR/<target>/. Never run on hardware from this repo's CI.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[tpu]"
-export HYPOTHESIS_PROFILE=nightly
 export RPA_HYPOTHESIS_DB="${RPA_HYPOTHESIS_DB:-.hypothesis/examples}"
+export RPA_BUCKETS="${RPA_BUCKETS:-small,medium,production}"
+export RPA_PROGRESS_SECONDS="${RPA_PROGRESS_SECONDS:-120}"
 budget="${RPA_TIME_BUDGET:-3600}"
 repro_root="${RPA_REPRO_DIR:-rpa-repros}"
 mkdir -p reports "$repro_root"
 status=0
-start=$(date +%s)
+start=$SECONDS
 round=0
-while [ $(( $(date +%s) - start )) -lt "$budget" ]; do
+while [ $((SECONDS - start)) -lt "$budget" ]; do
   round=$((round + 1))
+  verdicts=""
   for target in rpa_harness.kernel jax.experimental.pallas.ops.tpu.ragged_paged_attention; do
-    python -m pytest tests/properties/test_differential.py tests/properties/test_validation.py tests/properties/test_padding.py \
-      --hypothesis-profile=nightly --rpa-backend=tpu --rpa-target="$target" \
-      --rpa-repro-dir="$repro_root/$target" --junitxml="reports/nightly-$target-round$round.xml" -q || status=1
+    rpa-harness run --profile nightly --backend tpu --target "$target" -n 1 \
+      --repro-dir "$repro_root/$target" --junit "reports/nightly-$target-round$round.xml"
+    code=$?
+    [ "$code" -ne 0 ] && status=1
+    verdicts="$verdicts $target=exit$code"
   done
+  echo "nightly round $round done at $((SECONDS - start)) s of $budget s:$verdicts"
 done
-echo "nightly: $round round(s) in $(( $(date +%s) - start )) s; repro files under $repro_root"
+echo "nightly: $round round(s) in $((SECONDS - start)) s; repro files under $repro_root"
 exit $status

@@ -6,7 +6,8 @@ rpa-harness replay FILE [--target MODULE] [--backend NAME] [--interpreter-compat
     recorded, a hang that still hangs); 2: the file is missing or malformed; 3: it cannot run here (a
     recognised interpreter limitation, a backend that is absent or not declared, or an error other than
     the recorded one).
-rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repro-dir DIR] [-- PYTEST ARGS]
+rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repro-dir DIR] [--junit FILE]
+                [-- PYTEST ARGS]
     runs pytest on the properties and ends with a table: property, examples, result, repros, coverage,
     and the declared known issues (cases avoided, whether each still reproduces).
 rpa-harness report FILE [--target MODULE] [--backend NAME] [--run-script]
@@ -219,7 +220,7 @@ def replay(args) -> int:
 def run(args) -> int:
     """pytest on the shipped properties, from the current folder (so the user's own modules import)."""
     with tempfile.TemporaryDirectory(prefix="rpa-run-") as scratch:
-        junit = Path(scratch) / "junit.xml"
+        junit = Path(args.junit) if args.junit else Path(scratch) / "junit.xml"
         env = dict(os.environ, RPA_RUN_LOG=scratch)
         command = [
             sys.executable, "-m", "pytest", "--pyargs", PROPERTIES_PACKAGE, "-p", "no:cacheprovider",
@@ -310,7 +311,10 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
     counts = collections.Counter(e["test"] for e in examples)
     repros = collections.defaultdict(set)
     labels = collections.Counter()
+    largest = {}
     for e in examples:
+        if "size" in e and e["size"] >= largest.get(e["test"], {}).get("size", -1):
+            largest[e["test"]] = e
         if e.get("repro"):
             repros[e["test"]].add(f"hang after {e['hang']:g} s: {e['repro']}" if e.get("hang") else e["repro"])
         labels.update(e.get("labels", []))
@@ -326,6 +330,8 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
     for test, outcome in results.items():
         lines.append(f"{test:<{width}}  {counts.get(test, 0):>8}  {outcome}")
         lines.extend(f"{'':<{width}}  {'':>8}  repro: {path}" for path in sorted(repros.get(test, ())))
+        if test in largest:
+            lines.append(f"{'':<{width}}  {'':>8}  largest case: {largest[test]['shape']}")
     lines.append(
         f"coverage labels seen ({len(labels)}): " + ", ".join(f"{k} x{v}" for k, v in sorted(labels.items()))
     )
@@ -389,6 +395,7 @@ def main(argv=None) -> int:
     run_parser.add_argument("--backend", default=AUTO, choices=(*BACKENDS, AUTO))
     run_parser.add_argument("-n", type=int, default=2, help="pytest-xdist workers (default 2)")
     run_parser.add_argument("--repro-dir", default=repro_files.DEFAULT_REPRO_DIR)
+    run_parser.add_argument("--junit", help="also keep pytest's JUnit XML report in this file")
     run_parser.add_argument("pytest_args", nargs="*", help="passed to pytest after --")
     report_parser = commands.add_parser("report", help="print an upstream-ready bug report for a repro")
     report_parser.add_argument("file")

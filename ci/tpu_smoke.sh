@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# First thing to run on a fresh TPU VM: installs .[tpu], prints the TPU generation and versions, then runs a
+# few examples of every property compiled for the TPU (--rpa-backend=tpu) against our kernel and upstream's,
+# each ending with the summary table. Meant to finish in under 10 minutes; each target is cut off after
+# RPA_SMOKE_SECONDS (default 270 s) and that counts as a failure.
+# Never run on hardware from this repo's CI (it has no TPU): written to jax's documented device API.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install -q -e ".[tpu]"
+python - <<'PY' || { echo "tpu smoke: no TPU visible to jax; this script is for a TPU VM" >&2; exit 4; }
+import platform, sys
+import hypothesis, jax, jaxlib, numpy
+tpus = jax.devices("tpu")  # raises RuntimeError when there is none
+kinds = sorted({d.device_kind for d in tpus})
+print(f"TPU: {len(tpus)} device(s), {', '.join(kinds)}")
+print(f"python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+      f"numpy {numpy.__version__}, hypothesis {hypothesis.__version__}")
+PY
+seconds="${RPA_SMOKE_SECONDS:-270}"
+status=0
+for target in rpa_harness.kernel jax.experimental.pallas.ops.tpu.ragged_paged_attention; do
+  echo "=== tpu smoke: $target"
+  started=$SECONDS
+  # One process: TPU chips are not shared between xdist workers. A few examples per property.
+  RPA_MAX_EXAMPLES="${RPA_MAX_EXAMPLES:-4}" timeout "$seconds" \
+    rpa-harness run --profile dev --backend tpu --target "$target" -n 1 --repro-dir "rpa-repros/smoke/$target"
+  code=$?
+  [ "$code" -eq 124 ] && echo "tpu smoke: $target did not finish within $seconds s" >&2
+  [ "$code" -ne 0 ] && status=1
+  echo "=== tpu smoke: $target exit $code in $((SECONDS - started)) s"
+done
+exit $status
