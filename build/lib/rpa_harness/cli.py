@@ -6,7 +6,8 @@ rpa-harness replay FILE [--target MODULE] [--backend NAME] [--interpreter-compat
     recorded, a hang that still hangs); 2: the file is missing or malformed; 3: it cannot run here (a
     recognised interpreter limitation, a backend that is absent or not declared, or an error other than
     the recorded one).
-rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repro-dir DIR] [-- PYTEST ARGS]
+rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repro-dir DIR] [--junit FILE]
+                [-- PYTEST ARGS]
     runs pytest on the properties and ends with a table: property, examples, result, repros, coverage,
     and the declared known issues (cases avoided, whether each still reproduces).
 rpa-harness report FILE [--target MODULE] [--backend NAME] [--run-script]
@@ -17,13 +18,16 @@ import argparse
 import collections
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from rpa_harness import backends, runlog
+from rpa_harness import backends, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import AUTO, BACKENDS, Backend
 from rpa_harness.targets import DEFAULT_TARGET, TargetError, load
@@ -216,7 +220,7 @@ def replay(args) -> int:
 def run(args) -> int:
     """pytest on the shipped properties, from the current folder (so the user's own modules import)."""
     with tempfile.TemporaryDirectory(prefix="rpa-run-") as scratch:
-        junit = Path(scratch) / "junit.xml"
+        junit = Path(args.junit) if args.junit else Path(scratch) / "junit.xml"
         env = dict(os.environ, RPA_RUN_LOG=scratch)
         command = [
             sys.executable, "-m", "pytest", "--pyargs", PROPERTIES_PACKAGE, "-p", "no:cacheprovider",
@@ -227,11 +231,56 @@ def run(args) -> int:
             command += ["-n", str(args.n)]
         command += args.pytest_args
         print("+", " ".join(command), flush=True)
-        code = subprocess.call(command, env=env)
+        code = _call_with_progress(command, env, scratch)
         if code in PYTEST_RAN and _ran_tests(junit):  # otherwise pytest's own message is the whole story
             print(summary(junit, runlog.read(scratch), runlog.read_session(scratch)))
             print(known_issues_summary(runlog.read_events(scratch)))
     return code
+
+
+def _call_with_progress(command: list[str], env: dict, log_dir: str) -> int:
+    """Runs pytest, passing its output through, with the run log's progress: a live line on a terminal,
+    plain lines every RPA_PROGRESS_SECONDS otherwise (CI logs)."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
+    state = progress.Progress(log_dir)
+    interactive = sys.stdout.isatty()
+    interval = float(os.environ.get(progress.INTERVAL_ENV, progress.DEFAULT_INTERVAL_SECONDS))
+    lock = threading.Lock()
+    status = {"line": "", "plain_at": time.time()}
+    width = shutil.get_terminal_size().columns - 1
+
+    def redraw():
+        if interactive and status["line"]:
+            sys.stdout.write("\r\033[K" + status["line"][:width])
+            sys.stdout.flush()
+
+    def watch():
+        while process.poll() is None:
+            time.sleep(1.0)
+            with lock:
+                now = time.time()
+                state.update()
+                if interactive:
+                    status["line"] = progress.live_line(state, now)
+                    redraw()
+                elif now - status["plain_at"] >= interval:
+                    print("\n".join(progress.plain_lines(state, now, since=status["plain_at"])), flush=True)
+                    status["plain_at"] = now
+
+    watcher = threading.Thread(target=watch, name="rpa-harness progress", daemon=True)
+    watcher.start()
+    for line in process.stdout:
+        with lock:
+            if interactive:
+                sys.stdout.write("\r\033[K")
+            sys.stdout.write(line)
+            redraw()
+    process.wait()
+    watcher.join()
+    if interactive:
+        sys.stdout.write("\r\033[K")
+    sys.stdout.flush()
+    return process.returncode
 
 
 # pytest's exit codes after a session that ran: all passed, some failed, none collected (or our NOT GREEN).
@@ -262,7 +311,10 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
     counts = collections.Counter(e["test"] for e in examples)
     repros = collections.defaultdict(set)
     labels = collections.Counter()
+    largest = {}
     for e in examples:
+        if "size" in e and e["size"] >= largest.get(e["test"], {}).get("size", -1):
+            largest[e["test"]] = e
         if e.get("repro"):
             repros[e["test"]].add(f"hang after {e['hang']:g} s: {e['repro']}" if e.get("hang") else e["repro"])
         labels.update(e.get("labels", []))
@@ -278,6 +330,8 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
     for test, outcome in results.items():
         lines.append(f"{test:<{width}}  {counts.get(test, 0):>8}  {outcome}")
         lines.extend(f"{'':<{width}}  {'':>8}  repro: {path}" for path in sorted(repros.get(test, ())))
+        if test in largest:
+            lines.append(f"{'':<{width}}  {'':>8}  largest case: {largest[test]['shape']}")
     lines.append(
         f"coverage labels seen ({len(labels)}): " + ", ".join(f"{k} x{v}" for k, v in sorted(labels.items()))
     )
@@ -341,6 +395,7 @@ def main(argv=None) -> int:
     run_parser.add_argument("--backend", default=AUTO, choices=(*BACKENDS, AUTO))
     run_parser.add_argument("-n", type=int, default=2, help="pytest-xdist workers (default 2)")
     run_parser.add_argument("--repro-dir", default=repro_files.DEFAULT_REPRO_DIR)
+    run_parser.add_argument("--junit", help="also keep pytest's JUnit XML report in this file")
     run_parser.add_argument("pytest_args", nargs="*", help="passed to pytest after --")
     report_parser = commands.add_parser("report", help="print an upstream-ready bug report for a repro")
     report_parser.add_argument("file")

@@ -41,38 +41,42 @@ from rpa_harness import backends, checks, known_issues, repro, runlog, targets
 from rpa_harness.reference.tolerance import CONTRACTS, PrecisionError, parse_precision
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
-_common = dict(
-    deadline=None,  # the first call of each shape compiles
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile("dev", max_examples=10, **_common)
-settings.register_profile(
-    "ci",
-    max_examples=40,
-    derandomize=True,  # also means database=None: every CI run sees the same examples
-    phases=[
-        Phase.explicit,
-        Phase.generate,
-        Phase.target,
-        Phase.shrink,
-    ],  # no `explain`: it re-runs the kernel
-    **_common,
-)
-settings.register_profile(
-    "nightly",
-    max_examples=400,  # per round; ci/nightly_tpu.sh repeats rounds until its time budget is spent
-    database=DirectoryBasedExampleDatabase(DATABASE_DIR),
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    **_common,
-)
-settings.register_profile(
-    "repro",
-    database=DirectoryBasedExampleDatabase(DATABASE_DIR),
-    phases=[Phase.explicit, Phase.reuse],  # replay the saved failures, generate nothing
-    **_common,
-)
-PROPERTIES_DIR = Path(__file__).resolve().parent.parent / "tests" / "properties"  # in a checkout
+
+
+def register_profiles() -> None:
+    """The harness's Hypothesis profiles. Registered only when the plugin is active: ``ci`` replaces
+    Hypothesis' built-in profile of that name, which a user's own suite gets on CI."""
+    _common = dict(
+        deadline=None,  # the first call of each shape compiles
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    settings.register_profile("dev", max_examples=10, **_common)
+    settings.register_profile(
+        "ci",
+        max_examples=40,
+        derandomize=True,  # also means database=None: every CI run sees the same examples
+        phases=[
+            Phase.explicit,
+            Phase.generate,
+            Phase.target,
+            Phase.shrink,
+        ],  # no `explain`: it re-runs the kernel
+        **_common,
+    )
+    settings.register_profile(
+        "nightly",
+        max_examples=400,  # per round; ci/nightly_tpu.sh repeats rounds until its time budget is spent
+        database=DirectoryBasedExampleDatabase(DATABASE_DIR),
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+        **_common,
+    )
+    settings.register_profile(
+        "repro",
+        database=DirectoryBasedExampleDatabase(DATABASE_DIR),
+        phases=[Phase.explicit, Phase.reuse],  # replay the saved failures, generate nothing
+        **_common,
+    )
 
 
 def pytest_addoption(parser):
@@ -154,12 +158,18 @@ def _active(config) -> bool:
     return getattr(config, "rpa_active", False)
 
 
-@pytest.hookimpl(trylast=True)  # after Hypothesis's plugin has loaded --hypothesis-profile
+@pytest.hookimpl(tryfirst=True)  # before Hypothesis's plugin loads --hypothesis-profile
 def pytest_configure(config):
     config.rpa_active = _names_the_harness(config)
-    if not config.rpa_active:
+    if config.rpa_active:
+        register_profiles()
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_configure")  # after Hypothesis's plugin loaded the profile
+def pytest_configure_after_hypothesis(config):
+    if not _active(config):
         return
-    if not config.getoption("hypothesis_profile", None):
+    if not config.getoption("--hypothesis-profile", None):
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
     config.addinivalue_line("markers", f"{NUMERIC}: runs the target's kernel and checks its output (set by conftest)")
     config.addinivalue_line(
@@ -255,9 +265,23 @@ def pytest_generate_tests(metafunc):
             )
 
 
+def _example_budget(item) -> int | None:
+    """The max_examples a Hypothesis property runs with (its own @settings, else the loaded profile's)."""
+    function = getattr(item, "obj", None)
+    if not getattr(function, "is_hypothesis_test", False):
+        return None
+    own = getattr(function, "_hypothesis_internal_use_settings", None)
+    return (own or settings.default).max_examples
+
+
 def pytest_collection_modifyitems(config, items):
     if not _active(config):
         return
+    if os.environ.get(runlog.ENV):
+        for item in items:
+            budget = _example_budget(item)
+            if budget is not None:
+                runlog.record_plan(item.nodeid, budget)
     for item in items:
         if {"volume_backend", "checking_backend"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(NUMERIC)

@@ -17,6 +17,16 @@ from rpa_harness.checks import CannotRun, RaisedOnValidInput
 from rpa_harness.strategies.valid import coverage_labels
 
 
+def shape_notes(case) -> dict:
+    """The case's size in the run log: the summary shows each property's largest case."""
+    tokens, kv = sum(case.q_lens), max(case.kv_lens, default=0)
+    shape = (
+        f"{tokens}/{case.max_num_batched_tokens} tok, {case.num_seqs}/{case.max_num_seqs} seqs, kv<={kv}, "
+        f"{case.num_q_heads}/{case.num_kv_heads}x{case.head_dim}, page {case.page_size}x{case.pages_per_seq}"
+    )
+    return {"shape": shape, "size": (tokens + case.num_seqs) * max(kv, 1) * case.num_q_heads * case.head_dim}
+
+
 def current_test() -> str:
     return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
 
@@ -28,6 +38,8 @@ def recorded(directory, property_name: str, target, backend, arrays: dict, optio
     notes = {
         "labels": coverage_labels(case) if case is not None and fields.get("expected_error") is None else []
     }
+    if case is not None:
+        notes.update(shape_notes(case))
     example = repro.Repro(
         property_name, target.name, backend.name, arrays, options,
         interpreter_compat=backend.interpreter_compat, test=current_test(),

@@ -29,6 +29,18 @@ def read(directory) -> list[dict]:
     ]
 
 
+PLAN_SUFFIX = ".plan"
+
+
+def record_plan(test: str, budget: int) -> None:
+    """A collected property and its example budget (``rpa-harness run`` shows examples done of it)."""
+    directory = os.environ.get(ENV)
+    if not directory:
+        return
+    with open(Path(directory) / f"{os.getpid()}{PLAN_SUFFIX}", "a") as log:
+        log.write(json.dumps({"test": test, "budget": budget}) + "\n")
+
+
 SESSION_FILE = "session.json"
 
 
