@@ -153,3 +153,15 @@ def test_plugin_is_inert_in_a_suite_that_does_not_run_the_harness(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_kernel_names_the_bundled_kernel_in_a_checkout_and_says_what_to_use_elsewhere(pytestconfig, tmp_path):
+    code = (
+        "from rpa_harness import targets\n"
+        "try:\n    print('loaded', targets.load('kernel').name)\n"
+        "except targets.TargetError as error:\n    print('error', error)\n"
+    )
+    in_checkout = run("-c", code, cwd=pytestconfig.rootpath)
+    assert in_checkout.stdout.strip() == "loaded rpa_harness.kernel", in_checkout.stdout + in_checkout.stderr
+    elsewhere = run("-c", code, cwd=tmp_path)
+    assert "The bundled kernel is --rpa-target=rpa_harness.kernel" in elsewhere.stdout, elsewhere.stdout + elsewhere.stderr
