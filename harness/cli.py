@@ -35,6 +35,7 @@ PROPERTY_TESTS = (
     "tests/test_padding.py",
     "tests/test_lowering.py",
     "tests/test_known_issues.py",
+    "tests/test_production.py",
 )
 PASSES, FAILS, BAD_FILE, CANNOT_RUN = 0, 1, 2, 3
 

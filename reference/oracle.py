@@ -197,17 +197,22 @@ def _attend(q_rows, query_positions, chunks, options: Options, value_subnormal):
         by_dot = probs * live_dot_abs
         small = np.minimum(probs, value_subnormal)
         flushable = np.where(weights < 2.0**-125, probs, 0.0)
-        # One matrix product per value operand, the weight blocks stacked along the rows.
+        # One matrix product per value operand, the weight blocks stacked along the rows (weights in
+        # the flush range are rare: that block joins only when some exist).
         n = probs.shape[1]
-        on_abs = np.concatenate([probs, flushable, by_eps, by_dot, small], axis=1) @ chunk.abs_v
+        any_flushable = bool(flushable.any())
+        on_abs = np.concatenate(
+            [probs, by_eps, by_dot, small, *([flushable] if any_flushable else [])], axis=1
+        ) @ chunk.abs_v
         on_v = np.concatenate([probs, by_eps, by_dot], axis=1) @ chunk.v
         on_vv = np.concatenate([by_eps, by_dot], axis=1) @ chunk.v_squared
         pv += on_v[:, :n]
         abs_pv += on_abs[:, :n]
-        flushable_pv += on_abs[:, n : 2 * n]
-        sums["e_abs"] += on_abs[:, 2 * n : 3 * n]
-        sums["a_abs"] += on_abs[:, 3 * n : 4 * n]
-        sums["small_abs"] += on_abs[:, 4 * n :]
+        sums["e_abs"] += on_abs[:, n : 2 * n]
+        sums["a_abs"] += on_abs[:, 2 * n : 3 * n]
+        sums["small_abs"] += on_abs[:, 3 * n : 4 * n]
+        if any_flushable:
+            flushable_pv += on_abs[:, 4 * n :]
         sums["e_v"] += on_v[:, n : 2 * n]
         sums["a_v"] += on_v[:, 2 * n :]
         sums["e_vv"] += on_vv[:, :n]

@@ -49,7 +49,7 @@ class ProductionBucket:
     head_dims: tuple[int, ...] = (128, 256)
     max_output_elements: int = 1 << 25  # T * num_q_heads * head_dim: 256 MiB per float64 result array
     kv_cache_bytes: int = 128 * 2**20  # total_num_pages * page bytes; at least two pages per slot
-    max_work: int = 1 << 26  # sum over sequences of q_len * kv_len * num_q_heads
+    max_work: int = 1 << 24  # sum over sequences of q_len * kv_len * num_q_heads
 
 
 BUCKETS = {
@@ -99,6 +99,9 @@ def select_buckets(capabilities: "Capabilities", text: str, *, profile: str | No
             f"{','.join(names)}: the target declares buckets {','.join(capabilities.buckets)} "
             "(Capabilities.buckets) and none of these; choose among the declared ones"
         )
+    for name in chosen:
+        if isinstance(BUCKETS[name], ProductionBucket):
+            check_production_space(capabilities, BUCKETS[name])
     return dataclasses.replace(capabilities, bucket_selection=chosen)
 
 
@@ -743,6 +746,14 @@ def coverage_labels(case: Case) -> list[str]:
     if case.num_tokens < case.max_num_batched_tokens:
         labels.append("padding rows")
     labels.append(f"values: {case.values}")
+    production = BUCKETS["production"]
+    if case.max_num_seqs in production.seq_slots and case.max_num_batched_tokens in production.token_budgets:
+        labels.append(
+            f"production shape: T={case.max_num_batched_tokens} seqs={case.num_seqs}/{case.max_num_seqs} "
+            f"rows={case.num_tokens} heads={case.num_q_heads}/{case.num_kv_heads} d={case.head_dim} "
+            f"page={case.page_size} pages={sum(-(-kv // case.page_size) for kv in case.kv_lens)}/"
+            f"{case.total_num_pages} max kv_len={max(case.kv_lens, default=0)} {case.q_dtype}/{case.kv_dtype}"
+        )
     return labels
 
 
