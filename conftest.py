@@ -130,7 +130,7 @@ def _select_buckets(config) -> None:
     target = config.rpa_target
     try:
         capabilities = select_buckets(
-            target.capabilities, config.getoption(BUCKETS_OPTION), profile=settings.get_current_profile_name()
+            target.capabilities, config.getoption(BUCKETS_OPTION), profile=config.rpa_profile
         )
     except BucketError as error:
         raise pytest.UsageError(f"{BUCKETS_OPTION}: {error} (target {target.name})") from None
@@ -151,6 +151,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", f"{REQUIRES}(capability, reason=None): skip unless the target's Capabilities opt in"
     )
+    config.rpa_profile = settings.get_current_profile_name()  # before RPA_MAX_EXAMPLES renames it "sized"
     if os.environ.get("RPA_MAX_EXAMPLES"):  # resize the chosen profile (benchmarks, long local runs)
         settings.register_profile(
             "sized", parent=settings.default, max_examples=int(os.environ["RPA_MAX_EXAMPLES"])

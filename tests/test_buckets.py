@@ -183,3 +183,14 @@ def test_a_bucket_no_declared_one_matches_is_a_usage_error(tmp_path):
     assert run.returncode == 4, run.stdout + run.stderr
     errors = [line for line in run.stderr.splitlines() if "--rpa-buckets" in line]
     assert len(errors) == 1 and "declares buckets tiny,small" in errors[0], run.stderr
+
+
+def test_production_examples_never_run_under_the_ci_profile(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RPA_BUCKETS="production", HYPOTHESIS_PROFILE="ci")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--rpa-backend=fast-interpret",
+         "--rpa-allow-no-numeric", f"--rpa-repro-dir={tmp_path}", "tests/test_production.py"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 skipped" in run.stdout and "never run under the ci profile" in run.stdout, run.stdout

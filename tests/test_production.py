@@ -23,9 +23,9 @@ from tests.budget import PRODUCTION_EXAMPLES
 
 
 @pytest.fixture(scope="session")
-def production_target(target):
+def production_target(target, pytestconfig):
     """The target, when production examples are to be drawn in this run (else the test is skipped)."""
-    if settings.get_current_profile_name() == "ci":
+    if pytestconfig.rpa_profile == "ci":
         pytest.skip("production examples never run under the ci profile (tens of seconds each)")
     if not drawn_buckets(target.capabilities, large=True):
         pytest.skip("no large bucket selected (--rpa-buckets=production, or the nightly profile's default)")
