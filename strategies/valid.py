@@ -570,10 +570,10 @@ def production_layouts(draw, config: dict, bucket: ProductionBucket) -> tuple[tu
     def log_uniform(high, size):
         return np.floor(np.exp(rng.uniform(0.0, np.log(high + 1), size))).astype(np.int64).clip(1, high)
 
-    # Prefill rows: a share of the rows the decodes leave, split among the prefills.
-    rows_left = tokens - num_decodes
+    # Prefill rows: one each, and a share of the rows the decodes leave split among them.
+    rows_left = tokens - num_decodes - num_prefills
     shares = rng.dirichlet(np.ones(num_prefills)) if num_prefills else np.zeros(0)
-    prefill_q = np.maximum(1, np.floor(shares * rows_left * rng.uniform(0.25, 1.0))).astype(np.int64)
+    prefill_q = 1 + np.floor(shares * rows_left * rng.uniform(0.25, 1.0)).astype(np.int64)
     prefill_q = np.minimum(prefill_q, capacity)
     prefixes = np.where(rng.random(num_prefills) < 0.5, 0, log_uniform(capacity, num_prefills))
     q_lens = np.concatenate([np.ones(num_decodes, np.int64), prefill_q])

@@ -76,7 +76,7 @@ def test_large_draws_need_a_large_selection():
         find(valid_cases(OUR_KERNEL, large=True), lambda case: True)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=valid_cases(SELECTED, large=True))
 def test_production_cases_keep_the_budgets(case):
     q_lens, kv_lens = np.array(case.q_lens), np.array(case.kv_lens)
@@ -90,9 +90,8 @@ def test_production_cases_keep_the_budgets(case):
     assert ((1 <= q_lens) & (q_lens <= kv_lens) & (kv_lens <= case.kv_capacity)).all()
     assert np.ceil(kv_lens / case.page_size).sum() <= case.total_num_pages
     assert (q_lens * kv_lens).sum() * case.num_q_heads <= PRODUCTION.max_work
-    # Decode first, as vLLM orders a batch; at most four prefills.
-    decode = q_lens == 1
-    assert not (np.diff(decode.astype(int)) > 0).any() and (~decode).sum() <= 4
+    # Decode first, as vLLM orders a batch: rows past one only in the last four sequences (the prefills).
+    assert (np.flatnonzero(q_lens > 1) >= case.num_seqs - 4).all()
     # Block sizes: left to the kernel, or upstream's tuned values clipped as upstream clips them.
     if case.num_kv_pages_per_block is not None:
         assert case.num_kv_pages_per_block in {min(p, case.pages_per_seq) for p in TUNED_KV_PAGES_PER_BLOCK}
