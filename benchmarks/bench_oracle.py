@@ -113,7 +113,9 @@ def report(label: str, rows: list[dict]) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--examples", type=int, default=5, help="cases per bucket (default 5)")
     parser.add_argument("--buckets", default=",".join(BUCKETS), help="comma-separated bucket names")
     parser.add_argument("--verbose", action="store_true", help="one line per case")

@@ -175,7 +175,9 @@ def _attend(q_rows, query_positions, chunks, options: Options, value_subnormal):
     for chunk in chunks:
         scores = logits_of(chunk)
         new_top = np.maximum(top, scores[1].max(axis=-1, keepdims=True))
-        denominator = denominator * np.exp(top - new_top) + np.exp(scores[1] - new_top).sum(axis=-1, keepdims=True)
+        denominator = denominator * np.exp(top - new_top) + np.exp(scores[1] - new_top).sum(
+            axis=-1, keepdims=True
+        )
         top = new_top
         if len(chunks) == 1:
             single = scores
@@ -183,7 +185,9 @@ def _attend(q_rows, query_positions, chunks, options: Options, value_subnormal):
     out_shape = q_rows.shape
     pv, abs_pv, flushable_pv = np.zeros(out_shape), np.zeros(out_shape), np.zeros(out_shape)
     # Weighted sums for the two deviation bounds: weights p * eps (logits) and p * A (dot products).
-    sums = {name: np.zeros(out_shape) for name in ("e_vv", "e_v", "e_abs", "a_vv", "a_v", "a_abs", "small_abs")}
+    sums = {
+        name: np.zeros(out_shape) for name in ("e_vv", "e_v", "e_abs", "a_vv", "a_v", "a_abs", "small_abs")
+    }
     totals = {name: np.zeros(rows_shape) for name in ("e", "a", "small")}
     max_dot_abs = np.zeros(rows_shape)
     for chunk in chunks:
@@ -201,9 +205,10 @@ def _attend(q_rows, query_positions, chunks, options: Options, value_subnormal):
         # the flush range are rare: that block joins only when some exist).
         n = probs.shape[1]
         any_flushable = bool(flushable.any())
-        on_abs = np.concatenate(
-            [probs, by_eps, by_dot, small, *([flushable] if any_flushable else [])], axis=1
-        ) @ chunk.abs_v
+        on_abs = (
+            np.concatenate([probs, by_eps, by_dot, small, *([flushable] if any_flushable else [])], axis=1)
+            @ chunk.abs_v
+        )
         on_v = np.concatenate([probs, by_eps, by_dot], axis=1) @ chunk.v
         on_vv = np.concatenate([by_eps, by_dot], axis=1) @ chunk.v_squared
         pv += on_v[:, :n]
@@ -300,9 +305,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
             q_block = _as_float64(q[rows]).reshape(last - first, num_kv_heads, group, head_dim)
             q_block = q_block.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * (last - first), head_dim)
             positions = np.tile(kv_len - q_len + np.arange(first, last), group)[:, None]
-            block_results = _attend(
-                q_block, positions, sequence_chunks or chunks(), options, value_subnormal
-            )
+            block_results = _attend(q_block, positions, sequence_chunks or chunks(), options, value_subnormal)
             to_rows = (num_kv_heads, group, last - first, head_dim)
             for name, value in block_results.items():
                 results[name][rows] = (

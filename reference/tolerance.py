@@ -333,7 +333,8 @@ def result_rows(result, rows: np.ndarray):
     per_row = {
         field.name: getattr(result, field.name)[rows]
         for field in dataclasses.fields(result)
-        if isinstance(getattr(result, field.name), np.ndarray) and getattr(result, field.name).shape[:1] == (length,)
+        if isinstance(getattr(result, field.name), np.ndarray)
+        and getattr(result, field.name).shape[:1] == (length,)
     }
     return dataclasses.replace(result, **per_row)
 

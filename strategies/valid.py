@@ -11,7 +11,6 @@ import dataclasses
 import math
 
 import numpy as np
-
 from hypothesis import event, reject
 from hypothesis import strategies as st
 
@@ -320,7 +319,9 @@ def production_configs(draw, capabilities: Capabilities, bucket: ProductionBucke
     would exceed ``max_output_elements``.
     """
     check_production_space(capabilities, bucket)
-    kv_dtype = draw(st.sampled_from([d for d in capabilities.kv_dtypes if production_heads(capabilities, bucket, d)]))
+    kv_dtype = draw(
+        st.sampled_from([d for d in capabilities.kv_dtypes if production_heads(capabilities, bucket, d)])
+    )
     q_dtype = draw(st.sampled_from(capabilities.q_dtypes))
     num_kv_heads, ratio = draw(st.sampled_from(production_heads(capabilities, bucket, kv_dtype)))
     head_dim = draw(st.sampled_from([d for d in capabilities.head_dims if d in bucket.head_dims]))
@@ -331,7 +332,9 @@ def production_configs(draw, capabilities: Capabilities, bucket: ProductionBucke
     smallest_slots = min(bucket.seq_slots)
     page_sizes = [p for p in _page_sizes_for(capabilities, kv_dtype) if p in bucket.page_sizes]
     page_size = draw(st.sampled_from([p for p in page_sizes if fits(p, smallest_slots)] or page_sizes[:1]))
-    max_num_seqs = draw(st.sampled_from([n for n in bucket.seq_slots if fits(page_size, n)] or [smallest_slots]))
+    max_num_seqs = draw(
+        st.sampled_from([n for n in bucket.seq_slots if fits(page_size, n)] or [smallest_slots])
+    )
     max_model_len = draw(st.sampled_from(bucket.max_model_lens))
     num_q_heads = num_kv_heads * ratio
     tokens = [t for t in bucket.token_budgets if t * num_q_heads * head_dim <= bucket.max_output_elements]
@@ -364,7 +367,11 @@ TUNED_MAX_BLOCK_KEYS = 4096
 def tuned_block_sizes(config: dict) -> st.SearchStrategy[dict]:
     """A (num_kv_pages_per_block, num_queries_per_block) pair from upstream's tuned values for a config."""
     kv_pages = sorted(
-        {min(p, config["pages_per_seq"]) for p in TUNED_KV_PAGES_PER_BLOCK if p * config["page_size"] <= TUNED_MAX_BLOCK_KEYS}
+        {
+            min(p, config["pages_per_seq"])
+            for p in TUNED_KV_PAGES_PER_BLOCK
+            if p * config["page_size"] <= TUNED_MAX_BLOCK_KEYS
+        }
         or {1}
     )
     queries = sorted({min(q, config["max_num_batched_tokens"]) for q in TUNED_QUERIES_PER_BLOCK})
@@ -539,7 +546,9 @@ def layouts(
 
 
 @st.composite
-def production_layouts(draw, config: dict, bucket: ProductionBucket) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def production_layouts(
+    draw, config: dict, bucket: ProductionBucket
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A serving batch: mostly decode, a few long prefills, fitted to the bucket's page and work budgets.
 
     Decode sequences (one query row) have contexts log-uniform up to the model length; up to four prefill
@@ -578,9 +587,13 @@ def production_layouts(draw, config: dict, bucket: ProductionBucket) -> tuple[tu
     prefixes = np.where(rng.random(num_prefills) < 0.5, 0, log_uniform(capacity, num_prefills))
     q_lens = np.concatenate([np.ones(num_decodes, np.int64), prefill_q])
     minimum = q_lens.copy()  # kv_len >= q_len
-    wanted = np.concatenate([log_uniform(capacity, num_decodes), prefill_q + prefixes]).clip(minimum, capacity)
-    while num_prefills and max(q_lens[num_decodes:]) > 1 and (
-        (q_lens * minimum).sum() > max_work or np.ceil(minimum / page_size).sum() > total_pages
+    wanted = np.concatenate([log_uniform(capacity, num_decodes), prefill_q + prefixes]).clip(
+        minimum, capacity
+    )
+    while (
+        num_prefills
+        and max(q_lens[num_decodes:]) > 1
+        and ((q_lens * minimum).sum() > max_work or np.ceil(minimum / page_size).sum() > total_pages)
     ):
         q_lens[num_decodes:] = np.maximum(1, q_lens[num_decodes:] // 2)  # prefills too big for the budgets
         minimum = q_lens.copy()

@@ -39,7 +39,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_unknown_bucket_is_one_error_listing_the_known_ones():
-    with pytest.raises(BucketError, match=r"unknown bucket\(s\) huge, tiniest; known: tiny, small, medium, production"):
+    with pytest.raises(
+        BucketError, match=r"unknown bucket\(s\) huge, tiniest; known: tiny, small, medium, production"
+    ):
         parse_buckets("tiny,huge, tiniest")
 
 
@@ -59,7 +61,9 @@ def test_selection_is_within_the_declared_buckets():
     assert drawn_buckets(SELECTED) == DEFAULT_BUCKETS
     # Declared ones among several are kept; none declared is an error naming the declaration.
     assert select_buckets(UPSTREAM_KERNEL, "small,production").bucket_selection == ("small",)
-    with pytest.raises(BucketError, match=r"production: the target declares buckets tiny,small .* none of these"):
+    with pytest.raises(
+        BucketError, match=r"production: the target declares buckets tiny,small .* none of these"
+    ):
         select_buckets(UPSTREAM_KERNEL, "production")
     with pytest.raises(ValueError, match=r"draws buckets the target does not declare"):
         Capabilities(bucket_selection=("production",))
@@ -80,7 +84,9 @@ def test_large_draws_need_a_large_selection():
 @given(case=valid_cases(SELECTED, large=True))
 def test_production_cases_keep_the_budgets(case):
     q_lens, kv_lens = np.array(case.q_lens), np.array(case.kv_lens)
-    assert case.max_num_seqs in PRODUCTION.seq_slots and case.max_num_batched_tokens in PRODUCTION.token_budgets
+    assert (
+        case.max_num_seqs in PRODUCTION.seq_slots and case.max_num_batched_tokens in PRODUCTION.token_budgets
+    )
     assert case.page_size in PRODUCTION.page_sizes and case.head_dim in PRODUCTION.head_dims
     assert PRODUCTION.q_heads[0] <= case.num_q_heads <= PRODUCTION.q_heads[1]
     assert case.max_num_batched_tokens * case.num_q_heads * case.head_dim <= PRODUCTION.max_output_elements
@@ -95,7 +101,9 @@ def test_production_cases_keep_the_budgets(case):
     # Block sizes: left to the kernel, or upstream's tuned values clipped as upstream clips them.
     if case.num_kv_pages_per_block is not None:
         assert case.num_kv_pages_per_block in {min(p, case.pages_per_seq) for p in TUNED_KV_PAGES_PER_BLOCK}
-        assert case.num_queries_per_block in {min(q, case.max_num_batched_tokens) for q in TUNED_QUERIES_PER_BLOCK}
+        assert case.num_queries_per_block in {
+            min(q, case.max_num_batched_tokens) for q in TUNED_QUERIES_PER_BLOCK
+        }
 
 
 @functools.cache
@@ -103,7 +111,13 @@ def _drawn_production_cases() -> tuple:
     """Cases as the production property draws them (derandomized, no shrinking: conditions are looked up)."""
     cases = []
 
-    @settings(max_examples=300, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=300,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=valid_cases(SELECTED, large=True))
     def collect(case):
         cases.append(case)
@@ -137,7 +151,9 @@ def test_production_configs_reach_the_scale_of_the_issue():
 
 
 def _upstream_tuned_table():
-    spec = importlib.util.find_spec("jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes")
+    spec = importlib.util.find_spec(
+        "jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes"
+    )
     if spec is None:
         pytest.skip("upstream's tuned block-size table is not installed")
     module = importlib.import_module(spec.name)
@@ -154,7 +170,9 @@ def test_tuned_block_sizes_are_upstreams():
 
 
 def test_production_case_arrays_are_deterministic_and_poisoned_outside_the_live_keys():
-    case = _found(lambda c: 8 <= c.num_seqs and c.poison and c.kv_dtype == "bfloat16" and c.total_num_pages < 5000)
+    case = _found(
+        lambda c: 8 <= c.num_seqs and c.poison and c.kv_dtype == "bfloat16" and c.total_num_pages < 5000
+    )
     first, second = case.arrays(), case.arrays()
     for name in first:
         assert first[name].tobytes() == second[name].tobytes(), name
@@ -166,7 +184,10 @@ def test_production_case_arrays_are_deterministic_and_poisoned_outside_the_live_
         assert np.isfinite(keys[:kv_len].astype(np.float32)).all()
         assert np.isnan(keys[kv_len:].astype(np.float32)).all()
         live += kv_len
-    assert np.isnan(kv.astype(np.float32)).reshape(-1, *kv.shape[2:]).all(axis=(1, 2)).sum() == kv.shape[0] * kv.shape[1] - live
+    assert (
+        np.isnan(kv.astype(np.float32)).reshape(-1, *kv.shape[2:]).all(axis=(1, 2)).sum()
+        == kv.shape[0] * kv.shape[1] - live
+    )
     assert kv.dtype == DTYPES["bfloat16"]
 
 

@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 
 from harness.lowering import known_tpu_generations, lower_for_tpu, register_tpu_generation
 from harness.targets import DEFAULT_TARGET
-from strategies.valid import BUCKETS, BucketError, options, production_block_sizes, production_configs, select_buckets
+from strategies.valid import (
+    BUCKETS,
+    BucketError,
+    options,
+    production_block_sizes,
+    production_configs,
+    select_buckets,
+)
 from tests.budget import ANY_CONFIG_EXAMPLES
 
 KERNEL_NAME = "rpa_harness_ragged_paged_attention"
@@ -103,7 +110,8 @@ def _config_shapes(config):
     i32, slots = jnp.int32, config["max_num_seqs"]
     return (
         jax.ShapeDtypeStruct(
-            (config["max_num_batched_tokens"], config["num_q_heads"], config["head_dim"]), jnp.dtype(config["q_dtype"])
+            (config["max_num_batched_tokens"], config["num_q_heads"], config["head_dim"]),
+            jnp.dtype(config["q_dtype"]),
         ),
         jax.ShapeDtypeStruct(
             (config["total_num_pages"], config["page_size"], 2 * config["num_kv_heads"], config["head_dim"]),
@@ -135,7 +143,8 @@ def test_production_configurations_lower_for_v5e_and_v6e(target, production_capa
     drawn = {name: value for name, value in drawn.items() if value is not None}
     for chip in ("v5e", "v6e"):
         _assert_mosaic_call(
-            lower_for_tpu(target.module.ragged_paged_attention, *_config_shapes(config), chip=chip, **drawn), target
+            lower_for_tpu(target.module.ragged_paged_attention, *_config_shapes(config), chip=chip, **drawn),
+            target,
         )
 
 
