@@ -107,7 +107,7 @@ def report(label: str, rows: list[dict]) -> None:
 
     print(
         f"{label:<22} {len(rows):>3}  oracle wall {stat('oracle_wall')} s  cpu {stat('oracle_cpu')} s  "
-        f"compare wall {stat('compare_wall')} s  peak {stat('peak', 2**20)} MiB  inputs "
+        f"compare wall {stat('compare_wall')} s  cpu {stat('compare_cpu')} s  peak {stat('peak', 2**20)} MiB  inputs "
         f"{stat('inputs', 2**20)} MiB"
     )
 
