@@ -22,9 +22,9 @@ import tracemalloc  # noqa: E402
 import numpy as np  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from reference import compare, oracle  # noqa: E402
-from strategies.case import DTYPES, Case  # noqa: E402
-from strategies.valid import (  # noqa: E402
+from rpa_harness.reference import compare, oracle  # noqa: E402
+from rpa_harness.strategies.case import DTYPES, Case  # noqa: E402
+from rpa_harness.strategies.valid import (  # noqa: E402
     BUCKETS,
     LARGE_BUCKETS,
     OUR_KERNEL,

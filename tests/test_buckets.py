@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, find, given, settings
 
-from harness.targets import UPSTREAM_TARGET
-from strategies.case import DTYPES
-from strategies.valid import (
+from rpa_harness.targets import UPSTREAM_TARGET
+from rpa_harness.strategies.case import DTYPES
+from rpa_harness.strategies.valid import (
     BUCKETS,
     DEFAULT_BUCKETS,
     OUR_KERNEL,

@@ -3,7 +3,7 @@
 The cases have production shapes (up to 8,192 query rows, 256-512 sequence slots, up to 128k keys and
 thousands of pages per sequence, 8-64 q heads, head_dim 128/256) and serving layouts (mostly decode, a few
 long prefills, every slot live, one sequence over many KV blocks, every page in use), with block sizes
-left to the kernel or taken from upstream's tuned values (``strategies.valid.ProductionBucket``).
+left to the kernel or taken from upstream's tuned values (``rpa_harness.strategies.valid.ProductionBucket``).
 
 Drawn only when a large bucket is selected (``--rpa-buckets=production``, or by default under the nightly
 profile) and never under the ci profile. On CPU the examples run on the fast interpreter only: the
@@ -16,10 +16,10 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from harness.properties import DIFFERENTIAL, check_differential
-from harness.recording import recorded
-from strategies.valid import drawn_buckets, valid_cases
-from tests.budget import PRODUCTION_EXAMPLES
+from rpa_harness.checks import DIFFERENTIAL, check_differential
+from rpa_harness.recording import recorded
+from rpa_harness.strategies.valid import drawn_buckets, valid_cases
+from rpa_harness.properties.budget import PRODUCTION_EXAMPLES
 
 
 @pytest.fixture(scope="session")

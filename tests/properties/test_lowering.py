@@ -2,7 +2,7 @@
 
 Runs against ``--rpa-target`` when the target opts in (``lowers_for_tpu``; the bundled kernel does): a few
 hand-picked configurations on every generation, and, as a property, the production configurations the
-nightly draws (``strategies.valid.production_configs`` with its options and block sizes) for v5e and v6e.
+nightly draws (``rpa_harness.strategies.valid.production_configs`` with its options and block sizes) for v5e and v6e.
 
 Lowering runs Pallas' TPU lowering rules (block shapes, supported ops, memory spaces, DMA and semaphore
 use) without a TPU; Mosaic's own layout passes run only when libtpu compiles the call, which needs a TPU.
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.lowering import known_tpu_generations, lower_for_tpu, register_tpu_generation
-from harness.targets import DEFAULT_TARGET
-from strategies.valid import (
+from rpa_harness.lowering import known_tpu_generations, lower_for_tpu, register_tpu_generation
+from rpa_harness.targets import DEFAULT_TARGET
+from rpa_harness.strategies.valid import (
     BUCKETS,
     BucketError,
     options,
@@ -24,7 +24,7 @@ from strategies.valid import (
     production_configs,
     select_buckets,
 )
-from tests.budget import ANY_CONFIG_EXAMPLES
+from rpa_harness.properties.budget import ANY_CONFIG_EXAMPLES
 
 KERNEL_NAME = "rpa_harness_ragged_paged_attention"
 
@@ -106,7 +106,7 @@ def test_lowers_over_configurations(target, config, chip):
 
 
 def _config_shapes(config):
-    """The six inputs of a static config (``strategies.valid`` dict) as shapes."""
+    """The six inputs of a static config (``rpa_harness.strategies.valid`` dict) as shapes."""
     i32, slots = jnp.int32, config["max_num_seqs"]
     return (
         jax.ShapeDtypeStruct(
