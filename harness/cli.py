@@ -35,7 +35,7 @@ PROPERTY_TESTS = (
     "tests/properties/test_padding.py",
     "tests/properties/test_lowering.py",
     "tests/properties/test_known_issues.py",
-    "tests/test_production.py",
+    "tests/properties/test_production.py",
 )
 PASSES, FAILS, BAD_FILE, CANNOT_RUN = 0, 1, 2, 3
 

@@ -60,7 +60,7 @@ BUCKETS = {
 # Drawn when no selection is made (--rpa-buckets / RPA_BUCKETS); the nightly profile adds LARGE_BUCKETS.
 DEFAULT_BUCKETS = ("tiny", "small")
 # Buckets whose examples cost seconds to minutes each on CPU: only the production properties draw them (a
-# handful of examples per run, tests/test_production.py); every other property draws the selected small
+# handful of examples per run, tests/properties/test_production.py); every other property draws the selected small
 # buckets, or DEFAULT_BUCKETS when the selection holds only large ones.
 LARGE_BUCKETS = ("production",)
 # Page sizes the small buckets draw (the production bucket has its own).

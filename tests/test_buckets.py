@@ -209,7 +209,7 @@ def test_production_examples_never_run_under_the_ci_profile(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RPA_BUCKETS="production", HYPOTHESIS_PROFILE="ci")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--rpa-backend=fast-interpret",
-         "--rpa-allow-no-numeric", f"--rpa-repro-dir={tmp_path}", "tests/test_production.py"],
+         "--rpa-allow-no-numeric", f"--rpa-repro-dir={tmp_path}", "tests/properties/test_production.py"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
