@@ -7,7 +7,7 @@ rpa-harness replay FILE [--target MODULE] [--backend NAME] [--interpreter-compat
     recognised interpreter limitation, a backend that is absent or not declared, or an error other than
     the recorded one).
 rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repro-dir DIR] [--junit FILE]
-                [-- PYTEST ARGS]
+                [--buckets NAME,...] [-- PYTEST ARGS]
     runs pytest on the properties and ends with a table: property, examples, result, repros, coverage,
     and the declared known issues (cases avoided, whether each still reproduces).
 rpa-harness report FILE [--target MODULE] [--backend NAME] [--run-script]
@@ -227,6 +227,8 @@ def run(args) -> int:
             f"--hypothesis-profile={args.profile}", f"--rpa-target={args.target}", f"--rpa-backend={args.backend}",
             f"--rpa-repro-dir={args.repro_dir}", f"--junitxml={junit}", "-q",
         ]  # fmt: skip
+        if args.buckets:
+            command.append(f"--rpa-buckets={args.buckets}")
         if args.n and args.n > 1:
             command += ["-n", str(args.n)]
         command += args.pytest_args
@@ -396,6 +398,9 @@ def main(argv=None) -> int:
     run_parser.add_argument("-n", type=int, default=2, help="pytest-xdist workers (default 2)")
     run_parser.add_argument("--repro-dir", default=repro_files.DEFAULT_REPRO_DIR)
     run_parser.add_argument("--junit", help="also keep pytest's JUnit XML report in this file")
+    run_parser.add_argument(
+        "--buckets", help="shape buckets to draw, comma-separated (--rpa-buckets; default: the profile's)"
+    )
     run_parser.add_argument("pytest_args", nargs="*", help="passed to pytest after --")
     report_parser = commands.add_parser("report", help="print an upstream-ready bug report for a repro")
     report_parser.add_argument("file")

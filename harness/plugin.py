@@ -15,6 +15,9 @@ Options (each also read from an environment variable):
   --rpa-allow-no-numeric        RPA_ALLOW_NO_NUMERIC=1  a run in which no numeric property ran may pass
   --rpa-precision=NAME[,NAME]   RPA_PRECISION       precision contract(s) the target is judged under
                                                     (default: its RPA_HARNESS_PRECISION, else float32)
+  --rpa-buckets=NAME[,NAME...]  RPA_BUCKETS         shape buckets drawn (default: tiny,small; the nightly
+                                                    profile adds production), within the target's declared
+                                                    Capabilities.buckets (none of them: a usage error)
   --rpa-known-issues=auto|none|NAME[,NAME...]
                                 RPA_KNOWN_ISSUES    known issues whose cases are not drawn (default: auto, the
                                                     target's declaration; see harness/known_issues.py)
@@ -39,6 +42,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from rpa_harness import backends, checks, known_issues, repro, runlog, targets
 from rpa_harness.reference.tolerance import CONTRACTS, PrecisionError, parse_precision
+from rpa_harness.strategies.valid import BucketError, select_buckets
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
 
@@ -121,11 +125,32 @@ def pytest_addoption(parser):
         "cases are not drawn and whose repros must still fail",
     )
     group.addoption(
+        BUCKETS_OPTION,
+        default=os.environ.get("RPA_BUCKETS", ""),
+        help="shape buckets to draw, comma-separated (default: tiny,small, plus production under the nightly "
+        "profile); only the target's declared Capabilities.buckets are drawn",
+    )
+    group.addoption(
         "--rpa-allow-no-numeric",
         action="store_true",
         default=os.environ.get("RPA_ALLOW_NO_NUMERIC", "") not in ("", "0"),
         help="let a run pass in which every numeric property was skipped (default: such a run exits 5)",
     )
+
+
+BUCKETS_OPTION = "--rpa-buckets"
+
+
+def _select_buckets(config) -> None:
+    """The target's capabilities draw the chosen buckets (``strategies.valid.select_buckets``)."""
+    target = config.rpa_target
+    try:
+        capabilities = select_buckets(
+            target.capabilities, config.getoption(BUCKETS_OPTION), profile=config.rpa_profile
+        )
+    except BucketError as error:
+        raise pytest.UsageError(f"{BUCKETS_OPTION}: {error} (target {target.name})") from None
+    config.rpa_target = dataclasses.replace(target, capabilities=capabilities)
 
 
 NUMERIC = "rpa_numeric"
@@ -175,6 +200,7 @@ def pytest_configure_after_hypothesis(config):
     config.addinivalue_line(
         "markers", f"{REQUIRES}(capability, reason=None): skip unless the target's Capabilities opt in"
     )
+    config.rpa_profile = settings.get_current_profile_name()  # before RPA_MAX_EXAMPLES renames it "sized"
     if os.environ.get("RPA_MAX_EXAMPLES"):  # resize the chosen profile (benchmarks, long local runs)
         settings.register_profile(
             "sized", parent=settings.default, max_examples=int(os.environ["RPA_MAX_EXAMPLES"])
@@ -198,6 +224,7 @@ def pytest_configure_after_hypothesis(config):
     except known_issues.KnownIssueError as error:
         raise pytest.UsageError(str(error)) from None
     config.rpa_target = dataclasses.replace(config.rpa_target, known_issues=declared)
+    _select_buckets(config)
     compat = config.getoption("--rpa-interpreter-compat") == "on"
     try:
         chosen = backends.resolve(config.getoption("--rpa-backend"))

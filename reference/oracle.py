@@ -17,8 +17,12 @@ import numpy as np
 from rpa_harness.reference.tolerance import key_error_units
 from rpa_harness.spec.interface import Options, static_validate_inputs, takes_options
 
-# Upper bound on the elements of one [heads, rows, keys] float64 block.
+# Upper bound on the elements of one float64 work array: a [kv heads, rows, keys] block of logits, or
+# one chunk of K or V ([kv heads, keys, dim]). About twenty such arrays are alive at once, so the working
+# set stays a few hundred MiB whatever the shapes; what grows with the case is the result (7 x [T, H, D]).
 _MAX_BLOCK_ELEMENTS = 1 << 21
+# Longest key chunk: past this, more keys per matrix product buy no speed.
+_MAX_CHUNK_KEYS = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +75,6 @@ def _half_smallest_subnormal(dtype) -> float:
     return float(ml_dtypes.finfo(dtype).smallest_subnormal) / 2
 
 
-def _weighted_deviation(weights, v, o):
-    """Bound on sum_k weights_k |v_k - o| (weights >= 0): the smaller of the triangle inequality and
-    Cauchy-Schwarz, sqrt(sum w * sum w (v - o)^2)."""
-    weight_total = weights.sum(axis=-1, keepdims=True)
-    spread = weights @ (v * v) - 2 * o * (weights @ v) + o * o * weight_total
-    cauchy_schwarz = np.sqrt(weight_total * np.maximum(spread, 0.0))
-    triangle = weights @ np.abs(v) + np.abs(o) * weight_total
-    return np.minimum(cauchy_schwarz, triangle)
-
-
 def _check_live_metadata(num_tokens, page_size, pages_per_seq, total_num_pages, kv_lens, cu_q_lens, pages, n):
     """Raises ValueError if the live metadata would make the oracle read outside its inputs."""
     if not 0 <= n <= len(kv_lens):
@@ -105,13 +99,163 @@ def _check_live_metadata(num_tokens, page_size, pages_per_seq, total_num_pages, 
             )
 
 
+def _logits(q_rows, k, masked, options: Options):
+    """The per-element math of one block of logits; every score semantic of the specification is here.
+
+    ``q_rows`` [kv heads, rows, dim] and ``k`` [kv heads, keys, dim] are float64 (K as the specification
+    reads it, see ``_scaled``), ``masked`` [rows, keys] is True where the causal mask or the sliding window
+    hides the key, ``options`` are ``Options.semantics()``. Returns ``(raw, logits, dot_abs)``, each
+    [kv heads, rows, keys]: ``raw = sm_scale * q.k`` before the soft cap; ``logits`` after the soft cap and
+    the mask (upstream adds ``mask_value`` to a masked logit); ``dot_abs = |sm_scale| * sum_i |q_i k_i|``,
+    the dot product's condition, which the error bound needs.
+    """
+    raw = options.sm_scale * (q_rows @ k.transpose(0, 2, 1))
+    dot_abs = abs(options.sm_scale) * (np.abs(q_rows) @ np.abs(k).transpose(0, 2, 1))
+    soft_cap = options.soft_cap
+    logits = raw if soft_cap is None else soft_cap * np.tanh(raw / soft_cap)
+    return raw, logits + np.where(masked, options.mask_value, 0.0), dot_abs
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeyChunk:
+    """Consecutive keys of one sequence, upcast once: positions and float64 K, V, |V|, V^2."""
+
+    positions: np.ndarray  # int [keys]
+    k: np.ndarray  # [kv heads, keys, dim]
+    v: np.ndarray
+    abs_v: np.ndarray
+    v_squared: np.ndarray
+
+
+def _key_chunks(kv_pages, pages, kv_len, chunk_keys, options: Options, q_dtype) -> list[_KeyChunk]:
+    """The sequence's keys ``[0, kv_len)`` in chunks of ``chunk_keys`` (a multiple of the page size), read
+    from its pages only (page tails past kv_len are never read)."""
+    _, page_size, num_combined_kv_heads, head_dim = kv_pages.shape
+    chunks = []
+    for first in range(0, kv_len, chunk_keys):
+        last = min(kv_len, first + chunk_keys)
+        kv = kv_pages[pages[first // page_size : -(-last // page_size)]]
+        kv = kv.reshape(-1, num_combined_kv_heads, head_dim)[: last - first]
+        k = _scaled(kv[:, 0::2], options.k_scale, q_dtype).transpose(1, 0, 2)
+        v = _scaled(kv[:, 1::2], options.v_scale, q_dtype).transpose(1, 0, 2)
+        chunks.append(_KeyChunk(np.arange(first, last), k, v, np.abs(v), v * v))
+    return chunks
+
+
+def _deviation_bound(weight_total, weighted_v_squared, weighted_v, weighted_abs_v, o):
+    """Bound on sum_k w_k |v_k - o| (w >= 0) from the weighted sums: the smaller of the triangle inequality
+    and Cauchy-Schwarz, sqrt(sum w * sum w (v - o)^2)."""
+    spread = weighted_v_squared - 2 * o * weighted_v + o * o * weight_total
+    cauchy_schwarz = np.sqrt(weight_total * np.maximum(spread, 0.0))
+    triangle = weighted_abs_v + np.abs(o) * weight_total
+    return np.minimum(cauchy_schwarz, triangle)
+
+
+def _attend(q_rows, query_positions, chunks, options: Options, value_subnormal):
+    """Float64 attention of a block of rows over a sequence's key chunks, with the bound ingredients.
+
+    ``q_rows`` [kv heads, rows, dim], ``query_positions`` [rows, 1]. Two passes over the chunks: the first
+    finds each row's max logit and softmax denominator (online, exact to float64 rounding), the second
+    accumulates every weighted sum the result needs, so no [rows, kv_len] array is ever whole. Returns the
+    seven ``OracleResult`` quantities for these rows, each [kv heads, rows, dim].
+    """
+    head_dim = q_rows.shape[-1]
+
+    def logits_of(chunk):
+        keys = chunk.positions[None, :]
+        masked = keys > query_positions
+        if options.sliding_window is not None:
+            masked |= query_positions - options.sliding_window >= keys
+        return _logits(q_rows, chunk.k, masked, options)
+
+    rows_shape = (*q_rows.shape[:2], 1)
+    top = np.full(rows_shape, -np.inf)
+    denominator = np.zeros(rows_shape)
+    single = None
+    for chunk in chunks:
+        scores = logits_of(chunk)
+        new_top = np.maximum(top, scores[1].max(axis=-1, keepdims=True))
+        denominator = denominator * np.exp(top - new_top) + np.exp(scores[1] - new_top).sum(
+            axis=-1, keepdims=True
+        )
+        top = new_top
+        if len(chunks) == 1:
+            single = scores
+
+    out_shape = q_rows.shape
+    pv, abs_pv, flushable_pv = np.zeros(out_shape), np.zeros(out_shape), np.zeros(out_shape)
+    # Weighted sums for the two deviation bounds: weights p * eps (logits) and p * A (dot products).
+    sums = {
+        name: np.zeros(out_shape) for name in ("e_vv", "e_v", "e_abs", "a_vv", "a_v", "a_abs", "small_abs")
+    }
+    totals = {name: np.zeros(rows_shape) for name in ("e", "a", "small")}
+    max_dot_abs = np.zeros(rows_shape)
+    for chunk in chunks:
+        raw, logits, dot_abs = single if single is not None else logits_of(chunk)
+        weights = np.exp(logits - top)
+        probs = weights / denominator
+        with np.errstate(invalid="ignore", over="ignore"):
+            eps = key_error_units(dot_abs, raw, logits, top - logits, head_dim)
+            by_eps = np.where(probs > 0, probs * eps, 0.0)
+        live_dot_abs = np.where(probs > 0, dot_abs, 0.0)
+        by_dot = probs * live_dot_abs
+        small = np.minimum(probs, value_subnormal)
+        flushable = np.where(weights < 2.0**-125, probs, 0.0)
+        # One matrix product per value operand, the weight blocks stacked along the rows (weights in
+        # the flush range are rare: that block joins only when some exist).
+        n = probs.shape[1]
+        any_flushable = bool(flushable.any())
+        on_abs = (
+            np.concatenate([probs, by_eps, by_dot, small, *([flushable] if any_flushable else [])], axis=1)
+            @ chunk.abs_v
+        )
+        on_v = np.concatenate([probs, by_eps, by_dot], axis=1) @ chunk.v
+        on_vv = np.concatenate([by_eps, by_dot], axis=1) @ chunk.v_squared
+        pv += on_v[:, :n]
+        abs_pv += on_abs[:, :n]
+        sums["e_abs"] += on_abs[:, n : 2 * n]
+        sums["a_abs"] += on_abs[:, 2 * n : 3 * n]
+        sums["small_abs"] += on_abs[:, 3 * n : 4 * n]
+        if any_flushable:
+            flushable_pv += on_abs[:, 4 * n :]
+        sums["e_v"] += on_v[:, n : 2 * n]
+        sums["a_v"] += on_v[:, 2 * n :]
+        sums["e_vv"] += on_vv[:, :n]
+        sums["a_vv"] += on_vv[:, n:]
+        totals["e"] += by_eps.sum(axis=-1, keepdims=True)
+        totals["a"] += by_dot.sum(axis=-1, keepdims=True)
+        totals["small"] += small.sum(axis=-1, keepdims=True)
+        max_dot_abs = np.maximum(max_dot_abs, live_dot_abs.max(axis=-1, keepdims=True))
+
+    o = pv
+    return dict(
+        out=o,
+        abs_pv=abs_pv,
+        flushable_pv=flushable_pv,
+        logit_sensitivity=_deviation_bound(totals["e"], sums["e_vv"], sums["e_v"], sums["e_abs"], o),
+        dot_sensitivity=_deviation_bound(totals["a"], sums["a_vv"], sums["a_v"], sums["a_abs"], o),
+        max_dot_abs=np.broadcast_to(max_dot_abs, out_shape),
+        value_underflow=sums["small_abs"] + np.abs(o) * totals["small"],
+    )
+
+
+def _chunk_sizes(num_q_heads, num_kv_heads, head_dim, page_size, kv_len) -> tuple[int, int]:
+    """(keys per chunk, query tokens per row block) keeping every work array under _MAX_BLOCK_ELEMENTS."""
+    keys = min(_MAX_CHUNK_KEYS, _MAX_BLOCK_ELEMENTS // (num_kv_heads * head_dim))
+    keys = max(page_size, keys // page_size * page_size)
+    keys = min(keys, -(-kv_len // page_size) * page_size)
+    return keys, max(1, _MAX_BLOCK_ELEMENTS // (num_q_heads * keys))
+
+
 @takes_options
 def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Options) -> OracleResult:
-    """Float64 ragged paged attention; same signature as the kernel (block and VMEM options are ignored)."""
+    """Float64 ragged paged attention; same signature as the kernel (block and VMEM options are ignored).
+
+    Streamed: each sequence's query rows are taken in blocks and its keys in page-aligned chunks, so the
+    memory beyond the inputs and the result is bounded whatever kv_len is.
+    """
     static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options.keywords())
     options = options.semantics()
-    sm_scale, sliding_window, soft_cap = options.sm_scale, options.sliding_window, options.soft_cap
-    mask_value, k_scale, v_scale = options.mask_value, options.k_scale, options.v_scale
     q = np.asarray(q)
     kv_pages = np.asarray(kv_pages)
     kv_lens = np.asarray(kv_lens).astype(np.int64)
@@ -128,14 +272,11 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
     )
 
     shape = (num_tokens, num_q_heads, head_dim)
-    out = np.full(shape, np.nan)
-    abs_pv = np.zeros(shape)
-    flushable_pv = np.zeros(shape)
-    sensitivity = np.zeros(shape)
-    dot_sensitivity = np.zeros(shape)
-    max_dot_abs = np.zeros(shape)
-    value_underflow = np.zeros(shape)
-    value_dtype = _value_dtype(kv_pages.dtype, v_scale, q.dtype)
+    quantities = ("out", "abs_pv", "flushable_pv", "logit_sensitivity", "dot_sensitivity", "max_dot_abs",
+                  "value_underflow")  # fmt: skip
+    results = {name: np.zeros(shape) for name in quantities}
+    results["out"][:] = np.nan
+    value_dtype = _value_dtype(kv_pages.dtype, options.v_scale, q.dtype)
     value_subnormal = _half_smallest_subnormal(value_dtype)
     row_sequence = np.full(num_tokens, -1)
     row_token = np.full(num_tokens, -1)
@@ -149,65 +290,37 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
         row_kv_len[q_start:q_end] = kv_len
         if q_len == 0:
             continue
-        pages = page_indices[i, : -(-kv_len // page_size)]
-        kv = kv_pages[pages].reshape(-1, num_combined_kv_heads, head_dim)[:kv_len]
-        # [kv heads, keys, dim]
-        k = _scaled(kv[:, 0::2], k_scale, q.dtype).transpose(1, 0, 2)
-        v = _scaled(kv[:, 1::2], v_scale, q.dtype).transpose(1, 0, 2)
-        keys = np.arange(kv_len)
-        block = max(1, _MAX_BLOCK_ELEMENTS // (num_q_heads * kv_len))
+        chunk_keys, block = _chunk_sizes(num_q_heads, num_kv_heads, head_dim, page_size, kv_len)
+        pages = page_indices[i]
+        whole = kv_len <= chunk_keys  # one chunk: upcast once for every row block
+
+        def chunks(pages=pages, kv_len=kv_len, chunk_keys=chunk_keys):
+            return _key_chunks(kv_pages, pages, kv_len, chunk_keys, options, q.dtype)
+
+        sequence_chunks = chunks() if whole else None
         for first in range(0, q_len, block):
             last = min(q_len, first + block)
             rows = slice(q_start + first, q_start + last)
             # [kv heads, group * rows, dim], rows fastest within a group.
             q_block = _as_float64(q[rows]).reshape(last - first, num_kv_heads, group, head_dim)
             q_block = q_block.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * (last - first), head_dim)
-            raw = sm_scale * (q_block @ k.transpose(0, 2, 1))
-            dot_abs = abs(sm_scale) * (np.abs(q_block) @ np.abs(k).transpose(0, 2, 1))
-            logits = raw if soft_cap is None else soft_cap * np.tanh(raw / soft_cap)
             positions = np.tile(kv_len - q_len + np.arange(first, last), group)[:, None]
-            masked = keys[None, :] > positions
-            if sliding_window is not None:
-                masked |= positions - sliding_window >= keys[None, :]
-            logits = logits + np.where(masked, mask_value, 0.0)
-            top = logits.max(axis=-1, keepdims=True)
-            weights = np.exp(logits - top)
-            probs = weights / weights.sum(axis=-1, keepdims=True)
-            o = probs @ v
-            with np.errstate(invalid="ignore", over="ignore"):
-                eps = key_error_units(dot_abs, raw, logits, top - logits, head_dim)
-                weighted = np.where(probs > 0, probs * eps, 0.0)
-            live_dot_abs = np.where(probs > 0, dot_abs, 0.0)
-            small_probs = np.minimum(probs, value_subnormal)
+            block_results = _attend(q_block, positions, sequence_chunks or chunks(), options, value_subnormal)
             to_rows = (num_kv_heads, group, last - first, head_dim)
-            for target, value in (
-                (out, o),
-                (abs_pv, probs @ np.abs(v)),
-                (flushable_pv, np.where(weights < 2.0**-125, probs, 0.0) @ np.abs(v)),
-                (sensitivity, _weighted_deviation(weighted, v, o)),
-                (dot_sensitivity, _weighted_deviation(probs * live_dot_abs, v, o)),
-                (max_dot_abs, np.broadcast_to(live_dot_abs.max(axis=-1, keepdims=True), o.shape)),
-                (value_underflow, small_probs @ np.abs(v) + np.abs(o) * small_probs.sum(-1, keepdims=True)),
-            ):
-                target[rows] = (
+            for name, value in block_results.items():
+                results[name][rows] = (
                     value.reshape(to_rows).transpose(2, 0, 1, 3).reshape(last - first, -1, head_dim)
                 )
 
     return OracleResult(
-        out=out,
         out_dtype=q.dtype,
         q_dtype=q.dtype,
         kv_dtype=kv_pages.dtype,
         row_sequence=row_sequence,
         row_token=row_token,
         row_kv_len=row_kv_len,
-        abs_pv=abs_pv,
-        logit_sensitivity=sensitivity,
-        flushable_pv=flushable_pv,
         page_size=page_size,
-        key_dtype=_value_dtype(kv_pages.dtype, k_scale, q.dtype),
+        key_dtype=_value_dtype(kv_pages.dtype, options.k_scale, q.dtype),
         value_dtype=value_dtype,
-        dot_sensitivity=dot_sensitivity,
-        max_dot_abs=max_dot_abs,
-        value_underflow=value_underflow,
+        **results,
     )

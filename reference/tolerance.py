@@ -315,19 +315,50 @@ def candidate_contracts(precision=DEFAULT_PRECISION) -> list[tuple[str, ...]]:
     return candidates
 
 
-def diagnose(error, finite, result, rows, precision=DEFAULT_PRECISION) -> str:
+# Output elements judged at once: bounds and ratios are computed for blocks of rows of about this size, so
+# a comparison needs a few times 32 MiB beyond the kernel output and the oracle result.
+_ELEMENTS_PER_BLOCK = 1 << 22
+
+
+def _row_blocks(result, rows: np.ndarray):
+    """Consecutive pieces of ``rows`` of about _ELEMENTS_PER_BLOCK output elements each."""
+    per_row = int(np.prod(result.out.shape[1:]))
+    step = max(1, _ELEMENTS_PER_BLOCK // max(per_row, 1))
+    return [rows[i : i + step] for i in range(0, len(rows), step)]
+
+
+def result_rows(result, rows: np.ndarray):
+    """``result`` (an ``OracleResult``) restricted to the given output rows: every per-row array indexed."""
+    length = len(result.row_sequence)
+    per_row = {
+        field.name: getattr(result, field.name)[rows]
+        for field in dataclasses.fields(result)
+        if isinstance(getattr(result, field.name), np.ndarray)
+        and getattr(result, field.name).shape[:1] == (length,)
+    }
+    return dataclasses.replace(result, **per_row)
+
+
+def diagnose(actual, result, rows, precision=DEFAULT_PRECISION) -> str:
     """Names the tightest contract under which the observed errors are within the bound: among the
     candidates (``candidate_contracts``) that accept every element, the one with the smallest median bound
     over the checked elements. Non-finite values are explained by no contract."""
-    if not finite.all():
+    blocks = _row_blocks(result, rows)
+    if not all(np.isfinite(_as_float64(actual, block)).all() for block in blocks):
         return "no precision contract explains non-finite values (NaN or Inf where the oracle is finite)"
     accepted, loosest = [], None
     for candidate in candidate_contracts(precision):
-        bound = error_bound(result, precision=candidate)[rows]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = float(np.max(error / bound)) if error.size else 0.0
+        ratio, bounds = 0.0, []
+        for block in blocks:
+            piece = result_rows(result, block)
+            bound = error_bound(piece, precision=candidate)
+            error = np.abs(_as_float64(actual, block) - piece.out)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                ratio = max(ratio, float(np.max(error / bound)) if error.size else 0.0)
+            bounds.append(bound.reshape(-1))
         if ratio <= 1.0:
-            accepted.append((float(np.median(bound)), ratio, candidate))
+            median = float(np.median(np.concatenate(bounds))) if bounds else 0.0
+            accepted.append((median, ratio, candidate))
         if len(candidate) == len(CONTRACTS):
             loosest = ratio
     if accepted:
@@ -342,53 +373,62 @@ def diagnose(error, finite, result, rows, precision=DEFAULT_PRECISION) -> str:
     return f"no precision contract explains it{tail}: a bug"
 
 
+def _as_float64(actual, rows) -> np.ndarray:
+    return np.asarray(actual[rows]).astype(np.float64)
+
+
 def compare(actual, result, *, label="kernel", precision=DEFAULT_PRECISION) -> Comparison:
     """Checks ``actual`` (``[T, num_q_heads, head_dim]``, any array type) against an ``OracleResult`` under
-    the precision contract(s) ``precision`` (names from ``CONTRACTS``)."""
+    the precision contract(s) ``precision`` (names from ``CONTRACTS``).
+
+    Judged in blocks of rows, so the memory it needs beyond its inputs is bounded whatever T is."""
     precision = parse_precision(precision)
     actual_dtype = np.dtype(getattr(actual, "dtype", np.float64))
-    values = np.asarray(actual).astype(np.float64)
-    if values.shape != result.out.shape:
+    actual = np.asarray(actual)
+    if actual.shape != result.out.shape:
         raise ValueError(
-            f"{label} output has shape {values.shape} but the oracle's is {result.out.shape} "
+            f"{label} output has shape {actual.shape} but the oracle's is {result.out.shape} "
             "([max_num_batched_tokens, num_q_heads, head_dim]); pass the kernel's full output."
         )
     rows = np.flatnonzero(result.row_sequence >= 0)
-    got = values[rows]
-    expected = result.out[rows]
-    bound = error_bound(result, precision=precision)[rows]
-    finite = np.isfinite(got)
-    error = np.abs(got - expected)
-    ratio = np.where(finite, error / bound, np.inf)
-    worst = None
-    if ratio.size:
+    num_over = nonfinite = 0
+    max_ratio, worst = 0.0, None
+    for block in _row_blocks(result, rows):
+        piece = result_rows(result, block)
+        got = _as_float64(actual, block)
+        bound = error_bound(piece, precision=precision)
+        finite = np.isfinite(got)
+        error = np.abs(got - piece.out)
+        ratio = np.where(finite, error / bound, np.inf)
+        num_over += int(np.count_nonzero(finite & (ratio > 1.0)))
+        nonfinite += int(np.count_nonzero(~finite))
         r, head, dim = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
-        row = int(rows[r])
-        worst = Mismatch(
-            sequence=int(result.row_sequence[row]),
-            token=int(result.row_token[row]),
-            row=row,
-            head=int(head),
-            dim=int(dim),
-            actual=float(got[r, head, dim]),
-            expected=float(expected[r, head, dim]),
-            error=float(error[r, head, dim]),
-            bound=float(bound[r, head, dim]),
-        )
-    num_over = int(np.count_nonzero(finite & (ratio > 1.0)))
-    nonfinite = int(np.count_nonzero(~finite))
+        if worst is None or ratio[r, head, dim] > max_ratio:
+            max_ratio = float(ratio[r, head, dim])
+            row = int(block[r])
+            worst = Mismatch(
+                sequence=int(result.row_sequence[row]),
+                token=int(result.row_token[row]),
+                row=row,
+                head=int(head),
+                dim=int(dim),
+                actual=float(got[r, head, dim]),
+                expected=float(piece.out[r, head, dim]),
+                error=float(error[r, head, dim]),
+                bound=float(bound[r, head, dim]),
+            )
     numeric_failure = num_over > 0 or nonfinite > 0
     return Comparison(
         label=label,
-        num_checked=int(ratio.size),
+        num_checked=int(rows.size * np.prod(result.out.shape[1:])),
         num_over=num_over,
         nonfinite=nonfinite,
-        max_ratio=float(ratio.max()) if ratio.size else 0.0,
+        max_ratio=max_ratio,
         worst=worst,
         actual_dtype=actual_dtype,
         expected_dtype=np.dtype(result.out_dtype),
         q_dtype=np.dtype(result.q_dtype),
         kv_dtype=np.dtype(result.kv_dtype),
         precision=precision,
-        diagnosis=diagnose(error, finite, result, rows, precision) if numeric_failure else "",
+        diagnosis=diagnose(actual, result, rows, precision) if numeric_failure else "",
     )

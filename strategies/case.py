@@ -189,14 +189,18 @@ class Case(Options):
 
     def _padded(self, values: np.ndarray, is_live: np.ndarray) -> np.ndarray:
         """``values`` at the True positions of ``is_live`` (the leading axes), padding at the others."""
-        out = np.empty(is_live.shape + values.shape[1:], values.dtype)
-        out[is_live] = values
+        shape = is_live.shape + values.shape[1:]
         if self.poison:
-            out[~is_live] = np.nan
-        elif len(values):
-            out[~is_live] = values[np.arange(int((~is_live).sum())) % len(values)]
+            # NaN written through an integer view: filling ml_dtypes arrays directly is ~30x slower.
+            out = np.empty(shape, values.dtype)
+            bits = np.dtype(f"u{values.dtype.itemsize}")
+            out.view(bits)[...] = np.array(np.nan, values.dtype).view(bits)
         else:
-            out[~is_live] = 0
+            out = np.empty(shape, values.dtype)
+            dead = int(is_live.size - len(values))
+            # Copies of the live values, cycled in order over the dead positions (zeros if none is live).
+            out[~is_live] = np.resize(values, (dead, *values.shape[1:])) if len(values) else 0
+        out[is_live] = values
         return out
 
     def to_json(self) -> str:

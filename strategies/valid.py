@@ -10,6 +10,7 @@ behind a branch the shrinker can turn off.
 import dataclasses
 import math
 
+import numpy as np
 from hypothesis import event, reject
 from hypothesis import strategies as st
 
@@ -26,11 +27,94 @@ class Bucket:
     max_kv_len: int
 
 
+@dataclasses.dataclass(frozen=True)
+class ProductionBucket:
+    """Serving-scale shapes, drawn per example from the choices below within three budgets.
+
+    The choices follow the keys of upstream's tuned block-size tables (jax's
+    ``ragged_paged_attention/tuned_block_sizes.py``: max_num_batched_tokens 512-4096, page sizes 16-256,
+    max_model_len = page_size * pages_per_seq; tpu-inference v3's: 8-128 q heads, head_dim 128/256, model
+    lengths to 8k) widened to what serving uses (8,192 tokens, 512 slots, 128k keys per sequence). The
+    budgets keep one example affordable on one CPU core: the oracle's result (seven float64 arrays of
+    ``T * q_heads * head_dim``), the KV cache (which Case.arrays fills whole), and the attention work of the layout (query rows times
+    keys times q heads, which is what the oracle and an interpreted kernel spend their time on).
+    """
+
+    token_budgets: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)  # max_num_batched_tokens
+    seq_slots: tuple[int, ...] = (256, 512)  # max_num_seqs
+    max_model_lens: tuple[int, ...] = (4096, 32768, 131072)  # page_size * pages_per_seq
+    page_sizes: tuple[int, ...] = (16, 32, 64, 128, 256)
+    q_heads: tuple[int, int] = (8, 64)  # num_q_heads drawn in this range (from num_kv_heads * gqa_ratio)
+    head_dims: tuple[int, ...] = (128, 256)
+    max_output_elements: int = 1 << 25  # T * num_q_heads * head_dim: 256 MiB per float64 result array
+    kv_cache_bytes: int = 128 * 2**20  # total_num_pages * page bytes; at least two pages per slot
+    max_work: int = 1 << 24  # sum over sequences of q_len * kv_len * num_q_heads
+
+
 BUCKETS = {
     "tiny": Bucket(max_num_batched_tokens=8, max_num_seqs=2, max_kv_len=32),
     "small": Bucket(max_num_batched_tokens=32, max_num_seqs=4, max_kv_len=96),
     "medium": Bucket(max_num_batched_tokens=128, max_num_seqs=8, max_kv_len=512),
+    "production": ProductionBucket(),
 }
+# Drawn when no selection is made (--rpa-buckets / RPA_BUCKETS); the nightly profile adds LARGE_BUCKETS.
+DEFAULT_BUCKETS = ("tiny", "small")
+# Buckets whose examples cost seconds to minutes each on CPU: only the production properties draw them (a
+# handful of examples per run, tests/properties/test_production.py); every other property draws the selected small
+# buckets, or DEFAULT_BUCKETS when the selection holds only large ones.
+LARGE_BUCKETS = ("production",)
+# Page sizes the small buckets draw (the production bucket has its own).
+SMALL_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class BucketError(ValueError):
+    """An unknown bucket name, or a selection the target cannot draw; the message says which and why."""
+
+
+def parse_buckets(text: str) -> tuple[str, ...]:
+    """Bucket names from ``NAME[,NAME...]`` (empty: no selection); unknown names are one error."""
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in BUCKETS]
+    if unknown:
+        raise BucketError(f"unknown bucket(s) {', '.join(unknown)}; known: {', '.join(BUCKETS)}")
+    return names
+
+
+def select_buckets(capabilities: "Capabilities", text: str, *, profile: str | None = None) -> "Capabilities":
+    """``capabilities`` drawing from the buckets named in ``text`` that the target declares.
+
+    No names: DEFAULT_BUCKETS, plus LARGE_BUCKETS under the nightly profile, within the declaration. Names
+    of which the target declares none raise BucketError (a usage error, nothing would be drawn); declared
+    ones among several are kept.
+    """
+    names = parse_buckets(text)
+    if not names:
+        defaults = DEFAULT_BUCKETS + (LARGE_BUCKETS if profile == "nightly" else ())
+        chosen = tuple(name for name in defaults if name in capabilities.buckets)
+        return dataclasses.replace(capabilities, bucket_selection=chosen or None)
+    chosen = tuple(name for name in names if name in capabilities.buckets)
+    if not chosen:
+        raise BucketError(
+            f"{','.join(names)}: the target declares buckets {','.join(capabilities.buckets)} "
+            "(Capabilities.buckets) and none of these; choose among the declared ones"
+        )
+    for name in chosen:
+        if isinstance(BUCKETS[name], ProductionBucket):
+            check_production_space(capabilities, BUCKETS[name])
+    return dataclasses.replace(capabilities, bucket_selection=chosen)
+
+
+def drawn_buckets(capabilities: "Capabilities", *, large: bool = False) -> tuple[str, ...]:
+    """The selected buckets of one scale: large ones (possibly none) or small ones (never none)."""
+    selection = capabilities.bucket_selection or tuple(
+        name for name in DEFAULT_BUCKETS if name in capabilities.buckets
+    )
+    if large:
+        return tuple(name for name in selection if name in LARGE_BUCKETS)
+    small = tuple(name for name in selection if name not in LARGE_BUCKETS)
+    declared = tuple(name for name in capabilities.buckets if name not in LARGE_BUCKETS)
+    defaults = tuple(name for name in DEFAULT_BUCKETS if name in declared)
+    return small or defaults or declared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +122,7 @@ class Capabilities:
     """What a target supports; strategies draw only inside it. Defaults: the whole specified space."""
 
     head_dims: tuple[int, ...] = (64, 128, 256)
-    page_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    page_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     q_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     kv_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2")
     num_kv_heads: tuple[int, ...] = (1, 2, 4, 8)
@@ -62,7 +146,10 @@ class Capabilities:
     # (tpu-inference v3 folds k_scale into the score scale and applies v_scale after P @ V, unrounded), no
     # scale is drawn where that rounding is lossy, i.e. where the KV dtype is wider than q's.
     kv_scales_round_to_q_dtype: bool = True
+    # The buckets the target can run (names of BUCKETS); ``bucket_selection`` is what is drawn (set by
+    # ``select_buckets`` from --rpa-buckets; None: DEFAULT_BUCKETS within ``buckets``).
     buckets: tuple[str, ...] = ("tiny", "small")
+    bucket_selection: tuple[str, ...] | None = None
     # The backends (rpa_harness.backends names) the target is declared to run on; elsewhere its numeric
     # properties are skipped as "cannot run" (declared). Any other error on valid input is a failure.
     backends: tuple[str, ...] = ("interpret", "fast-interpret", "tpu")
@@ -78,7 +165,7 @@ class Capabilities:
             value = getattr(self, field.name)
             if not isinstance(value, tuple):
                 continue
-            allowed = tuple(BUCKETS) if field.name == "buckets" else field.default
+            allowed = tuple(BUCKETS) if field.name in ("buckets", "bucket_selection") else field.default
             unknown = [v for v in value if v not in allowed]
             if unknown or not value:
                 problem = (
@@ -87,6 +174,11 @@ class Capabilities:
                 raise ValueError(
                     f"Capabilities({field.name}={value!r}): {problem}; choose a non-empty subset of {allowed}."
                 )
+        if self.bucket_selection and not set(self.bucket_selection) <= set(self.buckets):
+            raise ValueError(
+                f"Capabilities(bucket_selection={self.bucket_selection!r}) draws buckets the target does not "
+                f"declare (buckets={self.buckets!r}); select among the declared ones."
+            )
         fp8 = [d for d in self.kv_dtypes if d.startswith("float8")]
         if self.even_kv_heads_for_fp8 and fp8 and not any(h % 2 == 0 for h in self.num_kv_heads):
             raise ValueError(
@@ -95,7 +187,9 @@ class Capabilities:
             )
 
 
-OUR_KERNEL = Capabilities(strict_validation=True, lowers_for_tpu=True)
+OUR_KERNEL = Capabilities(
+    strict_validation=True, lowers_for_tpu=True, buckets=("tiny", "small", "medium", "production")
+)
 # One K/V scale with mixed dtypes is an upstream bug, not a documented limitation: it is the known issue
 # one-kv-scale-with-mixed-dtypes (harness/known_issues.py), not paired_kv_scales_for_mixed_dtypes.
 UPSTREAM_KERNEL = Capabilities(
@@ -158,17 +252,141 @@ def _kv_heads_for(capabilities: Capabilities, kv_dtype: str) -> tuple[int, ...]:
     return capabilities.num_kv_heads
 
 
+def _small_page_sizes(capabilities: Capabilities) -> tuple[int, ...]:
+    return tuple(p for p in capabilities.page_sizes if p in SMALL_PAGE_SIZES) or capabilities.page_sizes
+
+
 @st.composite
 def static_configs(draw, capabilities: Capabilities = OUR_KERNEL, *, buckets=None) -> dict:
-    """Static shapes and dtypes: the part that decides which compiled kernel runs."""
-    bucket = draw(st.sampled_from(buckets or capabilities.buckets))
-    page_size = draw(st.sampled_from(capabilities.page_sizes))
+    """Static shapes and dtypes: the part that decides which compiled kernel runs.
+
+    ``buckets`` default to the selected small ones (``drawn_buckets``); a large bucket named here is drawn
+    with ``production_configs``."""
+    return draw(bucketed_configs(capabilities, buckets=buckets))[1]
+
+
+@st.composite
+def bucketed_configs(draw, capabilities: Capabilities = OUR_KERNEL, *, buckets=None) -> tuple[str, dict]:
+    """(bucket name, static config): see ``static_configs``."""
+    bucket = draw(st.sampled_from(buckets or drawn_buckets(capabilities)))
+    if isinstance(BUCKETS[bucket], ProductionBucket):
+        return bucket, draw(production_configs(capabilities, BUCKETS[bucket]))
+    page_size = draw(st.sampled_from(_small_page_sizes(capabilities)))
     kv_dtype = draw(st.sampled_from(_kv_dtypes_for(capabilities, page_size)))
     num_kv_heads = draw(st.sampled_from(_kv_heads_for(capabilities, kv_dtype)))
     ratio = draw(st.sampled_from(capabilities.gqa_ratios))
     head_dim = draw(st.sampled_from(capabilities.head_dims))
     q_dtype = draw(st.sampled_from(capabilities.q_dtypes))
-    return make_config(bucket, page_size, num_kv_heads, ratio, head_dim, q_dtype, kv_dtype)
+    return bucket, make_config(bucket, page_size, num_kv_heads, ratio, head_dim, q_dtype, kv_dtype)
+
+
+def page_bytes(page_size: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+    """Bytes of one page of the combined K/V cache."""
+    return page_size * 2 * num_kv_heads * head_dim * DTYPES[kv_dtype].itemsize
+
+
+def production_heads(capabilities: Capabilities, bucket: ProductionBucket, kv_dtype: str):
+    """(num_kv_heads, gqa_ratio) pairs the target supports with num_q_heads in the bucket's range, fewest
+    q heads first."""
+    low, high = bucket.q_heads
+    pairs = [(h, r) for h in _kv_heads_for(capabilities, kv_dtype) for r in capabilities.gqa_ratios]
+    return sorted(((h, r) for h, r in pairs if low <= h * r <= high), key=lambda p: (p[0] * p[1], p))
+
+
+def check_production_space(capabilities: Capabilities, bucket: ProductionBucket) -> None:
+    """Raises BucketError if the target supports no production head layout, head_dim or page size."""
+    missing = []
+    if not any(production_heads(capabilities, bucket, d) for d in capabilities.kv_dtypes):
+        missing.append(f"num_q_heads in {bucket.q_heads[0]}..{bucket.q_heads[1]}")
+    if not set(capabilities.head_dims) & set(bucket.head_dims):
+        missing.append(f"head_dim in {bucket.head_dims}")
+    if not set(capabilities.page_sizes) & set(bucket.page_sizes):
+        missing.append(f"page_size in {bucket.page_sizes}")
+    if missing:
+        raise BucketError(
+            f"the production bucket needs {', '.join(missing)}, which the target's Capabilities exclude; "
+            "select another bucket"
+        )
+
+
+@st.composite
+def production_configs(draw, capabilities: Capabilities, bucket: ProductionBucket) -> dict:
+    """A serving-scale static config within the bucket's budgets (see ``ProductionBucket``).
+
+    Drawn so that shrinking moves to the smallest: float32, fewest q heads, head_dim 128, page size 16,
+    256 slots, the shortest model length and token budget. Page sizes and slot counts whose cache would
+    not hold two pages per slot within ``kv_cache_bytes`` are left out, and token budgets whose result
+    would exceed ``max_output_elements``.
+    """
+    check_production_space(capabilities, bucket)
+    kv_dtype = draw(
+        st.sampled_from([d for d in capabilities.kv_dtypes if production_heads(capabilities, bucket, d)])
+    )
+    q_dtype = draw(st.sampled_from(capabilities.q_dtypes))
+    num_kv_heads, ratio = draw(st.sampled_from(production_heads(capabilities, bucket, kv_dtype)))
+    head_dim = draw(st.sampled_from([d for d in capabilities.head_dims if d in bucket.head_dims]))
+
+    def fits(page_size, slots):
+        return 2 * slots * page_bytes(page_size, num_kv_heads, head_dim, kv_dtype) <= bucket.kv_cache_bytes
+
+    smallest_slots = min(bucket.seq_slots)
+    page_sizes = [p for p in _page_sizes_for(capabilities, kv_dtype) if p in bucket.page_sizes]
+    page_size = draw(st.sampled_from([p for p in page_sizes if fits(p, smallest_slots)] or page_sizes[:1]))
+    max_num_seqs = draw(
+        st.sampled_from([n for n in bucket.seq_slots if fits(page_size, n)] or [smallest_slots])
+    )
+    max_model_len = draw(st.sampled_from(bucket.max_model_lens))
+    num_q_heads = num_kv_heads * ratio
+    tokens = [t for t in bucket.token_budgets if t * num_q_heads * head_dim <= bucket.max_output_elements]
+    max_num_batched_tokens = draw(st.sampled_from(tokens or [min(bucket.token_budgets)]))
+    pages_per_seq = max(1, max_model_len // page_size)
+    cache_pages = bucket.kv_cache_bytes // page_bytes(page_size, num_kv_heads, head_dim, kv_dtype)
+    return dict(
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        pages_per_seq=pages_per_seq,
+        total_num_pages=max(1, min(max_num_seqs * pages_per_seq, cache_pages)),
+        page_size=page_size,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+    )
+
+
+# Block sizes as upstream tunes them: every (num_kv_pages_per_block, num_queries_per_block) value in jax's
+# tuned table (TPU v5e and v6e) and its untuned default (128, 32), clipped as upstream clips them (to
+# pages_per_seq and max_num_batched_tokens). A KV block is kept to at most TUNED_MAX_BLOCK_KEYS keys, the
+# table's largest (16 pages of 256); the default of 128 pages applies to small pages.
+TUNED_KV_PAGES_PER_BLOCK = (4, 8, 16, 128)
+TUNED_QUERIES_PER_BLOCK = (32, 64, 128, 256)
+TUNED_MAX_BLOCK_KEYS = 4096
+
+
+def tuned_block_sizes(config: dict) -> st.SearchStrategy[dict]:
+    """A (num_kv_pages_per_block, num_queries_per_block) pair from upstream's tuned values for a config."""
+    kv_pages = sorted(
+        {
+            min(p, config["pages_per_seq"])
+            for p in TUNED_KV_PAGES_PER_BLOCK
+            if p * config["page_size"] <= TUNED_MAX_BLOCK_KEYS
+        }
+        or {1}
+    )
+    queries = sorted({min(q, config["max_num_batched_tokens"]) for q in TUNED_QUERIES_PER_BLOCK})
+    return st.fixed_dictionaries(
+        dict(num_kv_pages_per_block=st.sampled_from(kv_pages), num_queries_per_block=st.sampled_from(queries))
+    )
+
+
+@st.composite
+def production_block_sizes(draw, config: dict, capabilities: Capabilities = OUR_KERNEL) -> dict:
+    """Block sizes for a production config: left to the kernel (None, what shrinking moves to) where the
+    target picks its own, else (or sometimes) upstream's tuned values."""
+    if not capabilities.needs_block_sizes and draw(st.booleans()) is False:
+        return dict(num_kv_pages_per_block=None, num_queries_per_block=None)
+    return draw(tuned_block_sizes(config))
 
 
 # A fixed pool of compiled configurations (static config + options) that together touch every feature.
@@ -216,8 +434,8 @@ def pool(capabilities: Capabilities = OUR_KERNEL) -> list[tuple[dict, dict]]:
             layout["num_kv_heads"], _kv_heads_for(capabilities, layout["kv_dtype"])
         )
         layout["gqa_ratio"] = _nearest(layout["gqa_ratio"], capabilities.gqa_ratios)
-        if layout["bucket"] not in capabilities.buckets:
-            layout["bucket"] = capabilities.buckets[0]
+        if layout["bucket"] not in drawn_buckets(capabilities):
+            layout["bucket"] = drawn_buckets(capabilities)[0]
         config = make_config(**layout)
         opts = dict(opts)
         if not capabilities.additive_mask_value:
@@ -328,29 +546,146 @@ def layouts(
 
 
 @st.composite
+def production_layouts(
+    draw, config: dict, bucket: ProductionBucket
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A serving batch: mostly decode, a few long prefills, fitted to the bucket's page and work budgets.
+
+    Decode sequences (one query row) have contexts log-uniform up to the model length; up to four prefill
+    chunks share the rows left, each a fresh prompt or the continuation of a cached one; decodes come first,
+    as vLLM orders them. Three switches the shrinker can turn off put in the edge cases of scale: every
+    sequence slot live (the last slot included), one sequence as long as the budgets allow (many KV blocks,
+    hundreds of pages), and every page of the cache in use (the page table holds the last page index).
+    Lengths come from a NumPy generator seeded by one draw, so a 512-sequence batch costs a few draws.
+    """
+    tokens, slots, page_size = config["max_num_batched_tokens"], config["max_num_seqs"], config["page_size"]
+    capacity = config["pages_per_seq"] * page_size
+    total_pages = config["total_num_pages"]
+    max_work = max(1, bucket.max_work // config["num_q_heads"])  # sum of q_len * kv_len
+    num_prefills = draw(st.integers(0, 4))
+    every_slot = draw(st.booleans())
+    long_sequence = draw(st.booleans())
+    full_cache = draw(st.booleans())
+    most = min(slots, tokens, total_pages)
+    num_prefills = min(num_prefills, most)
+    if every_slot and most == slots:
+        num_decodes = slots - num_prefills
+    else:
+        num_decodes = draw(st.integers(0, most - num_prefills))
+    if num_decodes + num_prefills == 0:
+        num_decodes = 1
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+
+    def log_uniform(high, size):
+        return np.floor(np.exp(rng.uniform(0.0, np.log(high + 1), size))).astype(np.int64).clip(1, high)
+
+    # Prefill rows: one each, and a share of the rows the decodes leave split among them.
+    rows_left = tokens - num_decodes - num_prefills
+    shares = rng.dirichlet(np.ones(num_prefills)) if num_prefills else np.zeros(0)
+    prefill_q = 1 + np.floor(shares * rows_left * rng.uniform(0.25, 1.0)).astype(np.int64)
+    prefill_q = np.minimum(prefill_q, capacity)
+    prefixes = np.where(rng.random(num_prefills) < 0.5, 0, log_uniform(capacity, num_prefills))
+    q_lens = np.concatenate([np.ones(num_decodes, np.int64), prefill_q])
+    minimum = q_lens.copy()  # kv_len >= q_len
+    wanted = np.concatenate([log_uniform(capacity, num_decodes), prefill_q + prefixes]).clip(
+        minimum, capacity
+    )
+    while (
+        num_prefills
+        and max(q_lens[num_decodes:]) > 1
+        and ((q_lens * minimum).sum() > max_work or np.ceil(minimum / page_size).sum() > total_pages)
+    ):
+        q_lens[num_decodes:] = np.maximum(1, q_lens[num_decodes:] // 2)  # prefills too big for the budgets
+        minimum = q_lens.copy()
+        wanted = np.maximum(wanted, minimum)
+
+    def fitted(q, low_kv, high_kv, pages, work):
+        """kv lengths moved from ``high_kv`` toward ``low_kv`` (one factor for all) until they fit."""
+
+        def at(f):
+            return low_kv + np.floor(f * (high_kv - low_kv)).astype(np.int64)
+
+        def fits(kv):
+            return np.ceil(kv / page_size).sum() <= pages and (q * kv).sum() <= work
+
+        if fits(at(1.0)):
+            return at(1.0)
+        low, high = 0.0, 1.0
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (middle, high) if fits(at(middle)) else (low, middle)
+        return at(low)
+
+    if long_sequence and num_decodes:
+        # Everything else within half the budgets, then the first decode takes what remains.
+        kv_lens = wanted.copy()
+        kv_lens[1:] = fitted(q_lens[1:], minimum[1:], wanted[1:], (total_pages - 1) // 2, max_work // 2)
+        pages_left = total_pages - int(np.ceil(kv_lens[1:] / page_size).sum())
+        work_left = max_work - int((q_lens[1:] * kv_lens[1:]).sum())
+        kv_lens[0] = max(1, min(capacity, pages_left * page_size, work_left))
+    else:
+        kv_lens = fitted(q_lens, minimum, wanted, total_pages, max_work)
+    if full_cache:
+        # Grow sequences to whole pages, then by whole pages, until every page of the cache is used.
+        pages_left = total_pages - int(np.ceil(kv_lens / page_size).sum())
+        work_left = max_work - int((q_lens * kv_lens).sum())
+        for i in range(len(kv_lens)):
+            if pages_left <= 0:
+                break
+            used = -(-int(kv_lens[i]) // page_size)
+            add = min(config["pages_per_seq"] - used, pages_left)
+            grown = min(capacity, (used + add) * page_size)
+            affordable = int(kv_lens[i]) + max(0, work_left) // int(q_lens[i])
+            grown = max(int(kv_lens[i]), min(grown, affordable))
+            pages_left -= -(-grown // page_size) - used
+            work_left -= (grown - int(kv_lens[i])) * int(q_lens[i])
+            kv_lens[i] = grown
+    return tuple(int(q) for q in q_lens), tuple(int(kv) for kv in kv_lens)
+
+
+@st.composite
 def valid_cases(
     draw,
     capabilities: Capabilities = OUR_KERNEL,
     *,
     pooled: bool = False,
+    large: bool = False,
     with_options: bool = True,
     values=("normal", "large", "ties", "tiny"),
     excluding=(),
 ) -> Case:
     """A valid case: from the whole static space, or (``pooled``) from the few configurations of POOL.
 
-    ``excluding``: known issues of the target (see ``outside_known_issues``) whose cases are not drawn.
+    ``large``: from the selected large buckets (``drawn_buckets(capabilities, large=True)``, an error if
+    none is selected) with serving-scale layouts and block sizes (``production_layouts``,
+    ``production_block_sizes``). ``excluding``: known issues of the target (see ``outside_known_issues``)
+    whose cases are not drawn.
     """
+    if large and pooled:
+        raise ValueError("valid_cases(pooled=True, large=True): the pool holds small configurations only")
+    large_buckets = drawn_buckets(capabilities, large=True) if large else ()
+    if large and not large_buckets:
+        raise BucketError(
+            f"valid_cases(large=True): no large bucket ({', '.join(LARGE_BUCKETS)}) is selected "
+            f"(bucket_selection={capabilities.bucket_selection}); select one with --rpa-buckets"
+        )
     if pooled:
         config, opts = draw(st.sampled_from(pool(capabilities)))
+        bucket = None
     else:
-        config = draw(static_configs(capabilities))
+        name, config = draw(bucketed_configs(capabilities, buckets=large_buckets or None))
+        bucket = BUCKETS[name]
         opts = draw(options(config, capabilities)) if with_options else {}
-        if not with_options and capabilities.needs_block_sizes:
+        if isinstance(bucket, ProductionBucket):
+            opts = {**opts, **draw(production_block_sizes(config, capabilities))}
+        elif not with_options and capabilities.needs_block_sizes:
             opts = required_block_sizes(config)
-    q_lens, kv_lens = draw(
-        layouts(config, opts.get("num_kv_pages_per_block"), empty_sequences=capabilities.empty_sequences)
-    )
+    if isinstance(bucket, ProductionBucket):
+        q_lens, kv_lens = draw(production_layouts(config, bucket))
+    else:
+        q_lens, kv_lens = draw(
+            layouts(config, opts.get("num_kv_pages_per_block"), empty_sequences=capabilities.empty_sequences)
+        )
     case = Case(
         **config,
         **opts,
@@ -424,6 +759,14 @@ def coverage_labels(case: Case) -> list[str]:
     if case.num_tokens < case.max_num_batched_tokens:
         labels.append("padding rows")
     labels.append(f"values: {case.values}")
+    production = BUCKETS["production"]
+    if case.max_num_seqs in production.seq_slots and case.max_num_batched_tokens in production.token_budgets:
+        labels.append(
+            f"production shape: T={case.max_num_batched_tokens} seqs={case.num_seqs}/{case.max_num_seqs} "
+            f"rows={case.num_tokens} heads={case.num_q_heads}/{case.num_kv_heads} d={case.head_dim} "
+            f"page={case.page_size} pages={sum(-(-kv // case.page_size) for kv in case.kv_lens)}/"
+            f"{case.total_num_pages} max kv_len={max(case.kv_lens, default=0)} {case.q_dtype}/{case.kv_dtype}"
+        )
     return labels
 
 

@@ -15,3 +15,6 @@ CHECKING_ANY_CONFIG_EXAMPLES = max(5, _BASE // 4)  # TPU interpreter, nearly eve
 EXAMPLES_PER_RULE = max(
     5, _BASE // 4
 )  # each invalid-input rule on its own: cheap, nothing runs past validation
+# Serving-scale examples (tests/properties/test_production.py): tens of seconds each on the fast interpreter, so a
+# handful per run (the nightly profile: 5), never more.
+PRODUCTION_EXAMPLES = max(1, min(5, _BASE // 80))

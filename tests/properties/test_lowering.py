@@ -1,6 +1,8 @@
 """The target's kernel lowers to a Mosaic TPU custom call on every TPU generation the installed jax knows.
 
-Runs against ``--rpa-target`` when the target opts in (``lowers_for_tpu``; the bundled kernel does).
+Runs against ``--rpa-target`` when the target opts in (``lowers_for_tpu``; the bundled kernel does): a few
+hand-picked configurations on every generation, and, as a property, the production configurations the
+nightly draws (``rpa_harness.strategies.valid.production_configs`` with its options and block sizes) for v5e and v6e.
 
 Lowering runs Pallas' TPU lowering rules (block shapes, supported ops, memory spaces, DMA and semaphore
 use) without a TPU; Mosaic's own layout passes run only when libtpu compiles the call, which needs a TPU.
@@ -9,9 +11,20 @@ use) without a TPU; Mosaic's own layout passes run only when libtpu compiles the
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rpa_harness.lowering import known_tpu_generations, lower_for_tpu, register_tpu_generation
 from rpa_harness.targets import DEFAULT_TARGET
+from rpa_harness.strategies.valid import (
+    BUCKETS,
+    BucketError,
+    options,
+    production_block_sizes,
+    production_configs,
+    select_buckets,
+)
+from rpa_harness.properties.budget import ANY_CONFIG_EXAMPLES
 
 KERNEL_NAME = "rpa_harness_ragged_paged_attention"
 
@@ -90,6 +103,49 @@ def test_lowers_over_configurations(target, config, chip):
     _assert_mosaic_call(
         lower_for_tpu(target.module.ragged_paged_attention, *shapes, chip=chip, **options), target
     )
+
+
+def _config_shapes(config):
+    """The six inputs of a static config (``rpa_harness.strategies.valid`` dict) as shapes."""
+    i32, slots = jnp.int32, config["max_num_seqs"]
+    return (
+        jax.ShapeDtypeStruct(
+            (config["max_num_batched_tokens"], config["num_q_heads"], config["head_dim"]),
+            jnp.dtype(config["q_dtype"]),
+        ),
+        jax.ShapeDtypeStruct(
+            (config["total_num_pages"], config["page_size"], 2 * config["num_kv_heads"], config["head_dim"]),
+            jnp.dtype(config["kv_dtype"]),
+        ),
+        jax.ShapeDtypeStruct((slots,), i32),
+        jax.ShapeDtypeStruct((slots, config["pages_per_seq"]), i32),
+        jax.ShapeDtypeStruct((slots + 1,), i32),
+        jax.ShapeDtypeStruct((1,), i32),
+    )
+
+
+@pytest.fixture(scope="session")
+def production_capabilities(target):
+    try:
+        return select_buckets(target.capabilities, "production")
+    except BucketError as error:
+        pytest.skip(f"target {target.name} has no production configurations: {error}")
+
+
+@LOWERS
+@settings(max_examples=ANY_CONFIG_EXAMPLES)
+@given(data=st.data())
+def test_production_configurations_lower_for_v5e_and_v6e(target, production_capabilities, data):
+    capabilities = production_capabilities
+    config = data.draw(production_configs(capabilities, BUCKETS["production"]), label="config")
+    drawn = data.draw(options(config, capabilities), label="options")
+    drawn.update(data.draw(production_block_sizes(config, capabilities), label="block sizes"))
+    drawn = {name: value for name, value in drawn.items() if value is not None}
+    for chip in ("v5e", "v6e"):
+        _assert_mosaic_call(
+            lower_for_tpu(target.module.ragged_paged_attention, *_config_shapes(config), chip=chip, **drawn),
+            target,
+        )
 
 
 def test_known_generations_include_v5e_and_v6e():

@@ -1,0 +1,216 @@
+"""Bucket selection and the production bucket's draws: budgets kept, edge cases of scale reachable.
+
+Nothing here runs a kernel or builds a production case's arrays: the draws are checked on the Case itself.
+"""
+
+import functools
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, find, given, settings
+
+from rpa_harness.targets import UPSTREAM_TARGET
+from rpa_harness.strategies.case import DTYPES
+from rpa_harness.strategies.valid import (
+    BUCKETS,
+    DEFAULT_BUCKETS,
+    OUR_KERNEL,
+    TUNED_KV_PAGES_PER_BLOCK,
+    TUNED_QUERIES_PER_BLOCK,
+    UPSTREAM_KERNEL,
+    BucketError,
+    Capabilities,
+    drawn_buckets,
+    page_bytes,
+    parse_buckets,
+    select_buckets,
+    valid_cases,
+)
+
+PRODUCTION = BUCKETS["production"]
+SELECTED = select_buckets(OUR_KERNEL, "production")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_unknown_bucket_is_one_error_listing_the_known_ones():
+    with pytest.raises(
+        BucketError, match=r"unknown bucket\(s\) huge, tiniest; known: tiny, small, medium, production"
+    ):
+        parse_buckets("tiny,huge, tiniest")
+
+
+def test_selection_defaults_and_the_nightly_profile():
+    assert drawn_buckets(select_buckets(OUR_KERNEL, "")) == DEFAULT_BUCKETS
+    assert drawn_buckets(select_buckets(OUR_KERNEL, ""), large=True) == ()
+    nightly = select_buckets(OUR_KERNEL, "", profile="nightly")
+    assert drawn_buckets(nightly) == DEFAULT_BUCKETS and drawn_buckets(nightly, large=True) == ("production",)
+    # A target that does not declare production keeps its buckets under the nightly profile.
+    assert drawn_buckets(select_buckets(UPSTREAM_KERNEL, "", profile="nightly"), large=True) == ()
+
+
+def test_selection_is_within_the_declared_buckets():
+    medium = select_buckets(OUR_KERNEL, "medium,production")
+    assert drawn_buckets(medium) == ("medium",) and drawn_buckets(medium, large=True) == ("production",)
+    # Only large buckets selected: the other properties keep the default small ones.
+    assert drawn_buckets(SELECTED) == DEFAULT_BUCKETS
+    # Declared ones among several are kept; none declared is an error naming the declaration.
+    assert select_buckets(UPSTREAM_KERNEL, "small,production").bucket_selection == ("small",)
+    with pytest.raises(
+        BucketError, match=r"production: the target declares buckets tiny,small .* none of these"
+    ):
+        select_buckets(UPSTREAM_KERNEL, "production")
+    with pytest.raises(ValueError, match=r"draws buckets the target does not declare"):
+        Capabilities(bucket_selection=("production",))
+
+
+def test_production_needs_a_production_head_layout():
+    narrow = Capabilities(head_dims=(64,), buckets=("tiny", "production"))
+    with pytest.raises(BucketError, match=r"needs head_dim in \(128, 256\)"):
+        select_buckets(narrow, "production")
+
+
+def test_large_draws_need_a_large_selection():
+    with pytest.raises(BucketError, match="no large bucket"):
+        find(valid_cases(OUR_KERNEL, large=True), lambda case: True)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=valid_cases(SELECTED, large=True))
+def test_production_cases_keep_the_budgets(case):
+    q_lens, kv_lens = np.array(case.q_lens), np.array(case.kv_lens)
+    assert (
+        case.max_num_seqs in PRODUCTION.seq_slots and case.max_num_batched_tokens in PRODUCTION.token_budgets
+    )
+    assert case.page_size in PRODUCTION.page_sizes and case.head_dim in PRODUCTION.head_dims
+    assert PRODUCTION.q_heads[0] <= case.num_q_heads <= PRODUCTION.q_heads[1]
+    assert case.max_num_batched_tokens * case.num_q_heads * case.head_dim <= PRODUCTION.max_output_elements
+    cache = case.total_num_pages * page_bytes(case.page_size, case.num_kv_heads, case.head_dim, case.kv_dtype)
+    assert cache <= PRODUCTION.kv_cache_bytes
+    assert 1 <= case.num_seqs <= case.max_num_seqs and case.num_tokens <= case.max_num_batched_tokens
+    assert ((1 <= q_lens) & (q_lens <= kv_lens) & (kv_lens <= case.kv_capacity)).all()
+    assert np.ceil(kv_lens / case.page_size).sum() <= case.total_num_pages
+    assert (q_lens * kv_lens).sum() * case.num_q_heads <= PRODUCTION.max_work
+    # Decode first, as vLLM orders a batch: rows past one only in the last four sequences (the prefills).
+    assert (np.flatnonzero(q_lens > 1) >= case.num_seqs - 4).all()
+    # Block sizes: left to the kernel, or upstream's tuned values clipped as upstream clips them.
+    if case.num_kv_pages_per_block is not None:
+        assert case.num_kv_pages_per_block in {min(p, case.pages_per_seq) for p in TUNED_KV_PAGES_PER_BLOCK}
+        assert case.num_queries_per_block in {
+            min(q, case.max_num_batched_tokens) for q in TUNED_QUERIES_PER_BLOCK
+        }
+
+
+@functools.cache
+def _drawn_production_cases() -> tuple:
+    """Cases as the production property draws them (derandomized, no shrinking: conditions are looked up)."""
+    cases = []
+
+    @settings(
+        max_examples=300,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=valid_cases(SELECTED, large=True))
+    def collect(case):
+        cases.append(case)
+
+    collect()
+    return tuple(cases)
+
+
+def _found(condition):
+    found = [case for case in _drawn_production_cases() if condition(case)]
+    assert found, "no drawn production case satisfies the condition"
+    return found[0]
+
+
+def test_production_edge_cases_are_drawn():
+    """Every slot live, one sequence over hundreds of pages, every page of the cache in use (the page table
+    then holds the last page index), a long prefill, many sequences per default query block."""
+    assert _found(lambda c: c.num_seqs == c.max_num_seqs)
+    assert _found(lambda c: max(c.kv_lens) >= 256 * c.page_size)
+    full = _found(lambda c: sum(-(-kv // c.page_size) for kv in c.kv_lens) == c.total_num_pages)
+    assert full.total_num_pages - 1 in full.arrays()["page_indices"][: full.num_seqs]
+    assert _found(lambda c: max(c.q_lens) >= 512)
+    assert _found(lambda c: c.num_kv_pages_per_block is None and c.num_seqs >= 256)
+
+
+def test_production_configs_reach_the_scale_of_the_issue():
+    assert _found(lambda c: c.max_num_batched_tokens == 8192)
+    assert _found(lambda c: c.num_q_heads == 64 and c.head_dim == 256)
+    assert _found(lambda c: c.kv_capacity == 131072 and c.max_num_seqs == 512)
+    assert _found(lambda c: c.page_size == 256)
+
+
+def _upstream_tuned_table():
+    spec = importlib.util.find_spec(
+        "jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes"
+    )
+    if spec is None:
+        pytest.skip("upstream's tuned block-size table is not installed")
+    module = importlib.import_module(spec.name)
+    return module
+
+
+def test_tuned_block_sizes_are_upstreams():
+    """The values drawn are the ones in jax's tuned table (v5e, v6e) plus its untuned default (128, 32)."""
+    table = _upstream_tuned_table().TUNED_BLOCK_SIZES
+    values = {value for device in ("TPU v5", "TPU v6") for value in table[device].values()}
+    assert {kv for kv, _ in values} | {128} == set(TUNED_KV_PAGES_PER_BLOCK)
+    assert {q for _, q in values} | {32} == set(TUNED_QUERIES_PER_BLOCK)
+    assert {key[5] for device in table.values() for key in device} == set(PRODUCTION.page_sizes)
+
+
+def test_production_case_arrays_are_deterministic_and_poisoned_outside_the_live_keys():
+    case = _found(
+        lambda c: 8 <= c.num_seqs and c.poison and c.kv_dtype == "bfloat16" and c.total_num_pages < 5000
+    )
+    first, second = case.arrays(), case.arrays()
+    for name in first:
+        assert first[name].tobytes() == second[name].tobytes(), name
+    kv = first["kv_pages"]
+    live = 0
+    for i, kv_len in enumerate(case.kv_lens):
+        pages = first["page_indices"][i, : -(-kv_len // case.page_size)]
+        keys = kv[pages].reshape(-1, *kv.shape[2:])
+        assert np.isfinite(keys[:kv_len].astype(np.float32)).all()
+        assert np.isnan(keys[kv_len:].astype(np.float32)).all()
+        live += kv_len
+    assert (
+        np.isnan(kv.astype(np.float32)).reshape(-1, *kv.shape[2:]).all(axis=(1, 2)).sum()
+        == kv.shape[0] * kv.shape[1] - live
+    )
+    assert kv.dtype == DTYPES["bfloat16"]
+
+
+def test_a_bucket_no_declared_one_matches_is_a_usage_error(tmp_path):
+    """--rpa-buckets naming only buckets the target does not declare: one line, exit 4."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RPA_BUCKETS="production")
+    env.pop("HYPOTHESIS_PROFILE", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         f"--rpa-target={UPSTREAM_TARGET}", f"--rpa-repro-dir={tmp_path}", "tests/test_buckets.py"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 4, run.stdout + run.stderr
+    errors = [line for line in run.stderr.splitlines() if "--rpa-buckets" in line]
+    assert len(errors) == 1 and "declares buckets tiny,small" in errors[0], run.stderr
+
+
+def test_production_examples_never_run_under_the_ci_profile(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RPA_BUCKETS="production", HYPOTHESIS_PROFILE="ci")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--rpa-backend=fast-interpret",
+         "--rpa-allow-no-numeric", f"--rpa-repro-dir={tmp_path}", "tests/properties/test_production.py"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 skipped" in run.stdout and "never run under the ci profile" in run.stdout, run.stdout
