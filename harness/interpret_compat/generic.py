@@ -19,6 +19,16 @@ Gap ``generic-narrow-float-bits`` (a cost, not an error): XLA CPU computes a ``d
 and back, so every page DMA into an fp8 KV scratch converts the scratch and the source (float8_e4m3fn
 through f16 in software: a pooled fp8 RPA call took 190 ms instead of 3 ms). The patched accesses move the
 bits as unsigned integers of the same width instead; the values are bit-identical.
+
+Gap ``generic-dynamic-size-copies``: a DMA of a data-dependent size (``pl.ds(start, traced_size)``, as in
+tpu-inference's RPA v3) fails in the ``dma_start`` discharge rule (``state.discharge.transform_array`` ->
+``_index_array`` -> ``lax.dynamic_slice``: "Shapes must be 1D sequences of concrete values"; the ``dma_wait``
+rule sizes its semaphore decrement the same way). The patched rules move a static window instead: along an
+axis of data-dependent size, as long as the shorter end of the copy allows (the ref's extent there, or the
+other end's static slice), and write back only the elements of ``[start, start + size)``, bit for bit; the
+rest of the window is written back unchanged. DMA semaphores count the copied elements, as for static
+copies. Supported: local copies whose data-dependent slices (stride 1) are in each ref's last indexer; an
+out-of-range copy is clipped to the window (the generic interpreter checks no bounds).
 """
 
 from __future__ import annotations
