@@ -606,6 +606,67 @@ def test_dynamic_size_dmas_along_axis_1_are_bit_exact_and_count_their_elements(d
     np.testing.assert_array_equal(np.asarray(counts), [2 * (first + second) * 128, 0])
 
 
+# --- race history pruning --------------------------------------------------------------------------------
+
+LONG_CALL_COPIES = 300  # ~1,800 recorded accesses before the last copy: many prunes happen before it
+
+
+def copies_then_a_last_one(race_at_the_end: bool):
+    """LONG_CALL_COPIES page DMAs into alternating slots of a double buffer, each waited for and read,
+    then one more DMA whose destination slot is read before (a race) or after its wait."""
+
+    def kernel(x_hbm, o_ref, buffer, semaphore):
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+        def copy_and_read(i, carry):
+            copy = pltpu.make_async_copy(x_hbm.at[i % 2], buffer.at[i % 2], semaphore)
+            copy.start()
+            copy.wait()
+            o_ref[...] += buffer[i % 2]
+            return carry
+
+        jax.lax.fori_loop(0, LONG_CALL_COPIES, copy_and_read, 0)
+        last = pltpu.make_async_copy(x_hbm.at[0], buffer.at[1], semaphore)
+        last.start()
+        if race_at_the_end:
+            o_ref[...] += buffer[1]
+        last.wait()
+        if not race_at_the_end:
+            o_ref[...] += buffer[1]
+
+    def call(x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
+        )(x)
+
+    return jax.jit(call)
+
+
+def race_history_sizes() -> list[int]:
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+
+    races = tpu_interpreter.races
+    return [len(races.reads[key]) + len(races.writes[key]) for key in {*races.reads, *races.writes}]
+
+
+def test_a_race_late_in_a_long_call_is_still_reported():
+    x = jnp.ones((2, 8, 128), jnp.float32)
+    with pytest.raises(RaceDetected):
+        Backend(INTERPRET).run(copies_then_a_last_one(race_at_the_end=True), x)
+
+
+def test_a_long_call_without_a_race_passes_with_short_histories():
+    x = jnp.ones((2, 8, 128), jnp.float32)
+    got = Backend(INTERPRET).run(copies_then_a_last_one(race_at_the_end=False), x)
+    np.testing.assert_array_equal(got, np.full((8, 128), LONG_CALL_COPIES + 1, np.float32))
+    sizes = race_history_sizes()
+    if gap_state("tpu-race-history") == interpret_compat.PATCHED:
+        assert max(sizes) < 2 * tpu_gaps._PRUNE_FROM, f"race histories were not pruned: {sorted(sizes)}"
+
+
 # --- which gaps this jax has: the probes agree with the interpreters (canaries for when jax closes a gap) ---
 
 
