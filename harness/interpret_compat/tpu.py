@@ -540,10 +540,12 @@ def _history_patches() -> list[Patch]:
         sizes[buffer_key] = max(_PRUNE_FROM, 2 * remaining)
 
     def pruning(check: Callable) -> Callable:
+        key_position = parameter_names(check).index("buffer_key") - 1  # after self
+
         @functools.wraps(check)
         def checked(self, *args, **kwargs):
             result = check(self, *args, **kwargs)
-            prune(self, kwargs["buffer_key"] if "buffer_key" in kwargs else args[_buffer_key_position()])
+            prune(self, kwargs["buffer_key"] if "buffer_key" in kwargs else args[key_position])
             return result
 
         return checked
@@ -553,10 +555,6 @@ def _history_patches() -> list[Patch]:
         Patch(state_class, "check_read", pruning(state_class.check_read)),
         Patch(state_class, "check_write", pruning(state_class.check_write)),
     ]
-
-
-def _buffer_key_position() -> int:
-    return parameter_names(_internals().races.RaceDetectionState.check_read).index("buffer_key") - 1
 
 
 RACE_HISTORY = Gap(
