@@ -831,6 +831,21 @@ def test_cost_narrow_float_store_still_in_xla_cpu():
         )
 
 
+def test_cost_race_history_still_unpruned_in_tpu_interpreter():
+    """Without the layer the detector still keeps every access of a long call (gap tpu-race-history)."""
+    with layer_off():
+        unpatched = Backend(INTERPRET, interpreter_compat=False)
+        unpatched.run(copies_then_a_last_one(race_at_the_end=False), jnp.ones((2, 8, 128)))
+        unpruned = max(race_history_sizes()) > LONG_CALL_COPIES
+    assert unpruned == (gap_state("tpu-race-history") != interpret_compat.CLOSED)
+    if not unpruned:
+        warnings.warn(
+            f"jax {jax.__version__} prunes its race histories: the tpu-race-history patch can go once this jax "
+            "is the lowest supported version.",
+            stacklevel=1,
+        )
+
+
 # --- API -----------------------------------------------------------------------------------------------
 
 

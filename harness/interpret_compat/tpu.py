@@ -7,6 +7,10 @@ every ref transform to index ranges (``interpret.utils.to_range``), which knows 
 Gap ``tpu-masked-swap``: the in-bounds check of a masked swap clears the mask only along axis 0, so a valid
 mask on e.g. a ``(4, 2, 128)`` ref raises "Out-of-bounds masked swap".
 
+Gap ``tpu-race-history`` (a cost, not an error): the race detector keeps every access of a buffer and checks
+each new one against all of them, so a DMA costs O(accesses so far); the patch prunes the accesses no later
+access can race with (see ``_history_patches``).
+
 Race detection and views: an access through a reshape/bitcast view is reported to the race detector as an
 access to the smallest box of the region the view was taken of (the ref before its first reshape/bitcast)
 that holds every element it touches (``views.touched_box``): taking one slot of a bitcast double buffer
@@ -465,7 +469,7 @@ def _history_internals() -> None:
             f"RaceDetectionState.{name} takes ({', '.join(names)})",
         )
     interpreter = internals.interpreter
-    require_attributes(interpreter, "DMA", "DmaState", "_get_shared_memory")
+    require_attributes(interpreter, "DMA", "DmaState", "_shared_memory")
     require_attributes(interpreter.DmaState, "COMPLETED")
     dma_fields = {field.name for field in dataclasses.fields(interpreter.DMA)}
     require({"clock", "state"} <= dma_fields, "interpret_pallas_call.DMA has no clock/state")
