@@ -645,6 +645,55 @@ def copies_then_a_last_one(race_at_the_end: bool):
     return jax.jit(call)
 
 
+def a_race_then_copies(race: bool):
+    """A DMA into slot 1 of a double buffer, started first and waited for last; its slot is read right after
+    the start (a race) or after the wait; in between, LONG_CALL_COPIES DMAs into slot 0 of the same buffer,
+    each waited for and read, so the buffer's history is pruned many times while the racing read is in it."""
+
+    def kernel(x_hbm, o_ref, buffer, semaphores):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        long_lived = pltpu.make_async_copy(x_hbm.at[1], buffer.at[1], semaphores.at[1])
+        long_lived.start()
+        if race:
+            o_ref[...] += buffer[1]
+
+        def copy_and_read(i, carry):
+            copy = pltpu.make_async_copy(x_hbm.at[0], buffer.at[0], semaphores.at[0])
+            copy.start()
+            copy.wait()
+            o_ref[...] += buffer[0]
+            return carry
+
+        jax.lax.fori_loop(0, LONG_CALL_COPIES, copy_and_read, 0)
+        long_lived.wait()
+        if not race:
+            o_ref[...] += buffer[1]
+
+    def call(x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+        )(x)
+
+    return jax.jit(call)
+
+
+@pytest.mark.parametrize("race", [True, False], ids=["read-before-wait", "read-after-wait"])
+def test_an_early_race_seen_only_at_a_late_wait_is_still_reported(race):
+    """The racing read is older than hundreds of accesses to its buffer when the DMA it races with writes:
+    the DMA's clock, taken at its start, keeps the read in the history (it is live until the DMA completes;
+    so while it is in flight nothing after its start is pruned)."""
+    x = jnp.ones((2, 8, 128), jnp.float32)
+    if race:
+        with pytest.raises(RaceDetected):
+            Backend(INTERPRET).run(a_race_then_copies(race=True), x)
+    else:
+        got = Backend(INTERPRET).run(a_race_then_copies(race=False), x)
+        np.testing.assert_array_equal(got, np.full((8, 128), LONG_CALL_COPIES + 1, np.float32))
+
+
 def race_history_sizes() -> list[int]:
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
 
