@@ -59,8 +59,8 @@ def main():
 
     from hypothesis import HealthCheck, given, settings
 
-    from harness import backends, interpret_compat
-    from harness.interpret_compat import tpu as tpu_gaps
+    from rpa_harness import backends, interpret_compat
+    from rpa_harness.interpret_compat import tpu as tpu_gaps
 
     if args.races == "off":
         backends.CHECKING_INTERPRET_PARAMS["detect_races"] = False
@@ -69,11 +69,11 @@ def main():
     interpret_compat.install()
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call, race_detection_state
 
-    from harness.targets import load
-    from strategies.valid import valid_cases
+    from rpa_harness.targets import load
+    from rpa_harness.strategies.valid import valid_cases
 
     calls, seconds, scanned = instrument(interpret_pallas_call, race_detection_state)
-    target, backend = load("kernel"), backends.Backend(backends.INTERPRET)
+    target, backend = load("rpa_harness.kernel"), backends.Backend(backends.INTERPRET)
     cases = []
 
     @settings(
