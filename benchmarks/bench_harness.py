@@ -143,6 +143,8 @@ def main():
         )
     print("\ncost split per example, one process (seconds)")
     for backend, examples in (("fast-interpret", args.examples), ("interpret", args.checking_examples)):
+        if examples < 1:
+            continue
         split = cost_split(backend, examples)
         stages = "  ".join(
             f"{k} {split[k]:.4f}" for k in ("generation", "arrays", "kernel", "oracle", "compare")

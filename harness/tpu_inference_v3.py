@@ -78,8 +78,9 @@ RPA_HARNESS_CAPABILITIES = dict(
     # v3 folds k_scale into the score scale and applies v_scale after P @ V, without upstream's rounding
     # of the scaled cache to q's dtype (docs/tpu-inference-v3-findings/README.md).
     kv_scales_round_to_q_dtype=False,
-    # The generic interpreter cannot run v3's data-dependent copy sizes (pl.ds with a traced length).
-    backends=("interpret", "tpu"),
+    # The generic interpreter runs v3's data-dependent copy sizes (pl.ds with a traced length) through the
+    # compat layer's gap generic-dynamic-size-copies (masked copies of a static window).
+    backends=("interpret", "fast-interpret", "tpu"),
 )
 # v3 keeps its softmax max, denominator and P @ V accumulator in the output dtype (bfloat16 for bfloat16
 # queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).

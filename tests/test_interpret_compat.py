@@ -521,6 +521,201 @@ def test_narrow_float_dma_is_bit_exact_and_converts_nothing(dtype):
     assert " convert(" not in hlo, "an access to a narrow-float buffer still converts it"
 
 
+# --- copies of a data-dependent size --------------------------------------------------------------------
+
+PAGES = jnp.asarray(np.arange(16 * 128, dtype=np.float32).reshape(16, 128))
+# (source rows, output rows, src, dst, size): a shorter output (v3's page fetch) and a longer one (its
+# cache update), with copies at either end, empty and whole.
+DYNAMIC_COPIES = [
+    (16, 8, 5, 2, 3),
+    (16, 8, 0, 0, 8),
+    (16, 8, 8, 0, 8),
+    (16, 8, 13, 5, 3),
+    (16, 8, 15, 7, 1),
+    (16, 8, 4, 4, 0),
+    (16, 8, 9, 1, 7),
+    (8, 16, 0, 13, 3),
+    (8, 16, 5, 15, 1),
+    (8, 16, 0, 8, 8),
+    (8, 16, 2, 3, 6),
+]
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+@pytest.mark.parametrize(
+    "source_rows, out_rows, src, dst, size", DYNAMIC_COPIES, ids=["-".join(map(str, c)) for c in DYNAMIC_COPIES]
+)
+def test_dynamic_size_dma_copies_exactly_its_rows(interpreter, source_rows, out_rows, src, dst, size):
+    """A DMA of x[src : src + size] into rows [dst, dst + size) of a -1-filled output: those rows hold the
+    source rows, element for element, and every other element is still -1."""
+    source = np.asarray(PAGES)[:source_rows]
+    got = generic_gaps.run_dynamic_size_copy(
+        jnp.asarray(source), out_rows, src=src, dst=dst, size=size, interpret=interpret_params(interpreter)
+    )
+    for row in range(out_rows):
+        if dst <= row < dst + size:
+            np.testing.assert_array_equal(got[row], source[src + row - dst], err_msg=f"row {row}")
+        else:
+            assert (got[row] == -1).all(), f"row {row} is outside the copy but changed: {got[row][:4]}"
+
+
+def copy_columns_and_count(copy_ref, x_hbm, o_ref, count_ref, buffer, semaphore):
+    """v3's query fetch: two DMAs of data-dependent sizes into columns of one buffer (axis 1, like
+    ``q_hbm_ref.at[:, pl.ds(start, size)]``), the semaphore's count after both starts, then one wait on a
+    descriptor covering both (as v3 waits for its page copies) and the count after it."""
+    buffer[...] = jnp.full(buffer.shape, 7, buffer.dtype)
+    first, second, start = copy_ref[0], copy_ref[1], copy_ref[2]
+    pltpu.make_async_copy(
+        x_hbm.at[:, pl.ds(start, first)], buffer.at[:, pl.ds(0, first)], semaphore
+    ).start()
+    pltpu.make_async_copy(
+        x_hbm.at[:, pl.ds(start + first, second)], buffer.at[:, pl.ds(first, second)], semaphore
+    ).start()
+    count_ref[0] = pl.semaphore_read(semaphore)
+    both = buffer.at[:, pl.ds(0, first + second)]
+    pltpu.make_async_copy(both, both, semaphore).wait()
+    count_ref[1] = pl.semaphore_read(semaphore)
+    o_ref[...] = buffer[...]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn], ids=str)
+def test_dynamic_size_dmas_along_axis_1_are_bit_exact_and_count_their_elements(dtype):
+    x = np.asarray(random_array((2, 16, 128), jnp.float32, seed=8)).astype(dtype)
+    x[1, 3, :5] = np.nan  # NaN payloads survive only a bit-exact copy
+    first, second, start = 3, 2, 2
+
+    def call(copy, x):
+        return pl.pallas_call(
+            copy_columns_and_count,
+            out_shape=(
+                jax.ShapeDtypeStruct((2, 8, 128), x.dtype),
+                jax.ShapeDtypeStruct((2,), jnp.int32),
+            ),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pltpu.SMEM)),
+            scratch_shapes=[pltpu.VMEM((2, 8, 128), x.dtype), pltpu.SemaphoreType.DMA(())],
+        )(copy, x)
+
+    with pltpu.force_tpu_interpret_mode(True):
+        got, counts = jax.jit(call)(jnp.array([first, second, start], jnp.int32), jnp.asarray(x))
+    bits = f"uint{8 * np.dtype(dtype).itemsize}"
+    expected = np.full((2, 8, 128), 7, np.float32).astype(dtype)
+    expected[:, : first + second] = x[:, start : start + first + second]
+    np.testing.assert_array_equal(np.asarray(got).view(bits), expected.view(bits))
+    # The generic interpreter counts a DMA semaphore in elements: both copies, then none left.
+    np.testing.assert_array_equal(np.asarray(counts), [2 * (first + second) * 128, 0])
+
+
+# --- race history pruning --------------------------------------------------------------------------------
+
+LONG_CALL_COPIES = 300  # ~1,800 recorded accesses before the last copy: many prunes happen before it
+
+
+def copies_then_a_last_one(race_at_the_end: bool):
+    """LONG_CALL_COPIES page DMAs into alternating slots of a double buffer, each waited for and read,
+    then one more DMA whose destination slot is read before (a race) or after its wait."""
+
+    def kernel(x_hbm, o_ref, buffer, semaphore):
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+        def copy_and_read(i, carry):
+            copy = pltpu.make_async_copy(x_hbm.at[i % 2], buffer.at[i % 2], semaphore)
+            copy.start()
+            copy.wait()
+            o_ref[...] += buffer[i % 2]
+            return carry
+
+        jax.lax.fori_loop(0, LONG_CALL_COPIES, copy_and_read, 0)
+        last = pltpu.make_async_copy(x_hbm.at[0], buffer.at[1], semaphore)
+        last.start()
+        if race_at_the_end:
+            o_ref[...] += buffer[1]
+        last.wait()
+        if not race_at_the_end:
+            o_ref[...] += buffer[1]
+
+    def call(x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
+        )(x)
+
+    return jax.jit(call)
+
+
+def a_race_then_copies(race: bool):
+    """A DMA into slot 1 of a double buffer, started first and waited for last; its slot is read right after
+    the start (a race) or after the wait; in between, LONG_CALL_COPIES DMAs into slot 0 of the same buffer,
+    each waited for and read, so the buffer's history is pruned many times while the racing read is in it."""
+
+    def kernel(x_hbm, o_ref, buffer, semaphores):
+        o_ref[...] = jnp.zeros_like(o_ref)
+        long_lived = pltpu.make_async_copy(x_hbm.at[1], buffer.at[1], semaphores.at[1])
+        long_lived.start()
+        if race:
+            o_ref[...] += buffer[1]
+
+        def copy_and_read(i, carry):
+            copy = pltpu.make_async_copy(x_hbm.at[0], buffer.at[0], semaphores.at[0])
+            copy.start()
+            copy.wait()
+            o_ref[...] += buffer[0]
+            return carry
+
+        jax.lax.fori_loop(0, LONG_CALL_COPIES, copy_and_read, 0)
+        long_lived.wait()
+        if not race:
+            o_ref[...] += buffer[1]
+
+    def call(x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+        )(x)
+
+    return jax.jit(call)
+
+
+@pytest.mark.parametrize("race", [True, False], ids=["read-before-wait", "read-after-wait"])
+def test_an_early_race_seen_only_at_a_late_wait_is_still_reported(race):
+    """The racing read is older than hundreds of accesses to its buffer when the DMA it races with writes:
+    the DMA's clock, taken at its start, keeps the read in the history (it is live until the DMA completes;
+    so while it is in flight nothing after its start is pruned)."""
+    x = jnp.ones((2, 8, 128), jnp.float32)
+    if race:
+        with pytest.raises(RaceDetected):
+            Backend(INTERPRET).run(a_race_then_copies(race=True), x)
+    else:
+        got = Backend(INTERPRET).run(a_race_then_copies(race=False), x)
+        np.testing.assert_array_equal(got, np.full((8, 128), LONG_CALL_COPIES + 1, np.float32))
+
+
+def race_history_sizes() -> list[int]:
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+
+    races = tpu_interpreter.races
+    return [len(races.reads[key]) + len(races.writes[key]) for key in {*races.reads, *races.writes}]
+
+
+def test_a_race_late_in_a_long_call_is_still_reported():
+    x = jnp.ones((2, 8, 128), jnp.float32)
+    with pytest.raises(RaceDetected):
+        Backend(INTERPRET).run(copies_then_a_last_one(race_at_the_end=True), x)
+
+
+def test_a_long_call_without_a_race_passes_with_short_histories():
+    x = jnp.ones((2, 8, 128), jnp.float32)
+    got = Backend(INTERPRET).run(copies_then_a_last_one(race_at_the_end=False), x)
+    np.testing.assert_array_equal(got, np.full((8, 128), LONG_CALL_COPIES + 1, np.float32))
+    sizes = race_history_sizes()
+    if gap_state("tpu-race-history") == interpret_compat.PATCHED:
+        assert max(sizes) < 2 * tpu_gaps._PRUNE_FROM, f"race histories were not pruned: {sorted(sizes)}"
+
+
 # --- which gaps this jax has: the probes agree with the interpreters (canaries for when jax closes a gap) ---
 
 
@@ -657,6 +852,14 @@ def test_gap_scalar_prefetch_state_still_in_generic_interpreter():
     warnings.warn(f"jax {jax.__version__} closed generic-scalar-prefetch-state", stacklevel=1)
 
 
+def test_gap_dynamic_size_copy_still_in_generic_interpreter():
+    assert_gap(
+        "generic-dynamic-size-copies",
+        lambda: generic_gaps.run_dynamic_size_copy(PAGES, 8, src=5, dst=2, size=3),
+        generic_gaps.DYNAMIC_SIZE_ERROR,
+    )
+
+
 def test_cost_narrow_float_store_still_in_xla_cpu():
     """XLA CPU still converts a float8_e4m3fn buffer to f16 and back around a dynamic-update-slice."""
 
@@ -673,6 +876,21 @@ def test_cost_narrow_float_store_still_in_xla_cpu():
         warnings.warn(
             f"jax {jax.__version__}'s XLA CPU stores into float8_e4m3fn buffers without converting them: "
             "the bits wrappers in interpret_compat.generic can go once this jax is the lowest supported.",
+            stacklevel=1,
+        )
+
+
+def test_cost_race_history_still_unpruned_in_tpu_interpreter():
+    """Without the layer the detector still keeps every access of a long call (gap tpu-race-history)."""
+    with layer_off():
+        unpatched = Backend(INTERPRET, interpreter_compat=False)
+        unpatched.run(copies_then_a_last_one(race_at_the_end=False), jnp.ones((2, 8, 128)))
+        unpruned = max(race_history_sizes()) > LONG_CALL_COPIES
+    assert unpruned == (gap_state("tpu-race-history") != interpret_compat.CLOSED)
+    if not unpruned:
+        warnings.warn(
+            f"jax {jax.__version__} prunes its race histories: the tpu-race-history patch can go once this jax "
+            "is the lowest supported version.",
             stacklevel=1,
         )
 

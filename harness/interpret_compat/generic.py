@@ -19,10 +19,21 @@ Gap ``generic-narrow-float-bits`` (a cost, not an error): XLA CPU computes a ``d
 and back, so every page DMA into an fp8 KV scratch converts the scratch and the source (float8_e4m3fn
 through f16 in software: a pooled fp8 RPA call took 190 ms instead of 3 ms). The patched accesses move the
 bits as unsigned integers of the same width instead; the values are bit-identical.
+
+Gap ``generic-dynamic-size-copies``: a DMA of a data-dependent size (``pl.ds(start, traced_size)``, as in
+tpu-inference's RPA v3) fails in the ``dma_start`` discharge rule (``state.discharge.transform_array`` ->
+``_index_array`` -> ``lax.dynamic_slice``: "Shapes must be 1D sequences of concrete values"; the ``dma_wait``
+rule sizes its semaphore decrement the same way). The patched rules move a static window instead: along an
+axis of data-dependent size, as long as the shorter end of the copy allows (the ref's extent there, or the
+other end's static slice), and write back only the elements of ``[start, start + size)``, bit for bit; the
+rest of the window is written back unchanged. DMA semaphores count the copied elements, as for static
+copies. Supported: local copies whose data-dependent slices (stride 1) are in each ref's last indexer; an
+out-of-range copy is clipped to the window (the generic interpreter checks no bounds).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from collections.abc import Callable
@@ -50,10 +61,14 @@ def _internals() -> types.SimpleNamespace:
     from jax._src import core as jax_core
     from jax._src import literals as jax_literals
     from jax._src import tree_util as jax_tree_util
+    from jax._src.pallas import core as pallas_core
     from jax._src.pallas import hlo_interpreter
     from jax._src.pallas import primitives as pallas_primitives
+    from jax._src.pallas.mosaic import primitives as tpu_primitives
     from jax._src.state import discharge as state_discharge
     from jax._src.state import indexing as state_indexing
+    from jax._src.state import primitives as state_primitives
+    from jax._src.state import types as state_types
     from jax._src.state import utils as state_utils
 
     return types.SimpleNamespace(
@@ -61,9 +76,13 @@ def _internals() -> types.SimpleNamespace:
         literals=jax_literals,
         tree_util=jax_tree_util,
         hlo_interpreter=hlo_interpreter,
+        pallas_core=pallas_core,
         primitives=pallas_primitives,
+        tpu_primitives=tpu_primitives,
         discharge=state_discharge,
         indexing=state_indexing,
+        state_primitives=state_primitives,
+        state_types=state_types,
         state_utils=state_utils,
     )
 
@@ -503,4 +522,369 @@ NARROW_FLOAT_BITS = Gap(
     patches=_narrow_float_patches,
 )
 
-GAPS = (LITERAL_INDICES, VIEW_STORES, SCALAR_PREFETCH_STATE, NARROW_FLOAT_BITS)
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap generic-dynamic-size-copies.
+
+DYNAMIC_SIZE_ERROR = "Shapes must be 1D sequences of concrete values"
+
+
+def copy_rows_of_dynamic_size(copy_ref, x_hbm, o_ref, semaphore):
+    """``o[dst : dst + size] = x[src : src + size]`` by one DMA, with ``(src, dst, size)`` read from SMEM;
+    every other row of the output is set to -1 first."""
+    o_ref[...] = jnp.full(o_ref.shape, -1, o_ref.dtype)
+    src, dst, size = copy_ref[0], copy_ref[1], copy_ref[2]
+    copy = pltpu.make_async_copy(x_hbm.at[pl.ds(src, size)], o_ref.at[pl.ds(dst, size)], semaphore)
+    copy.start()
+    copy.wait()
+
+
+def run_dynamic_size_copy(x, out_rows: int, src: int, dst: int, size: int, *, interpret=True) -> np.ndarray:
+    """``copy_rows_of_dynamic_size`` on ``x`` into an ``out_rows``-row output, under ``interpret``."""
+
+    def call(copy, x):
+        return pl.pallas_call(
+            copy_rows_of_dynamic_size,
+            out_shape=jax.ShapeDtypeStruct((out_rows, *x.shape[1:]), x.dtype),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+        )(copy, x)
+
+    with pltpu.force_tpu_interpret_mode(interpret):
+        return np.asarray(jax.jit(call)(jnp.array([src, dst, size], jnp.int32), x))
+
+
+def _dynamic_size_probe() -> bool:
+    x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+    try:
+        got = run_dynamic_size_copy(x, 8, src=5, dst=2, size=3)
+    except Exception as error:  # noqa: BLE001 - the message decides
+        if DYNAMIC_SIZE_ERROR in str(error):
+            return True
+        raise
+    expected = np.full((8, 128), -1.0, np.float32)
+    expected[2:5] = np.asarray(x)[5:8]
+    return not np.array_equal(got, expected)
+
+
+def _dma_rules() -> dict:
+    """The discharge-rule table that holds the DMA rules: partial rules on 0.10, plain rules later."""
+    internals = _internals()
+    start, wait = internals.tpu_primitives.dma_start_p, internals.tpu_primitives.dma_wait_p
+    for name in ("_partial_discharge_rules", "_discharge_rules"):
+        rules = getattr(internals.discharge, name, {})
+        if start in rules and wait in rules:
+            return rules
+    raise InternalsMoved("no discharge rule table holds both dma_start and dma_wait")
+
+
+def _dynamic_size_internals() -> None:
+    internals = _internals()
+    require_attributes(internals.tpu_primitives, "dma_start_p", "dma_wait_p")
+    rules = _dma_rules()
+    for primitive in (internals.tpu_primitives.dma_start_p, internals.tpu_primitives.dma_wait_p):
+        parameters = parameter_names(rules[primitive])
+        require("tree" in parameters, f"the {primitive} discharge rule takes no tree")
+        leading = parameters[: parameters.index("args")] if "args" in parameters else parameters
+        require(
+            leading in (["should_discharge", "in_avals", "out_avals"], ["ctx"]),
+            f"the {primitive} discharge rule takes ({', '.join(parameters)})",
+        )
+    require_attributes(internals.state_types, "TransformedRef")
+    require_attributes(internals.indexing, "Slice", "NDIndexer")
+    require_attributes(internals.indexing.Slice, "is_dynamic_size", "start", "size", "stride")
+    require_attributes(internals.state_primitives, "ref_set")
+    require_attributes(internals.primitives, "_transform_semaphore")
+    require_parameters(
+        internals.primitives._transform_semaphore,
+        ["ref_value", "transforms", "ref_aval"],
+        "pallas primitives._transform_semaphore",
+    )
+    require_attributes(internals.pallas_core, "SEMAPHORE_MAX_VALUE", "SEMAPHORE_INTERPRET_DTYPE")
+    require_attributes(internals.discharge, "transform_array", "transform_swap_array")
+
+
+def _ref_and_transforms(ref) -> tuple:
+    if isinstance(ref, _internals().state_types.TransformedRef):
+        return ref.ref, tuple(ref.transforms)
+    return ref, ()
+
+
+def _is_dynamic_size_indexer(transform) -> bool:
+    slice_class = _internals().indexing.Slice
+    return view_algebra.is_indexer(transform) and any(
+        isinstance(index, slice_class) and index.is_dynamic_size for index in transform.indices
+    )
+
+
+def _has_dynamic_size(transforms) -> bool:
+    """Whether a copy descriptor's transforms give it a data-dependent size; only its last may."""
+    transforms = tuple(transforms)
+    if not any(_is_dynamic_size_indexer(transform) for transform in transforms):
+        return False
+    if any(_is_dynamic_size_indexer(transform) for transform in transforms[:-1]):
+        raise NotImplementedError(
+            "interpret_compat (generic-dynamic-size-copies): a data-dependent copy size (pl.ds with a traced "
+            f"length) is supported in a ref's last indexer only; got the transforms {transforms}. Index with "
+            "the data-dependent slice last."
+        )
+    return True
+
+
+def _value_slices(indexer) -> list:
+    """The indexer's slices, one per axis of the value it selects (its scalar indices drop their axes)."""
+    slice_class = _internals().indexing.Slice
+    slices = []
+    for index in indexer.indices:
+        if isinstance(index, slice_class):
+            slices.append(index)
+        elif np.shape(index) != ():
+            raise NotImplementedError(
+                "interpret_compat (generic-dynamic-size-copies): a copy with a data-dependent size and an "
+                f"array index ({indexer}) is not supported; index with scalars and slices."
+            )
+    return slices
+
+
+@dataclasses.dataclass(frozen=True)
+class _Side:
+    """One end of a copy: the ref's value, the transforms before its last indexer, and per axis of the
+    copied value the static length of the window the interpreter moves, the window's start in the ref's
+    axis and where the copy's first element sits in the window (``offset``; 0 for static axes)."""
+
+    value: object
+    earlier: tuple
+    indexer: object
+    lengths: list
+    starts: list
+    offsets: list
+    sizes: list  # per value axis: the copy's size there (traced where data-dependent)
+
+
+def _side(ref, transforms) -> tuple:
+    """(value, transforms before the last indexer, the last indexer or None, the ref's extents there)."""
+    value = ref[...]
+    if transforms and view_algebra.is_indexer(transforms[-1]):
+        earlier, indexer = transforms[:-1], transforms[-1]
+        region_shape = _internals().discharge.transform_array(value, earlier).shape
+        return value, earlier, indexer, region_shape
+    return value, transforms, None, None
+
+
+def _copy_sides(src, dst) -> tuple[_Side, _Side, list[bool]]:
+    """Both ends of a copy with every data-dependent size widened to a static window: along such an axis
+    the window is as long as the shorter of the two ends allows (the ref's extent where the size is
+    data-dependent, the slice where it is static), placed as far as possible at the copy's start and
+    moved back to stay inside the ref. Returns the ends and which value axes have a data-dependent size."""
+    ends = []
+    for ref, transforms in (src, dst):
+        value, earlier, indexer, region_shape = _side(ref, transforms)
+        if indexer is None:
+            shape = _internals().discharge.transform_array(value, earlier).shape
+            ends.append((value, earlier, None, [(None, int(n), None) for n in shape]))
+            continue
+        axes = []
+        for index, extent in zip(indexer.indices, region_shape, strict=True):
+            if not isinstance(index, _internals().indexing.Slice):
+                continue
+            if index.is_dynamic_size:
+                if index.stride != 1:
+                    raise NotImplementedError(
+                        "interpret_compat (generic-dynamic-size-copies): a data-dependent copy size with "
+                        f"stride {index.stride} is not supported (stride 1 only)."
+                    )
+                axes.append((index, int(extent), index.size))
+            else:
+                axes.append((index, int(index.size), None))
+        _value_slices(indexer)  # rejects array indices
+        ends.append((value, earlier, indexer, axes))
+    (_, _, _, src_axes), (_, _, _, dst_axes) = ends
+    if len(src_axes) != len(dst_axes):
+        raise ValueError(
+            f"interpret_compat (generic-dynamic-size-copies): a copy between values of rank {len(src_axes)} "
+            f"and {len(dst_axes)}."
+        )
+    dynamic = [src[2] is not None or dst[2] is not None for src, dst in zip(src_axes, dst_axes, strict=True)]
+    sizes = [
+        (dst[2] if dst[2] is not None else src[2]) if is_dynamic else dst[1]
+        for src, dst, is_dynamic in zip(src_axes, dst_axes, dynamic, strict=True)
+    ]
+    sides = []
+    for (value, earlier, indexer, axes), other in ((ends[0], dst_axes), (ends[1], src_axes)):
+        lengths, starts, offsets = [], [], []
+        for (index, extent_or_length, size), (_, other_length, _) in zip(axes, other, strict=True):
+            if size is None:  # a static axis: the window is the slice itself
+                lengths.append(extent_or_length)
+                starts.append(None if index is None else index.start)
+                offsets.append(0)
+                continue
+            length = min(extent_or_length, other_length)
+            start = jnp.clip(jnp.asarray(index.start, jnp.int32), 0, extent_or_length - length)
+            lengths.append(length)
+            starts.append(start)
+            offsets.append(jnp.asarray(index.start, jnp.int32) - start)
+        sides.append(_Side(value, earlier, indexer, lengths, starts, offsets, sizes))
+    return sides[0], sides[1], dynamic
+
+
+def _window_transforms(side: _Side) -> tuple:
+    """The side's transforms with each data-dependent slice replaced by its static window."""
+    if side.indexer is None:
+        return side.earlier
+    slice_class = _internals().indexing.Slice
+    indices, axis = [], 0
+    for index in side.indexer.indices:
+        if not isinstance(index, slice_class):
+            indices.append(index)
+            continue
+        if index.is_dynamic_size:
+            index = slice_class(side.starts[axis], side.lengths[axis], 1)
+        indices.append(index)
+        axis += 1
+    return (*side.earlier, dataclasses.replace(side.indexer, indices=tuple(indices)))
+
+
+def _as_bits(value):
+    dtype = jnp.dtype(value.dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(value, jnp.dtype(f"uint{8 * dtype.itemsize}"))
+    return value
+
+
+def _masked_copy(src: _Side, dst: _Side, dynamic: list[bool]):
+    """The destination ref's new value: its window with the copied elements replaced, bit for bit."""
+    discharge = _internals().discharge
+    dst_transforms = _window_transforms(dst)
+    moved = _as_bits(discharge.transform_array(src.value, _window_transforms(src)))
+    kept = discharge.transform_array(dst.value, dst_transforms)
+    kept_bits = _as_bits(kept)
+    inside = jnp.ones(kept.shape, bool)
+    for axis, is_dynamic in enumerate(dynamic):
+        if not is_dynamic:
+            continue
+        element = jnp.arange(dst.lengths[axis], dtype=jnp.int32) - dst.offsets[axis]  # copy element per slot
+        moved = jnp.take(moved, jnp.clip(src.offsets[axis] + element, 0, src.lengths[axis] - 1), axis=axis)
+        shape = [1] * kept.ndim
+        shape[axis] = dst.lengths[axis]
+        inside = inside & ((element >= 0) & (element < dst.sizes[axis])).reshape(shape)
+    merged = jax.lax.bitcast_convert_type(jnp.where(inside, moved, kept_bits), kept.dtype)
+    return discharge.transform_swap_array(dst.value, dst_transforms, merged)[1]
+
+
+def _element_count(sizes) -> jax.Array:
+    """A DMA semaphore's increment for a copy of ``sizes`` (capped as the interpreter caps it)."""
+    core = _internals().pallas_core
+    count = functools.reduce(jnp.multiply, [jnp.asarray(size, jnp.int32) for size in sizes], jnp.int32(1))
+    return jnp.minimum(count, core.SEMAPHORE_MAX_VALUE).astype(core.SEMAPHORE_INTERPRET_DTYPE)
+
+
+def _semaphore_plus(semaphore, transforms, aval, delta):
+    internals = _internals()
+    current = internals.primitives._transform_semaphore(semaphore, transforms, aval)
+    return internals.discharge.transform_swap_array(semaphore, transforms, current + delta)[1]
+
+
+def _discharge_context(leading: tuple) -> tuple[list, list]:
+    """(should_discharge, in_avals) per flat argument, from a 0.10 partial rule's or a later rule's leading
+    arguments."""
+    if len(leading) == 3:
+        should_discharge, in_avals, _ = leading
+        return list(should_discharge), list(in_avals)
+    (context,) = leading
+    return list(context.should_discharge), list(context.in_avals)
+
+
+def _ref_position(roles, role: int):
+    """The flat position of the ref of argument ``role`` (src, dst, dst_sem, src_sem), None when absent."""
+    entry = roles[role]
+    return None if entry is None else _ref_and_transforms(entry)[0]
+
+
+def _write(new_vals: list, position: int, should_discharge: list, ref, new_value) -> None:
+    """A discharged ref gets its new value in the rule's result; any other is written in place."""
+    if should_discharge[position]:
+        new_vals[position] = new_value
+    else:
+        _internals().state_primitives.ref_set(ref, None, new_value)
+
+
+def _dma_start_of_dynamic_size(original_rule: Callable) -> Callable:
+    """Local DMAs with a data-dependent size run as masked copies of a static window; others as before."""
+
+    @functools.wraps(original_rule)
+    def rule(*args, tree, **params):
+        leading, flat = _leading_and_flat(args, tree)
+        src, dst, dst_sem, src_sem, device_id = tree.unflatten(flat)
+        src_ref, src_transforms = _ref_and_transforms(src)
+        dst_ref, dst_transforms = _ref_and_transforms(dst)
+        if not (_has_dynamic_size(src_transforms) or _has_dynamic_size(dst_transforms)):
+            return original_rule(*args, tree=tree, **params)
+        if device_id is not None or params.get("add"):
+            raise NotImplementedError(
+                "interpret_compat (generic-dynamic-size-copies): remote or accumulating DMAs with a "
+                "data-dependent size are not supported on the generic interpreter; use the TPU interpreter."
+            )
+        should_discharge, in_avals = _discharge_context(leading)
+        roles = tree.unflatten(list(range(len(flat))))
+        src_side, dst_side, dynamic = _copy_sides((src_ref, src_transforms), (dst_ref, dst_transforms))
+        new_vals = [None] * len(flat)
+        new_dst = _masked_copy(src_side, dst_side, dynamic)
+        _write(new_vals, _ref_position(roles, 1), should_discharge, dst_ref, new_dst)
+        count = _element_count(dst_side.sizes)
+        for role, semaphore in ((2, dst_sem), (3, src_sem)):
+            if semaphore is None:
+                continue
+            position = _ref_position(roles, role)
+            sem_ref, sem_transforms = _ref_and_transforms(semaphore)
+            new_count = _semaphore_plus(sem_ref[...], sem_transforms, in_avals[position], count)
+            _write(new_vals, position, should_discharge, sem_ref, new_count)
+        return new_vals, []
+
+    return rule
+
+
+
+def _dma_wait_of_dynamic_size(original_rule: Callable) -> Callable:
+    """A wait on a descriptor with a data-dependent size takes that many elements off its semaphore."""
+
+    @functools.wraps(original_rule)
+    def rule(*args, tree, **params):
+        leading, flat = _leading_and_flat(args, tree)
+        _, dst, dst_sem, _, _ = tree.unflatten(flat)
+        dst_ref, dst_transforms = _ref_and_transforms(dst)
+        if not _has_dynamic_size(dst_transforms):
+            return original_rule(*args, tree=tree, **params)
+        should_discharge, in_avals = _discharge_context(leading)
+        new_vals = [None] * len(flat)
+        position = _ref_position(tree.unflatten(list(range(len(flat)))), 2)
+        if position is None or not should_discharge[position]:
+            return new_vals, []  # as the original: only a discharged semaphore changes
+        sem_ref, sem_transforms = _ref_and_transforms(dst_sem)
+        count = _element_count([index.size for index in _value_slices(dst_transforms[-1])])
+        new_vals[position] = _semaphore_plus(sem_ref, sem_transforms, in_avals[position], -count)
+        return new_vals, []
+
+    return rule
+
+
+def _dynamic_size_patches() -> list[Patch]:
+    internals = _internals()
+    rules = _dma_rules()
+    start, wait = internals.tpu_primitives.dma_start_p, internals.tpu_primitives.dma_wait_p
+    return [
+        Patch(rules, start, _dma_start_of_dynamic_size(rules[start])),
+        Patch(rules, wait, _dma_wait_of_dynamic_size(rules[wait])),
+    ]
+
+
+DYNAMIC_SIZE_COPIES = Gap(
+    name="generic-dynamic-size-copies",
+    interpreter="generic",
+    symptom="DMAs of a data-dependent size (pl.ds with a traced length): 'Shapes must be 1D sequences of "
+    "concrete values'",
+    probe=_dynamic_size_probe,
+    check_internals=_dynamic_size_internals,
+    patches=_dynamic_size_patches,
+)
+
+GAPS = (LITERAL_INDICES, VIEW_STORES, SCALAR_PREFETCH_STATE, NARROW_FLOAT_BITS, DYNAMIC_SIZE_COPIES)

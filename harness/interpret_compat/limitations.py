@@ -32,8 +32,8 @@ LIMITATIONS = (
     ),
     Limitation(
         r"Shapes must be 1D sequences of concrete values",
-        "the generic interpreter cannot copy a data-dependent size (pl.ds with a traced length); "
-        "use --rpa-backend=interpret",
+        "the generic interpreter cannot copy a data-dependent size (pl.ds with a traced length; "
+        "--rpa-interpreter-compat=on patches local DMAs of that kind); use --rpa-backend=interpret",
     ),
     Limitation(
         r"TPU version must be 4 or higher|Unsupported tpu_version=-1|Unsupported TPU device kind: cpu",

@@ -7,6 +7,10 @@ every ref transform to index ranges (``interpret.utils.to_range``), which knows 
 Gap ``tpu-masked-swap``: the in-bounds check of a masked swap clears the mask only along axis 0, so a valid
 mask on e.g. a ``(4, 2, 128)`` ref raises "Out-of-bounds masked swap".
 
+Gap ``tpu-race-history`` (a cost, not an error): the race detector keeps every access of a buffer and checks
+each new one against all of them, so a DMA costs O(accesses so far); the patch prunes the accesses no later
+access can race with (see ``_history_patches``).
+
 Race detection and views: an access through a reshape/bitcast view is reported to the race detector as an
 access to the smallest box of the region the view was taken of (the ref before its first reshape/bitcast)
 that holds every element it touches (``views.touched_box``): taking one slot of a bitcast double buffer
@@ -15,9 +19,11 @@ records that slot only. Stores through a view read the region without a record a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import types
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -38,13 +44,14 @@ _ACCESS_PARAMETERS = ["token", "device_id", "local_core_id", "memory_space", "bu
 
 @functools.cache
 def _internals() -> types.SimpleNamespace:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call, shared_memory
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call, race_detection_state, shared_memory
     from jax._src.pallas.mosaic.interpret import utils as interpret_utils
     from jax._src.state import indexing as state_indexing
     from jax._src.state import types as state_types
 
     return types.SimpleNamespace(
         interpreter=interpret_pallas_call,
+        races=race_detection_state,
         shared_memory=shared_memory,
         utils=interpret_utils,
         indexing=state_indexing,
@@ -402,4 +409,165 @@ MASKED_SWAP = Gap(
     patches=_masked_swap_patches,
 )
 
-GAPS = (REF_VIEWS, MASKED_SWAP)
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap tpu-race-history (a cost, not an error).
+
+_PRUNE_FROM = 64
+"""A buffer's history is pruned once it holds this many accesses, and again each time it doubles."""
+
+
+def _clock_array(clock) -> np.ndarray:
+    """A vector clock as an array: 0.10 stores arrays, later jax ``NpVectorClock`` objects."""
+    return clock if isinstance(clock, np.ndarray) else clock.clock
+
+
+def _clock_position() -> int:
+    """Where a history entry holds its clock: (device, core, clock, ...) on 0.10, (thread, clock, ...) later."""
+    parameters = parameter_names(_internals().races.RaceDetectionState.check_read)
+    return parameters.index("clock") - 1
+
+
+def _history_probe() -> bool:
+    """Whether the unpatched detector keeps accesses that happened before every later one: one thread's
+    reads of a buffer, each after the last, all stay in its history."""
+    internals = _internals()
+    state = internals.races.RaceDetectionState(**({"num_cores": 1} if "num_cores" in _state_fields() else {}))
+    thread = {"thread": (0, 0)} if _clock_position() == 1 else {"device_id": 0, "local_core_id": 0}
+    for step in range(1, 9):
+        clock = np.array([step, 0], np.int32)
+        if _clock_position() == 1:
+            clock = _np_vector_clock(clock)
+        state.check_read(**thread, clock=clock, buffer_key=("vmem", 0, 0, 0), rnge=(slice(0, 8),))
+    return len(state.reads[("vmem", 0, 0, 0)]) == 8
+
+
+def _state_fields() -> set[str]:
+    return {field.name for field in dataclasses.fields(_internals().races.RaceDetectionState)}
+
+
+def _np_vector_clock(values: np.ndarray):
+    from jax._src.pallas.mosaic.interpret import vector_clock
+
+    clock = vector_clock.NpVectorClock(len(values))
+    clock.clock[:] = values
+    return clock
+
+
+def _history_internals() -> None:
+    internals = _internals()
+    state = internals.races.RaceDetectionState
+    require_attributes(state, "check_read", "check_write")
+    require({"reads", "writes", "lock"} <= _state_fields(), "RaceDetectionState has no reads/writes/lock")
+    for name in ("check_read", "check_write"):
+        names = parameter_names(getattr(state, name))
+        require(
+            names in (
+                ["self", "device_id", "local_core_id", "clock", "buffer_key", "rnge", "source_info"],
+                ["self", "thread", "clock", "buffer_key", "rnge", "source_info"],
+            ),
+            f"RaceDetectionState.{name} takes ({', '.join(names)})",
+        )
+    interpreter = internals.interpreter
+    require_attributes(interpreter, "DMA", "DmaState", "_shared_memory")
+    require_attributes(interpreter.DmaState, "COMPLETED")
+    dma_fields = {field.name for field in dataclasses.fields(interpreter.DMA)}
+    require({"clock", "state"} <= dma_fields, "interpret_pallas_call.DMA has no clock/state")
+    require_attributes(internals.shared_memory.SharedMemory, "num_cores")
+    memory_fields = {field.name for field in dataclasses.fields(internals.shared_memory.SharedMemory)}
+    require({"clocks", "lock"} <= memory_fields, "SharedMemory has no clocks/lock")
+
+
+def _history_patches() -> list[Patch]:
+    """Drop from a buffer's race history the accesses that happened before every access still to come.
+
+    Why this cannot hide a race: the detector reports a past access (clock ``e``) against a new one (clock
+    ``x``) only when neither clock is below the other. Every future access's clock is at least, coordinate
+    by coordinate, one of the clocks live now: a core's accesses use copies of its clock, which only grows
+    (increments, and maxima at semaphore waits and barriers); a DMA's accesses use its own clock, copied
+    from its core's at ``dma_start`` and then only incremented, so a DMA started later starts at or above
+    its core's clock now and one already started (not yet completed) is itself live. So if ``e`` is below
+    (<= everywhere, < somewhere) every live clock — each core's and each uncompleted DMA's — then ``e`` is
+    below every future ``x`` and that access can never be reported again; dropping it changes no verdict.
+    The live clocks are read in the interpreter's single thread: with more than one core (threads) a DMA
+    could copy its clock between our reads, so histories are pruned only when the memory has one core.
+    A buffer's history is pruned when it reaches ``_PRUNE_FROM`` accesses and then each time it doubles
+    (amortised O(1) per access)."""
+    internals = _internals()
+    state_class = internals.races.RaceDetectionState
+    dma_class = internals.interpreter.DMA
+    completed = internals.interpreter.DmaState.COMPLETED
+    position = _clock_position()
+    started: list[weakref.ref] = []  # DMAs created since the last prune that may still access memory
+
+    original_init = dma_class.__init__
+
+    @functools.wraps(original_init)
+    def dma_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        started.append(weakref.ref(self))
+
+    def live_clocks(shared_memory) -> np.ndarray | None:
+        if shared_memory is None or shared_memory.num_cores != 1:
+            return None
+        with shared_memory.lock:
+            clocks = shared_memory.clocks
+            cores = list(clocks.values()) if isinstance(clocks, dict) else list(clocks)
+            live = [_clock_array(clock).copy() for clock in cores]
+        pending = [dma for dma in (ref() for ref in started) if dma is not None and dma.state != completed]
+        started[:] = [weakref.ref(dma) for dma in pending]
+        live += [_clock_array(dma.clock).copy() for dma in pending]
+        if not live or len({clock.shape for clock in live}) != 1:
+            return None
+        return np.stack(live)
+
+    def kept(entries: list, live: np.ndarray) -> list:
+        if not entries:
+            return entries
+        clocks = np.stack([_clock_array(entry[position]) for entry in entries])[:, None, :]
+        below_every_live = ((clocks <= live).all(-1) & (clocks != live).any(-1)).all(-1)
+        return [entry for entry, prune in zip(entries, below_every_live, strict=True) if not prune]
+
+    def prune(self, buffer_key) -> None:
+        sizes = self.__dict__.setdefault("_interpret_compat_prune_at", {})
+        count = len(self.reads[buffer_key]) + len(self.writes[buffer_key])
+        if count < sizes.get(buffer_key, _PRUNE_FROM):
+            return
+        live = live_clocks(internals.interpreter._shared_memory)
+        if live is None:
+            sizes[buffer_key] = 2 * count
+            return
+        with self.lock:  # new lists: a check running concurrently keeps iterating over the old ones
+            self.reads[buffer_key] = kept(self.reads[buffer_key], live)
+            self.writes[buffer_key] = kept(self.writes[buffer_key], live)
+            remaining = len(self.reads[buffer_key]) + len(self.writes[buffer_key])
+        sizes[buffer_key] = max(_PRUNE_FROM, 2 * remaining)
+
+    def pruning(check: Callable) -> Callable:
+        key_position = parameter_names(check).index("buffer_key") - 1  # after self
+
+        @functools.wraps(check)
+        def checked(self, *args, **kwargs):
+            result = check(self, *args, **kwargs)
+            prune(self, kwargs["buffer_key"] if "buffer_key" in kwargs else args[key_position])
+            return result
+
+        return checked
+
+    return [
+        Patch(dma_class, "__init__", dma_init),
+        Patch(state_class, "check_read", pruning(state_class.check_read)),
+        Patch(state_class, "check_write", pruning(state_class.check_write)),
+    ]
+
+
+RACE_HISTORY = Gap(
+    name="tpu-race-history",
+    interpreter="tpu",
+    symptom="race detection keeps every access, so each access is checked against all earlier ones (slow)",
+    probe=_history_probe,
+    check_internals=_history_internals,
+    patches=_history_patches,
+)
+
+GAPS = (REF_VIEWS, MASKED_SWAP, RACE_HISTORY)
