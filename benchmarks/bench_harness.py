@@ -33,7 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PROPERTIES = {
     "pooled fast": ("tests/test_differential.py::test_kernel_matches_oracle", "fast-interpret"),
     "pooled checking": ("tests/test_differential.py::test_kernel_matches_oracle_checked", "interpret"),
-    "any-config fast": ("tests/test_differential.py::test_kernel_matches_oracle_any_config", "fast-interpret"),
+    "any-config fast": (
+        "tests/test_differential.py::test_kernel_matches_oracle_any_config",
+        "fast-interpret",
+    ),
     "any-config checking": (
         "tests/test_differential.py::test_kernel_matches_oracle_checked_any_config",
         "interpret",
@@ -70,9 +73,22 @@ def examples_per_minute(prop: str, examples: int, cache: str) -> dict:
         cpu_before, start = children_cpu_seconds(), time.time()
         workers = [
             subprocess.Popen(
-                [sys.executable, "-m", "pytest", node, f"--rpa-backend={backend}", "-q", "-p",
-                 "no:cacheprovider", "--hypothesis-profile=dev", f"--hypothesis-seed={seed}"],
-                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    node,
+                    f"--rpa-backend={backend}",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "--hypothesis-profile=dev",
+                    f"--hypothesis-seed={seed}",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )  # fmt: skip
             for seed in (1, 2)
         ]
@@ -219,7 +235,10 @@ def main():
             if args.skip_split:
                 continue
             print("cost split per example, one process (seconds)")
-            for backend, examples in (("fast-interpret", args.examples), ("interpret", args.checking_examples)):
+            for backend, examples in (
+                ("fast-interpret", args.examples),
+                ("interpret", args.checking_examples),
+            ):
                 split = cost_split_in_subprocess(backend, examples, cache)
                 stages = "  ".join(
                     f"{k} {split[k]:.4f}" for k in ("generation", "arrays", "kernel", "oracle", "compare")

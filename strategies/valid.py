@@ -430,3 +430,51 @@ def coverage_labels(case: Case) -> list[str]:
 def label_coverage(case: Case) -> None:
     for label in coverage_labels(case):
         event(label)
+
+
+def valid_case_groups(
+    capabilities: Capabilities = OUR_KERNEL, *, max_cases: int = 4, excluding=()
+) -> st.SearchStrategy[list[Case]]:
+    """1 to ``max_cases`` valid cases from the whole static space that share one static configuration and
+    options, so one compiled kernel serves them all: each has its own ragged layout and data.
+
+    The whole-space properties draw these: there a new configuration's compilation costs 10-100x a call,
+    so more cases per configuration test more in the same time without narrowing what is drawn (the first
+    case is ``valid_cases``' own draw). The extra cases shrink away first.
+    """
+    if not isinstance(max_cases, int) or max_cases < 1:
+        raise ValueError(f"max_cases={max_cases!r} must be an int of at least 1")
+    return _case_groups(capabilities, max_cases, excluding)
+
+
+@st.composite
+def _case_groups(draw, capabilities: Capabilities, max_cases: int, excluding) -> list[Case]:
+    first = draw(valid_cases(capabilities, excluding=excluding))
+    config = dict(
+        page_size=first.page_size,
+        pages_per_seq=first.pages_per_seq,
+        max_num_seqs=first.max_num_seqs,
+        max_num_batched_tokens=first.max_num_batched_tokens,
+    )
+    sharing = st.builds(
+        lambda layout, seed, values, poison, garbage: dataclasses.replace(
+            first,
+            q_lens=layout[0],
+            kv_lens=layout[1],
+            seed=seed,
+            values=values,
+            poison=poison,
+            garbage=garbage,
+        ),
+        layouts(config, first.num_kv_pages_per_block, empty_sequences=capabilities.empty_sequences),
+        st.integers(0, 2**32 - 1),
+        st.sampled_from(("normal", "large", "ties", "tiny")),
+        st.booleans(),
+        st.booleans(),
+    )
+    cases = [first]
+    for case in draw(st.lists(sharing, max_size=max_cases - 1)):
+        case = outside_known_issues(case, excluding)
+        label_coverage(case)
+        cases.append(case)
+    return cases
