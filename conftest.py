@@ -8,9 +8,6 @@ Options (each also read from an environment variable):
   --rpa-allow-no-numeric        RPA_ALLOW_NO_NUMERIC=1  a run in which no numeric property ran may pass
   --rpa-precision=NAME[,NAME]   RPA_PRECISION       precision contract(s) the target is judged under
                                                     (default: its RPA_HARNESS_PRECISION, else float32)
-  --rpa-compilation-cache=DIR|off
-                                RPA_COMPILATION_CACHE  jax's persistent compilation cache (default:
-                                                    .jax-compilation-cache; created if missing)
   --rpa-known-issues=auto|none|NAME[,NAME...]
                                 RPA_KNOWN_ISSUES    known issues whose cases are not drawn (default: auto, the
                                                     target's declaration; see harness/known_issues.py)
@@ -33,8 +30,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from harness import backends, known_issues, properties, repro, runlog, targets
-from reference.tolerance import CONTRACTS, PrecisionError, parse_precision
+from rpa_harness import backends, known_issues, properties, repro, runlog, targets
+from rpa_harness.reference.tolerance import CONTRACTS, PrecisionError, parse_precision
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
 _common = dict(
@@ -93,7 +90,7 @@ def pytest_addoption(parser):
         "--rpa-interpreter-compat",
         default="on",
         choices=("on", "off"),
-        help="patch the interpreters' known gaps (harness.interpret_compat; default: on)",
+        help="patch the interpreters' known gaps (rpa_harness.interpret_compat; default: on)",
     )
     group.addoption(
         "--rpa-precision",
@@ -107,7 +104,6 @@ def pytest_addoption(parser):
         help="auto (the target's RPA_HARNESS_KNOWN_ISSUES), none, or NAME[,NAME...]: known issues whose "
         "cases are not drawn and whose repros must still fail",
     )
-    add_compilation_cache_option(group)
     group.addoption(
         "--rpa-allow-no-numeric",
         action="store_true",
@@ -133,7 +129,6 @@ def pytest_configure(config):
         )
         settings.load_profile("sized")
     _check_folders(config)
-    use_compilation_cache(config)
     try:
         config.rpa_target = targets.load(config.getoption("--rpa-target"))
     except targets.TargetError as error:
@@ -193,33 +188,6 @@ def _check_folders(config) -> None:
                 "point it at the example database a nightly run saved"
             )
         _usable_folder(path, "RPA_HYPOTHESIS_DB")
-
-
-# --- jax's persistent compilation cache (harness.backends): an option, its folder checked like the others,
-# and each process's compilations and cache hits in the run log (benchmarks/bench_harness.py reads them).
-def add_compilation_cache_option(group) -> None:
-    group.addoption(
-        "--rpa-compilation-cache",
-        default=os.environ.get(backends.COMPILATION_CACHE_ENV, backends.DEFAULT_COMPILATION_CACHE),
-        help="folder of jax's persistent compilation cache, or off (default: "
-        f"{backends.DEFAULT_COMPILATION_CACHE}; created if missing)",
-    )
-
-
-def use_compilation_cache(config) -> None:
-    backends.count_compilations()
-    folder = backends.compilation_cache_setting(config.getoption("--rpa-compilation-cache"))
-    if folder is not None:
-        _usable_folder(folder, "--rpa-compilation-cache")
-        backends.enable_compilation_cache(folder)
-
-
-def record_compilations() -> None:
-    if os.environ.get(runlog.ENV):
-        runlog.record_event("compilations", **backends.compilation_stats())
-
-
-# ---
 
 
 VOLUME = (backends.FAST_INTERPRET, backends.TPU)
@@ -364,7 +332,6 @@ def _no_numeric_verdict(config) -> str | None:
 
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
-    record_compilations()
     if _is_worker(config):
         return
     verdict = _no_numeric_verdict(config)

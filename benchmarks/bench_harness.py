@@ -32,18 +32,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # name -> (pytest node, backend, examples per worker for RPA_MAX_EXAMPLES=1 worth of base count)
 PROPERTIES = {
-    "pooled fast": ("tests/test_differential.py::test_kernel_matches_oracle", "fast-interpret"),
-    "pooled checking": ("tests/test_differential.py::test_kernel_matches_oracle_checked", "interpret"),
+    "pooled fast": ("tests/properties/test_differential.py::test_kernel_matches_oracle", "fast-interpret"),
+    "pooled checking": ("tests/properties/test_differential.py::test_kernel_matches_oracle_checked", "interpret"),
     "any-config fast": (
-        "tests/test_differential.py::test_kernel_matches_oracle_any_config",
+        "tests/properties/test_differential.py::test_kernel_matches_oracle_any_config",
         "fast-interpret",
     ),
     "any-config checking": (
-        "tests/test_differential.py::test_kernel_matches_oracle_checked_any_config",
+        "tests/properties/test_differential.py::test_kernel_matches_oracle_checked_any_config",
         "interpret",
     ),
 }
-# RPA_MAX_EXAMPLES (the profile's base count) that gives each property `examples` examples (tests/budget.py).
+# RPA_MAX_EXAMPLES (the profile's base count) that gives each property `examples` examples (tests/properties/budget.py).
 BASE_FOR = {
     "pooled fast": lambda examples: max(1, examples // 5),
     "pooled checking": lambda examples: examples,
@@ -60,7 +60,7 @@ def children_cpu_seconds() -> float:
 
 def examples_per_minute(prop: str, examples: int, cache: str) -> dict:
     """Two concurrent workers on one property: examples/min overall and steady, CPU and compilations."""
-    from harness import runlog
+    from rpa_harness import runlog
 
     node, backend = PROPERTIES[prop]
     with tempfile.TemporaryDirectory() as log_dir:
@@ -124,18 +124,18 @@ def cost_split(backend_name: str, examples: int, cache: str) -> dict:
     import jax  # noqa: F401  (configured before the first compilation below)
     from hypothesis import given, settings
 
-    import reference
-    from harness import backends
-    from harness.backends import Backend
-    from harness.targets import load
-    from strategies.valid import valid_cases
+    from rpa_harness import reference
+    from rpa_harness import backends
+    from rpa_harness.backends import Backend
+    from rpa_harness.targets import load
+    from rpa_harness.strategies.valid import valid_cases
 
     backends.count_compilations()
     folder = backends.compilation_cache_setting(cache)
     if folder is not None:
         backends.enable_compilation_cache(folder)
     before = backends.compilation_stats()
-    target, backend = load("kernel"), Backend(backend_name)
+    target, backend = load("rpa_harness.kernel"), Backend(backend_name)
     stages = {"arrays": 0.0, "kernel": 0.0, "oracle": 0.0, "compare": 0.0}
     count = 0
 

@@ -6,7 +6,7 @@ exactly when the case can trigger it, as narrow as the cause, so that the rest o
 A target declares the issues it knows with ``RPA_HARNESS_KNOWN_ISSUES = ("NAME", ...)`` in its module
 (upstream's module gets ``UPSTREAM_KNOWN_ISSUES``; ``--rpa-known-issues`` overrides either). The
 strategies then move a drawn case that matches a declared issue to the nearest case outside it
-(``KnownIssue.avoid``), and ``tests/test_known_issues.py`` replays each declared issue's repro: while it
+(``KnownIssue.avoid``), and ``tests/properties/test_known_issues.py`` replays each declared issue's repro: while it
 still fails the issue is an expected failure, once it passes the run fails until the entry is removed.
 
 The predicates restate the causes worked out from upstream's kernel source
@@ -25,8 +25,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from harness import runlog
-from strategies.case import Case
+from rpa_harness import runlog
+from rpa_harness.strategies.case import Case
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FINDINGS_DIR = REPO_ROOT / "docs" / "upstream-findings"

@@ -1,4 +1,4 @@
-"""tpu-inference's ragged paged attention v3 as a harness target: ``--rpa-target=harness.tpu_inference_v3``.
+"""tpu-inference's ragged paged attention v3 as a harness target: ``--rpa-target=rpa_harness.tpu_inference_v3``.
 
 v3 (PyPI ``tpu-inference``, ``tpu_inference/kernels/ragged_paged_attention/v3/kernel.py``) is the kernel
 that serves vLLM on TPU. Its API differs from upstream jax's: the new tokens' keys and values are inputs
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harness.backends import INTERPRET, Backend
+from rpa_harness.backends import INTERPRET, Backend
 
 INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
@@ -66,7 +66,7 @@ def _load_kernel_module() -> types.ModuleType:
 
 v3 = _load_kernel_module()
 
-# What the strategies draw for v3 (fields of strategies.valid.Capabilities). Outside of it, not yet tested:
+# What the strategies draw for v3 (fields of rpa_harness.strategies.valid.Capabilities). Outside of it, not yet tested:
 # a custom mask_value (v3 replaces the masked logit with it, upstream adds it: a different option, so only
 # the default, which masks fully under both meanings, is drawn), q_scale (no upstream counterpart), q_len == 0
 # (v3 forbids it and hangs on it: tests/test_v3_target.py), and page sizes v3 rejects for a KV dtype.
@@ -354,7 +354,7 @@ def judge(arrays: dict, options: dict, label: str = "tpu-inference v3 on interpr
     """Runs v3 once on an upstream-style case and judges both outputs: the attention against the float64
     oracle, the updated cache bit for bit. A cache error is attributed to a documented finding only when
     the differing slots are exactly the ones the finding predicts and each still holds its input value."""
-    import reference
+    from rpa_harness import reference
 
     inputs = v3_inputs(**arrays, **options)
     out, cache = CHECKING.run(call_v3, inputs)
@@ -371,13 +371,13 @@ def judge(arrays: dict, options: dict, label: str = "tpu-inference v3 on interpr
 
 
 def main(argv=None) -> int:
-    """``python -m harness.tpu_inference_v3 REPRO.json``: re-runs a v3 repro (attention and updated cache)
+    """``python -m rpa_harness.tpu_inference_v3 REPRO.json``: re-runs a v3 repro (attention and updated cache)
     on the TPU interpreter; exit 1 while it fails, 0 once it passes, 2 for an unreadable repro."""
-    from harness import repro
+    from rpa_harness import repro
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m harness.tpu_inference_v3 REPRO.json", file=sys.stderr)
+        print("usage: python -m rpa_harness.tpu_inference_v3 REPRO.json", file=sys.stderr)
         return 4
     try:
         pair = repro.read(argv[0])

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from spec.interface import Options, static_validate_inputs, takes_options
+from rpa_harness.spec.interface import Options, static_validate_inputs, takes_options
 
 # Upper bound on the elements of one float32 logit block; the query block shrinks to stay under it.
 _MAX_LOGIT_BLOCK_ELEMENTS = 1 << 22

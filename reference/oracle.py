@@ -14,8 +14,8 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from reference.tolerance import key_error_units
-from spec.interface import Options, static_validate_inputs, takes_options
+from rpa_harness.reference.tolerance import key_error_units
+from rpa_harness.spec.interface import Options, static_validate_inputs, takes_options
 
 # Upper bound on the elements of one [heads, rows, keys] float64 block.
 _MAX_BLOCK_ELEMENTS = 1 << 21
@@ -37,7 +37,7 @@ class OracleResult:
     flushable_pv: (
         np.ndarray
     )  # float64 [T, H, D]: sum of p_k |v_k| over keys whose weight is below f32's normal range
-    # What the precision contracts other than float32 need (``reference.tolerance.CONTRACTS``):
+    # What the precision contracts other than float32 need (``rpa_harness.reference.tolerance.CONTRACTS``):
     page_size: int
     key_dtype: np.dtype  # K as the kernel multiplies it: q's dtype when k_scale is set, else the KV dtype
     value_dtype: np.dtype  # V likewise (v_scale)

@@ -15,7 +15,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from spec.interface import OPTION_DEFAULTS, OPTION_NAMES, Options
+from rpa_harness.spec.interface import OPTION_DEFAULTS, OPTION_NAMES, Options
 
 DTYPES = {
     "float32": np.dtype(np.float32),

@@ -13,8 +13,8 @@ import math
 from hypothesis import event, reject
 from hypothesis import strategies as st
 
-from spec.interface import DEFAULT_MASK_VALUE
-from strategies.case import DTYPES, Case
+from rpa_harness.spec.interface import DEFAULT_MASK_VALUE
+from rpa_harness.strategies.case import DTYPES, Case
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Capabilities:
     # scale is drawn where that rounding is lossy, i.e. where the KV dtype is wider than q's.
     kv_scales_round_to_q_dtype: bool = True
     buckets: tuple[str, ...] = ("tiny", "small")
-    # The backends (harness.backends names) the target is declared to run on; elsewhere its numeric
+    # The backends (rpa_harness.backends names) the target is declared to run on; elsewhere its numeric
     # properties are skipped as "cannot run" (declared). Any other error on valid input is a failure.
     backends: tuple[str, ...] = ("interpret", "fast-interpret", "tpu")
     # Opt-ins beyond the specified behaviour: our stricter ValueErrors, and lowering to Mosaic on CPU.
@@ -393,7 +393,7 @@ def outside_known_issues(case: Case, known_issues) -> Case:
     """``case`` moved out of every known issue, or rejected when it cannot be.
 
     A known issue is an object with ``name``, ``matches(case)`` and ``avoid(case)`` (the nearest case
-    outside it), e.g. ``harness.known_issues.KnownIssue``. Moving the drawn case, rather than filtering it,
+    outside it), e.g. ``rpa_harness.known_issues.KnownIssue``. Moving the drawn case, rather than filtering it,
     keeps rejections rare and lets shrinking work as usual. Moving a case out of one issue can move it into
     another (dropping a sequence changes the data a predicate reads), so the passes repeat until none
     applies.

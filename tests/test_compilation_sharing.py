@@ -9,14 +9,14 @@ import sys
 import pytest
 from hypothesis import given
 
-from harness import backends
-from harness.backends import FAST_INTERPRET, Backend
-from harness.properties import check_differential
-from harness.targets import load
-from kernel import pallas_rpa
-from spec.interface import OPTION_NAMES
-from strategies.case import Case
-from strategies.valid import OUR_KERNEL, RUNTIME_OPTIONS, UPSTREAM_KERNEL, valid_case_groups
+from rpa_harness import backends
+from rpa_harness.backends import FAST_INTERPRET, Backend
+from rpa_harness.checks import check_differential
+from rpa_harness.targets import load
+from rpa_harness.kernel import pallas_rpa
+from rpa_harness.spec.interface import OPTION_NAMES
+from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.valid import OUR_KERNEL, RUNTIME_OPTIONS, UPSTREAM_KERNEL, valid_case_groups
 
 SMALL = Case(
     max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=5, total_num_pages=13, page_size=8,
@@ -29,7 +29,7 @@ OTHER_VALUES = dict(
 
 
 def test_run_time_option_values_share_one_compilation_and_are_honoured():
-    target, backend = load("kernel"), Backend(FAST_INTERPRET)
+    target, backend = load("rpa_harness.kernel"), Backend(FAST_INTERPRET)
     compiled = pallas_rpa._ragged_paged_attention._cache_size
     before = compiled()
     for case in (SMALL, dataclasses.replace(SMALL, **OTHER_VALUES)):
@@ -70,13 +70,13 @@ def test_the_compilation_cache_setting():
 
 _ONE_CALL = """
 import json, sys
-from harness import backends
+from rpa_harness import backends
 backends.count_compilations()
 backends.enable_compilation_cache(sys.argv[1])
-from harness.backends import Backend
-from harness.targets import load
+from rpa_harness.backends import Backend
+from rpa_harness.targets import load
 from tests.test_compilation_sharing import SMALL
-Backend("fast-interpret").run(load("kernel").attention, SMALL.arrays(), SMALL.options())
+Backend("fast-interpret").run(load("rpa_harness.kernel").attention, SMALL.arrays(), SMALL.options())
 print("STATS", json.dumps(backends.compilation_stats()))
 """
 

@@ -1,4 +1,4 @@
-"""tpu-inference's RPA v3 (``harness.tpu_inference_v3``): both of its outputs, its validators, its hang.
+"""tpu-inference's RPA v3 (``rpa_harness.tpu_inference_v3``): both of its outputs, its validators, its hang.
 
 v3 returns the attention and the cache with the new tokens written into it. Each example runs v3 once on
 the TPU interpreter (with the compat layer; the generic interpreter cannot run v3's data-dependent copy
@@ -7,11 +7,11 @@ the expected one (every new token in its slot, nothing else changed). Bfloat16 o
 against the default float32-accumulation bound: v3 accumulates in the output dtype, which its declared
 precision contract (``RPA_HARNESS_PRECISION``) covers once the comparison applies contracts; their cache is
 judged, and their error/bound ratio recorded in the run log. The generic properties (``--rpa-target=
-harness.tpu_inference_v3``) judge every dtype.
+rpa_harness.tpu_inference_v3``) judge every dtype.
 
 A cache that differs exactly where the documented finding ``sliding-window-skips-cache-writes`` predicts
 (and holds the input there) is counted as that finding (a Hypothesis event), not as a new failure; any
-other difference fails. Races are not checked yet (see ``harness.tpu_inference_v3.interpreted``).
+other difference fails. Races are not checked yet (see ``rpa_harness.tpu_inference_v3.interpreted``).
 
 Skipped when tpu-inference is not installed (``pip install --no-deps tpu-inference==0.32.0``).
 """
@@ -29,20 +29,20 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 try:
-    from harness import tpu_inference_v3 as v3target
+    from rpa_harness import tpu_inference_v3 as v3target
 except ImportError as error:
     pytest.skip(str(error), allow_module_level=True)
 
-from harness import targets
-from harness.backends import INTERPRET
-from harness.interpret_compat.limitations import recognise
-from harness.properties import PropertyFailure
-from harness.recording import recorded
-from strategies.case import Case
-from strategies.valid import Capabilities, valid_cases
+from rpa_harness import targets
+from rpa_harness.backends import INTERPRET
+from rpa_harness.interpret_compat.limitations import recognise
+from rpa_harness.checks import PropertyFailure
+from rpa_harness.recording import recorded
+from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.valid import Capabilities, valid_cases
 
 CAPABILITIES = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)
-TARGET = targets.load("harness.tpu_inference_v3")
+TARGET = targets.load("rpa_harness.tpu_inference_v3")
 BACKEND = v3target.CHECKING
 # A warm v3 call on the TPU interpreter costs 0.1-4 s and each new configuration compiles for 3-10 s.
 POOLED_EXAMPLES = max(5, settings.default.max_examples // 4)
@@ -229,7 +229,7 @@ def test_q_len_zero_before_live_sequence_returns(v3_runs):
     """The replay of the hang repro finishes (exit 0 or 1) instead of being killed by the watchdog (70)."""
     env = dict(os.environ, RPA_CALL_TIMEOUT=str(HANG_TIMEOUT_SECONDS), PYTHONPATH=str(ROOT))
     replay = subprocess.run(
-        [sys.executable, "-m", "harness.tpu_inference_v3", str(HANG_REPRO)],
+        [sys.executable, "-m", "rpa_harness.tpu_inference_v3", str(HANG_REPRO)],
         env=env,
         capture_output=True,
         text=True,
