@@ -5,6 +5,7 @@ NaN, races are detected and asserted. ``fast-interpret`` is the generic HLO inte
 checks nothing; it carries the volume of examples. ``tpu`` compiles for the TPU the process sees.
 """
 
+import collections
 import contextlib
 import dataclasses
 import faulthandler
@@ -12,6 +13,7 @@ import functools
 import os
 import sys
 import threading
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -83,6 +85,76 @@ def watchdog(what: str, seconds: float | None = None):
         yield
     finally:
         timer.cancel()
+
+
+# jax's persistent compilation cache: compiled executables on disk, reused by later processes (CI restores the
+# folder between runs). Executables with host callbacks are never written (jax's rule): that is every kernel
+# on the TPU interpreter, whose simulated memory is Python callbacks; the fast interpreter's kernels and
+# the harness's other jitted functions are.
+COMPILATION_CACHE_ENV = "RPA_COMPILATION_CACHE"
+DEFAULT_COMPILATION_CACHE = ".jax-compilation-cache"
+COMPILATION_CACHE_OFF = ("", "off", "none", "0")
+# An executable that compiled faster than this is not worth a file (jax's own default is 1 s, which would
+# leave out most interpreted kernels: they compile in 0.2-1 s here).
+CACHE_MIN_COMPILE_SECONDS = 0.05
+
+
+def compilation_cache_setting(value: str | None = None) -> Path | None:
+    """The cache folder a setting names (default: RPA_COMPILATION_CACHE, else DEFAULT_COMPILATION_CACHE);
+    None when it is off."""
+    value = os.environ.get(COMPILATION_CACHE_ENV, DEFAULT_COMPILATION_CACHE) if value is None else value
+    return None if value.strip().lower() in COMPILATION_CACHE_OFF else Path(value)
+
+
+def enable_compilation_cache(path) -> None:
+    """Makes jax read and write compiled executables in ``path``; call it before the first compilation
+    (jax decides once per process whether the cache is used)."""
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
+
+
+_COMPILE_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_seconds",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_seconds",
+    "/jax/core/compile/backend_compile_duration": "compile_seconds",
+}
+_CACHE_EVENTS = {
+    "/jax/compilation_cache/compile_requests_use_cache": "cache_requests",
+    "/jax/compilation_cache/cache_hits": "cache_hits",
+    "/jax/compilation_cache/cache_misses": "cache_writes",  # jax counts a miss when it writes the entry
+}
+_compilation_stats: collections.Counter | None = None
+
+
+def count_compilations() -> None:
+    """Starts counting this process's compilations and cache use (idempotent); read ``compilation_stats()``."""
+    global _compilation_stats
+    if _compilation_stats is not None:
+        return
+    _compilation_stats = collections.Counter()
+
+    def on_duration(event, seconds, **_):
+        if event in _COMPILE_EVENTS:
+            _compilation_stats[_COMPILE_EVENTS[event]] += seconds
+            if event == "/jax/core/compile/backend_compile_duration":
+                _compilation_stats["compilations"] += 1
+
+    def on_event(event, **_):
+        if event in _CACHE_EVENTS:
+            _compilation_stats[_CACHE_EVENTS[event]] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+
+
+def compilation_stats() -> dict:
+    """Compilations since ``count_compilations()``: how many, seconds tracing / lowering / compiling (a cache
+    hit counts as a compilation that took its read time), and cache requests, hits and entries written; a
+    request that is neither a hit nor written was not cacheable (host callbacks) or compiled too fast."""
+    stats = dict.fromkeys(("compilations", *_COMPILE_EVENTS.values(), *_CACHE_EVENTS.values()), 0)
+    stats.update(_compilation_stats or {})
+    stats["cache_not_written"] = stats["cache_requests"] - stats["cache_hits"] - stats["cache_writes"]
+    return stats
 
 
 class RaceDetected(AssertionError):

@@ -148,13 +148,15 @@ def check_same_bits(first: np.ndarray, second: np.ndarray, rows: np.ndarray, wha
         )
 
 
-def check_padding_isolation(target: Target, backend: Backend, case) -> None:
+def check_padding_isolation(target: Target, backend: Backend, case, dirty: dict | None = None) -> None:
     """Valid rows are bit-identical with clean padding and with NaN pages/tails/rows and garbage metadata.
 
     The clean call runs twice first: a non-deterministic kernel is reported as such, not as a padding leak.
+    ``dirty``: the dirty case's arrays when the caller has built them already (to record the example).
     """
     clean = dataclasses.replace(case, poison=False, garbage=False).arrays()
-    dirty = dataclasses.replace(case, poison=True, garbage=True).arrays()
+    if dirty is None:
+        dirty = dataclasses.replace(case, poison=True, garbage=True).arrays()
     clean_out = run_valid(target, backend, clean, case.options())
     check_same_bits(
         clean_out,

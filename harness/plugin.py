@@ -15,6 +15,9 @@ Options (each also read from an environment variable):
   --rpa-allow-no-numeric        RPA_ALLOW_NO_NUMERIC=1  a run in which no numeric property ran may pass
   --rpa-precision=NAME[,NAME]   RPA_PRECISION       precision contract(s) the target is judged under
                                                     (default: its RPA_HARNESS_PRECISION, else float32)
+  --rpa-compilation-cache=DIR|off
+                                RPA_COMPILATION_CACHE  jax's persistent compilation cache (default:
+                                                    .jax-compilation-cache; created if missing)
   --rpa-buckets=NAME[,NAME...]  RPA_BUCKETS         shape buckets drawn (default: tiny,small; the nightly
                                                     profile adds production), within the target's declared
                                                     Capabilities.buckets (none of them: a usage error)
@@ -125,6 +128,12 @@ def pytest_addoption(parser):
         "cases are not drawn and whose repros must still fail",
     )
     group.addoption(
+        "--rpa-compilation-cache",
+        default=os.environ.get(backends.COMPILATION_CACHE_ENV, backends.DEFAULT_COMPILATION_CACHE),
+        help="folder of jax's persistent compilation cache, or off (default: "
+        f"{backends.DEFAULT_COMPILATION_CACHE}; created if missing)",
+    )
+    group.addoption(
         BUCKETS_OPTION,
         default=os.environ.get("RPA_BUCKETS", ""),
         help="shape buckets to draw, comma-separated (default: tiny,small, plus production under the nightly "
@@ -207,6 +216,7 @@ def pytest_configure_after_hypothesis(config):
         )
         settings.load_profile("sized")
     _check_folders(config)
+    _use_compilation_cache(config)
     try:
         config.rpa_target = targets.load(config.getoption("--rpa-target"))
     except targets.TargetError as error:
@@ -269,6 +279,16 @@ def _check_folders(config) -> None:
                 "point it at the example database a nightly run saved"
             )
         _usable_folder(path, "RPA_HYPOTHESIS_DB")
+
+
+def _use_compilation_cache(config) -> None:
+    """jax's persistent compilation cache (``harness/backends.py``), its folder checked like the others;
+    each process counts its compilations and cache hits for the run log."""
+    backends.count_compilations()
+    folder = backends.compilation_cache_setting(config.getoption("--rpa-compilation-cache"))
+    if folder is not None:
+        _usable_folder(folder, "--rpa-compilation-cache")
+        backends.enable_compilation_cache(folder)
 
 
 VOLUME = (backends.FAST_INTERPRET, backends.TPU)
@@ -433,7 +453,11 @@ def _no_numeric_verdict(config) -> str | None:
 
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
-    if not _active(config) or _is_worker(config):
+    if not _active(config):
+        return
+    if os.environ.get(runlog.ENV):  # every process: its compilations and cache use
+        runlog.record_event("compilations", **backends.compilation_stats())
+    if _is_worker(config):
         return
     verdict = _no_numeric_verdict(config)
     if verdict and exitstatus == pytest.ExitCode.OK:

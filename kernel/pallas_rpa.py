@@ -25,6 +25,11 @@ state (running max ``m``, normaliser ``l``, unnormalised output ``acc``, all flo
 for the rows of the current sequence only (``m`` and ``l`` share one scratch buffer, so one load and one
 store each). The output block is ``acc / l``, written once at the end of the step.
 
+The options that only weigh numbers (``sm_scale``, ``soft_cap``, ``mask_value``, ``k_scale``, ``v_scale``,
+``sliding_window``) reach the kernel as run-time scalars in SMEM, so calls that differ only in their values
+share one compilation; whether each is None stays static, since it changes the computation. The block
+sizes and ``vmem_limit_bytes`` decide shapes and stay static.
+
 Query heads are folded into rows: for KV head ``h`` the matmul operand is ``[block_q * group, head_dim]``
 with row ``r`` holding token ``r // group``, query head ``h * group + r % group``.
 
@@ -32,11 +37,13 @@ What the TPU interpreter cannot run (reshaping or bitcasting a ref, masked loads
 loading whole blocks as values and reshaping, slicing and masking the values.
 """
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import config as jax_config
 from jax.experimental import pallas as pl
@@ -44,7 +51,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from rpa_harness.spec.interface import OPTION_NAMES, Options, static_validate_inputs, takes_options
+from rpa_harness.spec.interface import Options, static_validate_inputs, takes_options
 
 # Lane width of the m / l scratch rows: Mosaic keeps per-row statistics broadcast over a full vreg row.
 _STAT_LANES = 128
@@ -74,6 +81,40 @@ def _refuse_cpu_lowering(ctx, x):
 
 mlir.register_lowering(_requires_tpu_or_interpreter_p, lambda ctx, x: [x])
 mlir.register_lowering(_requires_tpu_or_interpreter_p, _refuse_cpu_lowering, platform="cpu")
+
+
+# Options read at run time: floats in one f32 SMEM row, integers in one i32 row (in this order).
+_RUNTIME_FLOAT_OPTIONS = ("sm_scale", "soft_cap", "mask_value", "k_scale", "v_scale")
+_RUNTIME_INT_OPTIONS = ("sliding_window",)
+
+
+class _AtRunTime:
+    """Stands for a set run-time option in the compiled kernel's static options (one compilation for all
+    its values)."""
+
+    def __repr__(self):
+        return "<at run time>"
+
+
+_AT_RUN_TIME = _AtRunTime()
+
+
+def _split_options(options: Options) -> tuple[Options, np.ndarray, np.ndarray]:
+    """(static options, f32 values, i32 values): each set run-time option replaced by ``_AT_RUN_TIME``."""
+
+    def value(name):
+        return 0 if getattr(options, name) is None else getattr(options, name)
+
+    static = dataclasses.replace(
+        options,
+        **{
+            name: None if getattr(options, name) is None else _AT_RUN_TIME
+            for name in _RUNTIME_FLOAT_OPTIONS + _RUNTIME_INT_OPTIONS
+        },
+    )
+    floats = np.array([value(name) for name in _RUNTIME_FLOAT_OPTIONS], np.float32)
+    ints = np.array([value(name) for name in _RUNTIME_INT_OPTIONS], np.int32)
+    return static, floats, ints
 
 
 def _interpret_mode_forced() -> bool:
@@ -145,6 +186,8 @@ def _rpa_kernel(
     cu_q_lens_ref,  # i32[max_num_seqs + 1]
     num_seqs_ref,  # i32[1], clamped to [0, max_num_seqs]
     first_seq_ref,  # i32[num_query_blocks]: no sequence before it has rows in the block
+    float_options_ref,  # f32[len(_RUNTIME_FLOAT_OPTIONS)]
+    int_options_ref,  # i32[len(_RUNTIME_INT_OPTIONS)]
     # Inputs.
     q_ref,  # [block_q, q_heads_per_block, head_dim] (VMEM block)
     kv_hbm_ref,  # [total_num_pages, page_size, 2 * num_kv_heads, head_dim] (HBM)
@@ -157,10 +200,18 @@ def _rpa_kernel(
     acc_ref,  # f32[kv_heads_per_block, block_q * group, head_dim]: unnormalised output
     *,
     pages_per_seq,
-    options,  # Options.semantics(): mask_value resolved
+    options,  # Options.semantics() with the set run-time options _AT_RUN_TIME
 ):
-    sm_scale, sliding_window, soft_cap = options.sm_scale, options.sliding_window, options.soft_cap
-    mask_value, k_scale, v_scale = options.mask_value, options.k_scale, options.v_scale
+    def runtime_option(name):
+        """The option's value (a scalar read from SMEM once per grid step), or None if it is not set."""
+        if getattr(options, name) is None:
+            return None
+        if name in _RUNTIME_INT_OPTIONS:
+            return int_options_ref[_RUNTIME_INT_OPTIONS.index(name)]
+        return float_options_ref[_RUNTIME_FLOAT_OPTIONS.index(name)]
+
+    sm_scale, sliding_window, soft_cap = map(runtime_option, ("sm_scale", "sliding_window", "soft_cap"))
+    mask_value, k_scale, v_scale = map(runtime_option, ("mask_value", "k_scale", "v_scale"))
     block_q, q_heads_per_block, head_dim = q_ref.shape
     _, kv_pages_per_block, page_size, combined_heads_per_block, _ = kv_buf.shape
     kv_heads_per_block = combined_heads_per_block // 2
@@ -355,7 +406,6 @@ def _first_seq_per_query_block(cu_q_lens, num_seqs, num_query_blocks, block_q):
     return jnp.sum(seq_ends[None, :] <= block_starts[:, None], axis=1, dtype=jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=OPTION_NAMES)
 @takes_options
 def ragged_paged_attention(
     q,  # [max_num_batched_tokens, num_q_heads, head_dim]
@@ -364,7 +414,7 @@ def ragged_paged_attention(
     page_indices,  # i32[max_num_seqs, pages_per_seq]
     cu_q_lens,  # i32[max_num_seqs + 1]
     num_seqs,  # i32[1]
-    options: Options,  # upstream's keyword options (rpa_harness.spec.interface.Options), static
+    options: Options,  # upstream's keyword options (rpa_harness.spec.interface.Options)
 ):
     """Attention of mixed prefill and decode sequences over a paged KV cache (upstream's API).
 
@@ -374,8 +424,24 @@ def ragged_paged_attention(
     ``cu_q_lens[num_seqs[0]]`` are unspecified. A block size left as None gets a default that works on any
     backend (the other one, if given, is kept). On CPU the call must be traced under
     ``pltpu.force_tpu_interpret_mode(...)``; otherwise compiling it raises a RuntimeError saying so.
+
+    Like upstream's, it may be called inside ``jax.jit`` with the options as Python values; the options
+    that only weigh numbers are compiled as run-time values (see the module docstring).
     """
     static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options.keywords())
+    static, float_values, int_values = _split_options(
+        dataclasses.replace(options, mask_value=options.semantics().mask_value)
+    )
+    return _ragged_paged_attention(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, float_values, int_values, options=static
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("options",))
+def _ragged_paged_attention(
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, float_values, int_values, *, options: Options
+):
+    """The compiled kernel: ``options`` static, with the set run-time options ``_AT_RUN_TIME``."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_combined_kv_heads, _ = kv_pages.shape
     num_kv_heads = num_combined_kv_heads // 2
@@ -399,6 +465,8 @@ def ragged_paged_attention(
         cu_q_lens,
         num_seqs_clamped,
         _first_seq_per_query_block(cu_q_lens, num_seqs_clamped, num_query_blocks, block_q),
+        float_values,
+        int_values,
     )
     q_block = pl.BlockSpec((block_q, q_heads_per_block, head_dim), lambda h, b, *_: (b, h, 0))
     kernel = functools.partial(_rpa_kernel, pages_per_seq=pages_per_seq, options=options.semantics())

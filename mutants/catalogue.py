@@ -116,7 +116,7 @@ MUTANTS = (
         "copy-paste: V is dequantised with k_scale instead of v_scale",
         KERNEL_FILE,
         "v = (v * v_scale).astype(q_ref.dtype)",
-        "v = (v * (k_scale or 1.0)).astype(q_ref.dtype)",
+        "v = (v * (1.0 if k_scale is None else k_scale)).astype(q_ref.dtype)",
     ),
     # Blocking.
     Mutant(

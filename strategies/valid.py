@@ -117,6 +117,10 @@ def drawn_buckets(capabilities: "Capabilities", *, large: bool = False) -> tuple
     return small or defaults or declared
 
 
+# The options a target may take at run time (Capabilities.runtime_options): the ones that only weigh numbers.
+RUNTIME_OPTIONS = ("sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale")
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """What a target supports; strategies draw only inside it. Defaults: the whole specified space."""
@@ -156,6 +160,10 @@ class Capabilities:
     # Opt-ins beyond the specified behaviour: our stricter ValueErrors, and lowering to Mosaic on CPU.
     strict_validation: bool = False
     lowers_for_tpu: bool = False
+    # Options whose values the target takes at run time (calls differing only in them share a compilation;
+    # whether each is None may still be static). Not a narrowing: the cases of a whole-space group
+    # (valid_case_groups) vary these values, which costs a compilation per value where they are static.
+    runtime_options: tuple[str, ...] = ()
 
     def __post_init__(self):
         """Capabilities only narrow the specified space: each choice is a non-empty subset of the default
@@ -165,9 +173,13 @@ class Capabilities:
             value = getattr(self, field.name)
             if not isinstance(value, tuple):
                 continue
-            allowed = tuple(BUCKETS) if field.name in ("buckets", "bucket_selection") else field.default
+            allowed = {
+                "buckets": tuple(BUCKETS),
+                "bucket_selection": tuple(BUCKETS),
+                "runtime_options": RUNTIME_OPTIONS,
+            }.get(field.name, field.default)
             unknown = [v for v in value if v not in allowed]
-            if unknown or not value:
+            if unknown or (not value and field.name != "runtime_options"):
                 problem = (
                     f"{unknown} not in the specified space" if unknown else "empty, so nothing can be drawn"
                 )
@@ -188,7 +200,10 @@ class Capabilities:
 
 
 OUR_KERNEL = Capabilities(
-    strict_validation=True, lowers_for_tpu=True, buckets=("tiny", "small", "medium", "production")
+    strict_validation=True,
+    lowers_for_tpu=True,
+    buckets=("tiny", "small", "medium", "production"),
+    runtime_options=RUNTIME_OPTIONS,
 )
 # One K/V scale with mixed dtypes is an upstream bug, not a documented limitation: it is the known issue
 # one-kv-scale-with-mixed-dtypes (harness/known_issues.py), not paired_kv_scales_for_mixed_dtypes.
@@ -205,6 +220,15 @@ MASK_VALUES = (None, -1e4, -2.0)  # besides the default, drawn first
 KV_SCALES = (0.5, 2.0, 0.0625)
 QUERY_BLOCKS = (8, 1, 3, 16, 32)
 VMEM_LIMITS = (32 * 2**20, 64 * 2**20)
+# What options() draws each option's value from when it is set (None, the default mask, is a value too).
+_RUNTIME_OPTION_VALUES = dict(
+    sm_scale=SM_SCALES,
+    sliding_window=SLIDING_WINDOWS,
+    soft_cap=SOFT_CAPS,
+    mask_value=(DEFAULT_MASK_VALUE, *MASK_VALUES),
+    k_scale=KV_SCALES,
+    v_scale=KV_SCALES,
+)
 
 
 def optional(values) -> st.SearchStrategy:
@@ -773,3 +797,63 @@ def coverage_labels(case: Case) -> list[str]:
 def label_coverage(case: Case) -> None:
     for label in coverage_labels(case):
         event(label)
+
+
+def valid_case_groups(
+    capabilities: Capabilities = OUR_KERNEL, *, max_cases: int = 4, excluding=()
+) -> st.SearchStrategy[list[Case]]:
+    """1 to ``max_cases`` valid cases from the whole static space that share one static configuration and
+    static options, so one compiled kernel serves them all: each has its own ragged layout and data, and
+    its own values of the options the target takes at run time (``capabilities.runtime_options``; which
+    of them are None is shared).
+
+    The whole-space properties draw these: there a new configuration's compilation costs 10-100x a call,
+    so more cases per configuration test more in the same time without narrowing what is drawn (the first
+    case is ``valid_cases``' own draw). The extra cases shrink away first.
+    """
+    if not isinstance(max_cases, int) or max_cases < 1:
+        raise ValueError(f"max_cases={max_cases!r} must be an int of at least 1")
+    return _case_groups(capabilities, max_cases, excluding)
+
+
+@st.composite
+def _case_groups(draw, capabilities: Capabilities, max_cases: int, excluding) -> list[Case]:
+    first = draw(valid_cases(capabilities, excluding=excluding))
+    config = dict(
+        page_size=first.page_size,
+        pages_per_seq=first.pages_per_seq,
+        max_num_seqs=first.max_num_seqs,
+        max_num_batched_tokens=first.max_num_batched_tokens,
+    )
+    # mask_value None is the default mask, a value; without additive masks only the default is drawn.
+    runtime = [
+        name
+        for name in capabilities.runtime_options
+        if getattr(first, name) is not None or name == "mask_value"
+    ]
+    if not capabilities.additive_mask_value and "mask_value" in runtime:
+        runtime.remove("mask_value")
+    sharing = st.builds(
+        lambda layout, option_values, seed, values, poison, garbage: dataclasses.replace(
+            first,
+            q_lens=layout[0],
+            kv_lens=layout[1],
+            seed=seed,
+            values=values,
+            poison=poison,
+            garbage=garbage,
+            **option_values,
+        ),
+        layouts(config, first.num_kv_pages_per_block, empty_sequences=capabilities.empty_sequences),
+        st.fixed_dictionaries({name: st.sampled_from(_RUNTIME_OPTION_VALUES[name]) for name in runtime}),
+        st.integers(0, 2**32 - 1),
+        st.sampled_from(("normal", "large", "ties", "tiny")),
+        st.booleans(),
+        st.booleans(),
+    )
+    cases = [first]
+    for case in draw(st.lists(sharing, max_size=max_cases - 1)):
+        case = outside_known_issues(case, excluding)
+        label_coverage(case)
+        cases.append(case)
+    return cases

@@ -140,7 +140,7 @@ def test_a_run_where_no_numeric_property_ran_is_not_green(broken, reason, tmp_pa
     assert not list(tmp_path.iterdir()), "a target that cannot run leaves no repro"
 
 
-@pytest.mark.parametrize("setting", ["RPA_RUN_LOG", "--rpa-repro-dir"])
+@pytest.mark.parametrize("setting", ["RPA_RUN_LOG", "--rpa-repro-dir", "--rpa-compilation-cache"])
 def test_an_unusable_harness_folder_is_one_usage_error(setting, tmp_path, pytestconfig):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -1,7 +1,9 @@
 """Kernel ≈ float64 oracle on valid cases, on the fast interpreter (volume) and the checking one.
 
 Each interpreter runs many ragged layouts over the pooled configurations (few compilations) and fewer
-examples over the whole static space the target supports (nearly every example compiles). The fast
+examples over the whole static space the target supports, where nearly every example compiles: there each
+example is a group of cases sharing one configuration (``valid_case_groups``), so that one compilation
+serves several layouts. The fast
 interpreter carries the volume; the checking one (out-of-bounds reads raise, scratch is NaN, DMAs land only
 when waited for, races are asserted) checks memory safety.
 """
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from rpa_harness import reference
 from rpa_harness.checks import DIFFERENTIAL, check_differential
 from rpa_harness.recording import recorded
-from rpa_harness.strategies.valid import valid_cases
+from rpa_harness.strategies.valid import valid_case_groups, valid_cases
 from rpa_harness.properties.budget import (
     ANY_CONFIG_EXAMPLES,
     CHECKING_ANY_CONFIG_EXAMPLES,
@@ -20,16 +22,30 @@ from rpa_harness.properties.budget import (
     POOLED_EXAMPLES,
 )
 
+# Cases per whole-space example, at most (3.9 on average): one compilation, several layouts.
+CASES_PER_CONFIG = 6
+
 
 def draw_and_compare(target, backend, repro_dir, data, *, pooled, variant=""):
-    """Draws a valid case (pooled configurations or the whole static space) and compares with the oracle."""
-    cases = valid_cases(target.capabilities, pooled=pooled, excluding=target.known_issues)
-    case = data.draw(cases, label="case")
-    arrays, options = case.arrays(), case.options()
+    """Draws valid cases (one from the pooled configurations, or a group sharing one configuration from
+    the whole static space) and compares each with the oracle."""
+    if pooled:
+        cases = [
+            data.draw(
+                valid_cases(target.capabilities, pooled=True, excluding=target.known_issues), label="case"
+            )
+        ]
+    else:
+        groups = valid_case_groups(
+            target.capabilities, max_cases=CASES_PER_CONFIG, excluding=target.known_issues
+        )
+        cases = data.draw(groups, label="cases")
     name = f"{DIFFERENTIAL}{variant}[{backend.name}]"
-    with recorded(repro_dir, name, target, backend, arrays, options, case=case) as notes:
-        comparison = check_differential(target, backend, arrays, options)
-        notes.update(max_ratio=comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
+    for case in cases:
+        arrays, options = case.arrays(), case.options()
+        with recorded(repro_dir, name, target, backend, arrays, options, case=case) as notes:
+            comparison = check_differential(target, backend, arrays, options)
+            notes.update(max_ratio=comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
 
 
 @settings(max_examples=POOLED_EXAMPLES)
@@ -53,9 +69,7 @@ def test_kernel_matches_oracle_checked(target, checking_backend, repro_dir, data
 @settings(max_examples=CHECKING_ANY_CONFIG_EXAMPLES)
 @given(data=st.data())
 def test_kernel_matches_oracle_checked_any_config(target, checking_backend, repro_dir, data):
-    draw_and_compare(
-        target, checking_backend, repro_dir, data, pooled=False, variant="-checked-any-config"
-    )
+    draw_and_compare(target, checking_backend, repro_dir, data, pooled=False, variant="-checked-any-config")
 
 
 @given(case=valid_cases(pooled=True))

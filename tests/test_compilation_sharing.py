@@ -1,0 +1,97 @@
+"""Fewer compilations: our kernel compiles once for all values of its run-time options, a whole-space group
+of cases shares one static configuration, and jax's persistent cache serves a later process."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+
+from rpa_harness import backends
+from rpa_harness.backends import FAST_INTERPRET, Backend
+from rpa_harness.checks import check_differential
+from rpa_harness.targets import load
+from rpa_harness.kernel import pallas_rpa
+from rpa_harness.spec.interface import OPTION_NAMES
+from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.valid import OUR_KERNEL, RUNTIME_OPTIONS, UPSTREAM_KERNEL, valid_case_groups
+
+SMALL = Case(
+    max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=5, total_num_pages=13, page_size=8,
+    num_q_heads=2, num_kv_heads=1, head_dim=64, q_lens=(3, 1), kv_lens=(20, 9), seed=3,
+    sm_scale=0.125, sliding_window=5, soft_cap=30.0, mask_value=-1e4, k_scale=0.5, v_scale=2.0,
+)  # fmt: skip
+OTHER_VALUES = dict(
+    sm_scale=1.0, sliding_window=16, soft_cap=5.0, mask_value=-2.0, k_scale=2.0, v_scale=0.0625
+)
+
+
+def test_run_time_option_values_share_one_compilation_and_are_honoured():
+    target, backend = load("rpa_harness.kernel"), Backend(FAST_INTERPRET)
+    compiled = pallas_rpa._ragged_paged_attention._cache_size
+    before = compiled()
+    for case in (SMALL, dataclasses.replace(SMALL, **OTHER_VALUES)):
+        check_differential(target, backend, case.arrays(), case.options())  # each value is the one used
+    assert compiled() == before + 1
+    check_differential(target, backend, SMALL.arrays(), dataclasses.replace(SMALL, soft_cap=None).options())
+    assert compiled() == before + 2, "whether an option is None is static: it changes the computation"
+
+
+@given(cases=valid_case_groups(OUR_KERNEL, max_cases=6))
+def test_a_group_shares_its_static_configuration(cases):
+    first = cases[0]
+    varying = {"q_lens", "kv_lens", "seed", "values", "poison", "garbage", *RUNTIME_OPTIONS}
+    for case in cases[1:]:
+        for field in dataclasses.fields(Case):
+            if field.name not in varying:
+                assert getattr(case, field.name) == getattr(first, field.name), field.name
+        for name in RUNTIME_OPTIONS:
+            if name != "mask_value":  # None is the default mask, a value
+                assert (getattr(case, name) is None) == (getattr(first, name) is None), name
+
+
+@given(cases=valid_case_groups(UPSTREAM_KERNEL, max_cases=6))
+def test_a_target_with_static_options_gets_one_set_of_options_per_group(cases):
+    assert len({tuple(getattr(case, name) for name in OPTION_NAMES) for case in cases}) == 1
+
+
+def test_group_size_is_checked_before_drawing():
+    with pytest.raises(ValueError, match="max_cases=0 must be an int of at least 1"):
+        valid_case_groups(max_cases=0)
+
+
+def test_the_compilation_cache_setting():
+    assert backends.compilation_cache_setting("off") is None
+    assert backends.compilation_cache_setting("") is None
+    assert str(backends.compilation_cache_setting("some/folder")) == "some/folder"
+
+
+_ONE_CALL = """
+import json, sys
+from rpa_harness import backends
+backends.count_compilations()
+backends.enable_compilation_cache(sys.argv[1])
+from rpa_harness.backends import Backend
+from rpa_harness.targets import load
+from tests.test_compilation_sharing import SMALL
+Backend("fast-interpret").run(load("rpa_harness.kernel").attention, SMALL.arrays(), SMALL.options())
+print("STATS", json.dumps(backends.compilation_stats()))
+"""
+
+
+def test_a_later_process_reads_the_fast_interpreters_kernel_from_the_cache(tmp_path, pytestconfig):
+    def one_call():
+        out = subprocess.run(
+            [sys.executable, "-c", _ONE_CALL, str(tmp_path / "cache")],
+            cwd=pytestconfig.rootpath, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return json.loads(out.stdout.split("STATS ", 1)[1])
+
+    cold = one_call()
+    assert cold["cache_writes"] >= 1 and cold["cache_hits"] == 0, cold
+    warm = one_call()
+    # Every entry the first process wrote is read (the kernel's among them); an executable that compiled
+    # just under the threshold there may be written here.
+    assert warm["cache_hits"] >= cold["cache_writes"], (cold, warm)
