@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from harness.backends import INTERPRET, Backend
+from spec.interface import MASK_ADDED, MASK_REPLACES
 
 INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
@@ -66,15 +67,16 @@ def _load_kernel_module() -> types.ModuleType:
 
 v3 = _load_kernel_module()
 
-# What the strategies draw for v3 (fields of strategies.valid.Capabilities). Outside of it, not yet tested:
-# a custom mask_value (v3 replaces the masked logit with it, upstream adds it: a different option, so only
-# the default, which masks fully under both meanings, is drawn), q_scale (no upstream counterpart), q_len == 0
-# (v3 forbids it and hangs on it: tests/test_v3_target.py), and page sizes v3 rejects for a KV dtype.
+# What the strategies draw for v3 (fields of strategies.valid.Capabilities). Outside of it: q_len == 0 (v3
+# forbids it and hangs on it: tests/test_v3_target.py) and page sizes v3 rejects for a KV dtype.
 RPA_HARNESS_CAPABILITIES = dict(
     head_dims=(64, 128, 256),
     page_size_multiple_of_kv_packing=True,
     empty_sequences=False,
-    additive_mask_value=False,
+    # v3 replaces a masked logit with mask_value (default finfo(out_dtype).min); upstream adds it.
+    mask_value_meaning=MASK_REPLACES,
+    # v3's quantised query: q / q_scale clipped to the KV dtype's range, cast to it; logits times q_scale.
+    q_scale=True,
     # v3 folds k_scale into the score scale and applies v_scale after P @ V, without upstream's rounding
     # of the scaled cache to q's dtype (docs/tpu-inference-v3-findings/README.md).
     kv_scales_round_to_q_dtype=False,
@@ -152,8 +154,13 @@ def v3_inputs(
     num_kv_pages_per_block: int | None = None,
     num_queries_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
+    q_scale: float | None = None,
+    mask_value_meaning: str = MASK_ADDED,
 ) -> V3Inputs:
     """Maps an upstream-style call to v3's.
+
+    ``mask_value`` is v3's when ``mask_value_meaning`` is ``replaces``; with upstream's meaning (added)
+    only its defaults, which mask fully under both meanings, have a v3 counterpart (v3's default).
 
     The new tokens of sequence ``i`` are its last ``q_len`` keys (positions ``[kv_len - q_len, kv_len)``),
     taken from the case's pages into ``keys``/``values`` rows ``cu_q_lens[i]..``; their cache slots are set
@@ -161,6 +168,16 @@ def v3_inputs(
     tokens returns NaN, and the cache it must return is the case's cache, packed. Padding rows of the new
     keys/values are NaN where q's padding row is NaN (poisoned cases), zero otherwise.
     """
+    if mask_value_meaning == MASK_REPLACES:
+        v3_mask_value = mask_value
+    elif mask_value in (None, UPSTREAM_DEFAULT_MASK_VALUE):
+        v3_mask_value = None
+    else:
+        raise ValueError(
+            f"mask_value={mask_value!r} with mask_value_meaning={mask_value_meaning!r}: v3 replaces a masked "
+            f"logit with mask_value, so an added mask has no v3 counterpart; pass "
+            f"mask_value_meaning={MASK_REPLACES!r} (or the default mask_value)"
+        )
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
     kv_lens, cu_q_lens = np.asarray(kv_lens), np.asarray(cu_q_lens)
     page_table = np.asarray(page_indices)
@@ -209,8 +226,8 @@ def v3_inputs(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
-        # v3's mask_value replaces a masked logit; upstream's is added. Only the defaults mean the same.
-        mask_value=None if mask_value in (None, UPSTREAM_DEFAULT_MASK_VALUE) else mask_value,
+        mask_value=v3_mask_value,
+        q_scale=q_scale,
         k_scale=k_scale,
         v_scale=v_scale,
         d_block_sizes=sizes,

@@ -2,7 +2,9 @@
 
 Inputs are upcast exactly (ml_dtypes for bf16 and fp8). The one rounding the specification prescribes is
 reproduced: with ``k_scale`` (``v_scale``) the keys (values) are multiplied by the scale in float32 and
-rounded to q's dtype before use. Everything else (logits, soft cap, mask, softmax, P @ V) is float64, and
+rounded to q's dtype before use; with ``q_scale`` (an extension, tpu-inference v3's) q is divided by it in
+q's dtype, clipped to the KV dtype's finite range and cast to the KV dtype, and the logits are multiplied
+by it. ``mask_value`` is added to a masked logit or replaces it, as ``mask_value_meaning`` says. Everything else (logits, soft cap, mask, softmax, P @ V) is float64, and
 the output is not rounded: the tolerance model accounts for the rounding a kernel does.
 
 Only metadata of the first ``num_seqs`` sequences is read, and of those only the pages holding keys below
@@ -15,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from reference.tolerance import key_error_units
-from spec.interface import Options, static_validate_inputs, takes_options
+from spec.interface import MASK_REPLACES, Options, check_extensions, static_validate_inputs, takes_extended_options
 
 # Upper bound on the elements of one [heads, rows, keys] float64 block.
 _MAX_BLOCK_ELEMENTS = 1 << 21
@@ -63,6 +65,20 @@ def _scaled(x, scale, q_dtype):
     return _as_float64((np.asarray(x).astype(np.float32) * np.float32(scale)).astype(q_dtype))
 
 
+def quantised_query(q, q_scale, kv_dtype) -> np.ndarray:
+    """q as the logits use it (float64): itself, or with ``q_scale`` divided by the scale in q's dtype (the
+    scale rounded to q's dtype first, the quotient computed in float32 and rounded to q's dtype, as jax
+    does for a narrow float and a Python scalar), clipped to the KV dtype's finite range, cast to it."""
+    q = np.asarray(q)
+    if q_scale is None:
+        return _as_float64(q)
+    scale = np.float32(np.asarray(q_scale, q.dtype))
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        quotient = (q.astype(np.float32) / scale).astype(q.dtype).astype(np.float64)
+    info = ml_dtypes.finfo(kv_dtype)
+    return np.clip(quotient, float(info.min), float(info.max)).astype(kv_dtype).astype(np.float64)
+
+
 def _value_dtype(kv_dtype, scale, q_dtype) -> np.dtype:
     return np.dtype(q_dtype if scale is not None else kv_dtype)
 
@@ -105,14 +121,20 @@ def _check_live_metadata(num_tokens, page_size, pages_per_seq, total_num_pages, 
             )
 
 
-@takes_options
+@takes_extended_options
 def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Options) -> OracleResult:
-    """Float64 ragged paged attention; same signature as the kernel (block and VMEM options are ignored)."""
+    """Float64 ragged paged attention; the kernel's signature plus the extension options (block and VMEM
+    options are ignored)."""
     static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options.keywords())
+    check_extensions(options)
     options = options.semantics()
     sm_scale, sliding_window, soft_cap = options.sm_scale, options.sliding_window, options.soft_cap
-    mask_value, k_scale, v_scale = options.mask_value, options.k_scale, options.v_scale
+    k_scale, v_scale, q_scale = options.k_scale, options.v_scale, options.q_scale
+    mask_value = options.mask_value_for(np.asarray(q).dtype)
+    replaces = options.mask_value_meaning == MASK_REPLACES
+    logit_scale = sm_scale * (1.0 if q_scale is None else q_scale)
     q = np.asarray(q)
+    q_used = quantised_query(q, q_scale, np.asarray(kv_pages).dtype)
     kv_pages = np.asarray(kv_pages)
     kv_lens = np.asarray(kv_lens).astype(np.int64)
     cu_q_lens = np.asarray(cu_q_lens).astype(np.int64)
@@ -160,16 +182,21 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
             last = min(q_len, first + block)
             rows = slice(q_start + first, q_start + last)
             # [kv heads, group * rows, dim], rows fastest within a group.
-            q_block = _as_float64(q[rows]).reshape(last - first, num_kv_heads, group, head_dim)
+            q_block = q_used[rows].reshape(last - first, num_kv_heads, group, head_dim)
             q_block = q_block.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * (last - first), head_dim)
-            raw = sm_scale * (q_block @ k.transpose(0, 2, 1))
-            dot_abs = abs(sm_scale) * (np.abs(q_block) @ np.abs(k).transpose(0, 2, 1))
+            raw = logit_scale * (q_block @ k.transpose(0, 2, 1))
+            dot_abs = abs(logit_scale) * (np.abs(q_block) @ np.abs(k).transpose(0, 2, 1))
             logits = raw if soft_cap is None else soft_cap * np.tanh(raw / soft_cap)
             positions = np.tile(kv_len - q_len + np.arange(first, last), group)[:, None]
             masked = keys[None, :] > positions
             if sliding_window is not None:
                 masked |= positions - sliding_window >= keys[None, :]
-            logits = logits + np.where(masked, mask_value, 0.0)
+            if replaces:  # a replaced logit is the constant itself: no product error is carried into it
+                logits = np.where(masked, mask_value, logits)
+                raw = np.where(masked, 0.0, raw)
+                dot_abs = np.where(masked, 0.0, dot_abs)
+            else:
+                logits = logits + np.where(masked, mask_value, 0.0)
             top = logits.max(axis=-1, keepdims=True)
             weights = np.exp(logits - top)
             probs = weights / weights.sum(axis=-1, keepdims=True)
