@@ -80,6 +80,8 @@ RPA_HARNESS_CAPABILITIES = dict(
     # v3 folds k_scale into the score scale and applies v_scale after P @ V, without upstream's rounding
     # of the scaled cache to q's dtype (docs/tpu-inference-v3-findings/README.md).
     kv_scales_round_to_q_dtype=False,
+    # v3's validators have their own rules and messages (spec/tpu_inference_v3.py).
+    validation_rules="tpu-inference-v3",
     # The generic interpreter cannot run v3's data-dependent copy sizes (pl.ds with a traced length).
     backends=("interpret", "tpu"),
 )
@@ -186,9 +188,13 @@ def v3_inputs(
             f"mask_value_meaning={MASK_REPLACES!r} (or the default mask_value)"
         )
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
-    kv_lens, cu_q_lens = np.asarray(kv_lens), np.asarray(cu_q_lens)
-    page_table = np.asarray(page_indices)
-    n = int(np.asarray(num_seqs)[0])
+    # v3 receives the metadata as given (its validators judge dtypes and shapes); the mapping reads integer
+    # copies, and only the entries that exist: invalid metadata is v3's validators' business.
+    kv_lens_given, cu_q_lens_given = np.asarray(kv_lens), np.asarray(cu_q_lens)
+    page_table_given = np.asarray(page_indices)
+    kv_lens, cu_q_lens = kv_lens_given.astype(np.int64), cu_q_lens_given.astype(np.int64)
+    page_table = page_table_given.astype(np.int64)
+    n = int(np.asarray(num_seqs).reshape(-1)[0])
     pages, page_size, heads_x2, head_dim = kv_pages.shape
     max_tokens = q.shape[0]
 
@@ -199,7 +205,7 @@ def v3_inputs(
     slot_owner = np.full((pages, page_size), -1)
     slot_position = np.full((pages, page_size), -1)
     pages_per_seq = page_table.shape[1]
-    live = range(min(max(n, 0), len(kv_lens)))  # invalid metadata is v3's validators' business: skip it
+    live = range(min(max(n, 0), len(kv_lens), len(cu_q_lens) - 1, page_table.shape[0]))
     for i in live:
         start, q_len, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1] - cu_q_lens[i]), int(kv_lens[i])
         for p in range(min(math.ceil(kv_len / page_size), pages_per_seq)):
@@ -207,9 +213,9 @@ def v3_inputs(
             if 0 <= page < pages:
                 slot_owner[page] = i
                 slot_position[page] = p * page_size + np.arange(page_size)
-        for j in range(max(q_len, 0)):
+        for j in range(max(0, -start), max(0, min(q_len, max_tokens - start))):  # rows inside q only
             position, row = kv_len - q_len + j, start + j
-            if not (0 <= row < max_tokens and 0 <= position < pages_per_seq * page_size):
+            if not 0 <= position < pages_per_seq * page_size:
                 continue
             page, slot = page_table[i, position // page_size], position % page_size
             if 0 <= page < pages:
@@ -246,9 +252,9 @@ def v3_inputs(
         new_kv[:, 0::2],
         new_kv[:, 1::2],
         pack_cache(stale),
-        kv_lens,
-        page_table.reshape(-1),
-        cu_q_lens,
+        kv_lens_given,
+        page_table_given.reshape(-1),
+        cu_q_lens_given,
         np.array([decodes, decodes, n], np.int32),
     )
     return V3Inputs(args, kwargs, expected_cache, new_slots, slot_owner, slot_position)

@@ -69,6 +69,9 @@ class Capabilities:
     # The backends (harness.backends names) the target is declared to run on; elsewhere its numeric
     # properties are skipped as "cannot run" (declared). Any other error on valid input is a failure.
     backends: tuple[str, ...] = ("interpret", "fast-interpret", "tpu")
+    # The input rules and messages the target's validators are held to (strategies.violations.TABLES):
+    # upstream's, or tpu-inference v3's own (spec/tpu_inference_v3.py).
+    validation_rules: str = "upstream"
     # Opt-ins beyond the specified behaviour: our stricter ValueErrors, and lowering to Mosaic on CPU.
     strict_validation: bool = False
     lowers_for_tpu: bool = False
@@ -90,6 +93,10 @@ class Capabilities:
                 raise ValueError(
                     f"Capabilities({field.name}={value!r}): {problem}; choose a non-empty subset of {allowed}."
                 )
+        if self.validation_rules not in ("upstream", "tpu-inference-v3"):
+            raise ValueError(
+                f"Capabilities(validation_rules={self.validation_rules!r}): choose 'upstream' or 'tpu-inference-v3'."
+            )
         if self.mask_value_meaning not in MASK_VALUE_MEANINGS:
             raise ValueError(
                 f"Capabilities(mask_value_meaning={self.mask_value_meaning!r}): choose one of {MASK_VALUE_MEANINGS}."

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 try:
@@ -281,3 +281,81 @@ def test_cache_check_reports_a_changed_slot_outside_the_new_tokens():
     assert f"page {page}, slot 0 (a slot v3 must leave unchanged; sequence 1, key position 0)" in str(
         raised.value
     )
+
+
+# ---- v3's semantics against v3's own reference (a second oracle): the mask value replaces a masked logit,
+# q_scale divides q (and the cast to the KV dtype is exact for a float32 cache); float32 queries and cache,
+# where its reference's roundings (logits to the output dtype, P to V's dtype, P @ V in V's dtype) are
+# exact. With a narrower cache its reference computes P @ V in the cache's dtype (fp8 for an fp8 cache),
+# which no precision contract covers; the kernel's properties judge those dtypes against our oracle. ----
+
+F32_QUERIES = dataclasses.replace(CAPABILITIES, q_dtypes=("float32",), kv_dtypes=("float32",))
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 2))
+@given(case=valid_cases(F32_QUERIES))
+def test_oracle_agrees_with_v3_reference(case):
+    """Our oracle, given v3's declared semantics (mask_value_meaning, q_scale), computes what v3's own
+    ``ref_ragged_paged_attention`` computes, within the float32 contract."""
+    import jax.numpy as jnp
+
+    import reference
+
+    assume(case.num_seqs > 0)  # v3's reference concatenates the sequences' outputs: it needs one
+    arrays, options = case.arrays(), case.options()
+    inputs = v3target.v3_inputs(**arrays, **options)
+    semantic = {k: v for k, v in inputs.kwargs.items() if k not in ("d_block_sizes", "m_block_sizes", "vmem_limit_bytes")}
+    ref_out, _ = v3target.v3.ref_ragged_paged_attention(*map(jnp.asarray, inputs.args), **semantic)
+    rows = case.num_tokens
+    padded = np.zeros(arrays["q"].shape, arrays["q"].dtype)
+    padded[:rows] = np.asarray(ref_out)[:rows]
+    comparison = reference.compare(
+        padded,
+        reference.oracle(**arrays, **options),
+        label="v3's reference",
+    )
+    assert comparison.ok, f"{case.describe()}\n{comparison}"
+
+
+# ---- The known issues v3 declares (harness/known_issues.py V3_CATALOGUE) ----
+
+from harness import known_issues  # noqa: E402
+from harness import repro as repro_files  # noqa: E402
+
+
+@pytest.mark.parametrize("issue", known_issues.V3_CATALOGUE, ids=lambda issue: issue.name)
+def test_v3_issue_matches_its_own_repro(issue):
+    case = repro_files.read(issue.repro).case
+    assert issue.matches(case), f"{issue.name} does not match its own repro's case: {case.describe()}"
+    moved = issue.nearest_outside(case)
+    assert not issue.matches(moved), moved.describe()
+    assert TARGET.known_issues == tuple(known_issues.BY_NAME[n] for n in v3target.RPA_HARNESS_KNOWN_ISSUES)
+
+
+def test_v3_issues_are_narrow():
+    """Each drawable v3 issue matches some but at most a quarter of the cases drawn for v3."""
+    from hypothesis import HealthCheck, Phase
+
+    cases = []
+
+    @settings(max_examples=200, derandomize=True, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(valid_cases(CAPABILITIES))
+    def collect(case):
+        cases.append(case)
+
+    collect()
+    for issue in known_issues.V3_CATALOGUE:
+        share = sum(issue.matches(case) for case in cases) / len(cases)
+        if issue.name == "q-len-zero-before-a-live-sequence-hangs":  # empty_sequences=False: never drawn
+            assert share == 0, issue.name
+        else:
+            assert 0 < share <= 0.25, (issue.name, share)
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_v3_issues_are_never_drawn(data):
+    case = data.draw(valid_cases(CAPABILITIES, excluding=TARGET.known_issues))
+    assert [issue.name for issue in TARGET.known_issues if issue.matches(case)] == []
+    TARGET.validate(case.arrays(), case.options())
