@@ -20,7 +20,6 @@ Install v3 without its dependencies (its ``__init__`` imports vllm, and it pins 
 """
 
 import dataclasses
-import functools
 import importlib.util
 import math
 import os
@@ -260,17 +259,23 @@ def v3_inputs(
     return V3Inputs(args, kwargs, expected_cache, new_slots, slot_owner, slot_position)
 
 
-@functools.cache
-def _jitted(options: tuple):
+_JITTED: dict = {}
+
+
+def _jitted(kwargs: dict):
     """v3 under jit, one per option set: v3 donates its inputs to its outputs (jit keeps the caller's
-    arrays), and each static configuration compiles once."""
-    kwargs = dict(options)
-    return jax.jit(lambda *arrays: v3.ragged_paged_attention(*arrays, **kwargs))
+    arrays), and each static configuration compiles once. Keyed by each value's type and repr, so that
+    options that compare equal but render differently (``-0.0`` and ``0.0``, ``1`` and ``1.0``) keep
+    their own compilation, and v3's messages, which render them, stay theirs."""
+    key = tuple(sorted((name, type(value).__name__, repr(value)) for name, value in kwargs.items()))
+    if key not in _JITTED:
+        _JITTED[key] = jax.jit(lambda *arrays: v3.ragged_paged_attention(*arrays, **kwargs))
+    return _JITTED[key]
 
 
 def call_v3(inputs: V3Inputs):
     """Runs v3 (on whatever backend the caller's context selects): ``(attention, updated packed cache)``."""
-    return _jitted(tuple(sorted(inputs.kwargs.items())))(*(jnp.asarray(a) for a in inputs.args))
+    return _jitted(inputs.kwargs)(*(jnp.asarray(a) for a in inputs.args))
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
