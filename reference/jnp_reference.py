@@ -21,7 +21,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from spec.interface import MASK_REPLACES, Options, check_extensions, static_validate_inputs, takes_extended_options
+from spec.interface import (
+    MASK_REPLACES,
+    Options,
+    check_extensions,
+    static_validate_inputs,
+    takes_extended_options,
+)
 
 # Upper bound on the elements of one float32 logit block; the query block shrinks to stay under it.
 _MAX_LOGIT_BLOCK_ELEMENTS = 1 << 22

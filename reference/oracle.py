@@ -17,7 +17,13 @@ import ml_dtypes
 import numpy as np
 
 from reference.tolerance import key_error_units
-from spec.interface import MASK_REPLACES, Options, check_extensions, static_validate_inputs, takes_extended_options
+from spec.interface import (
+    MASK_REPLACES,
+    Options,
+    check_extensions,
+    static_validate_inputs,
+    takes_extended_options,
+)
 
 # Upper bound on the elements of one [heads, rows, keys] float64 block.
 _MAX_BLOCK_ELEMENTS = 1 << 21

@@ -108,7 +108,9 @@ def _signature(names) -> inspect.Signature:
     return inspect.Signature(
         [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ARRAY_NAMES]
         + [
-            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=fields[n].default, annotation=fields[n].type)
+            inspect.Parameter(
+                n, inspect.Parameter.KEYWORD_ONLY, default=fields[n].default, annotation=fields[n].type
+            )
             for n in names
         ]
     )

@@ -45,8 +45,7 @@ def kv_shape_mismatch_message(k_shape, v_shape) -> str:
 
 def head_dim_mismatch_message(q_head_dim, k_head_dim) -> str:
     return (
-        f"Expected q.shape[2]={q_head_dim} to be equal to k.shape[2]={k_head_dim} and "
-        f"v.shape[2]={k_head_dim}"
+        f"Expected q.shape[2]={q_head_dim} to be equal to k.shape[2]={k_head_dim} and v.shape[2]={k_head_dim}"
     )
 
 

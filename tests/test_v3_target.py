@@ -304,7 +304,11 @@ def test_oracle_agrees_with_v3_reference(case):
     assume(case.num_seqs > 0)  # v3's reference concatenates the sequences' outputs: it needs one
     arrays, options = case.arrays(), case.options()
     inputs = v3target.v3_inputs(**arrays, **options)
-    semantic = {k: v for k, v in inputs.kwargs.items() if k not in ("d_block_sizes", "m_block_sizes", "vmem_limit_bytes")}
+    semantic = {
+        k: v
+        for k, v in inputs.kwargs.items()
+        if k not in ("d_block_sizes", "m_block_sizes", "vmem_limit_bytes")
+    }
     ref_out, _ = v3target.v3.ref_ragged_paged_attention(*map(jnp.asarray, inputs.args), **semantic)
     rows = case.num_tokens
     padded = np.zeros(arrays["q"].shape, arrays["q"].dtype)

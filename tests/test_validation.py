@@ -20,7 +20,6 @@ from strategies.violations import (
     RULES,
     UPSTREAM_ACCEPTS,
     UPSTREAM_ASSERTS,
-    UPSTREAM_SAME,
     invalid_cases,
     rules_for,
 )
