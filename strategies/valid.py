@@ -439,6 +439,10 @@ def coverage_labels(case: Case) -> list[str]:
         labels.append("soft cap")
     if case.kv_dtype.startswith("float8"):
         labels.append("fp8 KV" + (" scaled" if case.k_scale or case.v_scale else ""))
+    if case.q_scale is not None:
+        labels.append("q_scale")
+    if case.mask_value not in (None, DEFAULT_MASK_VALUE):
+        labels.append(f"mask_value {case.mask_value_meaning}")
     labels.append(f"GQA ratio {case.num_q_heads // case.num_kv_heads}")
     if case.num_seqs < case.max_num_seqs:
         labels.append("padding slots")
