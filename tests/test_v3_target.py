@@ -1,17 +1,16 @@
-"""tpu-inference's RPA v3 (``harness.tpu_inference_v3``): both of its outputs, its validators, its hang.
+"""tpu-inference's RPA v3 (``harness.tpu_inference_v3``): both of its outputs, its validators, its hang,
+its semantics against its own reference, its known issues.
 
 v3 returns the attention and the cache with the new tokens written into it. Each example runs v3 once on
-the TPU interpreter (with the compat layer; the generic interpreter cannot run v3's data-dependent copy
-sizes) and judges both: the attention against the float64 oracle, the updated cache bit for bit against
-the expected one (every new token in its slot, nothing else changed). Bfloat16 outputs are not judged here
-against the default float32-accumulation bound: v3 accumulates in the output dtype, which its declared
-precision contract (``RPA_HARNESS_PRECISION``) covers once the comparison applies contracts; their cache is
-judged, and their error/bound ratio recorded in the run log. The generic properties (``--rpa-target=
-harness.tpu_inference_v3``) judge every dtype.
+the TPU interpreter (with the compat layer, races checked; the generic interpreter cannot run v3's
+data-dependent copy sizes) and judges both: the attention against the float64 oracle under v3's declared
+precision contract (``RPA_HARNESS_PRECISION``), the updated cache bit for bit against the expected one
+(every new token in its slot, nothing else changed). Cases carry v3's semantics as the specification's
+extension options (``mask_value_meaning="replaces"``, ``q_scale``), which the oracle computes.
 
 A cache that differs exactly where the documented finding ``sliding-window-skips-cache-writes`` predicts
 (and holds the input there) is counted as that finding (a Hypothesis event), not as a new failure; any
-other difference fails. Races are not checked yet (see ``harness.tpu_inference_v3.interpreted``).
+other difference fails.
 
 Skipped when tpu-inference is not installed (``pip install --no-deps tpu-inference==0.32.0``).
 """
