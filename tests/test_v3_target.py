@@ -47,6 +47,9 @@ BACKEND = v3target.CHECKING
 POOLED_EXAMPLES = max(5, settings.default.max_examples // 4)
 ANY_CONFIG_EXAMPLES = max(3, settings.default.max_examples // 8)
 PROPERTY = "v3-attention-and-cache"
+# v3's declared known issues are not drawn, except the sliding-window one: this property checks the cache,
+# and counts a mismatch that is exactly that finding's as the finding.
+EXCLUDED = tuple(i for i in TARGET.known_issues if i.name != v3target.SLIDING_WINDOW_FINDING)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def v3_runs():
 
 
 def draw_and_check(data, repro_dir, *, pooled: bool, variant: str = ""):
-    case = data.draw(valid_cases(CAPABILITIES, pooled=pooled), label="case")
+    case = data.draw(valid_cases(CAPABILITIES, pooled=pooled, excluding=EXCLUDED), label="case")
     arrays, options = case.arrays(), case.options()
     name = f"{PROPERTY}{variant}[{INTERPRET}]"
     with recorded(repro_dir, name, TARGET, BACKEND, arrays, options, case=case) as notes:
