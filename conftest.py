@@ -30,8 +30,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from harness import backends, known_issues, properties, repro, runlog, targets
-from reference.tolerance import CONTRACTS, PrecisionError, parse_precision
+from rpa_harness import backends, known_issues, properties, repro, runlog, targets
+from rpa_harness.reference.tolerance import CONTRACTS, PrecisionError, parse_precision
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
 _common = dict(
@@ -90,7 +90,7 @@ def pytest_addoption(parser):
         "--rpa-interpreter-compat",
         default="on",
         choices=("on", "off"),
-        help="patch the interpreters' known gaps (harness.interpret_compat; default: on)",
+        help="patch the interpreters' known gaps (rpa_harness.interpret_compat; default: on)",
     )
     group.addoption(
         "--rpa-precision",

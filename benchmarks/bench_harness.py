@@ -20,14 +20,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROPERTY = {
-    "fast-interpret": "tests/test_differential.py::test_kernel_matches_oracle",
-    "interpret": "tests/test_differential.py::test_kernel_matches_oracle_checked",
+    "fast-interpret": "tests/properties/test_differential.py::test_kernel_matches_oracle",
+    "interpret": "tests/properties/test_differential.py::test_kernel_matches_oracle_checked",
 }
 
 
 def examples_per_minute(backend: str, examples: int) -> tuple[float, float, int]:
     """(overall, steady-state) examples/min over two concurrent workers, and the examples run."""
-    from harness import runlog
+    from rpa_harness import runlog
 
     with tempfile.TemporaryDirectory() as log_dir:
         env = dict(os.environ, RPA_RUN_LOG=log_dir, RPA_MAX_EXAMPLES=str(examples), PYTHONPATH=str(ROOT))
@@ -75,10 +75,10 @@ def cost_split(backend_name: str, examples: int) -> dict:
     from hypothesis import given, settings
     from jax._src import dispatch
 
-    import reference
-    from harness.backends import Backend
-    from harness.targets import load
-    from strategies.valid import valid_cases
+    from rpa_harness import reference
+    from rpa_harness.backends import Backend
+    from rpa_harness.targets import load
+    from rpa_harness.strategies.valid import valid_cases
 
     compilations = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -86,7 +86,7 @@ def cost_split(backend_name: str, examples: int) -> dict:
             compilations.append(secs) if event == dispatch.BACKEND_COMPILE_EVENT else None
         )
     )
-    target, backend = load("kernel"), Backend(backend_name)
+    target, backend = load("rpa_harness.kernel"), Backend(backend_name)
     stages = {"arrays": 0.0, "kernel": 0.0, "oracle": 0.0, "compare": 0.0}
     count = 0
 

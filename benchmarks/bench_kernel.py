@@ -19,8 +19,8 @@ import numpy as np
 from jax._src import dispatch
 from jax.experimental.pallas import tpu as pltpu
 
-from kernel.pallas_rpa import ragged_paged_attention
-from strategies.case import Case
+from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
+from rpa_harness.strategies.case import Case
 
 
 def size(seqs, num_tokens, max_num_seqs, pages_per_seq, page_size, num_q_heads, num_kv_heads, head_dim):

@@ -11,7 +11,7 @@ float32 cache, 0.2 otherwise): the smallest and median of (atol + rtol |o|) / bo
 ``calibrate(target, cases)`` accepts any iterable of ``Case``s, e.g. from the strategies.
 
 ``--contracts`` calibrates the precision contracts instead: on each case, for float32, each contract alone
-and all of them combined, ``reference.variants.contract_attention`` makes exactly the contract's choices
+and all of them combined, ``rpa_harness.reference.variants.contract_attention`` makes exactly the contract's choices
 (KV blocks of 1, 2 or 8 pages) and is judged under that contract (false alarms: must be 0) and under
 float32 alone ("alarms off": what the choice costs without the contract). Per contract and dtype pair it
 reports the largest error/bound under the contract and under float32, and the median bound relative to the
@@ -29,9 +29,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reference import CONTRACTS, compare, error_bound, oracle  # noqa: E402
-from reference.variants import contract_attention  # noqa: E402
-from strategies.case import Case  # noqa: E402
+from rpa_harness.reference import CONTRACTS, compare, error_bound, oracle  # noqa: E402
+from rpa_harness.reference.variants import contract_attention  # noqa: E402
+from rpa_harness.strategies.case import Case  # noqa: E402
 
 F32 = np.dtype(np.float32)
 DTYPE_PAIRS = (

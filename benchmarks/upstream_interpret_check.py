@@ -26,9 +26,9 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ups
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import reference  # noqa: E402
-from harness import interpret_compat  # noqa: E402
-from spec import ARRAY_NAMES  # noqa: E402
-from strategies.case import Case  # noqa: E402
+from rpa_harness import interpret_compat  # noqa: E402
+from rpa_harness.spec import ARRAY_NAMES  # noqa: E402
+from rpa_harness.strategies.case import Case  # noqa: E402
 
 BASE_SEQS = ((5, 37), (1, 9), (6, 6))  # (q_len, kv_len); one padding slot follows
 BASE = Case(

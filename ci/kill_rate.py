@@ -41,12 +41,12 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from harness import repro, runlog  # noqa: E402
+from rpa_harness import repro, runlog  # noqa: E402
 
 # Validation first: it takes a minute, so a validation bug is not killed only after the numeric properties.
-PROPERTY_FILES = ("tests/test_validation.py", "tests/test_differential.py", "tests/test_padding.py")
+PROPERTY_FILES = ("tests/properties/test_validation.py", "tests/properties/test_differential.py", "tests/properties/test_padding.py")
 # Properties that never call the target: a failure there says nothing about the variant.
-TARGET_INDEPENDENT = ("tests/test_differential.py::test_reference_matches_oracle",)
+TARGET_INDEPENDENT = ("tests/properties/test_differential.py::test_reference_matches_oracle",)
 CORRECT = "kernel"
 POLL_SECONDS = 0.2
 
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     catalogue, correct, prefix = mutants.BY_NAME, CORRECT, ""
     if args.upstream:
         import mutants.upstream
-        from harness.targets import UPSTREAM_TARGET
+        from rpa_harness.targets import UPSTREAM_TARGET
 
         catalogue, correct, prefix = mutants.upstream.BY_NAME, UPSTREAM_TARGET, "upstream."
     names = list(catalogue)
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
             parser.error(f"--variants: unknown mutant(s) {', '.join(unknown)}; known: {', '.join(names)}")
         names = chosen
     if args.precision:
-        from reference import PrecisionError, parse_precision
+        from rpa_harness.reference import PrecisionError, parse_precision
 
         try:
             parse_precision(args.precision)

@@ -17,7 +17,7 @@ round=0
 while [ $(( $(date +%s) - start )) -lt "$budget" ]; do
   round=$((round + 1))
   for target in kernel jax.experimental.pallas.ops.tpu.ragged_paged_attention; do
-    python -m pytest tests/test_differential.py tests/test_validation.py tests/test_padding.py \
+    python -m pytest tests/properties/test_differential.py tests/properties/test_validation.py tests/properties/test_padding.py \
       --hypothesis-profile=nightly --rpa-backend=tpu --rpa-target="$target" \
       --rpa-repro-dir="$repro_root/$target" --junitxml="reports/nightly-$target-round$round.xml" -q || status=1
   done

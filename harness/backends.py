@@ -158,7 +158,7 @@ class Backend:
             yield
             return
         if self.interpreter_compat:
-            from harness import interpret_compat
+            from rpa_harness import interpret_compat
 
             interpret_compat.install()
         params = True

@@ -20,11 +20,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-import reference
-from harness import known_issues
-from harness import repro as repro_files
-from harness.backends import INTERPRET, TPU, Backend
-from harness.targets import Target, first_line_of_error, load
+from rpa_harness import reference
+from rpa_harness import known_issues
+from rpa_harness import repro as repro_files
+from rpa_harness.backends import INTERPRET, TPU, Backend
+from rpa_harness.targets import Target, first_line_of_error, load
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BLOCK_OPTIONS = ("num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes")

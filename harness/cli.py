@@ -23,18 +23,18 @@ import tempfile
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from harness import backends, runlog
-from harness import repro as repro_files
-from harness.backends import AUTO, BACKENDS, Backend
-from harness.targets import DEFAULT_TARGET, TargetError, load
+from rpa_harness import backends, runlog
+from rpa_harness import repro as repro_files
+from rpa_harness.backends import AUTO, BACKENDS, Backend
+from rpa_harness.targets import DEFAULT_TARGET, TargetError, load
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROPERTY_TESTS = (
-    "tests/test_differential.py",
-    "tests/test_validation.py",
-    "tests/test_padding.py",
-    "tests/test_lowering.py",
-    "tests/test_known_issues.py",
+    "tests/properties/test_differential.py",
+    "tests/properties/test_validation.py",
+    "tests/properties/test_padding.py",
+    "tests/properties/test_lowering.py",
+    "tests/properties/test_known_issues.py",
 )
 PASSES, FAILS, BAD_FILE, CANNOT_RUN = 0, 1, 2, 3
 
@@ -100,7 +100,7 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
     else:
         if kind == "padding-isolation" and repro.case is not None:
             lines += [
-                "from strategies.case import Case",
+                "from rpa_harness.strategies.case import Case",
                 f"case = {repro.case!r}",
                 "first = run(dataclasses.replace(case, poison=False, garbage=False).arrays())  # clean padding",
             ]
@@ -128,14 +128,14 @@ def _recorded(repro: repro_files.Repro) -> str:
 
 
 def replay(args) -> int:
-    from harness.properties import (
+    from rpa_harness.checks import (
         CannotRun,
         PropertyFailure,
         RaisedOnValidInput,
         declared_unrunnable,
         recheck,
     )
-    from harness.targets import first_line_of_error
+    from rpa_harness.targets import first_line_of_error
 
     path = Path(args.file)
     try:
@@ -159,7 +159,7 @@ def replay(args) -> int:
         print(f"rpa-harness replay: cannot run here: target {target_name} {declared}", file=sys.stderr)
         return CANNOT_RUN
     if repro.precision is not None:  # judged under the contract it failed under
-        from reference import PrecisionError, parse_precision
+        from rpa_harness.reference import PrecisionError, parse_precision
 
         try:
             target = dataclasses.replace(target, precision=parse_precision(repro.precision))
@@ -303,7 +303,7 @@ def known_issues_summary(events: list[dict]) -> str:
 
 
 def report(args) -> int:
-    from harness.bug_report import render
+    from rpa_harness.bug_report import render
 
     try:
         print(render(Path(args.file), target_name=args.target, backend_name=args.backend,

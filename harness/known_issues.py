@@ -6,7 +6,7 @@ exactly when the case can trigger it, as narrow as the cause, so that the rest o
 A target declares the issues it knows with ``RPA_HARNESS_KNOWN_ISSUES = ("NAME", ...)`` in its module
 (upstream's module gets ``UPSTREAM_KNOWN_ISSUES``; ``--rpa-known-issues`` overrides either). The
 strategies then move a drawn case that matches a declared issue to the nearest case outside it
-(``KnownIssue.avoid``), and ``tests/test_known_issues.py`` replays each declared issue's repro: while it
+(``KnownIssue.avoid``), and ``tests/properties/test_known_issues.py`` replays each declared issue's repro: while it
 still fails the issue is an expected failure, once it passes the run fails until the entry is removed.
 
 The predicates restate the causes worked out from upstream's kernel source
@@ -25,8 +25,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from harness import runlog
-from strategies.case import Case
+from rpa_harness import runlog
+from rpa_harness.strategies.case import Case
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FINDINGS_DIR = REPO_ROOT / "docs" / "upstream-findings"
@@ -50,7 +50,7 @@ class KnownIssue:
     matches: Callable[[Case], bool]  # True when the case can trigger the issue
     nearest_outside: Callable[[Case], Case]  # a case close to the argument that does not match
     symptom: str  # a regex the property failure of the repro shows while the issue is present
-    # How the repro is replayed: None for the generic property it records (harness.properties.recheck),
+    # How the repro is replayed: None for the generic property it records (rpa_harness.checks.recheck),
     # else replay(issue, target, backend, repro) raising AssertionError while the issue is present.
     replay: Callable | None = None
 
@@ -285,12 +285,12 @@ UPSTREAM_KNOWN_ISSUES = tuple(issue.name for issue in CATALOGUE)
 # sequence, query blocks of bq rows (one row per block for the leading decodes, v3's decode kernel); each
 # query block walks KV blocks of bkv keys from max(first position - window, 0) // bkv (0 without a window)
 # up to its effective length min(kv_len, first position + bq), each block in compute chunks of bkv_chunk
-# keys up to that length. The block sizes are the v3 target's mapping of the case (harness.tpu_inference_v3,
+# keys up to that length. The block sizes are the v3 target's mapping of the case (rpa_harness.tpu_inference_v3,
 # imported only when a v3 predicate runs: the catalogue must load without tpu-inference).
 
 
 def _v3():
-    from harness import tpu_inference_v3
+    from rpa_harness import tpu_inference_v3
 
     return tpu_inference_v3
 
@@ -339,7 +339,7 @@ def drop_empty_sequences_before_live_ones(case: Case) -> Case:
 def _v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
     """[q_len, num_q_heads] largest logit over keys [0, kv_len), v3's semantics: q quantised with q_scale,
     k_scale and q_scale folded into the score scale, soft cap, masked logits replaced by mask_value."""
-    from reference.oracle import quantised_query
+    from rpa_harness.reference.oracle import quantised_query
 
     q_len, kv_len = case.q_lens[seq], case.kv_lens[seq]
     start = sum(case.q_lens[:seq])
@@ -406,13 +406,13 @@ def _replay_v3_hang(issue, target, backend, repro) -> None:
     seconds = float(os.environ.get("RPA_KNOWN_HANG_TIMEOUT", "60"))
     env = dict(os.environ, RPA_CALL_TIMEOUT=f"{seconds:g}", PYTHONPATH=str(REPO_ROOT))
     child = subprocess.run(
-        [sys.executable, "-m", "harness.tpu_inference_v3", str(issue.repro)],
+        [sys.executable, "-m", "rpa_harness.tpu_inference_v3", str(issue.repro)],
         env=env,
         capture_output=True,
         text=True,
         timeout=seconds + 180,
     )
-    if child.returncode == 70:  # harness.backends.HANG_EXIT_CODE: the watchdog ended the child
+    if child.returncode == 70:  # rpa_harness.backends.HANG_EXIT_CODE: the watchdog ended the child
         raise AssertionError(f"still hangs: no return within {seconds:g} s (RPA_CALL_TIMEOUT)")
 
 

@@ -12,9 +12,9 @@ import os
 
 import pytest
 
-from harness import backends, known_issues, repro, runlog
-from harness.properties import CannotRun, RaisedOnValidInput
-from strategies.valid import coverage_labels
+from rpa_harness import backends, known_issues, repro, runlog
+from rpa_harness.checks import CannotRun, RaisedOnValidInput
+from rpa_harness.strategies.valid import coverage_labels
 
 
 def current_test() -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from strategies.case import DTYPES, Case
+from rpa_harness.strategies.case import DTYPES, Case
 
 DEFAULT_REPRO_DIR = "rpa-repros"
 INT_DTYPES = {str(np.dtype(t)): np.dtype(t) for t in (np.int16, np.int32, np.uint32, np.float32)}
@@ -44,7 +44,7 @@ class Repro:
     stage: str | None = None  # "static" or "dynamic" for validation properties
     failure: str = ""  # the report or error seen when it was written
     versions: dict = dataclasses.field(default_factory=dict)
-    interpreter_compat: bool = True  # whether the backend ran with harness.interpret_compat installed
+    interpreter_compat: bool = True  # whether the backend ran with rpa_harness.interpret_compat installed
     error: dict | None = None  # {"type", "message"} of the exception the target raised on valid input
     hang: dict | None = None  # {"seconds": N}: the call did not return within N s
     test: str = ""  # the pytest node id that wrote it

@@ -1,7 +1,7 @@
 """Targets: any importable module with upstream's ``ragged_paged_attention`` and ``dynamic_validate_inputs``.
 
 A target may narrow what the strategies draw for it and opt into our stricter properties by defining
-``RPA_HARNESS_CAPABILITIES`` (a dict of ``strategies.valid.Capabilities`` fields). Known modules without
+``RPA_HARNESS_CAPABILITIES`` (a dict of ``rpa_harness.strategies.valid.Capabilities`` fields). Known modules without
 such a declaration (upstream's) get theirs from ``KNOWN_CAPABILITIES``; any other module is held to the
 full specified space, on every backend, and upstream's own errors only.
 
@@ -15,9 +15,9 @@ import types
 
 import jax.numpy as jnp
 
-from harness import known_issues
-from reference.tolerance import DEFAULT_PRECISION, PrecisionError, parse_precision
-from strategies.valid import OUR_KERNEL, UPSTREAM_KERNEL, Capabilities
+from rpa_harness import known_issues
+from rpa_harness.reference.tolerance import DEFAULT_PRECISION, PrecisionError, parse_precision
+from rpa_harness.strategies.valid import OUR_KERNEL, UPSTREAM_KERNEL, Capabilities
 
 DEFAULT_TARGET = "kernel"
 UPSTREAM_TARGET = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
@@ -44,7 +44,7 @@ class Target:
     module: types.ModuleType
     capabilities: Capabilities
     precision: tuple[str, ...] = DEFAULT_PRECISION  # the precision contract its outputs are judged under
-    known_issues: tuple = ()  # harness.known_issues.KnownIssue entries: their cases are not drawn
+    known_issues: tuple = ()  # rpa_harness.known_issues.KnownIssue entries: their cases are not drawn
 
     def attention(self, arrays: dict, options: dict):
         """Calls the target's kernel on NumPy inputs (converted to jax arrays, as users call it)."""

@@ -1,4 +1,4 @@
-"""tpu-inference's ragged paged attention v3 as a harness target: ``--rpa-target=harness.tpu_inference_v3``.
+"""tpu-inference's ragged paged attention v3 as a harness target: ``--rpa-target=rpa_harness.tpu_inference_v3``.
 
 v3 (PyPI ``tpu-inference``, ``tpu_inference/kernels/ragged_paged_attention/v3/kernel.py``) is the kernel
 that serves vLLM on TPU. Its API differs from upstream jax's: the new tokens' keys and values are inputs
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harness.backends import INTERPRET, Backend
-from spec.interface import MASK_ADDED, MASK_REPLACES
+from rpa_harness.backends import INTERPRET, Backend
+from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES
 
 INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
@@ -66,7 +66,7 @@ def _load_kernel_module() -> types.ModuleType:
 
 v3 = _load_kernel_module()
 
-# What the strategies draw for v3 (fields of strategies.valid.Capabilities). Outside of it: q_len == 0 (v3
+# What the strategies draw for v3 (fields of rpa_harness.strategies.valid.Capabilities). Outside of it: q_len == 0 (v3
 # forbids it and hangs on it: tests/test_v3_target.py) and page sizes v3 rejects for a KV dtype.
 RPA_HARNESS_CAPABILITIES = dict(
     head_dims=(64, 128, 256),
@@ -89,7 +89,7 @@ RPA_HARNESS_CAPABILITIES = dict(
 # Its kernel computes logits and P in float32 and does not round P to V's dtype (its reference does).
 RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype",)
 # docs/tpu-inference-v3-findings/ (harness/known_issues.py V3_CATALOGUE): their cases are not drawn, and
-# tests/test_known_issues.py replays each repro while it still fails.
+# tests/properties/test_known_issues.py replays each repro while it still fails.
 RPA_HARNESS_KNOWN_ISSUES = (
     "sliding-window-skips-cache-writes",
     "q-len-zero-before-a-live-sequence-hangs",
@@ -389,7 +389,7 @@ def judge(arrays: dict, options: dict, label: str = "tpu-inference v3 on interpr
     """Runs v3 once on an upstream-style case and judges both outputs: the attention against the float64
     oracle, the updated cache bit for bit. A cache error is attributed to a documented finding only when
     the differing slots are exactly the ones the finding predicts and each still holds its input value."""
-    import reference
+    from rpa_harness import reference
 
     inputs = v3_inputs(**arrays, **options)
     out, cache = CHECKING.run(call_v3, inputs)
@@ -406,13 +406,13 @@ def judge(arrays: dict, options: dict, label: str = "tpu-inference v3 on interpr
 
 
 def main(argv=None) -> int:
-    """``python -m harness.tpu_inference_v3 REPRO.json``: re-runs a v3 repro (attention and updated cache)
+    """``python -m rpa_harness.tpu_inference_v3 REPRO.json``: re-runs a v3 repro (attention and updated cache)
     on the TPU interpreter; exit 1 while it fails, 0 once it passes, 2 for an unreadable repro."""
-    from harness import repro
+    from rpa_harness import repro
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m harness.tpu_inference_v3 REPRO.json", file=sys.stderr)
+        print("usage: python -m rpa_harness.tpu_inference_v3 REPRO.json", file=sys.stderr)
         return 4
     try:
         pair = repro.read(argv[0])

@@ -1,7 +1,7 @@
 """Our Pallas TPU ragged paged attention kernel, with upstream's API (validators from ``spec``)."""
 
-from kernel.pallas_rpa import ragged_paged_attention
-from spec.interface import (
+from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
+from rpa_harness.spec.interface import (
     DEFAULT_MASK_VALUE,
     dynamic_validate_inputs,
     static_validate_inputs,

@@ -44,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from spec.interface import OPTION_NAMES, Options, static_validate_inputs, takes_options
+from rpa_harness.spec.interface import OPTION_NAMES, Options, static_validate_inputs, takes_options
 
 # Lane width of the m / l scratch rows: Mosaic keeps per-row statistics broadcast over a full vreg row.
 _STAT_LANES = 128
@@ -364,7 +364,7 @@ def ragged_paged_attention(
     page_indices,  # i32[max_num_seqs, pages_per_seq]
     cu_q_lens,  # i32[max_num_seqs + 1]
     num_seqs,  # i32[1]
-    options: Options,  # upstream's keyword options (spec.interface.Options), static
+    options: Options,  # upstream's keyword options (rpa_harness.spec.interface.Options), static
 ):
     """Attention of mixed prefill and decode sequences over a paged KV cache (upstream's API).
 

@@ -18,7 +18,7 @@ import types
 from pathlib import Path
 
 from mutants.catalogue import KERNEL_FILE, MUTANTS, VALIDATION_FILE, Mutant
-from strategies.valid import OUR_KERNEL
+from rpa_harness.strategies.valid import OUR_KERNEL
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BY_NAME = {mutant.name: mutant for mutant in MUTANTS}
@@ -68,7 +68,7 @@ def build(mutant: Mutant) -> types.ModuleType:
         f"{name}_validation", validation_source, f"mutant {mutant.name}: {VALIDATION_FILE}"
     )
     module = _exec_module(name, kernel_source, f"mutant {mutant.name}: {KERNEL_FILE}")
-    # The kernel source imports the validator from spec.interface; point it at this mutant's instead.
+    # The kernel source imports the validator from rpa_harness.spec.interface; point it at this mutant's instead.
     module.static_validate_inputs = validation.static_validate_inputs
     module.dynamic_validate_inputs = validation.dynamic_validate_inputs
     module.RPA_HARNESS_CAPABILITIES = dataclasses.asdict(OUR_KERNEL)

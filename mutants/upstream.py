@@ -16,9 +16,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from harness.known_issues import UPSTREAM_KNOWN_ISSUES
+from rpa_harness.known_issues import UPSTREAM_KNOWN_ISSUES
 from mutants import PatchError, _exec_module
-from strategies.valid import UPSTREAM_KERNEL
+from rpa_harness.strategies.valid import UPSTREAM_KERNEL
 
 UPSTREAM_PACKAGE = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
 UPSTREAM_KERNEL_FILE = Path(importlib.util.find_spec(f"{UPSTREAM_PACKAGE}.kernel").origin)

@@ -6,9 +6,9 @@
 precision contract (``CONTRACTS``, ``parse_precision``; ``DEFAULT_PRECISION`` is float32 throughout).
 """
 
-from reference.jnp_reference import ragged_paged_attention
-from reference.oracle import OracleResult, oracle
-from reference.tolerance import (
+from rpa_harness.reference.jnp_reference import ragged_paged_attention
+from rpa_harness.reference.oracle import OracleResult, oracle
+from rpa_harness.reference.tolerance import (
     CONTRACTS,
     DEFAULT_PRECISION,
     Comparison,

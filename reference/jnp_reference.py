@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from spec.interface import (
+from rpa_harness.spec.interface import (
     MASK_REPLACES,
     Options,
     check_extensions,

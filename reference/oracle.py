@@ -16,8 +16,8 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from reference.tolerance import key_error_units
-from spec.interface import (
+from rpa_harness.reference.tolerance import key_error_units
+from rpa_harness.spec.interface import (
     MASK_REPLACES,
     Options,
     check_extensions,
@@ -45,7 +45,7 @@ class OracleResult:
     flushable_pv: (
         np.ndarray
     )  # float64 [T, H, D]: sum of p_k |v_k| over keys whose weight is below f32's normal range
-    # What the precision contracts other than float32 need (``reference.tolerance.CONTRACTS``):
+    # What the precision contracts other than float32 need (``rpa_harness.reference.tolerance.CONTRACTS``):
     page_size: int
     key_dtype: np.dtype  # K as the kernel multiplies it: q's dtype when k_scale is set, else the KV dtype
     value_dtype: np.dtype  # V likewise (v_scale)

@@ -21,7 +21,7 @@ the most roundings per key) sets the KV block.
 import ml_dtypes
 import numpy as np
 
-from reference.tolerance import (
+from rpa_harness.reference.tolerance import (
     ACCUMULATORS_IN_OUTPUT_DTYPE,
     APPROX_RECIPROCAL,
     APPROX_RECIPROCAL_ERROR,
@@ -30,7 +30,7 @@ from reference.tolerance import (
     PROBABILITIES_IN_VALUE_DTYPE,
     parse_precision,
 )
-from spec import DEFAULT_MASK_VALUE
+from rpa_harness.spec import DEFAULT_MASK_VALUE
 
 F32 = np.dtype(np.float32)
 BF16 = np.dtype(ml_dtypes.bfloat16)

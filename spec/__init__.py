@@ -1,9 +1,9 @@
 """The specification of ragged paged attention's interface (upstream's): options, defaults, input rules.
 
-Kernel, references, oracle and strategies all read it from here (``spec.interface``); it imports no kernel.
+Kernel, references, oracle and strategies all read it from here (``rpa_harness.spec.interface``); it imports no kernel.
 """
 
-from spec.interface import (
+from rpa_harness.spec.interface import (
     ALL_OPTION_NAMES,
     ARRAY_NAMES,
     DEFAULT_MASK_VALUE,

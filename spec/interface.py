@@ -37,7 +37,7 @@ ARRAY_NAMES = ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seq
 TUNING = {"tuning": True}
 # Field metadata: semantics beyond upstream's interface that some targets have (tpu-inference v3). Not in
 # upstream's signature (``SIGNATURE``, ``takes_options``): only the judges (``takes_extended_options``) and
-# targets that declare them (``strategies.valid.Capabilities``) receive them, so upstream's kernel and ours
+# targets that declare them (``rpa_harness.strategies.valid.Capabilities``) receive them, so upstream's kernel and ours
 # never get a keyword they do not take.
 EXTENSION = {"extension": True}
 

@@ -4,8 +4,8 @@ Source: ``static_validate_inputs`` and ``dynamic_validate_inputs`` in
 ``tpu_inference/kernels/ragged_paged_attention/v3/kernel.py`` (PyPI ``tpu-inference`` 0.32.0). v3 renders
 its messages with ``f"{x=}"``, so each function here takes the values as v3 has them: shapes as tuples,
 dtypes as ``numpy.dtype`` (``dtype('int16')``), metadata entries as jax scalars (``Array(3, dtype=int32)``)
-where v3 indexes a jax array, plain ints where it reads a shape. ``strategies.violations.V3_RULES`` breaks
-each rule through the v3 target's upstream-style interface (``harness.tpu_inference_v3``) and expects
+where v3 indexes a jax array, plain ints where it reads a shape. ``rpa_harness.strategies.violations.V3_RULES`` breaks
+each rule through the v3 target's upstream-style interface (``rpa_harness.tpu_inference_v3``) and expects
 these messages; a target declares that it is held to them with ``validation_rules="tpu-inference-v3"``.
 
 v3's rules differ from upstream's: it requires ``0 < q_len <= kv_len`` for every live sequence, checks

@@ -15,7 +15,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from spec.interface import ALL_OPTION_NAMES, OPTION_DEFAULTS, Options
+from rpa_harness.spec.interface import ALL_OPTION_NAMES, OPTION_DEFAULTS, Options
 
 DTYPES = {
     "float32": np.dtype(np.float32),
@@ -96,7 +96,7 @@ class Case(Options):
 
     def options(self) -> dict:
         """Keyword options that differ from the defaults (what a caller would pass); extension options
-        (``spec.interface.EXTENSION_NAMES``) appear only when set, i.e. for targets that declare them."""
+        (``rpa_harness.spec.interface.EXTENSION_NAMES``) appear only when set, i.e. for targets that declare them."""
         return {
             name: getattr(self, name)
             for name in ALL_OPTION_NAMES

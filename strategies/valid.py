@@ -13,8 +13,8 @@ import math
 from hypothesis import event, reject
 from hypothesis import strategies as st
 
-from spec.interface import DEFAULT_MASK_VALUE, MASK_ADDED, MASK_VALUE_MEANINGS
-from strategies.case import DTYPES, Case
+from rpa_harness.spec.interface import DEFAULT_MASK_VALUE, MASK_ADDED, MASK_VALUE_MEANINGS
+from rpa_harness.strategies.case import DTYPES, Case
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Capabilities:
     page_size_multiple_of_kv_packing: bool = False
     # Whether a live sequence may have q_len == 0 (tpu-inference v3 requires 0 < q_len <= kv_len).
     empty_sequences: bool = True
-    # What the target's mask_value means (spec.interface.MASK_VALUE_MEANINGS): upstream adds it to a masked
+    # What the target's mask_value means (rpa_harness.spec.interface.MASK_VALUE_MEANINGS): upstream adds it to a masked
     # logit, tpu-inference v3 replaces the logit with it. Cases carry the meaning (mask_value_meaning) so
     # that the judges compute it.
     mask_value_meaning: str = MASK_ADDED
@@ -66,10 +66,10 @@ class Capabilities:
     # scale is drawn where that rounding is lossy, i.e. where the KV dtype is wider than q's.
     kv_scales_round_to_q_dtype: bool = True
     buckets: tuple[str, ...] = ("tiny", "small")
-    # The backends (harness.backends names) the target is declared to run on; elsewhere its numeric
+    # The backends (rpa_harness.backends names) the target is declared to run on; elsewhere its numeric
     # properties are skipped as "cannot run" (declared). Any other error on valid input is a failure.
     backends: tuple[str, ...] = ("interpret", "fast-interpret", "tpu")
-    # The input rules and messages the target's validators are held to (strategies.violations.TABLES):
+    # The input rules and messages the target's validators are held to (rpa_harness.strategies.violations.TABLES):
     # upstream's, or tpu-inference v3's own (spec/tpu_inference_v3.py).
     validation_rules: str = "upstream"
     # Opt-ins beyond the specified behaviour: our stricter ValueErrors, and lowering to Mosaic on CPU.
@@ -391,7 +391,7 @@ def outside_known_issues(case: Case, known_issues) -> Case:
     """``case`` moved out of every known issue, or rejected when it cannot be.
 
     A known issue is an object with ``name``, ``matches(case)`` and ``avoid(case)`` (the nearest case
-    outside it), e.g. ``harness.known_issues.KnownIssue``. Moving the drawn case, rather than filtering it,
+    outside it), e.g. ``rpa_harness.known_issues.KnownIssue``. Moving the drawn case, rather than filtering it,
     keeps rejections rare and lets shrinking work as usual. Moving a case out of one issue can move it into
     another (dropping a sequence changes the data a predicate reads), so the passes repeat until none
     applies.

@@ -4,7 +4,7 @@ Each rule takes a valid case and breaks exactly one documented constraint. ``RUL
 where it is raised (``static``: by ``ragged_paged_attention`` itself; ``dynamic``: by
 ``dynamic_validate_inputs``), what upstream does with it, and a function that makes the violation and
 returns the exact ``ValueError`` message expected for it, rendered by the message function of
-``spec.interface`` that the validators raise (the wording is stated once). Messages are built for inputs
+``rpa_harness.spec.interface`` that the validators raise (the wording is stated once). Messages are built for inputs
 passed as jax arrays, which is how the harness calls every target (a jax scalar renders as
 ``Array(7, dtype=int32)``).
 """
@@ -16,10 +16,10 @@ from collections.abc import Callable
 import numpy as np
 from hypothesis import strategies as st
 
-from spec import interface as spec
-from spec import tpu_inference_v3 as v3spec
-from strategies.case import Case
-from strategies.valid import OUR_KERNEL, Capabilities, make_config, valid_cases
+from rpa_harness.spec import interface as spec
+from rpa_harness.spec import tpu_inference_v3 as v3spec
+from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.valid import OUR_KERNEL, Capabilities, make_config, valid_cases
 
 # What upstream does with an input that breaks a rule.
 UPSTREAM_SAME = "raises the same ValueError"

@@ -10,7 +10,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from harness.backends import INTERPRET, Backend, RaceDetected
+from rpa_harness.backends import INTERPRET, Backend, RaceDetected
 
 X = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
 
@@ -68,7 +68,7 @@ def test_checking_backend_raises_on_an_out_of_bounds_dma_then_recovers():
 
 def test_watchdog_kills_a_hung_call_with_a_message():
     """A call that never returns ends the process (signals cannot interrupt a stuck DMA wait)."""
-    code = "import time\nfrom harness.backends import watchdog\nwith watchdog('a stuck call', 0.5):\n    time.sleep(30)\n"
+    code = "import time\nfrom rpa_harness.backends import watchdog\nwith watchdog('a stuck call', 0.5):\n    time.sleep(30)\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 70
     assert (

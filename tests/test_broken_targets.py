@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
-from harness import cli
-from harness.interpret_compat import limitations as interpreter_limitations
+from rpa_harness import cli
+from rpa_harness.interpret_compat import limitations as interpreter_limitations
 
-DIFFERENTIAL = "tests/test_differential.py::test_kernel_matches_oracle"
-PADDING = "tests/test_padding.py::test_padding_does_not_change_valid_rows"
-FIRST_LINE = re.compile(r"^E\s+harness\.properties\.\w+: (.*)$", re.MULTILINE)
+DIFFERENTIAL = "tests/properties/test_differential.py::test_kernel_matches_oracle"
+PADDING = "tests/properties/test_padding.py::test_padding_does_not_change_valid_rows"
+FIRST_LINE = re.compile(r"^E\s+rpa_harness\.checks\.\w+: (.*)$", re.MULTILINE)
 
 # target -> (property test, the failure's first line contains, repro file)
 BROKEN = {
@@ -43,7 +43,7 @@ BROKEN = {
 
 @pytest.fixture(autouse=True)
 def _bundled_kernel_only(pytestconfig):
-    if pytestconfig.rpa_target.name != "kernel":
+    if pytestconfig.rpa_target.name != "rpa_harness.kernel":
         pytest.skip("the broken targets wrap the bundled kernel")
 
 
@@ -75,7 +75,7 @@ def test_broken_target_fails_with_its_reason_and_replays(broken, tmp_path, pytes
     assert cli.main(["replay", str(path)]) == 1  # in this process: jax is imported already
     assert reason in capsys.readouterr().out
     if broken == "raises_on_batches":
-        assert cli.main(["replay", str(path), "--target", "kernel"]) == 0
+        assert cli.main(["replay", str(path), "--target", "rpa_harness.kernel"]) == 0
         assert "passes now" in capsys.readouterr().out
 
 
@@ -103,11 +103,11 @@ def test_a_hang_fails_the_test_and_leaves_a_hang_repro(tmp_path, pytestconfig):
     meta = hang_case(path)
     assert meta["hang"] == {"seconds": float(HANG_TIMEOUT)} and meta["test"] == f"{DIFFERENTIAL}[fast-interpret]"
     assert not list(tmp_path.glob("*.pending.*")), "the pending example becomes the hang repro"
-    replay = run("-m", "harness.cli", "replay", str(path), "--timeout", "2", cwd=root)
+    replay = run("-m", "rpa_harness.cli", "replay", str(path), "--timeout", "2", cwd=root)
     assert replay.returncode == 1, replay.stdout + replay.stderr
     assert "still hangs after 2 s" in replay.stderr, replay.stderr[-2000:]
     # the first call compiles: give it time (the recorded timeout is the default)
-    fixed = run("-m", "harness.cli", "replay", str(path), "--target", "kernel", "--timeout", "120", cwd=root)
+    fixed = run("-m", "rpa_harness.cli", "replay", str(path), "--target", "rpa_harness.kernel", "--timeout", "120", cwd=root)
     assert fixed.returncode == 0 and "passes now" in fixed.stdout, fixed.stdout + fixed.stderr
 
 

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from harness import bug_report, cli, interpret_compat, known_issues
-from harness.backends import FAST_INTERPRET
+from rpa_harness import bug_report, cli, interpret_compat, known_issues
+from rpa_harness.backends import FAST_INTERPRET
 
 ONE_SCALE = known_issues.BY_NAME["one-kv-scale-with-mixed-dtypes"]
 
@@ -30,7 +30,7 @@ def test_report_of_a_bad_file_is_one_error(tmp_path, pytestconfig):
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     result = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "report", str(bad)],
+        [sys.executable, "-m", "rpa_harness.cli", "report", str(bad)],
         cwd=pytestconfig.rootpath, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2 and "not a readable repro file" in result.stderr

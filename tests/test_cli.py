@@ -16,11 +16,11 @@ def run(*args, cwd, env=None):
 
 @pytest.fixture(scope="module")
 def failing_repro(tmp_path_factory, pytestconfig):
-    if pytestconfig.rpa_target.name != "kernel":
+    if pytestconfig.rpa_target.name != "rpa_harness.kernel":
         pytest.skip("the CLI test injects its own bug into the bundled kernel")
     repro_dir = tmp_path_factory.mktemp("repros")
     result = run(
-        "-m", "pytest", "tests/test_differential.py::test_kernel_matches_oracle", "-p", "no:cacheprovider",
+        "-m", "pytest", "tests/properties/test_differential.py::test_kernel_matches_oracle", "-p", "no:cacheprovider",
         "-q", "-x", f"--rpa-target={BUGGY}", "--rpa-backend=fast-interpret", "--hypothesis-profile=ci",
         f"--rpa-repro-dir={repro_dir}", cwd=pytestconfig.rootpath,
     )  # fmt: skip
@@ -44,7 +44,7 @@ def test_buggy_target_writes_a_shrunk_repro(failing_repro):
 
 def test_replay_names_the_sequence_and_head(failing_repro):
     path, root = failing_repro
-    result = run("-m", "harness.cli", "replay", str(path), cwd=root)
+    result = run("-m", "rpa_harness.cli", "replay", str(path), cwd=root)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "worst: sequence 1," in result.stdout and ", head 1," in result.stdout, result.stdout
     assert "target = importlib.import_module('tests.injected.head_swap')" in result.stdout
@@ -52,21 +52,21 @@ def test_replay_names_the_sequence_and_head(failing_repro):
 
 def test_replay_passes_against_the_correct_kernel(failing_repro):
     path, root = failing_repro
-    result = run("-m", "harness.cli", "replay", str(path), "--target", "kernel", cwd=root)
+    result = run("-m", "rpa_harness.cli", "replay", str(path), "--target", "rpa_harness.kernel", cwd=root)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "passes now" in result.stdout
 
 
 def test_replay_of_a_missing_or_malformed_file_is_one_clear_error(tmp_path, pytestconfig):
-    missing = run("-m", "harness.cli", "replay", str(tmp_path / "nope.json"), cwd=pytestconfig.rootpath)
+    missing = run("-m", "rpa_harness.cli", "replay", str(tmp_path / "nope.json"), cwd=pytestconfig.rootpath)
     assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    malformed = run("-m", "harness.cli", "replay", str(bad), cwd=pytestconfig.rootpath)
+    malformed = run("-m", "rpa_harness.cli", "replay", str(bad), cwd=pytestconfig.rootpath)
     assert malformed.returncode == 2 and "not a readable repro file" in malformed.stderr
     not_a_repro = tmp_path / "other.json"
     not_a_repro.write_text(json.dumps({"property": "differential[interpret]", "target": "kernel"}))
-    missing_field = run("-m", "harness.cli", "replay", str(not_a_repro), cwd=pytestconfig.rootpath)
+    missing_field = run("-m", "rpa_harness.cli", "replay", str(not_a_repro), cwd=pytestconfig.rootpath)
     assert missing_field.returncode == 2, missing_field.stdout + missing_field.stderr
     assert "missing field 'backend', 'options', 'dtypes', 'arrays'" in missing_field.stderr
     assert missing_field.stderr.count("\n") == 1 and "KeyError" not in missing_field.stderr
@@ -75,7 +75,7 @@ def test_replay_of_a_missing_or_malformed_file_is_one_clear_error(tmp_path, pyte
 def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path):
     path, root = failing_repro
     script = tmp_path / "repro.py"
-    result = run("-m", "harness.cli", "replay", str(path), "--script", str(script), cwd=root)
+    result = run("-m", "rpa_harness.cli", "replay", str(path), "--script", str(script), cwd=root)
     assert result.returncode == 1, result.stdout + result.stderr
     program = script.read_text()
     assert "interpret_compat.install()" in program and "force_tpu_interpret_mode(True)" in program
@@ -86,7 +86,7 @@ def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path):
 
 def test_replay_snippet_uses_the_checking_backends_parameters(failing_repro):
     path, root = failing_repro
-    result = run("-m", "harness.cli", "replay", str(path), "--backend", "interpret", "--interpreter-compat", "off",
+    result = run("-m", "rpa_harness.cli", "replay", str(path), "--backend", "interpret", "--interpreter-compat", "off",
                  cwd=root)  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
     assert "pltpu.InterpretParams(detect_races=True, out_of_bounds_reads='raise', uninitialized_memory='nan')" in (
@@ -98,7 +98,7 @@ def test_replay_snippet_uses_the_checking_backends_parameters(failing_repro):
 def test_replay_of_a_crash_is_not_a_reproduced_bug(failing_repro, tmp_path):
     """A numeric repro that now raises, or an exception other than the recorded one, exits 3 ("cannot run")."""
     path, root = failing_repro
-    crashed = run("-m", "harness.cli", "replay", str(path), "--target", "tests.broken.raises_on_batches", cwd=root)
+    crashed = run("-m", "rpa_harness.cli", "replay", str(path), "--target", "tests.broken.raises_on_batches", cwd=root)
     assert crashed.returncode == 3, crashed.stdout + crashed.stderr
     assert "cannot run here: an interpreter or backend crash: raised RuntimeError" in crashed.stdout
     meta = json.loads(path.read_text())
@@ -106,19 +106,19 @@ def test_replay_of_a_crash_is_not_a_reproduced_bug(failing_repro, tmp_path):
     other = tmp_path / path.name
     other.write_text(json.dumps(meta))
     (tmp_path / meta["arrays"]).write_bytes(path.with_suffix(".npz").read_bytes())
-    different = run("-m", "harness.cli", "replay", str(other), "--target", "tests.broken.raises_on_batches", cwd=root)
+    different = run("-m", "rpa_harness.cli", "replay", str(other), "--target", "tests.broken.raises_on_batches", cwd=root)
     assert different.returncode == 3, different.stdout + different.stderr
     assert "a different error than recorded" in different.stdout and "another message" in different.stdout
 
 
 def test_unknown_target_is_one_usage_error(pytestconfig):
-    result = run("-m", "pytest", "tests/test_validation.py", "--rpa-target=no_such_module", "-p", "no:cacheprovider",
+    result = run("-m", "pytest", "tests/properties/test_validation.py", "--rpa-target=no_such_module", "-p", "no:cacheprovider",
                  cwd=pytestconfig.rootpath)  # fmt: skip
     assert result.returncode == 4, result.stdout + result.stderr
     assert "cannot import it" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_run_shows_a_pytest_usage_error_as_is(pytestconfig):
-    result = run("-m", "harness.cli", "run", "--target", "no_such_module", "-n", "0", cwd=pytestconfig.rootpath)
+    result = run("-m", "rpa_harness.cli", "run", "--target", "no_such_module", "-n", "0", cwd=pytestconfig.rootpath)
     assert result.returncode == 4, result.stdout + result.stderr
     assert "cannot import it" in result.stderr and "rpa-harness summary" not in result.stdout

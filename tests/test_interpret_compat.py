@@ -17,13 +17,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 
-import reference
-from harness import interpret_compat
-from harness.backends import INTERPRET, Backend, RaceDetected
-from harness.interpret_compat import generic as generic_gaps
-from harness.interpret_compat import tpu as tpu_gaps
-from harness.interpret_compat.patching import InternalsMoved
-from strategies.case import Case
+from rpa_harness import reference
+from rpa_harness import interpret_compat
+from rpa_harness.backends import INTERPRET, Backend, RaceDetected
+from rpa_harness.interpret_compat import generic as generic_gaps
+from rpa_harness.interpret_compat import tpu as tpu_gaps
+from rpa_harness.interpret_compat.patching import InternalsMoved
+from rpa_harness.strategies.case import Case
 
 INTERPRETERS = ["tpu", "generic"]
 
@@ -427,7 +427,7 @@ def test_race_through_a_bitcast_double_buffer_is_reported_for_the_touched_slot_o
 
 
 def test_touched_box_follows_reshape_bitcast_and_indexing():
-    from harness.interpret_compat.views import _touched_box
+    from rpa_harness.interpret_compat.views import _touched_box
 
     rows_8_to_15_of_a_reshape = (("reshape", (32, 128)), ("index", ((8, 16, 1), (0, 128, 1))))
     assert _touched_box((2, 16, 128), 32, rows_8_to_15_of_a_reshape) == (
@@ -729,7 +729,7 @@ def test_importing_the_layer_imports_no_private_jax_module():
     code = (
         "import sys, jax\n"
         "before = set(sys.modules)\n"
-        "import harness.interpret_compat\n"
+        "import rpa_harness.interpret_compat\n"
         "print(sorted(m for m in set(sys.modules) - before if m.startswith('jax._src')))\n"
     )
     result = subprocess.run(

@@ -24,9 +24,9 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention
 
-import reference
-from kernel.pallas_rpa import ragged_paged_attention
-from strategies.case import DTYPES, Case
+from rpa_harness import reference
+from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
+from rpa_harness.strategies.case import DTYPES, Case
 
 INTERPRETERS = {
     "tpu_interpreter": pltpu.InterpretParams(),

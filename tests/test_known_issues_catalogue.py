@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 
-from harness import known_issues, targets
-from harness import repro as repro_files
-from harness.targets import as_jax
-from strategies.case import Case
-from strategies.valid import UPSTREAM_KERNEL, valid_cases
+from rpa_harness import known_issues, targets
+from rpa_harness import repro as repro_files
+from rpa_harness.targets import as_jax
+from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.valid import UPSTREAM_KERNEL, valid_cases
 
 CATALOGUE = known_issues.CATALOGUE
 # Largest share of drawn cases (no issue excluded) a predicate may match: the rest of the space stays tested.
@@ -122,7 +122,7 @@ def test_option_values():
 
 def test_unknown_known_issue_is_one_usage_error(pytestconfig):
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/test_known_issues.py", "--rpa-known-issues=no-such-issue",
+        [sys.executable, "-m", "pytest", "tests/properties/test_known_issues.py", "--rpa-known-issues=no-such-issue",
          "-p", "no:cacheprovider"],
         cwd=pytestconfig.rootpath, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -11,13 +11,13 @@ import importlib
 
 import pytest
 
-import kernel
+from rpa_harness import kernel
 import mutants
-import reference
-from harness.backends import FAST_INTERPRET, INTERPRET, Backend
-from harness.targets import as_jax, load
-from strategies.case import Case
-from strategies.violations import RULES
+from rpa_harness import reference
+from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
+from rpa_harness.targets import as_jax, load
+from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.violations import RULES
 
 FAST = Backend(FAST_INTERPRET)
 CHECKING = Backend(INTERPRET)
@@ -142,7 +142,7 @@ def _oracle_comparison(target, case, backend=FAST):
     "case", sorted(set(NUMERIC_WITNESSES.values()), key=repr), ids=lambda c: c.describe()[:60]
 )
 def test_correct_kernel_passes_the_witnesses(case):
-    comparison = _oracle_comparison(load("kernel"), case)
+    comparison = _oracle_comparison(load("rpa_harness.kernel"), case)
     assert not isinstance(comparison, str) and comparison.ok, str(comparison)
 
 

@@ -1,7 +1,7 @@
 """Precision contracts: a declared precision choice passes, the same choice undeclared fails with a diagnosis
 naming it, and bugs a contract does not cover stay visible under it.
 
-The contract-implementing outputs come from ``reference.variants.contract_attention`` (float32 NumPy) and,
+The contract-implementing outputs come from ``rpa_harness.reference.variants.contract_attention`` (float32 NumPy) and,
 for the mutants, from our kernel on the generic interpreter.
 """
 
@@ -13,13 +13,13 @@ import types
 
 import pytest
 
-import reference
-from harness import repro, targets
-from harness.backends import FAST_INTERPRET, Backend
-from harness.properties import PropertyFailure, check_differential
-from harness.recording import recorded
-from reference import CONTRACTS, PrecisionError, compare, error_bound, oracle, parse_precision
-from reference.tolerance import (
+from rpa_harness import reference
+from rpa_harness import repro, targets
+from rpa_harness.backends import FAST_INTERPRET, Backend
+from rpa_harness.checks import PropertyFailure, check_differential
+from rpa_harness.recording import recorded
+from rpa_harness.reference import CONTRACTS, PrecisionError, compare, error_bound, oracle, parse_precision
+from rpa_harness.reference.tolerance import (
     ACCUMULATORS_IN_OUTPUT_DTYPE,
     APPROX_RECIPROCAL,
     BF16_MATMUL,
@@ -28,7 +28,7 @@ from reference.tolerance import (
     PROBABILITIES_IN_VALUE_DTYPE,
     contract_error,
 )
-from reference.variants import contract_attention
+from rpa_harness.reference.variants import contract_attention
 from tests.test_mutants import MIXED
 from tests.test_reference import BF16, E4M3, F32, build_case
 
@@ -193,7 +193,7 @@ def test_a_target_declares_its_contract(monkeypatch):
         targets.TargetError, match="RPA_HARNESS_PRECISION: unknown precision contract.*known: float32"
     ):
         targets.load("declares_typo")
-    assert targets.load("kernel").precision == (FLOAT32,)
+    assert targets.load("rpa_harness.kernel").precision == (FLOAT32,)
 
 
 def test_the_differential_check_judges_under_the_targets_contract(tmp_path):
@@ -216,9 +216,9 @@ def run(*args, cwd):
 
 
 def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded_one(tmp_path, pytestconfig):
-    if pytestconfig.rpa_target.name != "kernel":
+    if pytestconfig.rpa_target.name != "rpa_harness.kernel":
         pytest.skip("runs its own target")
-    common = ("-m", "pytest", "tests/test_differential.py::test_kernel_matches_oracle", "-p", "no:cacheprovider",
+    common = ("-m", "pytest", "tests/properties/test_differential.py::test_kernel_matches_oracle", "-p", "no:cacheprovider",
               "-q", "-x", f"--rpa-target={DECLARED}", "--rpa-backend=fast-interpret", "--hypothesis-profile=ci",
               f"--rpa-repro-dir={tmp_path}")  # fmt: skip
     declared = run(*common, cwd=pytestconfig.rootpath)
@@ -228,7 +228,7 @@ def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded
     assert f"diagnosis: consistent with {PROBABILITIES_IN_VALUE_DTYPE}" in overridden.stdout
     path = tmp_path / "differential_fast-interpret.json"
     assert json.loads(path.read_text())["precision"] == [FLOAT32]
-    replay = run("-m", "harness.cli", "replay", str(path), cwd=pytestconfig.rootpath)
+    replay = run("-m", "rpa_harness.cli", "replay", str(path), cwd=pytestconfig.rootpath)
     assert replay.returncode == 1 and "precision: float32\n" in replay.stdout, replay.stdout + replay.stderr
     unknown = run(*common, "--rpa-precision=bf16", cwd=pytestconfig.rootpath)
     assert (

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 
-from reference import compare, error_bound, oracle, ragged_paged_attention
-from reference.jnp_reference import _ragged_paged_attention
-from strategies.case import Case
+from rpa_harness.reference import compare, error_bound, oracle, ragged_paged_attention
+from rpa_harness.reference.jnp_reference import _ragged_paged_attention
+from rpa_harness.strategies.case import Case
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -1,4 +1,4 @@
-"""The extension options (spec.interface.EXTENSION_NAMES: q_scale, mask_value_meaning) stay out of
+"""The extension options (rpa_harness.spec.interface.EXTENSION_NAMES: q_scale, mask_value_meaning) stay out of
 upstream's interface and are computed by both judges.
 
 Upstream's kernel and ours keep upstream's signature: neither takes an extension keyword, and the
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-import kernel
-import reference
-from spec.interface import EXTENSION_NAMES, MASK_REPLACES, OPTION_NAMES, Options
-from strategies.case import Case
-from strategies.valid import OUR_KERNEL, UPSTREAM_KERNEL, Capabilities, valid_cases
+from rpa_harness import kernel
+from rpa_harness import reference
+from rpa_harness.spec.interface import EXTENSION_NAMES, MASK_REPLACES, OPTION_NAMES, Options
+from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.valid import OUR_KERNEL, UPSTREAM_KERNEL, Capabilities, valid_cases
 
 # What tpu-inference v3 declares (harness/tpu_inference_v3.py), without importing it.
 EXTENDED = Capabilities(mask_value_meaning=MASK_REPLACES, q_scale=True, page_size_multiple_of_kv_packing=True)
@@ -73,7 +73,7 @@ def test_replacing_mask_value_weights_masked_keys():
 
 def test_q_scale_clips_to_the_kv_range_and_casts():
     """q / q_scale beyond fp8 e4m3fn's 448 is clipped to 448, then q is cast to fp8; logits times q_scale."""
-    from reference.oracle import quantised_query
+    from rpa_harness.reference.oracle import quantised_query
 
     q = np.array([1.0, -10.0, 0.3], np.float32)
     got = quantised_query(q, 0.01, np.dtype(ml_dtypes.float8_e4m3fn))

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 
 import mutants.upstream
-from harness import known_issues
-from harness.backends import FAST_INTERPRET, Backend
-from harness.properties import CannotRun, PropertyFailure, check_differential
-from harness.targets import UPSTREAM_TARGET, load
-from strategies.case import Case
+from rpa_harness import known_issues
+from rpa_harness.backends import FAST_INTERPRET, Backend
+from rpa_harness.checks import CannotRun, PropertyFailure, check_differential
+from rpa_harness.targets import UPSTREAM_TARGET, load
+from rpa_harness.strategies.case import Case
 
 FAST = Backend(FAST_INTERPRET)
 

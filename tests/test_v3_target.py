@@ -1,4 +1,4 @@
-"""tpu-inference's RPA v3 (``harness.tpu_inference_v3``): both of its outputs, its validators, its hang,
+"""tpu-inference's RPA v3 (``rpa_harness.tpu_inference_v3``): both of its outputs, its validators, its hang,
 its semantics against its own reference, its known issues.
 
 v3 returns the attention and the cache with the new tokens written into it. Each example runs v3 once on
@@ -28,20 +28,20 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 try:
-    from harness import tpu_inference_v3 as v3target
+    from rpa_harness import tpu_inference_v3 as v3target
 except ImportError as error:
     pytest.skip(str(error), allow_module_level=True)
 
-from harness import targets
-from harness.backends import INTERPRET
-from harness.interpret_compat.limitations import recognise
-from harness.properties import PropertyFailure
-from harness.recording import recorded
-from strategies.case import Case
-from strategies.valid import Capabilities, valid_cases
+from rpa_harness import targets
+from rpa_harness.backends import INTERPRET
+from rpa_harness.interpret_compat.limitations import recognise
+from rpa_harness.checks import PropertyFailure
+from rpa_harness.recording import recorded
+from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.valid import Capabilities, valid_cases
 
 CAPABILITIES = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)
-TARGET = targets.load("harness.tpu_inference_v3")
+TARGET = targets.load("rpa_harness.tpu_inference_v3")
 BACKEND = v3target.CHECKING
 # A warm v3 call on the TPU interpreter costs 0.1-4 s and each new configuration compiles for 3-10 s.
 POOLED_EXAMPLES = max(5, settings.default.max_examples // 4)
@@ -231,7 +231,7 @@ def test_q_len_zero_before_live_sequence_returns(v3_runs):
     """The replay of the hang repro finishes (exit 0 or 1) instead of being killed by the watchdog (70)."""
     env = dict(os.environ, RPA_CALL_TIMEOUT=str(HANG_TIMEOUT_SECONDS), PYTHONPATH=str(ROOT))
     replay = subprocess.run(
-        [sys.executable, "-m", "harness.tpu_inference_v3", str(HANG_REPRO)],
+        [sys.executable, "-m", "rpa_harness.tpu_inference_v3", str(HANG_REPRO)],
         env=env,
         capture_output=True,
         text=True,
@@ -301,7 +301,7 @@ def test_oracle_agrees_with_v3_reference(case):
     ``ref_ragged_paged_attention`` computes, within the float32 contract."""
     import jax.numpy as jnp
 
-    import reference
+    from rpa_harness import reference
 
     assume(case.num_seqs > 0)  # v3's reference concatenates the sequences' outputs: it needs one
     arrays, options = case.arrays(), case.options()
@@ -325,8 +325,8 @@ def test_oracle_agrees_with_v3_reference(case):
 
 # ---- The known issues v3 declares (harness/known_issues.py V3_CATALOGUE) ----
 
-from harness import known_issues  # noqa: E402
-from harness import repro as repro_files  # noqa: E402
+from rpa_harness import known_issues  # noqa: E402
+from rpa_harness import repro as repro_files  # noqa: E402
 
 
 @pytest.mark.parametrize("issue", known_issues.V3_CATALOGUE, ids=lambda issue: issue.name)

@@ -32,7 +32,7 @@ import warnings
 
 import jax
 
-from harness.interpret_compat.views import tpu_bitcast
+from rpa_harness.interpret_compat.views import tpu_bitcast
 
 __all__ = [
     "GapStatus",
@@ -67,7 +67,7 @@ _installed = False
 
 
 def _gaps() -> tuple:
-    from harness.interpret_compat import generic, tpu
+    from rpa_harness.interpret_compat import generic, tpu
 
     return (*tpu.GAPS, *generic.GAPS)
 

@@ -33,8 +33,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from harness.interpret_compat import views as view_algebra
-from harness.interpret_compat.patching import (
+from rpa_harness.interpret_compat import views as view_algebra
+from rpa_harness.interpret_compat.patching import (
     Gap,
     InternalsMoved,
     Patch,

@@ -11,7 +11,7 @@ import re
 
 import jax
 
-from harness import interpret_compat
+from rpa_harness import interpret_compat
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from harness.interpret_compat import views as view_algebra
-from harness.interpret_compat.patching import (
+from rpa_harness.interpret_compat import views as view_algebra
+from rpa_harness.interpret_compat.patching import (
     Gap,
     Patch,
     parameter_names,

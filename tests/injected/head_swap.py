@@ -5,8 +5,8 @@
 
 import jax.numpy as jnp
 
-from kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
-from kernel import ragged_paged_attention as correct_attention
+from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
+from rpa_harness.kernel import ragged_paged_attention as correct_attention
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

@@ -1,11 +1,11 @@
 """A correct attention that rounds P to V's dtype before P @ V, and declares it.
 
-A NumPy online-softmax (``reference.variants.contract_attention``), so it runs on any backend without
+A NumPy online-softmax (``rpa_harness.reference.variants.contract_attention``), so it runs on any backend without
 compiling. Used by test_precision.py: it passes under its declared contract and fails under float32.
 """
 
-from kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
-from reference.variants import contract_attention
+from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
+from rpa_harness.reference.variants import contract_attention
 
 RPA_HARNESS_PRECISION = ("probabilities-in-value-dtype",)
 

@@ -9,11 +9,11 @@ when waited for, races are asserted) checks memory safety.
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference
-from harness.properties import DIFFERENTIAL, check_differential
-from harness.recording import recorded
-from strategies.valid import valid_cases
-from tests.budget import (
+from rpa_harness import reference
+from rpa_harness.checks import DIFFERENTIAL, check_differential
+from rpa_harness.recording import recorded
+from rpa_harness.strategies.valid import valid_cases
+from rpa_harness.properties.budget import (
     ANY_CONFIG_EXAMPLES,
     CHECKING_ANY_CONFIG_EXAMPLES,
     CHECKING_EXAMPLES,

@@ -9,9 +9,9 @@ import dataclasses
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.properties import DETERMINISM, PADDING, check_determinism, check_padding_isolation
-from harness.recording import recorded
-from strategies.valid import valid_cases
+from rpa_harness.checks import DETERMINISM, PADDING, check_determinism, check_padding_isolation
+from rpa_harness.recording import recorded
+from rpa_harness.strategies.valid import valid_cases
 
 
 @given(data=st.data())

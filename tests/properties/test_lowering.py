@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from harness.lowering import known_tpu_generations, lower_for_tpu, register_tpu_generation
-from harness.targets import DEFAULT_TARGET
+from rpa_harness.lowering import known_tpu_generations, lower_for_tpu, register_tpu_generation
+from rpa_harness.targets import DEFAULT_TARGET
 
 KERNEL_NAME = "rpa_harness_ragged_paged_attention"
 

@@ -11,19 +11,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 
-from harness import runlog
-from harness.properties import VALIDATION, check_validation
-from harness.recording import recorded
-from harness.targets import as_jax
-from strategies.valid import valid_cases
-from strategies.violations import (
+from rpa_harness import runlog
+from rpa_harness.checks import VALIDATION, check_validation
+from rpa_harness.recording import recorded
+from rpa_harness.targets import as_jax
+from rpa_harness.strategies.valid import valid_cases
+from rpa_harness.strategies.violations import (
     RULES,
     UPSTREAM_ACCEPTS,
     UPSTREAM_ASSERTS,
     invalid_cases,
     rules_for,
 )
-from tests.budget import EXAMPLES_PER_RULE
+from rpa_harness.properties.budget import EXAMPLES_PER_RULE
 
 
 def _rule_params(capabilities):

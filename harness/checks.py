@@ -8,10 +8,10 @@ import dataclasses
 
 import numpy as np
 
-import reference
-from harness.backends import Backend
-from harness.interpret_compat.limitations import recognise
-from harness.targets import Target, first_line_of_error
+from rpa_harness import reference
+from rpa_harness.backends import Backend
+from rpa_harness.interpret_compat.limitations import recognise
+from rpa_harness.targets import Target, first_line_of_error
 
 DIFFERENTIAL = "differential"
 VALIDATION = "validation"
