@@ -37,6 +37,7 @@ def findings_dir(name: str) -> Path:
 
 
 FINDINGS_DIR = findings_dir("upstream-findings")
+V3_FINDINGS_DIR = findings_dir("tpu-inference-v3-findings")
 OPTION = "--rpa-known-issues"
 AUTO, NONE = "auto", "none"
 # The smallest positive float32 is exp(-103.3); a weight exp(x) with x below this is exactly 0 in float32
@@ -56,6 +57,9 @@ class KnownIssue:
     matches: Callable[[Case], bool]  # True when the case can trigger the issue
     nearest_outside: Callable[[Case], Case]  # a case close to the argument that does not match
     symptom: str  # a regex the property failure of the repro shows while the issue is present
+    # How the repro is replayed: None for the generic property it records (rpa_harness.checks.recheck),
+    # else replay(issue, target, backend, repro) raising AssertionError while the issue is present.
+    replay: Callable | None = None
 
     def avoid(self, case: Case) -> Case:
         """The case itself, or the nearest case outside the issue (counted in the run log)."""
@@ -191,6 +195,8 @@ def finite_mask_value_weights_keys_past_kv_len(case: Case) -> bool:
     each gets the logit ``0 + mask_value`` and the weight ``exp(mask_value - row max)``: exactly 0 in
     float32 for the default mask value, not for one within ~100 of the row's largest logit.
     """
+    if case.mask_value_meaning != "added":  # a replacing mask value is another option (v3's)
+        return False
     mask_value = _DEFAULT_MASK_VALUE if case.mask_value is None else case.mask_value
     if not math.isfinite(mask_value):
         return False
@@ -278,8 +284,176 @@ CATALOGUE = (
         NUMERIC_MISMATCH,
     ),
 )
-BY_NAME = {issue.name: issue for issue in CATALOGUE}
-UPSTREAM_KNOWN_ISSUES = tuple(BY_NAME)
+UPSTREAM_KNOWN_ISSUES = tuple(issue.name for issue in CATALOGUE)
+
+
+# --- tpu-inference RPA v3 (harness/tpu_inference_v3.py; docs/tpu-inference-v3-findings/) ------------------
+# Restated from v3's kernel (tpu_inference/kernels/ragged_paged_attention/v3/kernel.py, 0.32.0): per
+# sequence, query blocks of bq rows (one row per block for the leading decodes, v3's decode kernel); each
+# query block walks KV blocks of bkv keys from max(first position - window, 0) // bkv (0 without a window)
+# up to its effective length min(kv_len, first position + bq), each block in compute chunks of bkv_chunk
+# keys up to that length. The block sizes are the v3 target's mapping of the case (rpa_harness.tpu_inference_v3,
+# imported only when a v3 predicate runs: the catalogue must load without tpu-inference).
+
+
+def _v3():
+    from rpa_harness import tpu_inference_v3
+
+    return tpu_inference_v3
+
+
+def _v3_query_blocks(case: Case):
+    """Per live sequence and query block: (sequence, first row, rows, first key visited, end of keys visited)."""
+    v3 = _v3()
+    inputs = v3.v3_inputs(**case.arrays(), **case.options())
+    decodes = int(inputs.args[-1][0])
+    window = case.sliding_window
+    for i, (q_len, kv_len) in enumerate(zip(case.q_lens, case.kv_lens, strict=True)):
+        bq, bkv, _, bkv_chunk = inputs.kwargs["d_block_sizes" if i < decodes else "m_block_sizes"]
+        block_rows = min(bq, 1) if i < decodes else bq
+        for first in range(0, q_len, block_rows):
+            position = kv_len - q_len + first
+            start = max(position - window, 0) // bkv * bkv if window is not None else 0
+            effective = min(kv_len, position + block_rows)
+            last_block = (-(-effective // bkv) - 1) * bkv
+            end = last_block + -(-(effective - last_block) // bkv_chunk) * bkv_chunk
+            yield i, first, min(block_rows, q_len - first), start, end
+
+
+def v3_sliding_window_skips_cache_writes(case: Case) -> bool:
+    """A sliding window lets the last query block of a sequence skip KV blocks that hold new tokens."""
+    if case.sliding_window is None:
+        return False
+    v3 = _v3()
+    return bool(v3.unwritten_by_sliding_window(v3.v3_inputs(**case.arrays(), **case.options())).any())
+
+
+def one_query_block_per_sequence(case: Case) -> Case:
+    """Query blocks as long as the longest sequence: the last block is the only one (a tuning change)."""
+    return dataclasses.replace(case, num_queries_per_block=max(case.q_lens))
+
+
+def v3_q_len_zero_before_live_sequence(case: Case) -> bool:
+    """A q_len == 0 sequence followed by one with query rows (v3's validator forbids q_len == 0)."""
+    return any(q == 0 and any(case.q_lens[i + 1 :]) for i, q in enumerate(case.q_lens))
+
+
+def drop_empty_sequences_before_live_ones(case: Case) -> Case:
+    q = case.q_lens
+    return _keep_sequences(case, [not (q[i] == 0 and any(q[i + 1 :])) for i in range(case.num_seqs)])
+
+
+def _v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
+    """[q_len, num_q_heads] largest logit over keys [0, kv_len), v3's semantics: q quantised with q_scale,
+    k_scale and q_scale folded into the score scale, soft cap, masked logits replaced by mask_value."""
+    from rpa_harness.reference.oracle import quantised_query
+
+    q_len, kv_len = case.q_lens[seq], case.kv_lens[seq]
+    start = sum(case.q_lens[:seq])
+    group = case.num_q_heads // case.num_kv_heads
+    q = quantised_query(arrays["q"][start : start + q_len], case.q_scale, arrays["kv_pages"].dtype)
+    pages = arrays["page_indices"][seq, : math.ceil(kv_len / case.page_size)]
+    k = arrays["kv_pages"][pages][:, :, 0::2, :].reshape(-1, case.num_kv_heads, case.head_dim)[:kv_len]
+    k = np.repeat(k.astype(np.float64), group, axis=1)
+    scale = case.sm_scale * (case.k_scale or 1.0) * (case.q_scale or 1.0)
+    logits = np.einsum("qhd,khd->qhk", q, k) * scale
+    if case.soft_cap is not None:
+        logits = case.soft_cap * np.tanh(logits / case.soft_cap)
+    position = kv_len - q_len + np.arange(q_len)[:, None]
+    key = np.arange(kv_len)[None, :]
+    masked = key > position
+    if case.sliding_window is not None:
+        masked |= position - case.sliding_window >= key
+    return np.where(masked[:, None, :], mask_value, logits).max(axis=-1)
+
+
+def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
+    """A finite replacing mask_value with a weight exp(mask_value - row max) that does not underflow, in a
+    query block whose visited keys are not exactly [0, kv_len).
+
+    v3's kernel replaces every masked logit it computes, the empty slots past kv_len in its last compute
+    chunk included, and computes none outside the KV blocks a query block visits (the window's skipped
+    blocks, the keys past the block's last position): the masked keys that get weight are set by the block
+    sizes. Its reference gives every masked key in [0, kv_len) the weight, and no other key.
+    """
+    if case.mask_value_meaning != "replaces" or case.mask_value is None or not math.isfinite(case.mask_value):
+        return False
+    arrays = None
+    for seq, first, rows, start, end in _v3_query_blocks(case):
+        if start == 0 and end == case.kv_lens[seq]:
+            continue
+        arrays = arrays or case.arrays()
+        row_max = _v3_row_max_logits(case, arrays, seq, case.mask_value)[first : first + rows]
+        if (case.mask_value - row_max > FLOAT32_EXP_UNDERFLOW).any():
+            return True
+    return False
+
+
+def with_v3_default_mask_value(case: Case) -> Case:
+    """v3's default mask value (finfo(output dtype).min: masked keys get no weight)."""
+    return dataclasses.replace(case, mask_value=None)
+
+
+def _replay_v3_both_outputs(issue, target, backend, repro) -> None:
+    """The v3 property: attention against the oracle under v3's contract, updated cache bit for bit."""
+    verdict = _v3().judge(repro.arrays, repro.options)
+    problems = [str(verdict.comparison)] if not verdict.comparison.ok else []
+    if verdict.cache_error is not None:
+        problems.append(str(verdict.cache_error))
+    if problems:
+        raise AssertionError("\n".join(problems))
+
+
+def _replay_v3_hang(issue, target, backend, repro) -> None:
+    """Replays the hang in a child process (a DMA wait cannot be interrupted): fails while it hangs."""
+    import os
+    import subprocess
+    import sys
+
+    seconds = float(os.environ.get("RPA_KNOWN_HANG_TIMEOUT", "60"))
+    env = dict(os.environ, RPA_CALL_TIMEOUT=f"{seconds:g}")
+    child = subprocess.run(
+        [sys.executable, "-m", "rpa_harness.tpu_inference_v3", str(issue.repro)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=seconds + 180,
+    )
+    if child.returncode == 70:  # rpa_harness.backends.HANG_EXIT_CODE: the watchdog ended the child
+        raise AssertionError(f"still hangs: no return within {seconds:g} s (RPA_CALL_TIMEOUT)")
+
+
+V3_CATALOGUE = (
+    KnownIssue(
+        "sliding-window-skips-cache-writes",
+        "with a sliding window, new tokens in KV blocks the last query block skips are not written to the cache",
+        V3_FINDINGS_DIR / "sliding-window-skips-cache-writes" / "v3-attention-and-cache_interpret.json",
+        v3_sliding_window_skips_cache_writes,
+        one_query_block_per_sequence,
+        r"updated cache differs from the expected cache",
+        replay=_replay_v3_both_outputs,
+    ),
+    KnownIssue(
+        "q-len-zero-before-a-live-sequence-hangs",
+        "a q_len == 0 sequence before one with query rows: the call never returns (a DMA wait)",
+        V3_FINDINGS_DIR / "q-len-zero-before-a-live-sequence-hangs" / "v3-hang_interpret.json",
+        v3_q_len_zero_before_live_sequence,
+        drop_empty_sequences_before_live_ones,
+        r"still hangs",
+        replay=_replay_v3_hang,
+    ),
+    KnownIssue(
+        "finite-mask-value-counts-keys-by-block",
+        "a finite mask_value weights the masked keys v3's blocks visit (slots past kv_len included), not "
+        "the masked keys in [0, kv_len)",
+        V3_FINDINGS_DIR / "finite-mask-value-counts-keys-by-block" / "differential-checked_interpret.json",
+        v3_finite_mask_value_counts_keys_by_block,
+        with_v3_default_mask_value,
+        NUMERIC_MISMATCH,
+    ),
+)
+V3_KNOWN_ISSUES = tuple(issue.name for issue in V3_CATALOGUE)
+BY_NAME = {issue.name: issue for issue in CATALOGUE + V3_CATALOGUE}
 
 
 def resolve(entries, where: str) -> tuple[KnownIssue, ...]:
@@ -313,7 +487,7 @@ def parse_option(value: str, declared: tuple[KnownIssue, ...]) -> tuple[KnownIss
 
 def describe_matches(case: Case) -> str:
     """A line for a failure report naming the catalogued issues the failing case matches, if any."""
-    names = [issue.name for issue in CATALOGUE if issue.matches(case)]
+    names = [issue.name for issue in CATALOGUE if issue.matches(case)]  # v3's need its module: not here
     if not names:
         return ""
     return (

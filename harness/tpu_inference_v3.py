@@ -20,7 +20,6 @@ Install v3 without its dependencies (its ``__init__`` imports vllm, and it pins 
 """
 
 import dataclasses
-import functools
 import importlib.util
 import math
 import os
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rpa_harness.backends import INTERPRET, Backend
+from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES
 
 INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
@@ -66,18 +66,21 @@ def _load_kernel_module() -> types.ModuleType:
 
 v3 = _load_kernel_module()
 
-# What the strategies draw for v3 (fields of rpa_harness.strategies.valid.Capabilities). Outside of it, not yet tested:
-# a custom mask_value (v3 replaces the masked logit with it, upstream adds it: a different option, so only
-# the default, which masks fully under both meanings, is drawn), q_scale (no upstream counterpart), q_len == 0
-# (v3 forbids it and hangs on it: tests/test_v3_target.py), and page sizes v3 rejects for a KV dtype.
+# What the strategies draw for v3 (fields of rpa_harness.strategies.valid.Capabilities). Outside of it: q_len == 0 (v3
+# forbids it and hangs on it: tests/test_v3_target.py) and page sizes v3 rejects for a KV dtype.
 RPA_HARNESS_CAPABILITIES = dict(
     head_dims=(64, 128, 256),
     page_size_multiple_of_kv_packing=True,
     empty_sequences=False,
-    additive_mask_value=False,
+    # v3 replaces a masked logit with mask_value (default finfo(out_dtype).min); upstream adds it.
+    mask_value_meaning=MASK_REPLACES,
+    # v3's quantised query: q / q_scale clipped to the KV dtype's range, cast to it; logits times q_scale.
+    q_scale=True,
     # v3 folds k_scale into the score scale and applies v_scale after P @ V, without upstream's rounding
     # of the scaled cache to q's dtype (docs/tpu-inference-v3-findings/README.md).
     kv_scales_round_to_q_dtype=False,
+    # v3's validators have their own rules and messages (spec/tpu_inference_v3.py).
+    validation_rules="tpu-inference-v3",
     # The generic interpreter runs v3's data-dependent copy sizes (pl.ds with a traced length) through the
     # compat layer's gap generic-dynamic-size-copies (masked copies of a static window).
     backends=("interpret", "fast-interpret", "tpu"),
@@ -86,6 +89,13 @@ RPA_HARNESS_CAPABILITIES = dict(
 # queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).
 # Its kernel computes logits and P in float32 and does not round P to V's dtype (its reference does).
 RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype",)
+# docs/tpu-inference-v3-findings/ (harness/known_issues.py V3_CATALOGUE): their cases are not drawn, and
+# tests/properties/test_known_issues.py replays each repro while it still fails.
+RPA_HARNESS_KNOWN_ISSUES = (
+    "sliding-window-skips-cache-writes",
+    "q-len-zero-before-a-live-sequence-hangs",
+    "finite-mask-value-counts-keys-by-block",
+)
 
 
 def kv_packing(dtype) -> int:
@@ -153,8 +163,13 @@ def v3_inputs(
     num_kv_pages_per_block: int | None = None,
     num_queries_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
+    q_scale: float | None = None,
+    mask_value_meaning: str = MASK_ADDED,
 ) -> V3Inputs:
     """Maps an upstream-style call to v3's.
+
+    ``mask_value`` is v3's when ``mask_value_meaning`` is ``replaces``; with upstream's meaning (added)
+    only its defaults, which mask fully under both meanings, have a v3 counterpart (v3's default).
 
     The new tokens of sequence ``i`` are its last ``q_len`` keys (positions ``[kv_len - q_len, kv_len)``),
     taken from the case's pages into ``keys``/``values`` rows ``cu_q_lens[i]..``; their cache slots are set
@@ -162,10 +177,24 @@ def v3_inputs(
     tokens returns NaN, and the cache it must return is the case's cache, packed. Padding rows of the new
     keys/values are NaN where q's padding row is NaN (poisoned cases), zero otherwise.
     """
+    if mask_value_meaning == MASK_REPLACES:
+        v3_mask_value = mask_value
+    elif mask_value in (None, UPSTREAM_DEFAULT_MASK_VALUE):
+        v3_mask_value = None
+    else:
+        raise ValueError(
+            f"mask_value={mask_value!r} with mask_value_meaning={mask_value_meaning!r}: v3 replaces a masked "
+            f"logit with mask_value, so an added mask has no v3 counterpart; pass "
+            f"mask_value_meaning={MASK_REPLACES!r} (or the default mask_value)"
+        )
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
-    kv_lens, cu_q_lens = np.asarray(kv_lens), np.asarray(cu_q_lens)
-    page_table = np.asarray(page_indices)
-    n = int(np.asarray(num_seqs)[0])
+    # v3 receives the metadata as given (its validators judge dtypes and shapes); the mapping reads integer
+    # copies, and only the entries that exist: invalid metadata is v3's validators' business.
+    kv_lens_given, cu_q_lens_given = np.asarray(kv_lens), np.asarray(cu_q_lens)
+    page_table_given = np.asarray(page_indices)
+    kv_lens, cu_q_lens = kv_lens_given.astype(np.int64), cu_q_lens_given.astype(np.int64)
+    page_table = page_table_given.astype(np.int64)
+    n = int(np.asarray(num_seqs).reshape(-1)[0])
     pages, page_size, heads_x2, head_dim = kv_pages.shape
     max_tokens = q.shape[0]
 
@@ -176,7 +205,7 @@ def v3_inputs(
     slot_owner = np.full((pages, page_size), -1)
     slot_position = np.full((pages, page_size), -1)
     pages_per_seq = page_table.shape[1]
-    live = range(min(max(n, 0), len(kv_lens)))  # invalid metadata is v3's validators' business: skip it
+    live = range(min(max(n, 0), len(kv_lens), len(cu_q_lens) - 1, page_table.shape[0]))
     for i in live:
         start, q_len, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1] - cu_q_lens[i]), int(kv_lens[i])
         for p in range(min(math.ceil(kv_len / page_size), pages_per_seq)):
@@ -184,9 +213,9 @@ def v3_inputs(
             if 0 <= page < pages:
                 slot_owner[page] = i
                 slot_position[page] = p * page_size + np.arange(page_size)
-        for j in range(max(q_len, 0)):
+        for j in range(max(0, -start), max(0, min(q_len, max_tokens - start))):  # rows inside q only
             position, row = kv_len - q_len + j, start + j
-            if not (0 <= row < max_tokens and 0 <= position < pages_per_seq * page_size):
+            if not 0 <= position < pages_per_seq * page_size:
                 continue
             page, slot = page_table[i, position // page_size], position % page_size
             if 0 <= page < pages:
@@ -210,8 +239,8 @@ def v3_inputs(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
-        # v3's mask_value replaces a masked logit; upstream's is added. Only the defaults mean the same.
-        mask_value=None if mask_value in (None, UPSTREAM_DEFAULT_MASK_VALUE) else mask_value,
+        mask_value=v3_mask_value,
+        q_scale=q_scale,
         k_scale=k_scale,
         v_scale=v_scale,
         d_block_sizes=sizes,
@@ -223,25 +252,31 @@ def v3_inputs(
         new_kv[:, 0::2],
         new_kv[:, 1::2],
         pack_cache(stale),
-        kv_lens,
-        page_table.reshape(-1),
-        cu_q_lens,
+        kv_lens_given,
+        page_table_given.reshape(-1),
+        cu_q_lens_given,
         np.array([decodes, decodes, n], np.int32),
     )
     return V3Inputs(args, kwargs, expected_cache, new_slots, slot_owner, slot_position)
 
 
-@functools.cache
-def _jitted(options: tuple):
+_JITTED: dict = {}
+
+
+def _jitted(kwargs: dict):
     """v3 under jit, one per option set: v3 donates its inputs to its outputs (jit keeps the caller's
-    arrays), and each static configuration compiles once."""
-    kwargs = dict(options)
-    return jax.jit(lambda *arrays: v3.ragged_paged_attention(*arrays, **kwargs))
+    arrays), and each static configuration compiles once. Keyed by each value's type and repr, so that
+    options that compare equal but render differently (``-0.0`` and ``0.0``, ``1`` and ``1.0``) keep
+    their own compilation, and v3's messages, which render them, stay theirs."""
+    key = tuple(sorted((name, type(value).__name__, repr(value)) for name, value in kwargs.items()))
+    if key not in _JITTED:
+        _JITTED[key] = jax.jit(lambda *arrays: v3.ragged_paged_attention(*arrays, **kwargs))
+    return _JITTED[key]
 
 
 def call_v3(inputs: V3Inputs):
     """Runs v3 (on whatever backend the caller's context selects): ``(attention, updated packed cache)``."""
-    return _jitted(tuple(sorted(inputs.kwargs.items())))(*(jnp.asarray(a) for a in inputs.args))
+    return _jitted(inputs.kwargs)(*(jnp.asarray(a) for a in inputs.args))
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
@@ -334,8 +369,8 @@ def check_updated_cache(inputs: V3Inputs, updated_cache) -> None:
 # ---- Running v3 on the TPU interpreter, and replaying its repros ----
 
 # The checking TPU interpreter with the compat layer, as the harness's ``interpret`` backend: out-of-bounds
-# reads raise, scratch is NaN, races raise, a call that outlives the watchdog is a hang. v3 cannot run on
-# the generic interpreter (its copy sizes are data-dependent).
+# reads raise, scratch is NaN, races raise, a call that outlives the watchdog is a hang. (The generic
+# properties also run v3 on the generic interpreter, through the compat layer's dynamic-size copies.)
 CHECKING = Backend(INTERPRET)
 
 

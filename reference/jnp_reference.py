@@ -9,7 +9,9 @@ time, and an inner loop walks its query rows in fixed-size blocks; the largest t
 The dtype path is the specification's: K (resp. V) is upcast to float32, multiplied by ``k_scale`` (resp.
 ``v_scale``) and rounded to q's dtype when a scale is given; logits, softmax and the P @ V accumulation are
 float32 (inputs are upcast exactly, probabilities are never rounded); the output is cast to q's dtype.
-Keys at positions >= kv_len do not exist: they are zeroed before any product (so NaN poison in page tails
+With ``q_scale`` (an extension: tpu-inference v3's) q is divided by it in q's dtype, clipped to the KV
+dtype's range and cast to the KV dtype, and the logits are multiplied by it; ``mask_value_meaning`` says
+whether a masked logit gets ``mask_value`` added or is replaced by it. Keys at positions >= kv_len do not exist: they are zeroed before any product (so NaN poison in page tails
 cannot leak) and take no part in the softmax. Rows past ``cu_q_lens[num_seqs]`` come out as zeros.
 """
 
@@ -19,7 +21,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from rpa_harness.spec.interface import Options, static_validate_inputs, takes_options
+from rpa_harness.spec.interface import (
+    MASK_REPLACES,
+    Options,
+    check_extensions,
+    static_validate_inputs,
+    takes_extended_options,
+)
 
 # Upper bound on the elements of one float32 logit block; the query block shrinks to stay under it.
 _MAX_LOGIT_BLOCK_ELEMENTS = 1 << 22
@@ -34,6 +42,14 @@ def _query_block_rows(max_num_batched_tokens, max_num_seqs, num_q_heads, max_kv_
     return 1 << (rows.bit_length() - 1)
 
 
+def _quantised_query(q, q_scale, kv_dtype):
+    """q as the logits use it: divided by ``q_scale`` in q's dtype, clipped to the KV dtype's range, cast."""
+    if q_scale is None:
+        return q
+    info = jnp.finfo(kv_dtype)
+    return jnp.clip(q / q_scale, float(info.min), float(info.max)).astype(kv_dtype)
+
+
 def _scaled(x, scale, q_dtype):
     """K or V as the specification reads it: scaled in float32 and rounded to q's dtype, if a scale is set."""
     if scale is None:
@@ -45,7 +61,10 @@ def _scaled(x, scale, q_dtype):
 def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, options: Options):
     """``options`` is ``Options.semantics()``: one compilation per shape and meaning, whatever the block sizes."""
     sm_scale, sliding_window, soft_cap = options.sm_scale, options.sliding_window, options.soft_cap
-    mask_value, k_scale, v_scale = options.mask_value, options.k_scale, options.v_scale
+    k_scale, v_scale, q_scale = options.k_scale, options.v_scale, options.q_scale
+    mask_value = options.mask_value_for(q.dtype)
+    replaces = options.mask_value_meaning == MASK_REPLACES
+    logit_scale = sm_scale * (1.0 if q_scale is None else q_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     total_num_pages, page_size, num_combined_kv_heads, _ = kv_pages.shape
     max_num_seqs, pages_per_seq = page_indices.shape
@@ -55,7 +74,8 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     block = _query_block_rows(num_tokens, max_num_seqs, num_q_heads, max_kv_len)
 
     # Padding by one block lets every block be a full-size dynamic slice that is never shifted back.
-    q_padded = jnp.concatenate([q, jnp.zeros((block, num_q_heads, head_dim), q.dtype)])
+    q_used = _quantised_query(q, q_scale, kv_pages.dtype)
+    q_padded = jnp.concatenate([q_used, jnp.zeros((block, num_q_heads, head_dim), q_used.dtype)])
     out = jnp.zeros((num_tokens + block, num_q_heads, head_dim), jnp.float32)
     key_ids = jnp.arange(max_kv_len, dtype=jnp.int32)
 
@@ -80,14 +100,17 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
             first_row = q_start + block_idx * block
             rows = lax.dynamic_slice_in_dim(q_padded, first_row, block).astype(jnp.float32)
             rows = rows.reshape(block, num_kv_heads, group, head_dim)
-            logits = jnp.einsum("bhgd,khd->bhgk", rows, k, precision=lax.Precision.HIGHEST) * sm_scale
+            logits = jnp.einsum("bhgd,khd->bhgk", rows, k, precision=lax.Precision.HIGHEST) * logit_scale
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
             positions = kv_len - q_len + block_idx * block + jnp.arange(block, dtype=jnp.int32)
             masked = key_ids[None, :] > positions[:, None]
             if sliding_window is not None:
                 masked |= positions[:, None] - sliding_window >= key_ids[None, :]
-            logits = logits + jnp.where(masked, mask_value, 0.0)[:, None, None, :]
+            if replaces:
+                logits = jnp.where(masked[:, None, None, :], mask_value, logits)
+            else:
+                logits = logits + jnp.where(masked, mask_value, 0.0)[:, None, None, :]
             logits = jnp.where(key_valid, logits, -jnp.inf)
             logits = logits - jnp.max(logits, axis=-1, keepdims=True)
             weights = jnp.exp(logits)
@@ -108,15 +131,16 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     return out[:num_tokens].astype(q.dtype)
 
 
-@takes_options
+@takes_extended_options
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Options):
-    """Reference ragged paged attention, same signature and semantics as upstream's kernel.
+    """Reference ragged paged attention, upstream's signature and semantics plus the extension options.
 
     The block-size and VMEM options are validated like the kernel's and otherwise ignored. Inputs are
     assumed dynamically valid (see ``spec.dynamic_validate_inputs``); metadata slots past ``num_seqs`` are
     never read.
     """
     static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options.keywords())
+    check_extensions(options)
     return _ragged_paged_attention(
         *(jnp.asarray(x) for x in (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)),
         options=options.semantics(),

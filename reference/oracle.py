@@ -2,7 +2,9 @@
 
 Inputs are upcast exactly (ml_dtypes for bf16 and fp8). The one rounding the specification prescribes is
 reproduced: with ``k_scale`` (``v_scale``) the keys (values) are multiplied by the scale in float32 and
-rounded to q's dtype before use. Everything else (logits, soft cap, mask, softmax, P @ V) is float64, and
+rounded to q's dtype before use; with ``q_scale`` (an extension, tpu-inference v3's) q is divided by it in
+q's dtype, clipped to the KV dtype's finite range and cast to the KV dtype, and the logits are multiplied
+by it. ``mask_value`` is added to a masked logit or replaces it, as ``mask_value_meaning`` says. Everything else (logits, soft cap, mask, softmax, P @ V) is float64, and
 the output is not rounded: the tolerance model accounts for the rounding a kernel does.
 
 Only metadata of the first ``num_seqs`` sequences is read, and of those only the pages holding keys below
@@ -15,7 +17,13 @@ import ml_dtypes
 import numpy as np
 
 from rpa_harness.reference.tolerance import key_error_units
-from rpa_harness.spec.interface import Options, static_validate_inputs, takes_options
+from rpa_harness.spec.interface import (
+    MASK_REPLACES,
+    Options,
+    check_extensions,
+    static_validate_inputs,
+    takes_extended_options,
+)
 
 # Upper bound on the elements of one float64 work array: a [kv heads, rows, keys] block of logits, or
 # one chunk of K or V ([kv heads, keys, dim]). About twenty such arrays are alive at once, so the working
@@ -99,21 +107,48 @@ def _check_live_metadata(num_tokens, page_size, pages_per_seq, total_num_pages, 
             )
 
 
-def _logits(q_rows, k, masked, options: Options):
+def quantised_query(q, q_scale, kv_dtype) -> np.ndarray:
+    """q as the logits use it (float64): itself, or with ``q_scale`` divided by the scale in q's dtype (the
+    scale rounded to q's dtype first, the quotient computed in float32 and rounded to q's dtype, as jax
+    does for a narrow float and a Python scalar), clipped to the KV dtype's finite range, cast to it."""
+    q = np.asarray(q)
+    if q_scale is None:
+        return _as_float64(q)
+    scale = np.float32(np.asarray(q_scale, q.dtype))
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        quotient = (q.astype(np.float32) / scale).astype(q.dtype).astype(np.float64)
+    info = ml_dtypes.finfo(kv_dtype)
+    return np.clip(quotient, float(info.min), float(info.max)).astype(kv_dtype).astype(np.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scores:
+    """The score semantics of one call: the logit scale (sm_scale, times q_scale when q was quantised), the
+    soft cap, the mask value for the output dtype and whether it replaces a masked logit or is added."""
+
+    scale: float
+    soft_cap: float | None
+    mask_value: float
+    replaces: bool
+
+
+def _logits(q_rows, k, masked, scores: _Scores):
     """The per-element math of one block of logits; every score semantic of the specification is here.
 
-    ``q_rows`` [kv heads, rows, dim] and ``k`` [kv heads, keys, dim] are float64 (K as the specification
-    reads it, see ``_scaled``), ``masked`` [rows, keys] is True where the causal mask or the sliding window
-    hides the key, ``options`` are ``Options.semantics()``. Returns ``(raw, logits, dot_abs)``, each
-    [kv heads, rows, keys]: ``raw = sm_scale * q.k`` before the soft cap; ``logits`` after the soft cap and
-    the mask (upstream adds ``mask_value`` to a masked logit); ``dot_abs = |sm_scale| * sum_i |q_i k_i|``,
+    ``q_rows`` [kv heads, rows, dim] and ``k`` [kv heads, keys, dim] are float64 (q as ``quantised_query``
+    gives it, K as the specification reads it, see ``_scaled``), ``masked`` [rows, keys] is True where the
+    causal mask or the sliding window hides the key. Returns ``(raw, logits, dot_abs)``, each [kv heads,
+    rows, keys]: ``raw = scale * q.k`` before the soft cap; ``logits`` after the soft cap and the mask
+    (upstream adds ``mask_value`` to a masked logit, v3 replaces it); ``dot_abs = |scale| * sum_i |q_i k_i|``,
     the dot product's condition, which the error bound needs.
     """
-    raw = options.sm_scale * (q_rows @ k.transpose(0, 2, 1))
-    dot_abs = abs(options.sm_scale) * (np.abs(q_rows) @ np.abs(k).transpose(0, 2, 1))
-    soft_cap = options.soft_cap
+    raw = scores.scale * (q_rows @ k.transpose(0, 2, 1))
+    dot_abs = abs(scores.scale) * (np.abs(q_rows) @ np.abs(k).transpose(0, 2, 1))
+    soft_cap = scores.soft_cap
     logits = raw if soft_cap is None else soft_cap * np.tanh(raw / soft_cap)
-    return raw, logits + np.where(masked, options.mask_value, 0.0), dot_abs
+    if scores.replaces:  # a replaced logit is the constant itself: no product error is carried into it
+        return np.where(masked, 0.0, raw), np.where(masked, scores.mask_value, logits), np.where(masked, 0.0, dot_abs)
+    return raw, logits + np.where(masked, scores.mask_value, 0.0), dot_abs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +186,7 @@ def _deviation_bound(weight_total, weighted_v_squared, weighted_v, weighted_abs_
     return np.minimum(cauchy_schwarz, triangle)
 
 
-def _attend(q_rows, query_positions, chunks, options: Options, value_subnormal):
+def _attend(q_rows, query_positions, chunks, options: Options, scores: _Scores, value_subnormal):
     """Float64 attention of a block of rows over a sequence's key chunks, with the bound ingredients.
 
     ``q_rows`` [kv heads, rows, dim], ``query_positions`` [rows, 1]. Two passes over the chunks: the first
@@ -166,7 +201,7 @@ def _attend(q_rows, query_positions, chunks, options: Options, value_subnormal):
         masked = keys > query_positions
         if options.sliding_window is not None:
             masked |= query_positions - options.sliding_window >= keys
-        return _logits(q_rows, chunk.k, masked, options)
+        return _logits(q_rows, chunk.k, masked, scores)
 
     rows_shape = (*q_rows.shape[:2], 1)
     top = np.full(rows_shape, -np.inf)
@@ -247,17 +282,26 @@ def _chunk_sizes(num_q_heads, num_kv_heads, head_dim, page_size, kv_len) -> tupl
     return keys, max(1, _MAX_BLOCK_ELEMENTS // (num_q_heads * keys))
 
 
-@takes_options
+@takes_extended_options
 def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Options) -> OracleResult:
-    """Float64 ragged paged attention; same signature as the kernel (block and VMEM options are ignored).
+    """Float64 ragged paged attention; the kernel's signature plus the extension options (block and VMEM
+    options are ignored).
 
     Streamed: each sequence's query rows are taken in blocks and its keys in page-aligned chunks, so the
     memory beyond the inputs and the result is bounded whatever kv_len is.
     """
     static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options.keywords())
+    check_extensions(options)
     options = options.semantics()
     q = np.asarray(q)
     kv_pages = np.asarray(kv_pages)
+    scores = _Scores(
+        scale=options.sm_scale * (1.0 if options.q_scale is None else options.q_scale),
+        soft_cap=options.soft_cap,
+        mask_value=options.mask_value_for(q.dtype),
+        replaces=options.mask_value_meaning == MASK_REPLACES,
+    )
+    q_used = quantised_query(q, options.q_scale, kv_pages.dtype)
     kv_lens = np.asarray(kv_lens).astype(np.int64)
     cu_q_lens = np.asarray(cu_q_lens).astype(np.int64)
     page_indices = np.asarray(page_indices).astype(np.int64)
@@ -302,10 +346,12 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
             last = min(q_len, first + block)
             rows = slice(q_start + first, q_start + last)
             # [kv heads, group * rows, dim], rows fastest within a group.
-            q_block = _as_float64(q[rows]).reshape(last - first, num_kv_heads, group, head_dim)
+            q_block = q_used[rows].reshape(last - first, num_kv_heads, group, head_dim)
             q_block = q_block.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * (last - first), head_dim)
             positions = np.tile(kv_len - q_len + np.arange(first, last), group)[:, None]
-            block_results = _attend(q_block, positions, sequence_chunks or chunks(), options, value_subnormal)
+            block_results = _attend(
+                q_block, positions, sequence_chunks or chunks(), options, scores, value_subnormal
+            )
             to_rows = (num_kv_heads, group, last - first, head_dim)
             for name, value in block_results.items():
                 results[name][rows] = (

@@ -23,10 +23,23 @@ import numpy as np
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
+# What mask_value means. Upstream ADDS it to a masked logit (the default masks fully: its sum is far below
+# every live logit). tpu-inference's RPA v3 REPLACES a masked logit with it, and its default (None) is
+# finfo(output dtype).min: with a finite mask_value a masked key keeps the weight exp(mask_value - max),
+# and its value enters P @ V. The two defaults mean the same (no weight); other values do not.
+MASK_ADDED = "added"
+MASK_REPLACES = "replaces"
+MASK_VALUE_MEANINGS = (MASK_ADDED, MASK_REPLACES)
+
 ARRAY_NAMES = ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
 
 # Field metadata: an option that only tunes how the kernel runs (block sizes, VMEM); the output is the same.
 TUNING = {"tuning": True}
+# Field metadata: semantics beyond upstream's interface that some targets have (tpu-inference v3). Not in
+# upstream's signature (``SIGNATURE``, ``takes_options``): only the judges (``takes_extended_options``) and
+# targets that declare them (``rpa_harness.strategies.valid.Capabilities``) receive them, so upstream's kernel and ours
+# never get a keyword they do not take.
+EXTENSION = {"extension": True}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,10 +55,23 @@ class Options:
     num_kv_pages_per_block: int | None = dataclasses.field(default=None, metadata=TUNING)
     num_queries_per_block: int | None = dataclasses.field(default=None, metadata=TUNING)
     vmem_limit_bytes: int | None = dataclasses.field(default=None, metadata=TUNING)
+    # v3's query scale: q is divided by it, clipped to the KV dtype's finite range and cast to the KV dtype
+    # (in q's dtype until the cast), and the logits are multiplied by it. None: q is used as it is.
+    q_scale: float | None = dataclasses.field(default=None, metadata=EXTENSION)
+    # MASK_ADDED (upstream) or MASK_REPLACES (v3); see MASK_VALUE_MEANINGS.
+    mask_value_meaning: str = dataclasses.field(default=MASK_ADDED, metadata=EXTENSION)
 
     def keywords(self) -> dict:
-        """Every option as a keyword argument."""
+        """Upstream's options as keyword arguments (what upstream's signature takes)."""
         return {name: getattr(self, name) for name in OPTION_NAMES}
+
+    def extension_keywords(self) -> dict:
+        """The extension options that differ from their defaults (what a target that declares them gets)."""
+        return {
+            name: getattr(self, name)
+            for name in EXTENSION_NAMES
+            if getattr(self, name) != getattr(OPTION_DEFAULTS, name)
+        }
 
     def semantics(self) -> "Options":
         """The options that decide the output: tuning options at their defaults, ``mask_value`` resolved.
@@ -54,35 +80,74 @@ class Options:
         these compiles once per meaning, not once per block size.
         """
         tuning = {f.name: f.default for f in dataclasses.fields(Options) if f.metadata.get("tuning")}
-        mask_value = DEFAULT_MASK_VALUE if self.mask_value is None else self.mask_value
+        mask_value = self.mask_value
+        if mask_value is None and self.mask_value_meaning == MASK_ADDED:
+            mask_value = DEFAULT_MASK_VALUE
         return dataclasses.replace(self, mask_value=mask_value, **tuning)
 
+    def mask_value_for(self, out_dtype) -> float:
+        """The mask value a call uses: ``None`` resolved per meaning (v3's default depends on the output
+        dtype, so it is resolved here rather than in ``semantics()``)."""
+        if self.mask_value is not None:
+            return self.mask_value
+        if self.mask_value_meaning == MASK_REPLACES:
+            import ml_dtypes  # numpy's finfo does not know bfloat16
 
-OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options))
+            return float(ml_dtypes.finfo(out_dtype).min)
+        return DEFAULT_MASK_VALUE
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options) if not f.metadata.get("extension"))
+EXTENSION_NAMES = tuple(f.name for f in dataclasses.fields(Options) if f.metadata.get("extension"))
+ALL_OPTION_NAMES = OPTION_NAMES + EXTENSION_NAMES
 OPTION_DEFAULTS = Options()
 
-SIGNATURE = inspect.Signature(
-    [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ARRAY_NAMES]
-    + [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-        for f in dataclasses.fields(Options)
-    ]
-)
+
+def _signature(names) -> inspect.Signature:
+    fields = {f.name: f for f in dataclasses.fields(Options)}
+    return inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ARRAY_NAMES]
+        + [
+            inspect.Parameter(
+                n, inspect.Parameter.KEYWORD_ONLY, default=fields[n].default, annotation=fields[n].type
+            )
+            for n in names
+        ]
+    )
+
+
+SIGNATURE = _signature(OPTION_NAMES)
+EXTENDED_SIGNATURE = _signature(ALL_OPTION_NAMES)
+
+
+def _options_taker(implementation, names, signature):
+    @functools.wraps(implementation)
+    def call(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(
+                f"{implementation.__name__}() got unexpected keyword argument(s) {', '.join(unknown)}; "
+                f"it takes {', '.join(names)}"
+            )
+        return implementation(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, Options(**options))
+
+    call.__signature__ = signature
+    return call
 
 
 def takes_options(implementation):
     """Gives ``implementation(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options)`` upstream's
-    signature: the six arrays, then every option of ``Options`` as a keyword with its default.
+    signature: the six arrays, then upstream's options as keywords with their defaults.
 
-    ``jax.jit(..., static_argnames=OPTION_NAMES)`` applies on top. An unknown keyword is a TypeError.
+    ``jax.jit(..., static_argnames=OPTION_NAMES)`` applies on top. An unknown keyword, an extension option
+    included, is a TypeError.
     """
+    return _options_taker(implementation, OPTION_NAMES, SIGNATURE)
 
-    @functools.wraps(implementation)
-    def call(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
-        return implementation(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, Options(**options))
 
-    call.__signature__ = SIGNATURE
-    return call
+def takes_extended_options(implementation):
+    """``takes_options`` for the judges: upstream's options and the extensions (``EXTENSION_NAMES``)."""
+    return _options_taker(implementation, ALL_OPTION_NAMES, EXTENDED_SIGNATURE)
 
 
 # The messages, one function per rule. ``f"{x=}"`` in upstream renders ``x=`` and ``repr(x)``; each function
@@ -187,6 +252,17 @@ def page_out_of_range_message(seq, page, value, total_num_pages, kv_len) -> str:
         f"page_indices[{seq}, {page}]={value} must be in [0, {total_num_pages}) "
         f"(total_num_pages): sequence {seq} reads page {page} of its kv_len={kv_len}."
     )
+
+
+def mask_value_meaning_message(meaning) -> str:
+    return f"mask_value_meaning={meaning!r} must be one of {MASK_VALUE_MEANINGS}."
+
+
+def check_extensions(options: Options) -> None:
+    """The extension options' own rules (v3 states none for q_scale; a scale must be a float or None)."""
+    if options.mask_value_meaning not in MASK_VALUE_MEANINGS:
+        raise ValueError(mask_value_meaning_message(options.mask_value_meaning))
+    _check_scale("q_scale", options.q_scale)
 
 
 def _check_scale(name, value):

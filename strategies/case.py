@@ -15,7 +15,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from rpa_harness.spec.interface import OPTION_DEFAULTS, OPTION_NAMES, Options
+from rpa_harness.spec.interface import ALL_OPTION_NAMES, OPTION_DEFAULTS, Options
 
 DTYPES = {
     "float32": np.dtype(np.float32),
@@ -76,9 +76,9 @@ class Case(Options):
 
     def __repr__(self):
         """Evaluable, in reading order: shapes and layout, then the options that are set, then the data."""
-        own = [f.name for f in dataclasses.fields(self) if f.name not in OPTION_NAMES]
+        own = [f.name for f in dataclasses.fields(self) if f.name not in ALL_OPTION_NAMES]
         data = own.index("seed")
-        names = own[:data] + [n for n in OPTION_NAMES if n in self.options()] + own[data:]
+        names = own[:data] + [n for n in ALL_OPTION_NAMES if n in self.options()] + own[data:]
         return f"Case({', '.join(f'{name}={getattr(self, name)!r}' for name in names)})"
 
     @property
@@ -95,10 +95,11 @@ class Case(Options):
         return self.pages_per_seq * self.page_size
 
     def options(self) -> dict:
-        """Keyword options that differ from the upstream defaults (what a caller would pass)."""
+        """Keyword options that differ from the defaults (what a caller would pass); extension options
+        (``rpa_harness.spec.interface.EXTENSION_NAMES``) appear only when set, i.e. for targets that declare them."""
         return {
             name: getattr(self, name)
-            for name in OPTION_NAMES
+            for name in ALL_OPTION_NAMES
             if getattr(self, name) != getattr(OPTION_DEFAULTS, name)
         }
 

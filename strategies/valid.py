@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import event, reject
 from hypothesis import strategies as st
 
-from rpa_harness.spec.interface import DEFAULT_MASK_VALUE
+from rpa_harness.spec.interface import DEFAULT_MASK_VALUE, MASK_ADDED, MASK_VALUE_MEANINGS
 from rpa_harness.strategies.case import DTYPES, Case
 
 
@@ -143,9 +143,12 @@ class Capabilities:
     page_size_multiple_of_kv_packing: bool = False
     # Whether a live sequence may have q_len == 0 (tpu-inference v3 requires 0 < q_len <= kv_len).
     empty_sequences: bool = True
-    # Whether mask_value has upstream's meaning (added to masked logits); if not (v3 replaces the logit
-    # with it), only the default mask is drawn.
-    additive_mask_value: bool = True
+    # What the target's mask_value means (rpa_harness.spec.interface.MASK_VALUE_MEANINGS): upstream adds it to a masked
+    # logit, tpu-inference v3 replaces the logit with it. Cases carry the meaning (mask_value_meaning) so
+    # that the judges compute it.
+    mask_value_meaning: str = MASK_ADDED
+    # Whether the target takes q_scale (an extension option: tpu-inference v3's quantised query).
+    q_scale: bool = False
     # Whether a K/V scale has upstream's meaning: the scaled cache is rounded to q's dtype. If not
     # (tpu-inference v3 folds k_scale into the score scale and applies v_scale after P @ V, unrounded), no
     # scale is drawn where that rounding is lossy, i.e. where the KV dtype is wider than q's.
@@ -157,6 +160,9 @@ class Capabilities:
     # The backends (rpa_harness.backends names) the target is declared to run on; elsewhere its numeric
     # properties are skipped as "cannot run" (declared). Any other error on valid input is a failure.
     backends: tuple[str, ...] = ("interpret", "fast-interpret", "tpu")
+    # The input rules and messages the target's validators are held to (rpa_harness.strategies.violations.TABLES):
+    # upstream's, or tpu-inference v3's own (spec/tpu_inference_v3.py).
+    validation_rules: str = "upstream"
     # Opt-ins beyond the specified behaviour: our stricter ValueErrors, and lowering to Mosaic on CPU.
     strict_validation: bool = False
     lowers_for_tpu: bool = False
@@ -191,6 +197,14 @@ class Capabilities:
                 f"Capabilities(bucket_selection={self.bucket_selection!r}) draws buckets the target does not "
                 f"declare (buckets={self.buckets!r}); select among the declared ones."
             )
+        if self.validation_rules not in ("upstream", "tpu-inference-v3"):
+            raise ValueError(
+                f"Capabilities(validation_rules={self.validation_rules!r}): choose 'upstream' or 'tpu-inference-v3'."
+            )
+        if self.mask_value_meaning not in MASK_VALUE_MEANINGS:
+            raise ValueError(
+                f"Capabilities(mask_value_meaning={self.mask_value_meaning!r}): choose one of {MASK_VALUE_MEANINGS}."
+            )
         fp8 = [d for d in self.kv_dtypes if d.startswith("float8")]
         if self.even_kv_heads_for_fp8 and fp8 and not any(h % 2 == 0 for h in self.num_kv_heads):
             raise ValueError(
@@ -218,6 +232,9 @@ SLIDING_WINDOWS = (1, 5, 16, 1 << 20)  # one key, small, medium, longer than eve
 SOFT_CAPS = (30.0, 5.0, 1.0)
 MASK_VALUES = (None, -1e4, -2.0)  # besides the default, drawn first
 KV_SCALES = (0.5, 2.0, 0.0625)
+# q / q_scale is clipped to the KV dtype's range: 0.01 clips |q| > 4.48 for fp8 e4m3fn (max 448), 1e-4 clips
+# most of q for e4m3fn and |q| > 5.7 for e5m2 (max 57344); 0.3 is inexact in every dtype.
+Q_SCALES = (0.5, 2.0, 0.3, 0.01, 1e-4)
 QUERY_BLOCKS = (8, 1, 3, 16, 32)
 VMEM_LIMITS = (32 * 2**20, 64 * 2**20)
 # What options() draws each option's value from when it is set (None, the default mask, is a value too).
@@ -424,7 +441,7 @@ POOL = (
     (dict(bucket="small", page_size=4, num_kv_heads=4, gqa_ratio=2, head_dim=64, q_dtype="bfloat16",
           kv_dtype="bfloat16"), dict(soft_cap=30.0, sm_scale=0.125)),
     (dict(bucket="small", page_size=2, num_kv_heads=2, gqa_ratio=3, head_dim=128, q_dtype="bfloat16",
-          kv_dtype="float8_e4m3fn"), dict(k_scale=0.5, v_scale=2.0, num_queries_per_block=3)),
+          kv_dtype="float8_e4m3fn"), dict(k_scale=0.5, v_scale=2.0, q_scale=0.01, num_queries_per_block=3)),
     (dict(bucket="small", page_size=32, num_kv_heads=2, gqa_ratio=1, head_dim=256, q_dtype="float32",
           kv_dtype="float8_e5m2"), dict(mask_value=-2.0, num_kv_pages_per_block=1, num_queries_per_block=16)),
     (dict(bucket="small", page_size=64, num_kv_heads=8, gqa_ratio=1, head_dim=128, q_dtype="float32",
@@ -462,8 +479,10 @@ def pool(capabilities: Capabilities = OUR_KERNEL) -> list[tuple[dict, dict]]:
             layout["bucket"] = drawn_buckets(capabilities)[0]
         config = make_config(**layout)
         opts = dict(opts)
-        if not capabilities.additive_mask_value:
-            opts.pop("mask_value", None)
+        if capabilities.mask_value_meaning != MASK_ADDED:
+            opts["mask_value_meaning"] = capabilities.mask_value_meaning
+        if not capabilities.q_scale:
+            opts.pop("q_scale", None)
         if capabilities.needs_block_sizes:
             opts = {**required_block_sizes(config), **opts}
         if "num_kv_pages_per_block" in opts:
@@ -495,13 +514,15 @@ def options(draw, config: dict, capabilities: Capabilities = OUR_KERNEL) -> dict
         sm_scale=draw(st.sampled_from(SM_SCALES)),
         sliding_window=draw(optional(SLIDING_WINDOWS)),
         soft_cap=draw(optional(SOFT_CAPS)),
-        mask_value=draw(st.one_of(st.just(DEFAULT_MASK_VALUE), st.sampled_from(MASK_VALUES)))
-        if capabilities.additive_mask_value
-        else DEFAULT_MASK_VALUE,
+        mask_value=draw(st.one_of(st.just(DEFAULT_MASK_VALUE), st.sampled_from(MASK_VALUES))),
         k_scale=draw(optional(KV_SCALES)),
         v_scale=draw(optional(KV_SCALES)),
         vmem_limit_bytes=draw(optional(VMEM_LIMITS)),
     )
+    if capabilities.mask_value_meaning != MASK_ADDED:
+        drawn["mask_value_meaning"] = capabilities.mask_value_meaning
+    if capabilities.q_scale:
+        drawn["q_scale"] = draw(optional(Q_SCALES))
     if _kv_scales_paired(capabilities, config) and (drawn["k_scale"] is None) != (drawn["v_scale"] is None):
         drawn["k_scale"] = drawn["v_scale"] = None
     if _kv_scales_unspecified(capabilities, config):
@@ -777,6 +798,10 @@ def coverage_labels(case: Case) -> list[str]:
         labels.append("soft cap")
     if case.kv_dtype.startswith("float8"):
         labels.append("fp8 KV" + (" scaled" if case.k_scale or case.v_scale else ""))
+    if case.q_scale is not None:
+        labels.append("q_scale")
+    if case.mask_value not in (None, DEFAULT_MASK_VALUE):
+        labels.append(f"mask_value {case.mask_value_meaning}")
     labels.append(f"GQA ratio {case.num_q_heads // case.num_kv_heads}")
     if case.num_seqs < case.max_num_seqs:
         labels.append("padding slots")

@@ -1,17 +1,16 @@
-"""tpu-inference's RPA v3 (``rpa_harness.tpu_inference_v3``): both of its outputs, its validators, its hang.
+"""tpu-inference's RPA v3 (``rpa_harness.tpu_inference_v3``): both of its outputs, its validators, its hang,
+its semantics against its own reference, its known issues.
 
 v3 returns the attention and the cache with the new tokens written into it. Each example runs v3 once on
-the TPU interpreter (with the compat layer; the generic interpreter cannot run v3's data-dependent copy
-sizes) and judges both: the attention against the float64 oracle, the updated cache bit for bit against
-the expected one (every new token in its slot, nothing else changed). Bfloat16 outputs are not judged here
-against the default float32-accumulation bound: v3 accumulates in the output dtype, which its declared
-precision contract (``RPA_HARNESS_PRECISION``) covers once the comparison applies contracts; their cache is
-judged, and their error/bound ratio recorded in the run log. The generic properties (``--rpa-target=
-rpa_harness.tpu_inference_v3``) judge every dtype.
+the TPU interpreter (with the compat layer, races checked; the generic properties also run v3 on the
+generic interpreter, whose data-dependent copy sizes the compat layer runs as masked copies) and judges both: the attention against the float64 oracle under v3's declared
+precision contract (``RPA_HARNESS_PRECISION``), the updated cache bit for bit against the expected one
+(every new token in its slot, nothing else changed). Cases carry v3's semantics as the specification's
+extension options (``mask_value_meaning="replaces"``, ``q_scale``), which the oracle computes.
 
 A cache that differs exactly where the documented finding ``sliding-window-skips-cache-writes`` predicts
 (and holds the input there) is counted as that finding (a Hypothesis event), not as a new failure; any
-other difference fails. Races are not checked yet (see ``rpa_harness.tpu_inference_v3.interpreted``).
+other difference fails.
 
 Skipped when tpu-inference is not installed (``pip install --no-deps tpu-inference==0.32.0``).
 """
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 try:
@@ -48,6 +47,9 @@ BACKEND = v3target.CHECKING
 POOLED_EXAMPLES = max(5, settings.default.max_examples // 4)
 ANY_CONFIG_EXAMPLES = max(3, settings.default.max_examples // 8)
 PROPERTY = "v3-attention-and-cache"
+# v3's declared known issues are not drawn, except the sliding-window one: this property checks the cache,
+# and counts a mismatch that is exactly that finding's as the finding.
+EXCLUDED = tuple(i for i in TARGET.known_issues if i.name != v3target.SLIDING_WINDOW_FINDING)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def v3_runs():
 
 
 def draw_and_check(data, repro_dir, *, pooled: bool, variant: str = ""):
-    case = data.draw(valid_cases(CAPABILITIES, pooled=pooled), label="case")
+    case = data.draw(valid_cases(CAPABILITIES, pooled=pooled, excluding=EXCLUDED), label="case")
     arrays, options = case.arrays(), case.options()
     name = f"{PROPERTY}{variant}[{INTERPRET}]"
     with recorded(repro_dir, name, TARGET, BACKEND, arrays, options, case=case) as notes:
@@ -281,3 +283,85 @@ def test_cache_check_reports_a_changed_slot_outside_the_new_tokens():
     assert f"page {page}, slot 0 (a slot v3 must leave unchanged; sequence 1, key position 0)" in str(
         raised.value
     )
+
+
+# ---- v3's semantics against v3's own reference (a second oracle): the mask value replaces a masked logit,
+# q_scale divides q (and the cast to the KV dtype is exact for a float32 cache); float32 queries and cache,
+# where its reference's roundings (logits to the output dtype, P to V's dtype, P @ V in V's dtype) are
+# exact. With a narrower cache its reference computes P @ V in the cache's dtype (fp8 for an fp8 cache),
+# which no precision contract covers; the kernel's properties judge those dtypes against our oracle. ----
+
+F32_QUERIES = dataclasses.replace(CAPABILITIES, q_dtypes=("float32",), kv_dtypes=("float32",))
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 2))
+@given(case=valid_cases(F32_QUERIES))
+def test_oracle_agrees_with_v3_reference(case):
+    """Our oracle, given v3's declared semantics (mask_value_meaning, q_scale), computes what v3's own
+    ``ref_ragged_paged_attention`` computes, within the float32 contract."""
+    import jax.numpy as jnp
+
+    from rpa_harness import reference
+
+    assume(case.num_seqs > 0)  # v3's reference concatenates the sequences' outputs: it needs one
+    arrays, options = case.arrays(), case.options()
+    inputs = v3target.v3_inputs(**arrays, **options)
+    semantic = {
+        k: v
+        for k, v in inputs.kwargs.items()
+        if k not in ("d_block_sizes", "m_block_sizes", "vmem_limit_bytes")
+    }
+    ref_out, _ = v3target.v3.ref_ragged_paged_attention(*map(jnp.asarray, inputs.args), **semantic)
+    rows = case.num_tokens
+    padded = np.zeros(arrays["q"].shape, arrays["q"].dtype)
+    padded[:rows] = np.asarray(ref_out)[:rows]
+    comparison = reference.compare(
+        padded,
+        reference.oracle(**arrays, **options),
+        label="v3's reference",
+    )
+    assert comparison.ok, f"{case.describe()}\n{comparison}"
+
+
+# ---- The known issues v3 declares (harness/known_issues.py V3_CATALOGUE) ----
+
+from rpa_harness import known_issues  # noqa: E402
+from rpa_harness import repro as repro_files  # noqa: E402
+
+
+@pytest.mark.parametrize("issue", known_issues.V3_CATALOGUE, ids=lambda issue: issue.name)
+def test_v3_issue_matches_its_own_repro(issue):
+    case = repro_files.read(issue.repro).case
+    assert issue.matches(case), f"{issue.name} does not match its own repro's case: {case.describe()}"
+    moved = issue.nearest_outside(case)
+    assert not issue.matches(moved), moved.describe()
+    assert TARGET.known_issues == tuple(known_issues.BY_NAME[n] for n in v3target.RPA_HARNESS_KNOWN_ISSUES)
+
+
+def test_v3_issues_are_narrow():
+    """Each drawable v3 issue matches some but at most a quarter of the cases drawn for v3."""
+    from hypothesis import HealthCheck, Phase
+
+    cases = []
+
+    @settings(max_examples=200, derandomize=True, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(valid_cases(CAPABILITIES))
+    def collect(case):
+        cases.append(case)
+
+    collect()
+    for issue in known_issues.V3_CATALOGUE:
+        share = sum(issue.matches(case) for case in cases) / len(cases)
+        if issue.name == "q-len-zero-before-a-live-sequence-hangs":  # empty_sequences=False: never drawn
+            assert share == 0, issue.name
+        else:
+            assert 0 < share <= 0.25, (issue.name, share)
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_v3_issues_are_never_drawn(data):
+    case = data.draw(valid_cases(CAPABILITIES, excluding=TARGET.known_issues))
+    assert [issue.name for issue in TARGET.known_issues if issue.matches(case)] == []
+    TARGET.validate(case.arrays(), case.options())

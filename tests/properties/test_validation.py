@@ -1,8 +1,9 @@
 """Invalid inputs raise the specified ValueError; valid ones pass; our validators agree with upstream's.
 
-Any target is held to upstream's rules and messages; our stricter rules apply to targets that opt in
-(``strict_validation``). Static rules must fire from ``ragged_paged_attention`` itself, dynamic ones from
-``dynamic_validate_inputs``.
+A target is held to the rule table it declares (``Capabilities.validation_rules``): upstream's rules and
+messages by default, our stricter rules only for targets that opt in (``strict_validation``); tpu-inference
+v3 declares its own (``spec/tpu_inference_v3.py``). Static rules must fire from ``ragged_paged_attention``
+itself, dynamic ones from ``dynamic_validate_inputs``.
 """
 
 import pytest
@@ -15,21 +16,32 @@ from rpa_harness.checks import VALIDATION, check_validation
 from rpa_harness.recording import recorded
 from rpa_harness.targets import as_jax
 from rpa_harness.strategies.valid import valid_cases
-from rpa_harness.strategies.violations import RULES, UPSTREAM_ACCEPTS, UPSTREAM_ASSERTS, UPSTREAM_SAME, invalid_cases
+from rpa_harness.strategies.violations import (
+    RULES,
+    UPSTREAM_ACCEPTS,
+    UPSTREAM_ASSERTS,
+    invalid_cases,
+    rules_for,
+)
 from rpa_harness.properties.budget import EXAMPLES_PER_RULE
 
 
-def _rule_params():
-    """Every rule; our stricter ones (upstream asserts or accepts) need the strict_validation opt-in."""
-    for rule, spec in RULES.items():
-        if spec.upstream == UPSTREAM_SAME:
-            yield rule
-        else:
+def _rule_params(capabilities):
+    """Every rule of the target's table; in upstream's, our stricter ones (upstream asserts or accepts)
+    need the strict_validation opt-in."""
+    for rule, spec in rules_for(capabilities).items():
+        if spec.upstream in (UPSTREAM_ASSERTS, UPSTREAM_ACCEPTS):
             reason = f"{rule!r} is our stricter rule; upstream {spec.upstream}"
             yield pytest.param(rule, marks=pytest.mark.rpa_requires("strict_validation", reason=reason))
+        else:
+            yield rule
 
 
-@pytest.mark.parametrize("rule", list(_rule_params()))
+def pytest_generate_tests(metafunc):
+    if "rule" in metafunc.fixturenames:
+        metafunc.parametrize("rule", list(_rule_params(metafunc.config.rpa_target.capabilities)))
+
+
 @settings(max_examples=EXAMPLES_PER_RULE)
 @given(data=st.data())
 def test_invalid_input_raises_specified_error(target, backend, repro_dir, rule, data):
@@ -50,6 +62,11 @@ def test_valid_input_passes_validation(target, data):
 @given(invalid=invalid_cases())
 def test_validators_agree_with_upstream(target, invalid):
     """Same accept/reject and message as upstream's validator, except the documented differences."""
+    if target.capabilities.validation_rules != "upstream":
+        pytest.skip(
+            f"target {target.name} declares its own rules (validation_rules="
+            f"{target.capabilities.validation_rules!r}); test_invalid_input_raises_specified_error checks them"
+        )
     arrays, options, message = invalid.inputs()
     runlog.record()
     inputs = as_jax(arrays)
