@@ -58,7 +58,6 @@ def main():
     args = parser.parse_args()
 
     from hypothesis import HealthCheck, given, settings
-
     from rpa_harness import backends, interpret_compat
     from rpa_harness.interpret_compat import tpu as tpu_gaps
 
@@ -68,9 +67,8 @@ def main():
         tpu_gaps.GAPS = tuple(gap for gap in tpu_gaps.GAPS if gap is not tpu_gaps.RACE_HISTORY)
     interpret_compat.install()
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call, race_detection_state
-
-    from rpa_harness.targets import load
     from rpa_harness.strategies.valid import valid_cases
+    from rpa_harness.targets import load
 
     calls, seconds, scanned = instrument(interpret_pallas_call, race_detection_state)
     target, backend = load("rpa_harness.kernel"), backends.Backend(backends.INTERPRET)

@@ -32,7 +32,6 @@ def main():
 
     import numpy as np
     from hypothesis import HealthCheck, given, settings
-
     from rpa_harness import tpu_inference_v3 as v3target
     from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
     from rpa_harness.strategies.valid import Capabilities, valid_cases

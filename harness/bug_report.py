@@ -19,9 +19,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-
-from rpa_harness import reference
-from rpa_harness import known_issues
+from rpa_harness import known_issues, reference
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, TPU, Backend
 from rpa_harness.targets import Target, first_line_of_error, load

@@ -7,7 +7,6 @@ raises ``PropertyFailure`` with the report a kernel developer reads; it returns 
 import dataclasses
 
 import numpy as np
-
 from rpa_harness import reference
 from rpa_harness.backends import Backend
 from rpa_harness.interpret_compat.limitations import recognise

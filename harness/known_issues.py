@@ -24,7 +24,6 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-
 from rpa_harness import runlog
 from rpa_harness.strategies.case import Case
 

@@ -42,7 +42,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
-
 from rpa_harness import backends, checks, known_issues, repro, runlog, targets
 from rpa_harness.reference.tolerance import CONTRACTS, PrecisionError, parse_precision
 from rpa_harness.strategies.valid import BucketError, select_buckets

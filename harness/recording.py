@@ -11,7 +11,6 @@ import contextlib
 import os
 
 import pytest
-
 from rpa_harness import backends, known_issues, repro, runlog
 from rpa_harness.checks import CannotRun, RaisedOnValidInput
 from rpa_harness.strategies.valid import coverage_labels

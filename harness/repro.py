@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from rpa_harness.strategies.case import DTYPES, Case
 
 DEFAULT_REPRO_DIR = "rpa-repros"

@@ -15,7 +15,6 @@ import importlib.util
 import types
 
 import jax.numpy as jnp
-
 from rpa_harness import known_issues
 from rpa_harness.reference.tolerance import DEFAULT_PRECISION, PrecisionError, parse_precision
 from rpa_harness.strategies.valid import OUR_KERNEL, UPSTREAM_KERNEL, Capabilities

@@ -29,7 +29,6 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from rpa_harness.backends import INTERPRET, Backend
 from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES
 

@@ -17,8 +17,9 @@ import sys
 import types
 from pathlib import Path
 
-from mutants.catalogue import KERNEL_FILE, MUTANTS, VALIDATION_FILE, Mutant
 from rpa_harness.strategies.valid import OUR_KERNEL
+
+from mutants.catalogue import KERNEL_FILE, MUTANTS, VALIDATION_FILE, Mutant
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BY_NAME = {mutant.name: mutant for mutant in MUTANTS}

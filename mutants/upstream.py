@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 
 from rpa_harness.known_issues import UPSTREAM_KNOWN_ISSUES
-from mutants import PatchError, _exec_module
 from rpa_harness.strategies.valid import UPSTREAM_KERNEL
+
+from mutants import PatchError, _exec_module
 
 UPSTREAM_PACKAGE = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
 UPSTREAM_KERNEL_FILE = Path(importlib.util.find_spec(f"{UPSTREAM_PACKAGE}.kernel").origin)

@@ -15,7 +15,6 @@ import dataclasses
 
 import ml_dtypes
 import numpy as np
-
 from rpa_harness.reference.tolerance import key_error_units
 from rpa_harness.spec.interface import (
     MASK_REPLACES,

@@ -20,7 +20,6 @@ the most roundings per key) sets the KV block.
 
 import ml_dtypes
 import numpy as np
-
 from rpa_harness.reference.tolerance import (
     ACCUMULATORS_IN_OUTPUT_DTYPE,
     APPROX_RECIPROCAL,

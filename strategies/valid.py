@@ -13,7 +13,6 @@ import math
 import numpy as np
 from hypothesis import event, reject
 from hypothesis import strategies as st
-
 from rpa_harness.spec.interface import DEFAULT_MASK_VALUE, MASK_ADDED, MASK_VALUE_MEANINGS
 from rpa_harness.strategies.case import DTYPES, Case
 

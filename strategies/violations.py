@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import numpy as np
 from hypothesis import strategies as st
-
 from rpa_harness.spec import interface as spec
 from rpa_harness.spec import tpu_inference_v3 as v3spec
 from rpa_harness.strategies.case import Case

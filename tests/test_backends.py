@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
 from rpa_harness.backends import INTERPRET, Backend, RaceDetected
 
 X = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)

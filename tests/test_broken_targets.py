@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from rpa_harness import cli
 from rpa_harness.interpret_compat import limitations as interpreter_limitations
 

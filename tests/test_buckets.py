@@ -14,8 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, find, given, settings
-
-from rpa_harness.targets import UPSTREAM_TARGET
 from rpa_harness.strategies.case import DTYPES
 from rpa_harness.strategies.valid import (
     BUCKETS,
@@ -32,6 +30,7 @@ from rpa_harness.strategies.valid import (
     select_buckets,
     valid_cases,
 )
+from rpa_harness.targets import UPSTREAM_TARGET
 
 PRODUCTION = BUCKETS["production"]
 SELECTED = select_buckets(OUR_KERNEL, "production")

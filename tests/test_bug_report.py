@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-
 from rpa_harness import bug_report, cli, interpret_compat, known_issues
 from rpa_harness.backends import FAST_INTERPRET
 

@@ -8,15 +8,14 @@ import sys
 
 import pytest
 from hypothesis import given
-
 from rpa_harness import backends
 from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import check_differential
-from rpa_harness.targets import load
 from rpa_harness.kernel import pallas_rpa
 from rpa_harness.spec.interface import OPTION_NAMES
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import OUR_KERNEL, RUNTIME_OPTIONS, UPSTREAM_KERNEL, valid_case_groups
+from rpa_harness.targets import load
 
 SMALL = Case(
     max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=5, total_num_pages=13, page_size=8,

@@ -16,9 +16,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
-
-from rpa_harness import reference
-from rpa_harness import interpret_compat
+from rpa_harness import interpret_compat, reference
 from rpa_harness.backends import INTERPRET, Backend, RaceDetected
 from rpa_harness.interpret_compat import generic as generic_gaps
 from rpa_harness.interpret_compat import tpu as tpu_gaps

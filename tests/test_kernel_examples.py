@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention
-
 from rpa_harness import reference
 from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
 from rpa_harness.strategies.case import DTYPES, Case

@@ -10,12 +10,11 @@ import sys
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
-
 from rpa_harness import known_issues, targets
 from rpa_harness import repro as repro_files
-from rpa_harness.targets import as_jax
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import UPSTREAM_KERNEL, valid_cases
+from rpa_harness.targets import as_jax
 
 CATALOGUE = known_issues.CATALOGUE
 # Largest share of drawn cases (no issue excluded) a predicate may match: the rest of the space stays tested.

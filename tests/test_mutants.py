@@ -10,14 +10,13 @@ import dataclasses
 import importlib
 
 import pytest
-
-from rpa_harness import kernel
-import mutants
-from rpa_harness import reference
+from rpa_harness import kernel, reference
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
-from rpa_harness.targets import as_jax, load
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.violations import RULES
+from rpa_harness.targets import as_jax, load
+
+import mutants
 
 FAST = Backend(FAST_INTERPRET)
 CHECKING = Backend(INTERPRET)

@@ -12,9 +12,7 @@ import sys
 import types
 
 import pytest
-
-from rpa_harness import reference
-from rpa_harness import repro, targets
+from rpa_harness import reference, repro, targets
 from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure, check_differential
 from rpa_harness.recording import recorded
@@ -29,6 +27,7 @@ from rpa_harness.reference.tolerance import (
     contract_error,
 )
 from rpa_harness.reference.variants import contract_attention
+
 from tests.test_mutants import MIXED
 from tests.test_reference import BF16, E4M3, F32, build_case
 

@@ -8,7 +8,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
-
 from rpa_harness.reference import compare, error_bound, oracle, ragged_paged_attention
 from rpa_harness.reference.jnp_reference import _ragged_paged_attention
 from rpa_harness.strategies.case import Case

@@ -12,9 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
-
-from rpa_harness import kernel
-from rpa_harness import reference
+from rpa_harness import kernel, reference
 from rpa_harness.spec.interface import EXTENSION_NAMES, MASK_REPLACES, OPTION_NAMES, Options
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import OUR_KERNEL, UPSTREAM_KERNEL, Capabilities, valid_cases

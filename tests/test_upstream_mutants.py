@@ -6,13 +6,13 @@ small case outside every known issue (so the issues' exclusion cannot hide it). 
 import dataclasses
 
 import pytest
-
-import mutants.upstream
 from rpa_harness import known_issues
 from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import CannotRun, PropertyFailure, check_differential
-from rpa_harness.targets import UPSTREAM_TARGET, load
 from rpa_harness.strategies.case import Case
+from rpa_harness.targets import UPSTREAM_TARGET, load
+
+import mutants.upstream
 
 FAST = Backend(FAST_INTERPRET)
 

@@ -34,8 +34,8 @@ except ImportError as error:
 
 from rpa_harness import targets
 from rpa_harness.backends import INTERPRET
-from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.checks import PropertyFailure
+from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import Capabilities, valid_cases
@@ -300,7 +300,6 @@ def test_oracle_agrees_with_v3_reference(case):
     """Our oracle, given v3's declared semantics (mask_value_meaning, q_scale), computes what v3's own
     ``ref_ragged_paged_attention`` computes, within the float32 contract."""
     import jax.numpy as jnp
-
     from rpa_harness import reference
 
     assume(case.num_seqs > 0)  # v3's reference concatenates the sequences' outputs: it needs one

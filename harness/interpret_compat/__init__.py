@@ -31,7 +31,6 @@ import threading
 import warnings
 
 import jax
-
 from rpa_harness.interpret_compat.views import tpu_bitcast
 
 __all__ = [

@@ -43,7 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
 from rpa_harness.interpret_compat import views as view_algebra
 from rpa_harness.interpret_compat.patching import (
     Gap,

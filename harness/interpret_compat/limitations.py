@@ -10,7 +10,6 @@ import dataclasses
 import re
 
 import jax
-
 from rpa_harness import interpret_compat
 
 

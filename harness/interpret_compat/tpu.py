@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-
 from rpa_harness.interpret_compat import views as view_algebra
 from rpa_harness.interpret_compat.patching import (
     Gap,

@@ -2,6 +2,7 @@
 
 from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from rpa_harness.kernel import ragged_paged_attention as correct_attention
+
 from tests.broken import SMALL_SPACE
 
 RPA_HARNESS_CAPABILITIES = SMALL_SPACE

@@ -1,9 +1,9 @@
 """Returns float32 whatever q's dtype (the specification: q's dtype)."""
 
 import jax.numpy as jnp
-
 from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from rpa_harness.kernel import ragged_paged_attention as correct_attention
+
 from tests.broken import SMALL_SPACE
 
 RPA_HARNESS_CAPABILITIES = dict(SMALL_SPACE, q_dtypes=("bfloat16",))

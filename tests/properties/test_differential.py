@@ -10,17 +10,16 @@ when waited for, races are asserted) checks memory safety.
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from rpa_harness import reference
 from rpa_harness.checks import DIFFERENTIAL, check_differential
-from rpa_harness.recording import recorded
-from rpa_harness.strategies.valid import valid_case_groups, valid_cases
 from rpa_harness.properties.budget import (
     ANY_CONFIG_EXAMPLES,
     CHECKING_ANY_CONFIG_EXAMPLES,
     CHECKING_EXAMPLES,
     POOLED_EXAMPLES,
 )
+from rpa_harness.recording import recorded
+from rpa_harness.strategies.valid import valid_case_groups, valid_cases
 
 # Cases per whole-space example, at most (3.9 on average): one compilation, several layouts.
 CASES_PER_CONFIG = 6

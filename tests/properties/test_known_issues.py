@@ -7,11 +7,10 @@ failing in another way (e.g. a crash instead of a wrong value) fails the run too
 """
 
 import pytest
-
 from rpa_harness import repro as repro_files
 from rpa_harness import runlog
-from rpa_harness.known_issues import OPTION
 from rpa_harness.checks import recheck
+from rpa_harness.known_issues import OPTION
 
 
 def pytest_generate_tests(metafunc):

@@ -13,9 +13,8 @@ import jax.numpy as jnp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from rpa_harness.lowering import known_tpu_generations, lower_for_tpu, register_tpu_generation
-from rpa_harness.targets import DEFAULT_TARGET
+from rpa_harness.properties.budget import ANY_CONFIG_EXAMPLES
 from rpa_harness.strategies.valid import (
     BUCKETS,
     BucketError,
@@ -24,7 +23,7 @@ from rpa_harness.strategies.valid import (
     production_configs,
     select_buckets,
 )
-from rpa_harness.properties.budget import ANY_CONFIG_EXAMPLES
+from rpa_harness.targets import DEFAULT_TARGET
 
 KERNEL_NAME = "rpa_harness_ragged_paged_attention"
 

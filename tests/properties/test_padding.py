@@ -8,7 +8,6 @@ import dataclasses
 
 from hypothesis import given
 from hypothesis import strategies as st
-
 from rpa_harness.checks import DETERMINISM, PADDING, check_determinism, check_padding_isolation
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.valid import valid_cases

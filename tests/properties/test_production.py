@@ -15,11 +15,10 @@ example is kept as a repro.
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-
 from rpa_harness.checks import DIFFERENTIAL, check_differential
+from rpa_harness.properties.budget import PRODUCTION_EXAMPLES
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.valid import drawn_buckets, valid_cases
-from rpa_harness.properties.budget import PRODUCTION_EXAMPLES
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
-
 from rpa_harness import runlog
 from rpa_harness.checks import VALIDATION, check_validation
+from rpa_harness.properties.budget import EXAMPLES_PER_RULE
 from rpa_harness.recording import recorded
-from rpa_harness.targets import as_jax
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.strategies.violations import (
     RULES,
@@ -23,7 +22,7 @@ from rpa_harness.strategies.violations import (
     invalid_cases,
     rules_for,
 )
-from rpa_harness.properties.budget import EXAMPLES_PER_RULE
+from rpa_harness.targets import as_jax
 
 
 def _rule_params(capabilities):
