@@ -849,14 +849,12 @@ def _case_groups(draw, capabilities: Capabilities, max_cases: int, excluding) ->
         max_num_seqs=first.max_num_seqs,
         max_num_batched_tokens=first.max_num_batched_tokens,
     )
-    # mask_value None is the default mask, a value; without additive masks only the default is drawn.
+    # mask_value None is the default mask, a value like the others.
     runtime = [
         name
         for name in capabilities.runtime_options
         if getattr(first, name) is not None or name == "mask_value"
     ]
-    if not capabilities.additive_mask_value and "mask_value" in runtime:
-        runtime.remove("mask_value")
     sharing = st.builds(
         lambda layout, option_values, seed, values, poison, garbage: dataclasses.replace(
             first,
