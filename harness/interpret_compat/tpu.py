@@ -497,14 +497,18 @@ def _history_patches() -> list[Patch]:
     dma_class = internals.interpreter.DMA
     completed = internals.interpreter.DmaState.COMPLETED
     position = _clock_position()
-    started: list[weakref.ref] = []  # DMAs created since the last prune that may still access memory
+    # DMAs created since the last prune that may still access memory, with the id of the simulated memory
+    # they were created in: a DMA of an earlier call that ended in an exception never completes, and must
+    # not count as live in later calls (it would stop all pruning). Matching by id is safe: the DMAs of the
+    # current memory always match (a live object's id is unique); a stale match only prunes less.
+    started: list[tuple[weakref.ref, int]] = []
 
     original_init = dma_class.__init__
 
     @functools.wraps(original_init)
     def dma_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        started.append(weakref.ref(self))
+        started.append((weakref.ref(self), id(internals.interpreter._shared_memory)))
 
     def live_clocks(shared_memory) -> np.ndarray | None:
         if shared_memory is None or shared_memory.num_cores != 1:
@@ -513,8 +517,14 @@ def _history_patches() -> list[Patch]:
             clocks = shared_memory.clocks
             cores = list(clocks.values()) if isinstance(clocks, dict) else list(clocks)
             live = [_clock_array(clock).copy() for clock in cores]
-        pending = [dma for dma in (ref() for ref in started) if dma is not None and dma.state != completed]
-        started[:] = [weakref.ref(dma) for dma in pending]
+        current = id(shared_memory)
+        pending = [
+            (dma, memory)
+            for dma, memory in ((ref(), memory) for ref, memory in started)
+            if dma is not None and dma.state != completed and memory == current
+        ]
+        started[:] = [(weakref.ref(dma), memory) for dma, memory in pending]
+        pending = [dma for dma, _ in pending]
         live += [_clock_array(dma.clock).copy() for dma in pending]
         if not live or len({clock.shape for clock in live}) != 1:
             return None
