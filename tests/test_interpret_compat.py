@@ -714,6 +714,15 @@ def test_a_long_call_without_a_race_passes_with_short_histories():
         assert max(sizes) < 2 * tpu_gaps._PRUNE_FROM, f"race histories were not pruned: {sorted(sizes)}"
 
 
+
+def test_a_call_that_raised_on_a_race_does_not_stop_later_pruning():
+    """A DMA left in flight by a call that ended in RaceDetected never completes; it must not count as live
+    in the next call (it did, and no history was pruned after any race)."""
+    x = jnp.ones((2, 8, 128), jnp.float32)
+    with pytest.raises(RaceDetected):  # raised at a DMA wait, so that DMA never completes
+        Backend(INTERPRET).run(a_race_then_copies(race=True), x)
+    test_a_long_call_without_a_race_passes_with_short_histories()
+
 # --- which gaps this jax has: the probes agree with the interpreters (canaries for when jax closes a gap) ---
 
 
