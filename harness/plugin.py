@@ -320,14 +320,19 @@ def _example_budget(item) -> int | None:
     return (own or settings.default).max_examples
 
 
+def pytest_collection_finish(session):
+    """The selected properties' example budgets, for ``rpa-harness run``'s progress (after -k and markers)."""
+    if not _active(session.config) or not os.environ.get(runlog.ENV):
+        return
+    for item in session.items:
+        budget = _example_budget(item)
+        if budget is not None:
+            runlog.record_plan(item.nodeid, budget)
+
+
 def pytest_collection_modifyitems(config, items):
     if not _active(config):
         return
-    if os.environ.get(runlog.ENV):
-        for item in items:
-            budget = _example_budget(item)
-            if budget is not None:
-                runlog.record_plan(item.nodeid, budget)
     for item in items:
         if {"volume_backend", "checking_backend"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(NUMERIC)
