@@ -131,7 +131,7 @@ class _Scores:
     replaces: bool
 
 
-def _logits(q_rows, k, masked, scores: _Scores):
+def _logits(q_rows, k, masked, semantics: _Scores):
     """The per-element math of one block of logits; every score semantic of the specification is here.
 
     ``q_rows`` [kv heads, rows, dim] and ``k`` [kv heads, keys, dim] are float64 (q as ``quantised_query``
@@ -141,13 +141,13 @@ def _logits(q_rows, k, masked, scores: _Scores):
     (upstream adds ``mask_value`` to a masked logit, v3 replaces it); ``dot_abs = |scale| * sum_i |q_i k_i|``,
     the dot product's condition, which the error bound needs.
     """
-    raw = scores.scale * (q_rows @ k.transpose(0, 2, 1))
-    dot_abs = abs(scores.scale) * (np.abs(q_rows) @ np.abs(k).transpose(0, 2, 1))
-    soft_cap = scores.soft_cap
+    raw = semantics.scale * (q_rows @ k.transpose(0, 2, 1))
+    dot_abs = abs(semantics.scale) * (np.abs(q_rows) @ np.abs(k).transpose(0, 2, 1))
+    soft_cap = semantics.soft_cap
     logits = raw if soft_cap is None else soft_cap * np.tanh(raw / soft_cap)
-    if scores.replaces:  # a replaced logit is the constant itself: no product error is carried into it
-        return np.where(masked, 0.0, raw), np.where(masked, scores.mask_value, logits), np.where(masked, 0.0, dot_abs)
-    return raw, logits + np.where(masked, scores.mask_value, 0.0), dot_abs
+    if semantics.replaces:  # a replaced logit is the constant itself: no product error is carried into it
+        return np.where(masked, 0.0, raw), np.where(masked, semantics.mask_value, logits), np.where(masked, 0.0, dot_abs)
+    return raw, logits + np.where(masked, semantics.mask_value, 0.0), dot_abs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +185,7 @@ def _deviation_bound(weight_total, weighted_v_squared, weighted_v, weighted_abs_
     return np.minimum(cauchy_schwarz, triangle)
 
 
-def _attend(q_rows, query_positions, chunks, options: Options, scores: _Scores, value_subnormal):
+def _attend(q_rows, query_positions, chunks, options: Options, semantics: _Scores, value_subnormal):
     """Float64 attention of a block of rows over a sequence's key chunks, with the bound ingredients.
 
     ``q_rows`` [kv heads, rows, dim], ``query_positions`` [rows, 1]. Two passes over the chunks: the first
@@ -200,7 +200,7 @@ def _attend(q_rows, query_positions, chunks, options: Options, scores: _Scores, 
         masked = keys > query_positions
         if options.sliding_window is not None:
             masked |= query_positions - options.sliding_window >= keys
-        return _logits(q_rows, chunk.k, masked, scores)
+        return _logits(q_rows, chunk.k, masked, semantics)
 
     rows_shape = (*q_rows.shape[:2], 1)
     top = np.full(rows_shape, -np.inf)
@@ -294,7 +294,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
     options = options.semantics()
     q = np.asarray(q)
     kv_pages = np.asarray(kv_pages)
-    scores = _Scores(
+    semantics = _Scores(
         scale=options.sm_scale * (1.0 if options.q_scale is None else options.q_scale),
         soft_cap=options.soft_cap,
         mask_value=options.mask_value_for(q.dtype),
@@ -349,7 +349,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
             q_block = q_block.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * (last - first), head_dim)
             positions = np.tile(kv_len - q_len + np.arange(first, last), group)[:, None]
             block_results = _attend(
-                q_block, positions, sequence_chunks or chunks(), options, scores, value_subnormal
+                q_block, positions, sequence_chunks or chunks(), options, semantics, value_subnormal
             )
             to_rows = (num_kv_heads, group, last - first, head_dim)
             for name, value in block_results.items():

@@ -1,6 +1,7 @@
 """The jnp reference, the float64 oracle and the tolerance model, checked against each other, against hand
 computation, against upstream's reference, and against deliberately imprecise variants."""
 
+import importlib
 import math
 
 import jax.numpy as jnp
@@ -400,3 +401,32 @@ def test_report_ignores_unowned_rows_and_checks_the_dtype():
     assert not wrong_dtype.ok and "but got float64: wrong" in str(wrong_dtype)
     with pytest.raises(ValueError, match=r"output has shape \(4, 4, 32\) but the oracle's is \(9, 4, 32\)"):
         compare(out[:4], result)
+
+
+ORACLE_QUANTITIES = ("out", "abs_pv", "flushable_pv", "logit_sensitivity", "dot_sensitivity", "max_dot_abs",
+                     "value_underflow")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extensions",
+    [{}, dict(mask_value=-2.0, mask_value_meaning="replaces", q_scale=0.3)],
+    ids=["upstream's semantics", "v3's: replaced mask, q_scale"],
+)
+def test_oracle_in_key_chunks_equals_the_oracle_in_one_chunk(monkeypatch, extensions):
+    """Long sequences are streamed in key chunks (production shapes); small cases never are, so force it."""
+    oracle_module = importlib.import_module("rpa_harness.reference.oracle")  # the package exports the function
+
+    case = Case(
+        max_num_batched_tokens=16, max_num_seqs=2, pages_per_seq=8, total_num_pages=17, page_size=4,
+        num_q_heads=4, num_kv_heads=2, head_dim=64, q_dtype="bfloat16", kv_dtype="float8_e4m3fn",
+        q_lens=(3, 1), kv_lens=(29, 17), sliding_window=20, soft_cap=30.0, **extensions,
+    )  # fmt: skip
+    whole = oracle(**case.arrays(), **case.options())
+    monkeypatch.setattr(oracle_module, "_MAX_CHUNK_KEYS", case.page_size)
+    assert oracle_module._chunk_sizes(4, 2, 64, case.page_size, 29)[0] == case.page_size
+    chunked = oracle(**case.arrays(), **case.options())
+    for name in ORACLE_QUANTITIES:  # the bound's ingredients differ in float64 rounding (cancellation)
+        np.testing.assert_allclose(
+            getattr(chunked, name), getattr(whole, name), rtol=1e-12 if name == "out" else 1e-8, atol=1e-300,
+            equal_nan=True, err_msg=name,
+        )  # fmt: skip
