@@ -164,27 +164,41 @@ def _partial_last_block(case: Case, kv_len: int) -> bool:
     return kv_len % (case.num_kv_pages_per_block * case.page_size) != 0
 
 
-def _row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
-    """[q_len, num_q_heads] largest logit (soft cap and mask added, as upstream) over keys [0, kv_len)."""
+def _sequence_queries_and_keys(case: Case, arrays: dict, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence's query rows [q_len, num_q_heads, head_dim] and its keys [kv_len, num_kv_heads, head_dim],
+    as stored (the keys read from its pages)."""
     q_len, kv_len = case.q_lens[seq], case.kv_lens[seq]
     start = sum(case.q_lens[:seq])
-    group = case.num_q_heads // case.num_kv_heads
-    q = arrays["q"][start : start + q_len].astype(np.float64)
     pages = arrays["page_indices"][seq, : math.ceil(kv_len / case.page_size)]
     k = arrays["kv_pages"][pages][:, :, 0::2, :].reshape(-1, case.num_kv_heads, case.head_dim)[:kv_len]
-    if case.k_scale is not None:  # scaled in float32, then rounded to q's dtype (upstream)
-        k = (k.astype(np.float32) * np.float32(case.k_scale)).astype(arrays["q"].dtype)
-    k = np.repeat(k.astype(np.float64), group, axis=1)
-    logits = np.einsum("qhd,khd->qhk", q, k) * case.sm_scale
-    if case.soft_cap is not None:
-        logits = case.soft_cap * np.tanh(logits / case.soft_cap)
+    return arrays["q"][start : start + q_len], k
+
+
+def _soft_capped_logits(case: Case, q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
+    """[q_len, num_q_heads, kv_len] float64 logits q.k * scale, soft-capped; k repeated over each KV group."""
+    k = np.repeat(k.astype(np.float64), case.num_q_heads // case.num_kv_heads, axis=1)
+    logits = np.einsum("qhd,khd->qhk", q.astype(np.float64), k) * scale
+    return logits if case.soft_cap is None else case.soft_cap * np.tanh(logits / case.soft_cap)
+
+
+def _hidden_keys(case: Case, q_len: int, kv_len: int) -> np.ndarray:
+    """[q_len, kv_len] True where the causal mask or the sliding window hides the key from the row."""
     position = kv_len - q_len + np.arange(q_len)[:, None]
     key = np.arange(kv_len)[None, :]
     masked = key > position
     if case.sliding_window is not None:
         masked |= position - case.sliding_window >= key
-    logits = logits + np.where(masked, mask_value, 0.0)[:, None, :]
-    return logits.max(axis=-1)
+    return masked
+
+
+def _row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
+    """[q_len, num_q_heads] largest logit (soft cap and mask added, as upstream) over keys [0, kv_len)."""
+    q, k = _sequence_queries_and_keys(case, arrays, seq)
+    if case.k_scale is not None:  # scaled in float32, then rounded to q's dtype (upstream)
+        k = (k.astype(np.float32) * np.float32(case.k_scale)).astype(arrays["q"].dtype)
+    logits = _soft_capped_logits(case, q, k, case.sm_scale)
+    masked = _hidden_keys(case, case.q_lens[seq], case.kv_lens[seq])
+    return (logits + np.where(masked, mask_value, 0.0)[:, None, :]).max(axis=-1)
 
 
 def finite_mask_value_weights_keys_past_kv_len(case: Case) -> bool:
@@ -347,22 +361,11 @@ def _v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) ->
     k_scale and q_scale folded into the score scale, soft cap, masked logits replaced by mask_value."""
     from rpa_harness.reference.oracle import quantised_query
 
-    q_len, kv_len = case.q_lens[seq], case.kv_lens[seq]
-    start = sum(case.q_lens[:seq])
-    group = case.num_q_heads // case.num_kv_heads
-    q = quantised_query(arrays["q"][start : start + q_len], case.q_scale, arrays["kv_pages"].dtype)
-    pages = arrays["page_indices"][seq, : math.ceil(kv_len / case.page_size)]
-    k = arrays["kv_pages"][pages][:, :, 0::2, :].reshape(-1, case.num_kv_heads, case.head_dim)[:kv_len]
-    k = np.repeat(k.astype(np.float64), group, axis=1)
+    q, k = _sequence_queries_and_keys(case, arrays, seq)
+    q = quantised_query(q, case.q_scale, arrays["kv_pages"].dtype)
     scale = case.sm_scale * (case.k_scale or 1.0) * (case.q_scale or 1.0)
-    logits = np.einsum("qhd,khd->qhk", q, k) * scale
-    if case.soft_cap is not None:
-        logits = case.soft_cap * np.tanh(logits / case.soft_cap)
-    position = kv_len - q_len + np.arange(q_len)[:, None]
-    key = np.arange(kv_len)[None, :]
-    masked = key > position
-    if case.sliding_window is not None:
-        masked |= position - case.sliding_window >= key
+    logits = _soft_capped_logits(case, q, k, scale)
+    masked = _hidden_keys(case, case.q_lens[seq], case.kv_lens[seq])
     return np.where(masked[:, None, :], mask_value, logits).max(axis=-1)
 
 
