@@ -12,7 +12,6 @@ with the module's own reference.
 """
 
 import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -178,8 +177,8 @@ def script(repro: repro_files.Repro, target_name: str, backend_name: str, needs_
         [
             "    # jax's TPU interpreters cannot run this kernel as they ship (ref reshape/bitcast transforms,",
             "    # masked stores, scalar-prefetch state between grid steps): rpa-harness's compatibility layer",
-            "    # patches the interpreters, never the kernel. Run from an rpa-harness checkout (PYTHONPATH=.).",
-            "    from harness import interpret_compat",
+            "    # patches the interpreters, never the kernel (pip install rpa-harness).",
+            "    from rpa_harness import interpret_compat",
             "",
             "    interpret_compat.install()",
         ]
@@ -250,11 +249,9 @@ def _dtype_expr(dtype: np.dtype) -> str:
 
 
 def run_script(text: str, timeout: float = 900) -> tuple[int, str]:
-    """Runs a script from the repository root (where the compat layer imports); returns (status, output)."""
-    result = subprocess.run(
-        [sys.executable, "-c", text], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
-    )  # fmt: skip
+    """Runs a script in a fresh interpreter from the current folder (where a user's target imports);
+    returns (status, output)."""
+    result = subprocess.run([sys.executable, "-c", text], capture_output=True, text=True, timeout=timeout)
     tail = [line for line in (result.stdout + result.stderr).splitlines() if "Warning" not in line]
     return result.returncode, "\n".join(tail[-12:])
 
@@ -294,7 +291,7 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
         f"- run on: {_backend_words(backend.name)}"
         + (
             "; the kernel runs in jax's interpreters only with rpa-harness's interpreter compatibility "
-            "layer (`harness/interpret_compat/`), which patches the interpreters, never the kernel"
+            "layer (`rpa_harness.interpret_compat`), which patches the interpreters, never the kernel"
             if needs_compat
             else ""
         ),  # fmt: skip
@@ -313,8 +310,9 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
         "",
         "Needs jax, numpy and ml_dtypes"
         + (
-            "; off TPU also rpa-harness's interpreter compatibility layer (run it from an rpa-harness "
-            "checkout with `PYTHONPATH=.`): without it jax's interpreters cannot run this kernel at all."
+            "; off TPU also rpa-harness's interpreter compatibility layer (`pip install` rpa-harness: the "
+            "script imports `rpa_harness.interpret_compat`): without it jax's interpreters cannot run this "
+            "kernel at all."
             if needs_compat
             else "."
         )

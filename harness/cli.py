@@ -58,7 +58,7 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
         "import contextlib, dataclasses, importlib",
         "import jax, jax.numpy as jnp, ml_dtypes, numpy as np",
         "from jax.experimental.pallas import tpu as pltpu",
-        *(["from harness import interpret_compat", "interpret_compat.install()"] if compat else []),
+        *(["from rpa_harness import interpret_compat", "interpret_compat.install()"] if compat else []),
         f"target = importlib.import_module({target!r})",
         f"stored = np.load({str(npz)!r})",
         f"dtypes = {dtypes!r}",
@@ -90,7 +90,7 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
         ]
     elif kind.startswith("differential"):
         lines += [
-            "import reference",
+            "from rpa_harness import reference",
             "out = run(inputs)",
             f"print(reference.compare(out, reference.oracle(**inputs, **options), label={target + ' on ' + backend.name!r}))",
         ]
