@@ -15,7 +15,7 @@ import dataclasses
 
 import ml_dtypes
 import numpy as np
-from rpa_harness.reference.tolerance import key_error_units
+from rpa_harness.reference.tolerance import key_error_units, unit_roundoff
 from rpa_harness.spec.interface import (
     MASK_REPLACES,
     Options,
@@ -57,6 +57,13 @@ class OracleResult:
     value_underflow: (
         np.ndarray
     )  # float64 [T, H, D]: sum_k min(p_k, half the value dtype's smallest subnormal) (|v_k| + |o|)
+    # For a running max stored and rescaled in the output dtype (unit roundoff u = ``rescale_unit``, q's):
+    # with r_k the row's running max over whole pages through key k's page, m = max_k s_k, and n_k the
+    # number of pages after k's where the running max rises (a KV block of whole pages rises at most as often):
+    rescale_unit: float
+    rescale_excess: np.ndarray  # float64 [T, H, D]: sum_k p_k (a_k - 1) (|v_k| + |o|), a_k = 1 if n_k = 0,
+    # else (1 + u)^(2 n_k) exp(u (m - r_k + u (|m| + |r_k|)))
+    max_rises: np.ndarray  # float64 [T, H, D]: the row's number of rises, >= every n_k (constant along D)
 
     @property
     def owned_rows(self) -> np.ndarray:
@@ -185,13 +192,35 @@ def _deviation_bound(weight_total, weighted_v_squared, weighted_v, weighted_abs_
     return np.minimum(cauchy_schwarz, triangle)
 
 
-def _attend(q_rows, query_positions, chunks, options: Options, semantics: _Scores, value_subnormal):
+def _page_maxima(logits, page_size):
+    """Max over each whole page of the keys (the last axis, starting on a page boundary)."""
+    short = -logits.shape[-1] % page_size
+    if short:
+        logits = np.concatenate([logits, np.full((*logits.shape[:-1], short), -np.inf)], axis=-1)
+    return logits.reshape(*logits.shape[:-1], -1, page_size).max(axis=-1)
+
+
+def _rescale_exponents(page_maxima, top, rescale_unit):
+    """Per page, log a_k of ``OracleResult.rescale_excess`` for the keys on it, and the row's rises."""
+    running = np.maximum.accumulate(page_maxima, axis=-1)
+    rises = np.zeros(running.shape, np.int64)
+    rises[..., 1:] = running[..., 1:] > running[..., :-1]
+    later = rises.sum(axis=-1, keepdims=True) - np.cumsum(rises, axis=-1)
+    u = rescale_unit
+    with np.errstate(invalid="ignore", over="ignore"):
+        climb = top - running + u * (np.abs(top) + np.abs(running))
+        exponents = np.where(later > 0, 2 * later * np.log1p(u) + u * climb, 0.0)
+    return exponents, rises.sum(axis=-1, keepdims=True)
+
+
+def _attend(q_rows, query_positions, chunks, options: Options, semantics: _Scores, value_subnormal,
+            page_size, rescale_unit):
     """Float64 attention of a block of rows over a sequence's key chunks, with the bound ingredients.
 
     ``q_rows`` [kv heads, rows, dim], ``query_positions`` [rows, 1]. Two passes over the chunks: the first
     finds each row's max logit and softmax denominator (online, exact to float64 rounding), the second
     accumulates every weighted sum the result needs, so no [rows, kv_len] array is ever whole. Returns the
-    seven ``OracleResult`` quantities for these rows, each [kv heads, rows, dim].
+    ``OracleResult`` quantities for these rows, each [kv heads, rows, dim].
     """
     head_dim = q_rows.shape[-1]
 
@@ -206,8 +235,10 @@ def _attend(q_rows, query_positions, chunks, options: Options, semantics: _Score
     top = np.full(rows_shape, -np.inf)
     denominator = np.zeros(rows_shape)
     single = None
+    page_maxima = []
     for chunk in chunks:
         scores = logits_of(chunk)
+        page_maxima.append(_page_maxima(scores[1], page_size))
         new_top = np.maximum(top, scores[1].max(axis=-1, keepdims=True))
         denominator = denominator * np.exp(top - new_top) + np.exp(scores[1] - new_top).sum(
             axis=-1, keepdims=True
@@ -215,14 +246,16 @@ def _attend(q_rows, query_positions, chunks, options: Options, semantics: _Score
         top = new_top
         if len(chunks) == 1:
             single = scores
+    page_exponents, rises = _rescale_exponents(np.concatenate(page_maxima, axis=-1), top, rescale_unit)
 
     out_shape = q_rows.shape
     pv, abs_pv, flushable_pv = np.zeros(out_shape), np.zeros(out_shape), np.zeros(out_shape)
     # Weighted sums for the two deviation bounds: weights p * eps (logits) and p * A (dot products).
     sums = {
-        name: np.zeros(out_shape) for name in ("e_vv", "e_v", "e_abs", "a_vv", "a_v", "a_abs", "small_abs")
+        name: np.zeros(out_shape)
+        for name in ("e_vv", "e_v", "e_abs", "a_vv", "a_v", "a_abs", "small_abs", "rescale_abs")
     }
-    totals = {name: np.zeros(rows_shape) for name in ("e", "a", "small")}
+    totals = {name: np.zeros(rows_shape) for name in ("e", "a", "small", "rescale")}
     max_dot_abs = np.zeros(rows_shape)
     for chunk in chunks:
         raw, logits, dot_abs = single if single is not None else logits_of(chunk)
@@ -233,6 +266,9 @@ def _attend(q_rows, query_positions, chunks, options: Options, semantics: _Score
             by_eps = np.where(probs > 0, probs * eps, 0.0)
         live_dot_abs = np.where(probs > 0, dot_abs, 0.0)
         by_dot = probs * live_dot_abs
+        with np.errstate(invalid="ignore", over="ignore"):  # pages no live key is on may have no finite bound
+            excess = np.expm1(page_exponents[..., chunk.positions // page_size])
+            by_rescale = np.where(probs > 0, probs * excess, 0.0)
         small = np.minimum(probs, value_subnormal)
         flushable = np.where(weights < 2.0**-125, probs, 0.0)
         # One matrix product per value operand, the weight blocks stacked along the rows (weights in
@@ -240,7 +276,9 @@ def _attend(q_rows, query_positions, chunks, options: Options, semantics: _Score
         n = probs.shape[1]
         any_flushable = bool(flushable.any())
         on_abs = (
-            np.concatenate([probs, by_eps, by_dot, small, *([flushable] if any_flushable else [])], axis=1)
+            np.concatenate(
+                [probs, by_eps, by_dot, small, by_rescale, *([flushable] if any_flushable else [])], axis=1
+            )
             @ chunk.abs_v
         )
         on_v = np.concatenate([probs, by_eps, by_dot], axis=1) @ chunk.v
@@ -250,8 +288,9 @@ def _attend(q_rows, query_positions, chunks, options: Options, semantics: _Score
         sums["e_abs"] += on_abs[:, n : 2 * n]
         sums["a_abs"] += on_abs[:, 2 * n : 3 * n]
         sums["small_abs"] += on_abs[:, 3 * n : 4 * n]
+        sums["rescale_abs"] += on_abs[:, 4 * n : 5 * n]
         if any_flushable:
-            flushable_pv += on_abs[:, 4 * n :]
+            flushable_pv += on_abs[:, 5 * n :]
         sums["e_v"] += on_v[:, n : 2 * n]
         sums["a_v"] += on_v[:, 2 * n :]
         sums["e_vv"] += on_vv[:, :n]
@@ -259,6 +298,7 @@ def _attend(q_rows, query_positions, chunks, options: Options, semantics: _Score
         totals["e"] += by_eps.sum(axis=-1, keepdims=True)
         totals["a"] += by_dot.sum(axis=-1, keepdims=True)
         totals["small"] += small.sum(axis=-1, keepdims=True)
+        totals["rescale"] += by_rescale.sum(axis=-1, keepdims=True)
         max_dot_abs = np.maximum(max_dot_abs, live_dot_abs.max(axis=-1, keepdims=True))
 
     o = pv
@@ -270,6 +310,8 @@ def _attend(q_rows, query_positions, chunks, options: Options, semantics: _Score
         dot_sensitivity=_deviation_bound(totals["a"], sums["a_vv"], sums["a_v"], sums["a_abs"], o),
         max_dot_abs=np.broadcast_to(max_dot_abs, out_shape),
         value_underflow=sums["small_abs"] + np.abs(o) * totals["small"],
+        rescale_excess=sums["rescale_abs"] + np.abs(o) * totals["rescale"],
+        max_rises=np.broadcast_to(rises.astype(np.float64), out_shape),
     )
 
 
@@ -316,11 +358,12 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
 
     shape = (num_tokens, num_q_heads, head_dim)
     quantities = ("out", "abs_pv", "flushable_pv", "logit_sensitivity", "dot_sensitivity", "max_dot_abs",
-                  "value_underflow")  # fmt: skip
+                  "value_underflow", "rescale_excess", "max_rises")  # fmt: skip
     results = {name: np.zeros(shape) for name in quantities}
     results["out"][:] = np.nan
     value_dtype = _value_dtype(kv_pages.dtype, options.v_scale, q.dtype)
     value_subnormal = _half_smallest_subnormal(value_dtype)
+    rescale_unit = unit_roundoff(q.dtype)
     row_sequence = np.full(num_tokens, -1)
     row_token = np.full(num_tokens, -1)
     row_kv_len = np.zeros(num_tokens, np.int64)
@@ -349,7 +392,8 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
             q_block = q_block.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * (last - first), head_dim)
             positions = np.tile(kv_len - q_len + np.arange(first, last), group)[:, None]
             block_results = _attend(
-                q_block, positions, sequence_chunks or chunks(), options, semantics, value_subnormal
+                q_block, positions, sequence_chunks or chunks(), options, semantics, value_subnormal,
+                page_size, rescale_unit,
             )
             to_rows = (num_kv_heads, group, last - first, head_dim)
             for name, value in block_results.items():
@@ -367,5 +411,6 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
         page_size=page_size,
         key_dtype=_value_dtype(kv_pages.dtype, options.k_scale, q.dtype),
         value_dtype=value_dtype,
+        rescale_unit=rescale_unit,
         **results,
     )

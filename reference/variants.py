@@ -6,20 +6,24 @@ contract in ``precision`` switches on the choice it names, the way production ke
 
 - probabilities-in-value-dtype: the block's unnormalised weights are rounded to V's dtype for P @ V (the
   normaliser is summed from the float32 weights);
-- accumulators-in-output-dtype: l and acc are rounded to the output dtype after each block, the block's row
-  sum is rounded before it is added, and the running max is rounded to it before the block's weights are
-  computed against it (tpu-inference's RPA v3);
+- accumulators-in-output-dtype: the arithmetic of tpu-inference's RPA v3 (0.32.0, ``kernel.py``,
+  ``flash_attention_step1_qk_softmax`` and ``step2_pv``): the block's row max is rounded to the output dtype
+  before it updates the stored max, the weights are float32 against that max, the row sum and P @ V are
+  rounded, the rescale factor is exp of the difference of the two stored maxima, both in the output dtype,
+  and each of l = alpha l + row sum and acc = alpha acc + P @ V rounds the product and the sum;
 - bf16-matmul / bf16x3-matmul: float32 operands of both products rounded to bf16 / split into bf16 hi + lo
   (three products, lo * lo dropped), float32 accumulation;
 - approx-reciprocal: the output is acc * (1 / l) * (1 + rho) with |rho| = the stated maximum (sign drawn per
   row), the worst an approximate reciprocal may do.
 
-Keys past kv_len never enter; rows past cu_q_lens[num_seqs] are zeros. ``kv_pages_per_block`` (default 1,
+The options are the specification's, its extensions included (``q_scale``, ``mask_value_meaning``). Keys past
+kv_len never enter; rows past cu_q_lens[num_seqs] are zeros. ``kv_pages_per_block`` (default 1,
 the most roundings per key) sets the KV block.
 """
 
 import ml_dtypes
 import numpy as np
+from rpa_harness.reference.oracle import quantised_query
 from rpa_harness.reference.tolerance import (
     ACCUMULATORS_IN_OUTPUT_DTYPE,
     APPROX_RECIPROCAL,
@@ -29,7 +33,7 @@ from rpa_harness.reference.tolerance import (
     PROBABILITIES_IN_VALUE_DTYPE,
     parse_precision,
 )
-from rpa_harness.spec import DEFAULT_MASK_VALUE
+from rpa_harness.spec.interface import MASK_REPLACES, Options
 
 F32 = np.dtype(np.float32)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -75,15 +79,18 @@ def contract_attention(
     sm_scale=1.0,
     sliding_window=None,
     soft_cap=None,
-    mask_value=DEFAULT_MASK_VALUE,
+    mask_value=None,
     k_scale=None,
     v_scale=None,
+    q_scale=None,
+    mask_value_meaning=Options.mask_value_meaning,
     **unused_block_options,
 ):
     """Ragged paged attention in float32 NumPy with the choices of ``precision``; returns q's dtype."""
     precision = parse_precision(precision)
-    mask_value = DEFAULT_MASK_VALUE if mask_value is None else mask_value
     q = np.asarray(q)
+    mask_value = Options(mask_value=mask_value, mask_value_meaning=mask_value_meaning).mask_value_for(q.dtype)
+    score_scale = np.float32(sm_scale * (1.0 if q_scale is None else q_scale))
     kv_pages = np.asarray(kv_pages)
     out_dtype = q.dtype
     value_dtype = q.dtype if v_scale is not None else kv_pages.dtype
@@ -104,33 +111,40 @@ def contract_attention(
         kv = kv_pages[pages].reshape(-1, num_combined, head_dim)[:kv_len]
         k = np.repeat(_scaled(kv[:, 0::2], k_scale, q.dtype), group, axis=1)  # [keys, heads, dim]
         v = np.repeat(_scaled(kv[:, 1::2], v_scale, q.dtype), group, axis=1)
-        rows = q[start:end].astype(np.float32)  # [rows, heads, dim]
+        rows = quantised_query(q[start:end], q_scale, kv_pages.dtype).astype(np.float32)  # [rows, heads, dim]
         positions = kv_len - (end - start) + np.arange(end - start)
         m = np.full((num_q_heads, end - start, 1), -np.inf, np.float32)
         total = np.zeros((num_q_heads, end - start, 1), np.float32)
         acc = np.zeros((num_q_heads, end - start, head_dim), np.float32)
         for first in range(0, kv_len, block_keys):
             keys = np.arange(first, min(kv_len, first + block_keys))
-            logits = _product(rows, k[keys], "qhd,khd->hqk", passes) * np.float32(sm_scale)
+            logits = _product(rows, k[keys], "qhd,khd->hqk", passes) * score_scale
             if soft_cap is not None:
                 logits = np.float32(soft_cap) * np.tanh(logits / np.float32(soft_cap))
             masked = keys[None, :] > positions[:, None]
             if sliding_window is not None:
                 masked |= positions[:, None] - sliding_window >= keys[None, :]
-            logits = logits + np.where(masked, np.float32(mask_value), np.float32(0.0))
+            if mask_value_meaning == MASK_REPLACES:
+                logits = np.where(masked, np.float32(mask_value), logits)
+            else:
+                logits = logits + np.where(masked, np.float32(mask_value), np.float32(0.0))
             block_max = logits.max(axis=-1, keepdims=True)
             if keep_out_dtype:
                 block_max = _round(block_max, out_dtype)
             m_new = np.maximum(m, block_max)
             weights = np.exp(logits - m_new)
-            rescale = np.exp(m - m_new)
             row_sum = weights.sum(axis=-1, keepdims=True)
             if PROBABILITIES_IN_VALUE_DTYPE in precision:
                 weights = _round(weights, value_dtype)
-            total = rescale * total + (_round(row_sum, out_dtype) if keep_out_dtype else row_sum)
-            acc = rescale * acc + _product(weights, v[keys], "hqk,khd->hqd", passes)
+            block_pv = _product(weights, v[keys], "hqk,khd->hqd", passes)
             if keep_out_dtype:
-                total, acc = _round(total, out_dtype), _round(acc, out_dtype)
+                rescale = _round(np.exp(_round(m - m_new, out_dtype)), out_dtype)
+                total = _round(_round(rescale * total, out_dtype) + _round(row_sum, out_dtype), out_dtype)
+                acc = _round(_round(rescale * acc, out_dtype) + _round(block_pv, out_dtype), out_dtype)
+            else:
+                rescale = np.exp(m - m_new)
+                total = rescale * total + row_sum
+                acc = rescale * acc + block_pv
             m = m_new
         if APPROX_RECIPROCAL in precision:
             sign = rng.choice(np.array([-1.0, 1.0], np.float32), size=total.shape)

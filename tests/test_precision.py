@@ -11,6 +11,7 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 from rpa_harness import reference, repro, targets
 from rpa_harness.backends import FAST_INTERPRET, Backend
@@ -91,6 +92,30 @@ def test_accumulator_bound_grows_with_the_number_of_kv_blocks():
         result = oracle(**arrays, sm_scale=0.25)
         bounds.append(contract_error(result, (ACCUMULATORS_IN_OUTPUT_DTYPE,))[result.owned_rows].max())
     assert bounds[0] < bounds[1] < bounds[2]
+
+
+def test_accumulator_contract_counts_the_rescale_factor_rounded_in_the_output_dtype():
+    """One decode row over two one-key pages whose logits are 0.125 and 40: the rescale factor exp(0.125 - 40)
+    is computed in bfloat16, where the difference rounds to -40 (a tie), so the first key's weight is 12%
+    low. The roundings of l and acc alone (2 blocks, 1 rise) allow ~3%; the rescale term covers it."""
+    arrays = build_case(0, (1,), (2,), page_size=1, num_q_heads=1, num_kv_heads=1, q_dtype=BF16, kv_dtype=BF16,
+                        garbage=False)  # fmt: skip
+    arrays["q"][0, 0] = 0
+    arrays["q"][0, 0, 0] = 1
+    first, second = arrays["page_indices"][0, :2]
+    arrays["kv_pages"][[first, second]] = 0
+    arrays["kv_pages"][first, 0, 0, 0], arrays["kv_pages"][second, 0, 0, 0] = 0.125, 40.0
+    arrays["kv_pages"][first, 0, 1] = 1.0  # v of the first key; the second key's v is 0
+    result = oracle(**arrays, sm_scale=1.0)
+    out = contract_attention(**arrays, sm_scale=1.0, precision=(ACCUMULATORS_IN_OUTPUT_DTYPE,))
+    expected = result.out[0, 0, 0]
+    assert np.isclose(out[0, 0, 0].astype(np.float64), expected * np.exp(-0.125), rtol=2**-8)
+    assert compare(out, result, precision=(ACCUMULATORS_IN_OUTPUT_DTYPE,)).ok
+    without_rescale = dataclasses.replace(result, rescale_excess=np.zeros_like(result.rescale_excess))
+    bound = error_bound(without_rescale, precision=(ACCUMULATORS_IN_OUTPUT_DTYPE,))[0, 0, 0]
+    assert abs(out[0, 0, 0].astype(np.float64) - expected) > 3 * bound
+    undeclared = compare(out, result)
+    assert f"diagnosis: consistent with {ACCUMULATORS_IN_OUTPUT_DTYPE}" in str(undeclared), str(undeclared)
 
 
 # (contract, q dtype, KV dtype): a case where the contract's choice is outside float32's bound.

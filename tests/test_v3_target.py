@@ -32,11 +32,14 @@ try:
 except ImportError as error:
     pytest.skip(str(error), allow_module_level=True)
 
-from rpa_harness import targets
-from rpa_harness.backends import INTERPRET
+from rpa_harness import known_issues, targets
+from rpa_harness import repro as repro_files
+from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure
 from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.recording import recorded
+from rpa_harness.reference import compare, oracle
+from rpa_harness.reference.variants import contract_attention
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import Capabilities, valid_cases
 
@@ -240,6 +243,26 @@ def test_q_len_zero_before_live_sequence_returns(v3_runs):
     assert replay.returncode in (0, 1), textwrap.shorten(replay.stderr, 600)
 
 
+RESCALE_REPRO = known_issues.V3_FINDINGS_DIR / "rescale-in-output-dtype" / "differential_fast-interpret.json"
+
+
+def test_the_accumulator_contract_makes_v3s_roundings(v3_runs):
+    """The calibration variant of accumulators-in-output-dtype is v3's arithmetic: on the case where v3 once
+    exceeded that contract (its rescale factor is computed in bfloat16), v3's decode rows (one KV page per
+    compute chunk, as the variant's blocks) equal the variant's bit for bit, and the contract accepts v3."""
+    recorded_case = repro_files.read(RESCALE_REPRO)
+    arrays, options = recorded_case.arrays, recorded_case.options
+    actual = np.asarray(Backend(FAST_INTERPRET).run(TARGET.attention, arrays, options))
+    variant = contract_attention(**arrays, **options, precision=TARGET.precision, kv_pages_per_block=1)
+    cu_q_lens = arrays["cu_q_lens"]
+    decodes = [i for i in range(int(arrays["num_seqs"][0])) if cu_q_lens[i + 1] - cu_q_lens[i] == 1]
+    assert decodes, "the repro has decode rows"
+    for i in decodes:
+        np.testing.assert_array_equal(actual[cu_q_lens[i]], variant[cu_q_lens[i]], err_msg=f"sequence {i}")
+    judged = compare(actual, oracle(**arrays, **options), precision=TARGET.precision)
+    assert judged.ok, str(judged)
+
+
 # ---- The mapping and the cache check themselves (no kernel call) ----
 
 
@@ -323,9 +346,6 @@ def test_oracle_agrees_with_v3_reference(case):
 
 
 # ---- The known issues v3 declares (harness/known_issues.py V3_CATALOGUE) ----
-
-from rpa_harness import known_issues  # noqa: E402
-from rpa_harness import repro as repro_files  # noqa: E402
 
 
 @pytest.mark.parametrize("issue", known_issues.V3_CATALOGUE, ids=lambda issue: issue.name)
