@@ -316,7 +316,8 @@ def _v3():
 
 
 def _v3_query_blocks(case: Case):
-    """Per live sequence and query block: (sequence, first row, rows, first key visited, end of keys visited)."""
+    """Per live sequence and query block: (sequence, first row, rows, first key visited, the block's
+    effective kv length (keys from it on have their values zeroed), end of the keys visited)."""
     v3 = _v3()
     inputs = v3.v3_inputs(**case.arrays(), **case.options())
     decodes = int(inputs.args[-1][0])
@@ -330,7 +331,7 @@ def _v3_query_blocks(case: Case):
             effective = min(kv_len, position + block_rows)
             last_block = (-(-effective // bkv) - 1) * bkv
             end = last_block + -(-(effective - last_block) // bkv_chunk) * bkv_chunk
-            yield i, first, min(block_rows, q_len - first), start, end
+            yield i, first, min(block_rows, q_len - first), start, effective, end
 
 
 def v3_sliding_window_skips_cache_writes(case: Case) -> bool:
@@ -371,18 +372,20 @@ def _v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) ->
 
 def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
     """A finite replacing mask_value with a weight exp(mask_value - row max) that does not underflow, in a
-    query block whose visited keys are not exactly [0, kv_len).
+    query block whose visited keys are not exactly [0, kv_len) with every value kept.
 
-    v3's kernel replaces every masked logit it computes, the empty slots past kv_len in its last compute
-    chunk included, and computes none outside the KV blocks a query block visits (the window's skipped
-    blocks, the keys past the block's last position): the masked keys that get weight are set by the block
-    sizes. Its reference gives every masked key in [0, kv_len) the weight, and no other key.
+    v3's kernel replaces every masked logit it computes and computes none outside the KV blocks a query
+    block visits (the window's skipped blocks, the blocks past the block's last position). Within them it
+    also zeroes the values from the block's effective kv length min(kv_len, last position + 1) on, the
+    empty slots past kv_len in its last compute chunk included: those keys get the weight with a value of
+    0. The masked keys that get weight, and with what value, are set by the block sizes. Its reference
+    gives every masked key in [0, kv_len) the weight with its value, and no other key.
     """
     if case.mask_value_meaning != "replaces" or case.mask_value is None or not math.isfinite(case.mask_value):
         return False
     arrays = None
-    for seq, first, rows, start, end in _v3_query_blocks(case):
-        if start == 0 and end == case.kv_lens[seq]:
+    for seq, first, rows, start, effective, end in _v3_query_blocks(case):
+        if start == 0 and effective == end == case.kv_lens[seq]:
             continue
         arrays = arrays or case.arrays()
         row_max = _v3_row_max_logits(case, arrays, seq, case.mask_value)[first : first + rows]
@@ -446,8 +449,8 @@ V3_CATALOGUE = (
     ),
     KnownIssue(
         "finite-mask-value-counts-keys-by-block",
-        "a finite mask_value weights the masked keys v3's blocks visit (slots past kv_len included), not "
-        "the masked keys in [0, kv_len)",
+        "a finite mask_value weights the masked keys v3's blocks visit (slots past kv_len included, with "
+        "values zeroed past the query block's last position), not the masked keys in [0, kv_len)",
         V3_FINDINGS_DIR / "finite-mask-value-counts-keys-by-block" / "differential-checked_interpret.json",
         v3_finite_mask_value_counts_keys_by_block,
         with_v3_default_mask_value,

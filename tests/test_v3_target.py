@@ -348,6 +348,20 @@ def test_oracle_agrees_with_v3_reference(case):
 # ---- The known issues v3 declares (harness/known_issues.py V3_CATALOGUE) ----
 
 
+def test_the_finite_mask_value_finding_covers_values_zeroed_past_a_query_blocks_positions():
+    """Found by the ci campaign while the predicate looked only at the keys a query block visits: one
+    prefill (32, 32) in one 32-key KV block, query blocks of 16 rows. The first query block visits [0, 32) =
+    [0, kv_len) but zeroes the values of keys 16-31 (past its last position), which the finite mask value
+    still weights: v3 returned 0.027 for 0.168 where keys with 0 values weigh in predicts v3 to 2e-10."""
+    case = Case(max_num_batched_tokens=32, max_num_seqs=4, pages_per_seq=4, total_num_pages=19, page_size=32,
+                num_q_heads=2, num_kv_heads=2, head_dim=256, q_dtype="float32", kv_dtype="float8_e5m2",
+                q_lens=(32,), kv_lens=(32,), mask_value=-2.0, num_kv_pages_per_block=1, num_queries_per_block=16,
+                mask_value_meaning="replaces")  # fmt: skip
+    finding = known_issues.BY_NAME["finite-mask-value-counts-keys-by-block"]
+    assert finding.matches(case)
+    assert not finding.matches(dataclasses.replace(case, num_queries_per_block=32))  # one block, values kept
+
+
 @pytest.mark.parametrize("issue", known_issues.V3_CATALOGUE, ids=lambda issue: issue.name)
 def test_v3_issue_matches_its_own_repro(issue):
     case = repro_files.read(issue.repro).case
