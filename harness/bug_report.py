@@ -21,6 +21,7 @@ import numpy as np
 from rpa_harness import known_issues, reference
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, TPU, Backend
+from rpa_harness.spec.interface import EXTENSION_NAMES
 from rpa_harness.targets import Target, first_line_of_error, load
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +50,9 @@ def observe(target: Target, backend: Backend, repro: repro_files.Repro) -> Obser
         actual = backend.run(target.attention, arrays, options)
     except Exception as error:  # the report shows whatever the call raised
         return Observation(first_line_of_error(error), None, None)
-    comparison = reference.compare(actual, reference.oracle(**arrays, **options), label="kernel")
+    comparison = reference.compare(
+        actual, reference.oracle(**arrays, **options), label="kernel", precision=target.precision
+    )
     module_reference = None
     own = getattr(target.module, "ref_ragged_paged_attention", None)
     if own is not None and comparison.worst is not None:
@@ -266,6 +269,13 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
         raise repro_files.ReproError(
             f"{path}: a report is written for differential repros (kernel output against the reference); "
             f"this one is {repro.property!r}: replay it with `rpa-harness replay {path}`"
+        )
+    extensions = [name for name in EXTENSION_NAMES if name in repro.options]
+    if extensions:
+        raise repro_files.ReproError(
+            f"{path}: the case uses the extension option(s) {', '.join(extensions)} (semantics outside "
+            "upstream's signature, such as tpu-inference v3's); a report's script calls upstream's API and "
+            f"reference, which cannot state it: replay it with `rpa-harness replay {path}`"
         )
     issue = known_issue_for(path)
     observation = observe(target, backend, repro)

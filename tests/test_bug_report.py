@@ -43,6 +43,19 @@ def test_report_of_a_bad_file_is_one_error(tmp_path, pytestconfig):
     assert "Traceback" not in result.stderr
 
 
+def test_a_repro_with_extension_semantics_gets_no_report_that_misstates_it(tmp_path, pytestconfig):
+    """v3's repros carry mask_value_meaning="replaces" (and may carry q_scale): upstream's API and the
+    script's reference cannot state them, so report refuses, naming the option and the replay."""
+    path = known_issues.V3_FINDINGS_DIR / "rescale-in-output-dtype" / "differential_fast-interpret.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "rpa_harness.cli", "report", str(path)],
+        cwd=pytestconfig.rootpath, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "extension option(s) q_scale, mask_value_meaning" in result.stderr and "Traceback" not in result.stderr
+    assert f"rpa-harness replay {path}" in result.stderr and not result.stdout
+
+
 def test_summary_lists_declared_issues_with_avoided_counts_and_replays():
     events = [
         {"kind": "known-issue-avoided", "issue": "a"},
