@@ -1,11 +1,12 @@
 """Throughput of the harness itself: valid differential examples per minute, and where the time goes.
 
     PYTHONPATH=. python benchmarks/bench_harness.py [--examples 300] [--checking-examples 150]
-        [--any-config-examples 40] [--caches cold,warm] [--suite]
+        [--any-config-examples 40] [--caches cold,warm] [--blas-threads one|default] [--suite]
 
 Each measurement runs once per compilation-cache state (``--caches``): ``cold`` starts from an empty
 persistent compilation cache (RPA_COMPILATION_CACHE), ``warm`` reuses the folder the cold pass filled,
-``off`` runs without one.
+``off`` runs without one. ``--blas-threads default`` starts the workers with the BLAS library's own thread
+count instead of the one thread per worker the plugin gives xdist workers.
 
 1. Examples per minute with two workers (``-n 2`` equivalent: two processes, each running one property
    with its own seed), per property: the pooled differential property on each interpreter and the
@@ -58,9 +59,9 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def examples_per_minute(prop: str, examples: int, cache: str) -> dict:
+def examples_per_minute(prop: str, examples: int, cache: str, blas_threads: str) -> dict:
     """Two concurrent workers on one property: examples/min overall and steady, CPU and compilations."""
-    from rpa_harness import runlog
+    from rpa_harness import backends, runlog
 
     node, backend = PROPERTIES[prop]
     with tempfile.TemporaryDirectory() as log_dir:
@@ -71,6 +72,8 @@ def examples_per_minute(prop: str, examples: int, cache: str) -> dict:
             RPA_COMPILATION_CACHE=cache,
             PYTHONPATH=str(ROOT),
         )
+        if blas_threads == "one":  # as the plugin starts xdist workers
+            env = backends.one_blas_thread_per_worker(env)
         cpu_before, start = children_cpu_seconds(), time.time()
         workers = [
             subprocess.Popen(
@@ -198,12 +201,16 @@ def main():
                         help="compilation-cache states, comma-separated: cold (empty folder), warm (the "
                         "folder the cold pass filled), off")  # fmt: skip
     parser.add_argument("--skip-split", action="store_true", help="skip the in-process cost split")
+    parser.add_argument("--blas-threads", choices=("one", "default"), default="one",
+                        help="one BLAS thread per worker (what the plugin gives xdist workers) or the library's default")  # fmt: skip
     parser.add_argument("--suite", action="store_true", help="also time the whole CI suite")
     args = parser.parse_args()
     states = [s.strip() for s in args.caches.split(",") if s.strip()]
     unknown = [s for s in states if s not in ("cold", "warm", "off")]
     if unknown or not states:
         parser.exit(4, f"bench_harness: --caches={args.caches!r}: use cold, warm and/or off\n")
+    if "warm" in states and "cold" not in states[: states.index("warm")]:
+        parser.exit(4, f"bench_harness: --caches={args.caches!r}: warm reuses what cold filled; put cold first\n")
     cache_root = Path(tempfile.mkdtemp(prefix="rpa-bench-cache-"))
     folder = cache_root / "cache"
     sizes = {
@@ -222,7 +229,7 @@ def main():
             for prop, examples in sizes.items():
                 if examples <= 0:
                     continue
-                r = examples_per_minute(prop, examples, cache)
+                r = examples_per_minute(prop, examples, cache, args.blas_threads)
                 per = max(r["examples"], 1)
                 print(
                     f"  {prop:<20} {r['examples']:>5} ex  overall {r['overall']:7.0f}/min  steady "

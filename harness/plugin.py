@@ -216,6 +216,7 @@ def pytest_configure_after_hypothesis(config):
         settings.load_profile("sized")
     _check_folders(config)
     _use_compilation_cache(config)
+    _one_blas_thread_per_worker(config)
     try:
         config.rpa_target = targets.load(config.getoption("--rpa-target"))
     except targets.TargetError as error:
@@ -288,6 +289,14 @@ def _use_compilation_cache(config) -> None:
     if folder is not None:
         _usable_folder(folder, "--rpa-compilation-cache")
         backends.enable_compilation_cache(folder)
+
+
+def _one_blas_thread_per_worker(config) -> None:
+    """With xdist workers, each starts with one BLAS thread (``backends.one_blas_thread_per_worker``); the
+    workers are started after configuration, from this process's environment."""
+    workers = config.getoption("numprocesses", None)
+    if isinstance(workers, int) and workers > 1 and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.update(backends.one_blas_thread_per_worker(os.environ))
 
 
 VOLUME = (backends.FAST_INTERPRET, backends.TPU)
