@@ -295,7 +295,8 @@ def _one_blas_thread_per_worker(config) -> None:
     """With xdist workers, each starts with one BLAS thread (``backends.one_blas_thread_per_worker``); the
     workers are started after configuration, from this process's environment."""
     workers = config.getoption("numprocesses", None)
-    if isinstance(workers, int) and workers > 1 and not os.environ.get("PYTEST_XDIST_WORKER"):
+    is_worker = hasattr(config, "workerinput")  # not the environment: a run inside a worker inherits it
+    if isinstance(workers, int) and workers > 1 and not is_worker:
         os.environ.update(backends.one_blas_thread_per_worker(os.environ))
 
 
