@@ -4,6 +4,7 @@ kernel end to end."""
 
 import contextlib
 import dataclasses
+import functools
 import subprocess
 import sys
 import warnings
@@ -13,6 +14,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
@@ -900,6 +903,94 @@ def test_cost_race_history_still_unpruned_in_tpu_interpreter():
             "is the lowest supported version.",
             stacklevel=1,
         )
+
+
+def add_one(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+
+
+@contextlib.contextmanager
+def recording_callback_arguments(name: str):
+    """Record the arguments of each call the TPU interpreter makes to its callback ``name`` (get, store...)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+
+    calls, original = [], getattr(tpu_interpreter, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    setattr(tpu_interpreter, name, recorded)
+    try:
+        yield calls
+    finally:
+        setattr(tpu_interpreter, name, original)
+
+
+def test_cost_callback_arguments_still_device_put_in_tpu_interpreter():
+    """Without the layer the interpreter's callbacks still get their arguments as jax arrays (gap
+    tpu-callback-arguments); with it, as NumPy copies: XLA hands a callback read-only views of buffers it
+    reuses in the next call, which the interpreter must not keep."""
+    x = jnp.ones((8, 128), jnp.float32)
+    with layer_off(), recording_callback_arguments("store") as calls:
+        run(add_one, jax.ShapeDtypeStruct((8, 128), jnp.float32), x, interpreter="tpu")
+    device_put = isinstance(calls[0][-1], jax.Array)
+    assert device_put == (gap_state("tpu-callback-arguments") != interpret_compat.CLOSED)
+    if not device_put:
+        warnings.warn(
+            f"jax {jax.__version__} hands interpreter callbacks NumPy arrays: the tpu-callback-arguments patch "
+            "can go once this jax is the lowest supported version.",
+            stacklevel=1,
+        )
+    with recording_callback_arguments("store") as calls:
+        got = run(add_one, jax.ShapeDtypeStruct((8, 128), jnp.float32), x, interpreter="tpu")
+    np.testing.assert_array_equal(got, np.full((8, 128), 2.0, np.float32))
+    stored = [args[-1] for args in calls]
+    assert stored and all(isinstance(value, np.ndarray) and value.flags.writeable for value in stored)
+
+
+def test_callbacks_other_than_the_interpreters_still_get_jax_arrays():
+    from jax.experimental import io_callback
+
+    received = []
+
+    def record(value):
+        received.append(value)
+        return np.zeros((), np.float32)
+
+    @jax.jit
+    def call(x):
+        return io_callback(record, jax.ShapeDtypeStruct((), jnp.float32), x)
+
+    assert interpret_compat.is_installed()
+    call(jnp.float32(1.0)).block_until_ready()
+    assert isinstance(received[0], jax.Array)
+
+
+@functools.cache
+def jax_clock_order():
+    """jax's own ordering test on two int32 clocks (taken with the layer off)."""
+    from jax._src.pallas.mosaic.interpret import vector_clock
+
+    with layer_off():
+        if not hasattr(vector_clock, "NpVectorClock"):
+            return vector_clock.ordered
+        ordered = vector_clock.NpVectorClock.ordered
+
+    def on_arrays(x, y):
+        clocks = [vector_clock.NpVectorClock(len(x)), vector_clock.NpVectorClock(len(y))]
+        clocks[0].clock[:], clocks[1].clock[:] = x, y
+        return ordered(*clocks)
+
+    return on_arrays
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=5))
+def test_clock_order_is_jaxs_relation(pairs):
+    """Gap tpu-clock-order: the list-based test decides exactly jax's relation (small values: many ties)."""
+    x, y = (np.array(values, np.int32) for values in zip(*pairs, strict=True))
+    assert tpu_gaps._ordered(x, y) == jax_clock_order()(x, y)
 
 
 # --- API -----------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ internals moved stays unpatched, with one warning naming it and the jax version,
 ``unpatched_gaps()`` so that the harness can say why a target cannot run.
 
 - ``views``: the pure-NumPy view algebra (TPU bitcast layout, reads and writes through view chains).
-- ``tpu``: the TPU interpreter's gaps (``tpu-ref-views``, ``tpu-masked-swap``, ``tpu-race-history``).
+- ``tpu``: the TPU interpreter's gaps (``tpu-ref-views``, ``tpu-masked-swap``, ``tpu-race-history``,
+  ``tpu-callback-arguments``, ``tpu-clock-order``).
 - ``generic``: the generic interpreter's gaps (``generic-literal-indices``, ``generic-view-stores``,
   ``generic-scalar-prefetch-state``, ``generic-narrow-float-bits``, ``generic-dynamic-size-copies``).
 - ``limitations``: the interpreter limitations the harness recognises by their error, the only errors on

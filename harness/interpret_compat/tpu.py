@@ -11,6 +11,16 @@ Gap ``tpu-race-history`` (a cost, not an error): the race detector keeps every a
 each new one against all of them, so a DMA costs O(accesses so far); the patch prunes the accesses no later
 access can race with (see ``_history_patches``).
 
+Gap ``tpu-callback-arguments`` (a cost, not an error): every callback the interpreter makes (each load,
+store, DMA, semaphore operation) first puts each of its arguments on the CPU device as a jax array
+(``io_callback``'s implementation), and the callback turns them straight back into Python ints and NumPy
+arrays: about half of the time spent in callbacks. The patch hands the interpreter's own callbacks NumPy
+copies of their arguments instead (see ``_callback_arguments_patches``).
+
+Gap ``tpu-clock-order`` (a cost, not an error): the race detector decides whether two accesses are ordered
+with four NumPy reductions over their vector clocks, once per earlier access of the buffer; with clocks of
+two entries that is most of what a race check costs. The patch decides the same relation on Python lists.
+
 Race detection and views: an access through a reshape/bitcast view is reported to the race detector as an
 access to the smallest box of the region the view was taken of (the ref before its first reshape/bitcast)
 that holds every element it touches (``views.touched_box``): taking one slot of a bitcast double buffer
@@ -579,4 +589,181 @@ RACE_HISTORY = Gap(
     patches=_history_patches,
 )
 
-GAPS = (REF_VIEWS, MASKED_SWAP, RACE_HISTORY)
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap tpu-callback-arguments (a cost, not an error).
+
+
+@dataclasses.dataclass(frozen=True)
+class _InterpreterCallback:
+    """A callback the TPU interpreter makes: its arguments may reach it as NumPy arrays.
+
+    Equal when the wrapped functions are equal, as jax's own callback parameters are (jaxpr caching)."""
+
+    function: Callable
+
+    def __call__(self, *args, **kwargs):
+        return self.function(*args, **kwargs)
+
+
+class _MarkingCallbackModule(types.ModuleType):
+    """Stands in for ``jax._src.callback`` inside the interpreter module: marks each ``io_callback``."""
+
+    def __init__(self, module: types.ModuleType):
+        super().__init__(module.__name__, module.__doc__)
+        self._module = module
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+    def io_callback(self, function, *args, **kwargs):
+        return self._module.io_callback(_InterpreterCallback(function), *args, **kwargs)
+
+
+def _callback_module():
+    from jax._src import callback
+
+    return callback
+
+
+def _callback_arguments_probe() -> bool:
+    """Whether ``io_callback``'s implementation hands a callback something other than NumPy arrays."""
+    callback = _callback_module()
+    received = []
+
+    def record(value):
+        received.append(value)
+        return ()
+
+    flat = callback._FlatCallback(record, jax.tree_util.tree_structure(((0,), {})))
+    callback.io_callback_impl(np.int32(1), result_avals=(), callback=flat, sharding=None, ordered=False)
+    return not isinstance(received[0], np.ndarray)
+
+
+def _callback_arguments_internals() -> None:
+    callback = _callback_module()
+    require_attributes(callback, "io_callback", "io_callback_impl", "io_callback_lowering", "_FlatCallback")
+    require(
+        parameter_names(callback.io_callback_impl) == ["args", "result_avals", "callback", "sharding", "ordered"],
+        f"io_callback_impl takes ({', '.join(parameter_names(callback.io_callback_impl))})",
+    )
+    callback_fields = [field.name for field in dataclasses.fields(callback._FlatCallback)]
+    require("callback_func" in callback_fields, f"_FlatCallback has fields {callback_fields}")
+    nested = [
+        const for const in callback.io_callback_lowering.__code__.co_consts if isinstance(const, types.CodeType)
+    ]
+    require(
+        any("io_callback_impl" in code.co_names for code in nested),
+        "io_callback_lowering's callback does not call io_callback_impl by its module name",
+    )
+    require(
+        getattr(_internals().interpreter, "callback", None) is callback,
+        "interpret_pallas_call does not call io_callback through jax._src.callback",
+    )
+
+
+def _callback_arguments_patches() -> list[Patch]:
+    """Give the interpreter's callbacks NumPy copies of their arguments; every other callback is untouched.
+
+    The interpreter's callbacks compute with NumPy and read scalars with ``int()``, so a jax array and a
+    NumPy array of the same value are the same to them. The arguments arrive as read-only NumPy views of
+    buffers XLA reuses in its next call: each is copied (``np.array``), so whatever the interpreter keeps
+    (a stored block, an allocated buffer) owns its memory, as a device-put array did."""
+    callback_module = _callback_module()
+    original = callback_module.io_callback_impl
+
+    @functools.wraps(original)
+    def io_callback_impl(*args, result_avals, callback, sharding, ordered):
+        if not isinstance(callback.callback_func, _InterpreterCallback):
+            return original(*args, result_avals=result_avals, callback=callback, sharding=sharding, ordered=ordered)
+        cpu_device, *_ = jax.local_devices(backend="cpu")
+        with jax.default_device(cpu_device):
+            try:
+                return jax.tree_util.tree_map(np.asarray, callback(*(np.array(arg) for arg in args)))
+            except BaseException:
+                callback_module.logger.exception("jax.io_callback failed")
+                raise
+
+    return [
+        Patch(callback_module, "io_callback_impl", io_callback_impl),
+        Patch(_internals().interpreter, "callback", _MarkingCallbackModule(callback_module)),
+    ]
+
+
+CALLBACK_ARGUMENTS = Gap(
+    name="tpu-callback-arguments",
+    interpreter="tpu",
+    symptom="each interpreter callback puts its arguments on the CPU device as jax arrays first (slow)",
+    probe=_callback_arguments_probe,
+    check_internals=_callback_arguments_internals,
+    patches=_callback_arguments_patches,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap tpu-clock-order (a cost, not an error).
+
+
+def _vector_clock_module():
+    from jax._src.pallas.mosaic.interpret import vector_clock
+
+    return vector_clock
+
+
+def _ordered(x: np.ndarray, y: np.ndarray) -> bool:
+    """Whether clock ``x`` is below ``y`` or ``y`` below ``x`` (below: <= everywhere, < somewhere).
+
+    Two different clocks are ordered iff one is <= the other everywhere: "< somewhere" then follows from
+    their being different; equal clocks are not ordered."""
+    xs, ys = x.tolist(), y.tolist()
+    if xs == ys:
+        return False
+    return all(a <= b for a, b in zip(xs, ys, strict=True)) or all(b <= a for a, b in zip(xs, ys, strict=True))
+
+
+def _clock_order_probe() -> bool:
+    """Whether jax orders clocks with NumPy reductions (``.all()``/``.any()`` in its ``lt``)."""
+    vector_clock = _vector_clock_module()
+    lt = vector_clock.NpVectorClock.lt if hasattr(vector_clock, "NpVectorClock") else vector_clock.lt
+    return {"all", "any"} <= set(lt.__code__.co_names)
+
+
+def _clock_order_internals() -> None:
+    vector_clock = _vector_clock_module()
+    if hasattr(vector_clock, "NpVectorClock"):
+        require_parameters(vector_clock.NpVectorClock.ordered, ["self", "other"], "NpVectorClock.ordered")
+        clock = vector_clock.NpVectorClock(2)
+        require(isinstance(getattr(clock, "clock", None), np.ndarray), "NpVectorClock keeps no .clock array")
+    else:
+        require_attributes(vector_clock, "ordered", "make_vector_clock")
+        require_parameters(vector_clock.ordered, ["x", "y"], "vector_clock.ordered")
+        require(
+            isinstance(vector_clock.make_vector_clock(2), np.ndarray), "vector clocks are not NumPy arrays"
+        )
+    require(
+        getattr(_internals().races, "vc", None) is vector_clock,
+        "race_detection_state does not reach the vector clocks as module vc",
+    )
+
+
+def _clock_order_patches() -> list[Patch]:
+    vector_clock = _vector_clock_module()
+    if hasattr(vector_clock, "NpVectorClock"):
+
+        def ordered(self, other) -> bool:
+            return _ordered(self.clock, other.clock)
+
+        return [Patch(vector_clock.NpVectorClock, "ordered", ordered)]
+    return [Patch(vector_clock, "ordered", _ordered)]
+
+
+CLOCK_ORDER = Gap(
+    name="tpu-clock-order",
+    interpreter="tpu",
+    symptom="race detection orders two vector clocks with four NumPy reductions per earlier access (slow)",
+    probe=_clock_order_probe,
+    check_internals=_clock_order_internals,
+    patches=_clock_order_patches,
+)
+
+GAPS = (REF_VIEWS, MASKED_SWAP, RACE_HISTORY, CALLBACK_ARGUMENTS, CLOCK_ORDER)
