@@ -173,6 +173,10 @@ class RaceDetected(AssertionError):
     """The TPU interpreter saw a data race (e.g. a VMEM buffer read while a DMA still writes it)."""
 
 
+class Deadlock(AssertionError):
+    """The TPU interpreter saw a wait nothing can signal: on a TPU the call would never return."""
+
+
 # How jax's race detector words a race, in the exception it raises (jax >= 0.11, ``on_race="raise"``).
 _RACE_MESSAGE = "RACE DETECTED"
 
@@ -197,6 +201,19 @@ def _race_report(error: BaseException) -> str | None:
         return None
     lines = [line.strip() for line in text[start:].splitlines()[:5] if line.strip()]
     return "the TPU interpreter detected a data race in the kernel: " + "; ".join(lines[1:] or lines)
+
+
+def _deadlock_report(error: BaseException) -> str | None:
+    """The deadlock check's account (``interpret_compat`` gap tpu-deadlock), or None if not a deadlock."""
+    from rpa_harness.interpret_compat.tpu import DEADLOCK_MESSAGE
+
+    text = str(error)
+    start = text.find(DEADLOCK_MESSAGE)
+    if start < 0:
+        return None
+    return "the TPU interpreter found a deadlock in the kernel: " + text[start:].splitlines()[0].removeprefix(
+        DEADLOCK_MESSAGE
+    ).strip()
 
 
 def _race_flagged_after_call() -> bool:
@@ -271,14 +288,16 @@ class Backend:
 
     def run(self, fn, *args, **kwargs):
         """Calls ``fn`` on this backend and returns its output as NumPy (an array, or a tuple of them for a
-        kernel with several outputs); races raise."""
+        kernel with several outputs); races and deadlocks raise."""
         try:
             with self.context(), watchdog(f"a kernel call on {self.name}"):
                 out = jax.tree.map(np.asarray, jax.block_until_ready(fn(*args, **kwargs)))
         except Exception as error:
-            report = _race_report(error) if self.name == INTERPRET else None
-            if report is not None:
-                raise RaceDetected(report) from error
+            if self.name == INTERPRET:
+                if (report := _race_report(error)) is not None:
+                    raise RaceDetected(report) from error
+                if (report := _deadlock_report(error)) is not None:
+                    raise Deadlock(report) from error
             raise
         if self.name == INTERPRET and _race_flagged_after_call():
             raise RaceDetected("the TPU interpreter detected a data race in the kernel (races.races_found)")

@@ -197,6 +197,9 @@ def replay(args) -> int:
         return CANNOT_RUN
     except RaisedOnValidInput as failure:
         raised = f"{failure.error_type}: {failure.error_message}"
+        if repro.hang and failure.error_type == backends.Deadlock.__name__:
+            print(f"\nFAILS: still hangs: {failure.error_message}\n\nStandalone reproduction:\n{program}")
+            return FAILS
         if repro.error and (failure.error_type, failure.error_message) == (repro.error["type"], repro.error["message"]):
             print(f"\nFAILS the same way: {failure}\n\nStandalone reproduction:\n{program}")
             return FAILS

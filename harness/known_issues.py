@@ -410,7 +410,9 @@ def _replay_v3_both_outputs(issue, target, backend, repro) -> None:
 
 
 def _replay_v3_hang(issue, target, backend, repro) -> None:
-    """Replays the hang in a child process (a DMA wait cannot be interrupted): fails while it hangs."""
+    """Replays the hang in a child process: fails while it hangs, whether the TPU interpreter's deadlock
+    check says so (``hangs: ...``, in seconds) or the watchdog ends the child (a wait that cannot be
+    interrupted, where the check is unpatched)."""
     import os
     import subprocess
     import sys
@@ -424,6 +426,9 @@ def _replay_v3_hang(issue, target, backend, repro) -> None:
         text=True,
         timeout=seconds + 180,
     )
+    if child.returncode == 1 and "\nhangs: " in f"\n{child.stdout}":
+        deadlock = next(line for line in child.stdout.splitlines() if line.startswith("hangs: "))
+        raise AssertionError(f"still hangs: {deadlock.removeprefix('hangs: ')}")
     if child.returncode == 70:  # rpa_harness.backends.HANG_EXIT_CODE: the watchdog ended the child
         raise AssertionError(f"still hangs: no return within {seconds:g} s (RPA_CALL_TIMEOUT)")
 

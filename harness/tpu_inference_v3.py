@@ -29,7 +29,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rpa_harness.backends import INTERPRET, Backend
+from rpa_harness.backends import INTERPRET, Backend, Deadlock
 from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES
 
 INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
@@ -407,7 +407,8 @@ def judge(arrays: dict, options: dict, label: str = "tpu-inference v3 on interpr
 
 def main(argv=None) -> int:
     """``python -m rpa_harness.tpu_inference_v3 REPRO.json``: re-runs a v3 repro (attention and updated cache)
-    on the TPU interpreter; exit 1 while it fails, 0 once it passes, 2 for an unreadable repro."""
+    on the TPU interpreter; exit 1 while it fails (a deadlock the interpreter finds prints ``hangs: ...``),
+    0 once it passes, 2 for an unreadable repro."""
     from rpa_harness import repro
 
     argv = sys.argv[1:] if argv is None else argv
@@ -421,7 +422,11 @@ def main(argv=None) -> int:
         return 2
     if pair.case is not None:
         print(pair.case.describe())
-    verdict = judge(pair.arrays, pair.options)
+    try:
+        verdict = judge(pair.arrays, pair.options)
+    except Deadlock as deadlock:  # the hang, found by the TPU interpreter's deadlock check
+        print(f"hangs: {deadlock}")
+        return 1
     print(verdict.comparison)
     if verdict.cache_error is None:
         print("updated cache: bit-identical to the expected cache")

@@ -120,6 +120,32 @@ def test_a_hang_without_xdist_ends_the_run_naming_the_repro(tmp_path, pytestconf
     hang_case(path)
 
 
+CHECKED = "tests/properties/test_differential.py::test_kernel_matches_oracle_checked"
+
+
+def test_a_deadlock_fails_at_once_with_a_shrunk_repro_that_replays(tmp_path, pytestconfig, capsys):
+    """A kernel that waits for a DMA it never started would stop a TPU forever; on the checking interpreter
+    the deadlock check fails the example at once (no watchdog), Hypothesis shrinks it like any failure, and
+    the repro replays the same failure. A hang repro of the same case (recorded where the check could not
+    run) replays as still hanging."""
+    result = run_properties("deadlocks", [CHECKED], tmp_path, pytestconfig.rootpath, "-p", "no:xdist",
+                            "--rpa-backend=interpret")  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    first_lines = FIRST_LINE.findall(result.stdout)
+    deadlock = "raised on valid inputs: Deadlock: the TPU interpreter found a deadlock in the kernel: a DMA wait "
+    assert first_lines and deadlock in first_lines[0] and "deadlocks.py:" in first_lines[0], output[-3000:]
+    path = tmp_path / "differential-checked_interpret.json"
+    meta = json.loads(path.read_text())
+    assert json.loads(meta["case"])["q_lens"][0] == 2, "shrunk to the fewest query tokens that deadlock"
+    assert cli.main(["replay", str(path)]) == 1
+    assert "FAILS the same way" in capsys.readouterr().out
+    hang = tmp_path / "hang.json"
+    hang.write_text(json.dumps({**meta, "error": None, "hang": {"seconds": 30.0}}))  # the same arrays
+    assert cli.main(["replay", str(hang)]) == 1
+    assert "FAILS: still hangs: the TPU interpreter found a deadlock" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "broken, reason",
     [

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 from rpa_harness import interpret_compat, reference
-from rpa_harness.backends import INTERPRET, Backend, RaceDetected
+from rpa_harness.backends import INTERPRET, Backend, Deadlock, RaceDetected
 from rpa_harness.interpret_compat import generic as generic_gaps
 from rpa_harness.interpret_compat import tpu as tpu_gaps
 from rpa_harness.interpret_compat.patching import InternalsMoved
@@ -991,6 +991,86 @@ def test_clock_order_is_jaxs_relation(pairs):
     """Gap tpu-clock-order: the list-based test decides exactly jax's relation (small values: many ties)."""
     x, y = (np.array(values, np.int32) for values in zip(*pairs, strict=True))
     assert tpu_gaps._ordered(x, y) == jax_clock_order()(x, y)
+
+
+# --- deadlocks: a wait nothing can signal raises at once instead of looping forever -----------------------
+
+
+def wait_for_a_copy_never_started(x_hbm, o_ref, buffer, semaphore):
+    pltpu.make_async_copy(x_hbm, buffer, semaphore).wait()
+    o_ref[...] = buffer[...]
+
+
+def wait_for_more_than_was_signalled(x_ref, o_ref, semaphore):
+    pl.semaphore_signal(semaphore, 1)
+    pl.semaphore_wait(semaphore, 2)
+    o_ref[...] = x_ref[...]
+
+
+def two_copies_then_their_waits(x_hbm, o_ref, buffers, semaphore):
+    copies = [pltpu.make_async_copy(x_hbm.at[i], buffers.at[i], semaphore) for i in range(2)]
+    for copy in copies:
+        copy.start()
+    for copy in copies:
+        copy.wait()
+    o_ref[...] = buffers[0] + buffers[1]
+
+
+def run_checked(kernel, x, in_specs, scratch_shapes):
+    extra = {} if in_specs is None else {"in_specs": in_specs}
+
+    def call(x):
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), scratch_shapes=scratch_shapes, **extra
+        )(x)
+
+    return Backend(INTERPRET).run(jax.jit(call), x)
+
+
+def test_a_dma_wait_for_a_copy_never_started_is_a_deadlock_naming_the_wait():
+    line = r"test_interpret_compat\.py:\d+ \(wait_for_a_copy_never_started\)"
+    with pytest.raises(Deadlock, match=rf"a DMA wait at {line} needs 4096 \(bytes\), its semaphore's count is 0"):
+        run_checked(
+            wait_for_a_copy_never_started,
+            jnp.ones((8, 128), jnp.float32),
+            [pl.BlockSpec(memory_space=pl.ANY)],
+            [pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA],
+        )
+
+
+def test_a_semaphore_wait_for_more_than_was_signalled_is_a_deadlock():
+    with pytest.raises(Deadlock, match=r"a semaphore wait at .+ needs 2, its semaphore's count is 1 "):
+        run_checked(
+            wait_for_more_than_was_signalled, jnp.ones((8, 128), jnp.float32), None, [pltpu.SemaphoreType.REGULAR]
+        )
+
+
+def test_a_wait_that_copies_in_flight_will_signal_is_no_deadlock():
+    """Two copies on one semaphore: the first wait runs a pending copy (the interpreter's DMAs execute at the
+    wait), the second the other; neither is a wait nothing can signal."""
+    x = random_array((2, 8, 128), jnp.float32)
+    got = run_checked(
+        two_copies_then_their_waits,
+        x,
+        [pl.BlockSpec(memory_space=pl.ANY)],
+        [pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA],
+    )
+    np.testing.assert_array_equal(got, np.asarray(x[0] + x[1]))
+
+
+def test_gap_deadlock_still_loops_in_tpu_interpreter():
+    """Without the layer a wait nothing can signal goes round its loop again (gap tpu-deadlock; the probe runs
+    it on a one-core stand-in for the shared memory); with the layer the same wait raises."""
+    with layer_off():
+        loops = tpu_gaps._deadlock_probe()
+    assert loops == (gap_state("tpu-deadlock") != interpret_compat.CLOSED)
+    if not loops:
+        warnings.warn(
+            f"jax {jax.__version__} no longer waits forever on a semaphore nothing can signal: the tpu-deadlock "
+            "patch can go once this jax is the lowest supported version.",
+            stacklevel=1,
+        )
+    assert tpu_gaps._deadlock_probe() is False
 
 
 # --- API -----------------------------------------------------------------------------------------------

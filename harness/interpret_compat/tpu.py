@@ -21,6 +21,11 @@ Gap ``tpu-clock-order`` (a cost, not an error): the race detector decides whethe
 with four NumPy reductions over their vector clocks, once per earlier access of the buffer; with clocks of
 two entries that is most of what a race check costs. The patch decides the same relation on Python lists.
 
+Gap ``tpu-deadlock`` (a missing check): a DMA or semaphore wait whose count is short while no DMA in flight
+will signal it loops forever (sleeping 0.1 s per turn), so a kernel that waits for a copy it never started
+stops the process until a watchdog kills it. With one core nothing else can ever signal that semaphore: the
+patch raises ``DEADLOCK:`` at once, naming the semaphore, the counts and the kernel line that waits.
+
 Race detection and views: an access through a reshape/bitcast view is reported to the race detector as an
 access to the smallest box of the region the view was taken of (the ref before its first reshape/bitcast)
 that holds every element it touches (``views.touched_box``): taking one slot of a bitcast double buffer
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import threading
 import types
 import weakref
@@ -766,4 +772,144 @@ CLOCK_ORDER = Gap(
     patches=_clock_order_patches,
 )
 
-GAPS = (REF_VIEWS, MASKED_SWAP, RACE_HISTORY, CALLBACK_ARGUMENTS, CLOCK_ORDER)
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap tpu-deadlock (a missing check).
+
+DEADLOCK_MESSAGE = "DEADLOCK:"
+"""How the deadlock check's error starts (the harness finds it in the error a kernel call raises)."""
+
+_WAITING = "_interpret_compat_waiting"
+"""The Semaphore attribute holding (value, global core id) while its ``wait`` runs."""
+
+
+class _FakeSharedMemory:
+    """Just enough of ``SharedMemory`` for one semaphore on one core; ``check_failed`` ends a looping wait."""
+
+    num_cores = 1
+    detect_races = False
+    dma_execution_mode = "on_wait"
+
+    def __init__(self):
+        self.turns = 0
+
+    def check_failed(self):
+        self.turns += 1
+        if self.turns > 1:
+            raise _StillWaiting
+
+    def get_global_core_id(self, device_id, local_core_id):
+        return 0
+
+    def global_core_id_to_thread(self, global_core_id):
+        return (0, 0)
+
+
+class _StillWaiting(Exception):
+    """The probe's wait went round its loop again: nothing stopped it."""
+
+
+def _semaphore_class():
+    return _internals().shared_memory.Semaphore
+
+
+def _deadlock_probe() -> bool:
+    """Whether a wait nothing can signal (count 0, no task, one core) goes round its loop instead of raising."""
+    semaphore = _semaphore_class()(_FakeSharedMemory(), 0)
+    try:
+        semaphore.wait(1, 0)
+    except _StillWaiting:
+        return True
+    except RuntimeError as error:
+        return DEADLOCK_MESSAGE not in str(error) and "deadlock" not in str(error).lower()
+    return False
+
+
+def _deadlock_internals() -> None:
+    semaphore_class = _semaphore_class()
+    require_parameters(semaphore_class.__init__, ["self", "shared_memory", "semaphore_id"], "Semaphore.__init__")
+    require_parameters(semaphore_class.wait, ["self", "value", "global_core_id"], "Semaphore.wait")
+    require(
+        {"has_tasks", "logging_info"} <= set(parameter_names(semaphore_class.wait)),
+        f"Semaphore.wait takes ({', '.join(parameter_names(semaphore_class.wait))})",
+    )
+    semaphore = semaphore_class(_FakeSharedMemory(), 0)
+    for name in ("cv", "count_by_core", "tasks", "id", "shared_memory"):
+        require(hasattr(semaphore, name), f"Semaphore has no {name}")
+    require(isinstance(semaphore.cv, threading.Condition), "Semaphore.cv is not a threading.Condition")
+    require(
+        "cv" in semaphore_class.wait.__code__.co_names and "tasks" in semaphore_class.wait.__code__.co_names,
+        "Semaphore.wait no longer sleeps on self.cv while its tasks are empty",
+    )
+
+
+class _DeadlockCheckingCondition(threading.Condition):
+    """A semaphore's condition variable that refuses to sleep when nothing can ever wake its waiter.
+
+    ``Semaphore.wait`` sleeps on it only when its count is short and no DMA in flight will signal it; with
+    one core (one thread: nothing else runs while the kernel waits) that state can never change."""
+
+    def __init__(self, semaphore):
+        super().__init__()
+        self._semaphore = weakref.ref(semaphore)
+
+    def wait(self, timeout=None):
+        semaphore = self._semaphore()
+        waiting = None if semaphore is None else semaphore.__dict__.get(_WAITING)
+        if waiting is not None and semaphore.shared_memory.num_cores == 1:
+            value, core, has_tasks, logging_info = waiting
+            count = int(semaphore.count_by_core[core])
+            if count < value and not semaphore.tasks[core]:
+                what = "a DMA wait" if has_tasks else "a semaphore wait"
+                needs = f"{value} (bytes)" if has_tasks else f"{value}"
+                raise RuntimeError(
+                    f"{DEADLOCK_MESSAGE} {what} at {_kernel_line(logging_info)} needs {needs}, its semaphore's "
+                    f"count is {count} and no DMA in flight will signal it: the kernel would wait forever"
+                )
+        return super().wait(timeout)
+
+
+def _kernel_line(logging_info) -> str:
+    """``file.py:line (function)`` of the kernel's wait: the file's name only, so that the message is the
+    same wherever the kernel is installed (a replay compares it with the recorded one)."""
+    from jax._src import source_info_util
+
+    source_info = getattr(logging_info, "source_info", None)
+    frame = None if source_info is None else source_info_util.user_frame(source_info.traceback)
+    if frame is None:
+        return "an unknown kernel line"
+    return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
+
+
+def _deadlock_patches() -> list[Patch]:
+    semaphore_class = _semaphore_class()
+    original_init, original_wait = semaphore_class.__init__, semaphore_class.wait
+
+    @functools.wraps(original_init)
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.cv = _DeadlockCheckingCondition(self)
+
+    @functools.wraps(original_wait)
+    def wait(self, value, global_core_id, *args, has_tasks=False, logging_info=None, **kwargs):
+        self.__dict__[_WAITING] = (int(value), int(global_core_id), has_tasks, logging_info)
+        try:
+            return original_wait(
+                self, value, global_core_id, *args, has_tasks=has_tasks, logging_info=logging_info, **kwargs
+            )
+        finally:
+            self.__dict__.pop(_WAITING, None)
+
+    return [Patch(semaphore_class, "__init__", init), Patch(semaphore_class, "wait", wait)]
+
+
+DEADLOCK = Gap(
+    name="tpu-deadlock",
+    interpreter="tpu",
+    symptom="a wait nothing can signal (one core, no DMA in flight) loops forever: only a watchdog ends it",
+    probe=_deadlock_probe,
+    check_internals=_deadlock_internals,
+    patches=_deadlock_patches,
+)
+
+GAPS = (REF_VIEWS, MASKED_SWAP, RACE_HISTORY, CALLBACK_ARGUMENTS, CLOCK_ORDER, DEADLOCK)
