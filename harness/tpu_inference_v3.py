@@ -27,7 +27,6 @@ import sys
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from rpa_harness.backends import INTERPRET, Backend, Deadlock
 from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES
@@ -275,7 +274,7 @@ def _jitted(kwargs: dict):
 
 def call_v3(inputs: V3Inputs):
     """Runs v3 (on whatever backend the caller's context selects): ``(attention, updated packed cache)``."""
-    return _jitted(inputs.kwargs)(*(jnp.asarray(a) for a in inputs.args))
+    return _jitted(inputs.kwargs)(*map(jax.device_put, inputs.args))  # no per-shape compile (targets.as_jax)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
@@ -287,7 +286,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
 def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
     """v3's own ``dynamic_validate_inputs`` (its rules, its messages) on the mapped inputs."""
     inputs = v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
-    v3.dynamic_validate_inputs(*map(jnp.asarray, inputs.args), **inputs.kwargs)
+    v3.dynamic_validate_inputs(*map(jax.device_put, inputs.args), **inputs.kwargs)
 
 
 def unwritten_by_sliding_window(inputs: V3Inputs) -> np.ndarray:
