@@ -15,8 +15,9 @@ With ``--upstream`` the variants are upstream's kernel with one seeded bug each,
 issues, and the correct kernel is upstream's own: a kill shows that the known issues' exclusion leaves the
 rest of upstream's kernel under test.
 
-With the fast interpreter alone the checked properties do not run, so a mutant only the TPU interpreter can
-see (``dma_wait_one_page_short``: the generic interpreter completes every DMA when it starts) survives.
+With the fast interpreter alone the checked properties do not run, so the mutants only the TPU interpreter
+can see (``dma_wait_one_page_short``, ``dma_wait_one_page_long``: the generic interpreter completes every DMA
+when it starts) survive.
 
 Examples are counted from the run log (``RPA_RUN_LOG``: one JSON line per example, in order, the failing
 ones naming their repro file); the time to the first failure is when that line appeared (polled every

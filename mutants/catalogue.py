@@ -154,6 +154,13 @@ MUTANTS = (
         "        num_pages = pages_in_block(layout, kv_block)\n        for bit in",
         "        num_pages = pages_in_block(layout, kv_block) - 1\n        for bit in",
     ),
+    Mutant(
+        "dma_wait_one_page_long",
+        "the block's DMA wait covers one page more than were copied: on a TPU the wait never returns",
+        KERNEL_FILE,
+        "        num_pages = pages_in_block(layout, kv_block)\n        for bit in",
+        "        num_pages = pages_in_block(layout, kv_block) + 1\n        for bit in",
+    ),
     # Softmax numerics.
     Mutant(
         "acc_not_rescaled",
