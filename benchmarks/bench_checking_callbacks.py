@@ -1,11 +1,14 @@
 """Where a warm call on the checking (TPU) interpreter spends its time: callbacks by kind and race checks.
 
     PYTHONPATH=. python benchmarks/bench_checking_callbacks.py [--examples 20] [--races pruned|unpruned|off]
+        [--leave-out GAP[,GAP...]]
 
 Runs the bundled kernel on pooled valid cases twice (the first pass compiles) and times the second pass:
 per example, the interpreter's callbacks (calls, time inside them) and the race detector's checks with the
 number of earlier accesses each one scans. ``--races unpruned`` leaves out the compat layer's
-``tpu-race-history`` patch, ``off`` runs without race detection. Times are wall clock inside the
+``tpu-race-history`` patch, ``off`` runs without race detection; ``--leave-out`` leaves out other compat
+gaps' patches (``tpu-callback-arguments``, ``tpu-clock-order``: the before of each lever). Times are wall
+clock inside the
 callbacks (they run on XLA's threads); the per-example CPU time is the process's.
 """
 
@@ -55,6 +58,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=20, help="pooled valid cases (each run twice)")
     parser.add_argument("--races", choices=("pruned", "unpruned", "off"), default="pruned")
+    parser.add_argument("--leave-out", default="", help="compat gaps whose patches are not applied (comma-separated)")
     args = parser.parse_args()
 
     from hypothesis import HealthCheck, given, settings
@@ -63,8 +67,14 @@ def main():
 
     if args.races == "off":
         backends.CHECKING_INTERPRET_PARAMS["detect_races"] = False
+    left_out = {name for name in args.leave_out.split(",") if name}
+    unknown = left_out - {gap.name for gap in tpu_gaps.GAPS}
+    if unknown:
+        names = ", ".join(gap.name for gap in tpu_gaps.GAPS)
+        parser.exit(4, f"bench_checking_callbacks: --leave-out={args.leave_out!r}: not a gap; use {names}\n")
     if args.races == "unpruned":
-        tpu_gaps.GAPS = tuple(gap for gap in tpu_gaps.GAPS if gap is not tpu_gaps.RACE_HISTORY)
+        left_out.add(tpu_gaps.RACE_HISTORY.name)
+    tpu_gaps.GAPS = tuple(gap for gap in tpu_gaps.GAPS if gap.name not in left_out)
     interpret_compat.install()
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call, race_detection_state
     from rpa_harness.strategies.valid import valid_cases
@@ -95,7 +105,11 @@ def main():
         backend.run(target.attention, arrays, options)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     n = len(cases)
-    print(f"races {args.races}, {n} warm pooled examples: {wall / n * 1e3:.0f} ms wall, {cpu / n * 1e3:.0f} ms CPU each")
+    without = f", without {', '.join(sorted(left_out))}" if left_out else ""
+    print(
+        f"races {args.races}{without}, {n} warm pooled examples: {wall / n * 1e3:.0f} ms wall, "
+        f"{cpu / n * 1e3:.0f} ms CPU each"
+    )
     for name in sorted(calls, key=lambda name: -seconds[name]):
         print(
             f"  {name:<17} {calls[name] / n:7.0f} calls/example {seconds[name] / n * 1e3:8.1f} ms/example "
