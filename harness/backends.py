@@ -57,6 +57,17 @@ def on_hang(handler):
 
 
 @contextlib.contextmanager
+def call_timeout(seconds: float):
+    """The watchdog's timeout of every kernel call made in the enclosed block (then the previous one again)."""
+    global CALL_TIMEOUT_SECONDS
+    previous, CALL_TIMEOUT_SECONDS = CALL_TIMEOUT_SECONDS, float(seconds)
+    try:
+        yield
+    finally:
+        CALL_TIMEOUT_SECONDS = previous
+
+
+@contextlib.contextmanager
 def watchdog(what: str, seconds: float | None = None):
     """Ends the process if the enclosed call has not returned after ``seconds`` (default RPA_CALL_TIMEOUT)."""
     seconds = CALL_TIMEOUT_SECONDS if seconds is None else seconds

@@ -166,9 +166,7 @@ def replay(args) -> int:
     program = snippet(repro, path, target_name, backend)
     if args.script:
         Path(args.script).write_text(program)
-    if args.timeout or repro.hang:  # the watchdog of every kernel call this replay makes
-        backends.CALL_TIMEOUT_SECONDS = args.timeout or repro.hang["seconds"]
-    timeout = backends.CALL_TIMEOUT_SECONDS
+    timeout = args.timeout or (repro.hang or {}).get("seconds") or backends.CALL_TIMEOUT_SECONDS
     kind = repro.property.split("[", 1)[0]
     print(
         f"property: {repro.property}\ntarget:   {target_name}\nbackend:  {backend.name} "
@@ -190,7 +188,7 @@ def replay(args) -> int:
         )
 
     try:
-        with backends.on_hang(on_hang):
+        with backends.on_hang(on_hang), backends.call_timeout(timeout):  # the watchdog of every call made here
             recheck(kind, target, backend, repro)
     except CannotRun as reason:
         print(f"\ncannot run here (interpreter limitation): {reason}")

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from rpa_harness import cli
 
 from tests.test_bug_report import without_checkout_names
 
@@ -44,19 +45,27 @@ def test_buggy_target_writes_a_shrunk_repro(failing_repro):
     assert len(case["q_lens"]) == 2, f"the bug needs two sequences, and shrinking should stop there: {case}"
 
 
-def test_replay_names_the_sequence_and_head(failing_repro):
-    path, root = failing_repro
-    result = run("-m", "rpa_harness.cli", "replay", str(path), cwd=root)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "worst: sequence 1," in result.stdout and ", head 1," in result.stdout, result.stdout
-    assert "target = importlib.import_module('tests.injected.head_swap')" in result.stdout
+def replay(*args, capsys) -> tuple[int, str, str]:
+    """``rpa-harness replay ARGS`` in this process (jax is imported and the kernel compiled already):
+    (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    code = cli.main(["replay", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_replay_passes_against_the_correct_kernel(failing_repro):
-    path, root = failing_repro
-    result = run("-m", "rpa_harness.cli", "replay", str(path), "--target", "rpa_harness.kernel", cwd=root)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "passes now" in result.stdout
+def test_replay_names_the_sequence_and_head(failing_repro, capsys):
+    path, _ = failing_repro
+    code, out, err = replay(path, capsys=capsys)
+    assert code == 1, out + err
+    assert "worst: sequence 1," in out and ", head 1," in out, out
+    assert "target = importlib.import_module('tests.injected.head_swap')" in out
+
+
+def test_replay_passes_against_the_correct_kernel(failing_repro, capsys):
+    path, _ = failing_repro
+    code, out, err = replay(path, "--target", "rpa_harness.kernel", capsys=capsys)
+    assert code == 0 and "passes now" in out, out + err
 
 
 def test_replay_of_a_missing_or_malformed_file_is_one_clear_error(tmp_path, pytestconfig):
@@ -74,11 +83,11 @@ def test_replay_of_a_missing_or_malformed_file_is_one_clear_error(tmp_path, pyte
     assert missing_field.stderr.count("\n") == 1 and "KeyError" not in missing_field.stderr
 
 
-def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path):
+def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path, capsys):
     path, root = failing_repro
     script = tmp_path / "repro.py"
-    result = run("-m", "rpa_harness.cli", "replay", str(path), "--script", str(script), cwd=root)
-    assert result.returncode == 1, result.stdout + result.stderr
+    code, out, err = replay(path, "--script", script, capsys=capsys)
+    assert code == 1, out + err
     program = script.read_text()
     assert "interpret_compat.install()" in program and "force_tpu_interpret_mode(True)" in program
     blocked = without_checkout_names(program)  # a user's copy imports only what is installed
@@ -98,20 +107,20 @@ def test_replay_snippet_uses_the_checking_backends_parameters(failing_repro):
     assert "interpret_compat.install()" not in result.stdout
 
 
-def test_replay_of_a_crash_is_not_a_reproduced_bug(failing_repro, tmp_path):
+def test_replay_of_a_crash_is_not_a_reproduced_bug(failing_repro, tmp_path, capsys):
     """A numeric repro that now raises, or an exception other than the recorded one, exits 3 ("cannot run")."""
-    path, root = failing_repro
-    crashed = run("-m", "rpa_harness.cli", "replay", str(path), "--target", "tests.broken.raises_on_batches", cwd=root)
-    assert crashed.returncode == 3, crashed.stdout + crashed.stderr
-    assert "cannot run here: an interpreter or backend crash: raised RuntimeError" in crashed.stdout
+    path, _ = failing_repro
+    code, out, err = replay(path, "--target", "tests.broken.raises_on_batches", capsys=capsys)
+    assert code == 3, out + err
+    assert "cannot run here: an interpreter or backend crash: raised RuntimeError" in out
     meta = json.loads(path.read_text())
     meta["error"] = {"type": "RuntimeError", "message": "another message"}
     other = tmp_path / path.name
     other.write_text(json.dumps(meta))
     (tmp_path / meta["arrays"]).write_bytes(path.with_suffix(".npz").read_bytes())
-    different = run("-m", "rpa_harness.cli", "replay", str(other), "--target", "tests.broken.raises_on_batches", cwd=root)
-    assert different.returncode == 3, different.stdout + different.stderr
-    assert "a different error than recorded" in different.stdout and "another message" in different.stdout
+    code, out, err = replay(other, "--target", "tests.broken.raises_on_batches", capsys=capsys)
+    assert code == 3, out + err
+    assert "a different error than recorded" in out and "another message" in out
 
 
 def test_unknown_target_is_one_usage_error(pytestconfig):
