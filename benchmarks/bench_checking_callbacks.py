@@ -19,7 +19,9 @@ import threading
 import time
 
 
-def instrument(interpreter, races_module) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
+def instrument(
+    interpreter, races_module
+) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
     """Wrap the interpreter's callbacks and the race checks with counters (before anything is traced)."""
     calls, seconds, scanned = collections.Counter(), collections.Counter(), collections.Counter()
     lock = threading.Lock()
@@ -58,7 +60,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=20, help="pooled valid cases (each run twice)")
     parser.add_argument("--races", choices=("pruned", "unpruned", "off"), default="pruned")
-    parser.add_argument("--leave-out", default="", help="compat gaps whose patches are not applied (comma-separated)")
+    parser.add_argument(
+        "--leave-out", default="", help="compat gaps whose patches are not applied (comma-separated)"
+    )
     args = parser.parse_args()
 
     from hypothesis import HealthCheck, given, settings

@@ -34,7 +34,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # name -> (pytest node, backend, examples per worker for RPA_MAX_EXAMPLES=1 worth of base count)
 PROPERTIES = {
     "pooled fast": ("tests/properties/test_differential.py::test_kernel_matches_oracle", "fast-interpret"),
-    "pooled checking": ("tests/properties/test_differential.py::test_kernel_matches_oracle_checked", "interpret"),
+    "pooled checking": (
+        "tests/properties/test_differential.py::test_kernel_matches_oracle_checked",
+        "interpret",
+    ),
     "any-config fast": (
         "tests/properties/test_differential.py::test_kernel_matches_oracle_any_config",
         "fast-interpret",
@@ -210,7 +213,9 @@ def main():
     if unknown or not states:
         parser.exit(4, f"bench_harness: --caches={args.caches!r}: use cold, warm and/or off\n")
     if "warm" in states and "cold" not in states[: states.index("warm")]:
-        parser.exit(4, f"bench_harness: --caches={args.caches!r}: warm reuses what cold filled; put cold first\n")
+        parser.exit(
+            4, f"bench_harness: --caches={args.caches!r}: warm reuses what cold filled; put cold first\n"
+        )
     cache_root = Path(tempfile.mkdtemp(prefix="rpa-bench-cache-"))
     folder = cache_root / "cache"
     sizes = {

@@ -27,7 +27,9 @@ def timed(backend, call, inputs) -> tuple[object, float, float, float]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=6)
-    parser.add_argument("--any-config", action="store_true", help="draw any configuration, not the pooled ones")
+    parser.add_argument(
+        "--any-config", action="store_true", help="draw any configuration, not the pooled ones"
+    )
     args = parser.parse_args()
 
     import numpy as np
@@ -81,7 +83,9 @@ def main():
 
     run()
     for name, (wall, cpu) in totals.items():
-        print(f"{name}: warm {wall / count * 1e3:.0f} ms wall, {cpu / count * 1e3:.0f} ms CPU per example ({count})")
+        print(
+            f"{name}: warm {wall / count * 1e3:.0f} ms wall, {cpu / count * 1e3:.0f} ms CPU per example ({count})"
+        )
 
 
 if __name__ == "__main__":

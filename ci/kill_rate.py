@@ -45,7 +45,11 @@ sys.path.insert(0, str(REPO_ROOT))
 from rpa_harness import repro, runlog  # noqa: E402
 
 # Validation first: it takes a minute, so a validation bug is not killed only after the numeric properties.
-PROPERTY_FILES = ("tests/properties/test_validation.py", "tests/properties/test_differential.py", "tests/properties/test_padding.py")
+PROPERTY_FILES = (
+    "tests/properties/test_validation.py",
+    "tests/properties/test_differential.py",
+    "tests/properties/test_padding.py",
+)
 # Properties that never call the target: a failure there says nothing about the variant.
 TARGET_INDEPENDENT = ("tests/properties/test_differential.py::test_reference_matches_oracle",)
 CORRECT = "rpa_harness.kernel"
@@ -94,7 +98,12 @@ def failed_test(output: str) -> str:
 
 
 def run_variant(
-    variant: str, backend: str, out_dir: Path, timeout: float, workers: int, precision: str = "",
+    variant: str,
+    backend: str,
+    out_dir: Path,
+    timeout: float,
+    workers: int,
+    precision: str = "",
     correct: str = CORRECT,
 ) -> Outcome:
     work = out_dir / variant

@@ -73,7 +73,10 @@ def watchdog(what: str, seconds: float | None = None):
     seconds = CALL_TIMEOUT_SECONDS if seconds is None else seconds
 
     def expire():
-        message, code = f"rpa-harness: {what} did not return within {seconds:g} s (RPA_CALL_TIMEOUT)", HANG_EXIT_CODE
+        message, code = (
+            f"rpa-harness: {what} did not return within {seconds:g} s (RPA_CALL_TIMEOUT)",
+            HANG_EXIT_CODE,
+        )
         if _hang_handler is not None:
             try:
                 message, code = _hang_handler(what, seconds)
@@ -81,9 +84,7 @@ def watchdog(what: str, seconds: float | None = None):
                 message += f"; writing the hang repro failed: {type(error).__name__}: {error}"
         if release_captured_output is not None:
             release_captured_output()
-        sys.stderr.write(
-            f"\n{message}\n(taken for a hang, e.g. a DMA wait with nothing pending). Stacks:\n"
-        )
+        sys.stderr.write(f"\n{message}\n(taken for a hang, e.g. a DMA wait with nothing pending). Stacks:\n")
         faulthandler.dump_traceback(all_threads=True)
         sys.stderr.write(f"\n{message}\n")
         sys.stderr.flush()
@@ -222,9 +223,10 @@ def _deadlock_report(error: BaseException) -> str | None:
     start = text.find(DEADLOCK_MESSAGE)
     if start < 0:
         return None
-    return "the TPU interpreter found a deadlock in the kernel: " + text[start:].splitlines()[0].removeprefix(
-        DEADLOCK_MESSAGE
-    ).strip()
+    return (
+        "the TPU interpreter found a deadlock in the kernel: "
+        + text[start:].splitlines()[0].removeprefix(DEADLOCK_MESSAGE).strip()
+    )
 
 
 def _race_flagged_after_call() -> bool:

@@ -149,7 +149,10 @@ def replay(args) -> int:
         print(f"rpa-harness replay: {error}", file=sys.stderr)
         return BAD_FILE
     if backend.skip_reason:
-        print(f"rpa-harness replay: cannot run here: {backend.skip_reason}; pass --backend interpret", file=sys.stderr)
+        print(
+            f"rpa-harness replay: cannot run here: {backend.skip_reason}; pass --backend interpret",
+            file=sys.stderr,
+        )
         return CANNOT_RUN
     declared = declared_unrunnable(target, backend)
     if declared:
@@ -188,7 +191,10 @@ def replay(args) -> int:
         )
 
     try:
-        with backends.on_hang(on_hang), backends.call_timeout(timeout):  # the watchdog of every call made here
+        with (
+            backends.on_hang(on_hang),
+            backends.call_timeout(timeout),
+        ):  # the watchdog of every call made here
             recheck(kind, target, backend, repro)
     except CannotRun as reason:
         print(f"\ncannot run here (interpreter limitation): {reason}")
@@ -198,7 +204,10 @@ def replay(args) -> int:
         if repro.hang and failure.error_type == backends.Deadlock.__name__:
             print(f"\nFAILS: still hangs: {failure.error_message}\n\nStandalone reproduction:\n{program}")
             return FAILS
-        if repro.error and (failure.error_type, failure.error_message) == (repro.error["type"], repro.error["message"]):
+        if repro.error and (failure.error_type, failure.error_message) == (
+            repro.error["type"],
+            repro.error["message"],
+        ):
             print(f"\nFAILS the same way: {failure}\n\nStandalone reproduction:\n{program}")
             return FAILS
         what = "a different error than recorded" if repro.error else "an interpreter or backend crash"
@@ -319,7 +328,9 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
         if "size" in e and e["size"] >= largest.get(e["test"], {}).get("size", -1):
             largest[e["test"]] = e
         if e.get("repro"):
-            repros[e["test"]].add(f"hang after {e['hang']:g} s: {e['repro']}" if e.get("hang") else e["repro"])
+            repros[e["test"]].add(
+                f"hang after {e['hang']:g} s: {e['repro']}" if e.get("hang") else e["repro"]
+            )
         labels.update(e.get("labels", []))
     width = max([len(t) for t in results] + [8])
     session = session or {}
@@ -327,7 +338,8 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
     if session.get("no_numeric"):
         lines.append(session["no_numeric"])
     lines += [
-        f"rpa-harness: target cannot run on {name}: {reason}" for name, reason in session.get("cannot_run", {}).items()
+        f"rpa-harness: target cannot run on {name}: {reason}"
+        for name, reason in session.get("cannot_run", {}).items()
     ]
     lines.append(f"{'property':<{width}}  {'examples':>8}  result")
     for test, outcome in results.items():

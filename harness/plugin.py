@@ -204,7 +204,9 @@ def pytest_configure_after_hypothesis(config):
         return
     if not config.getoption("--hypothesis-profile", None):
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
-    config.addinivalue_line("markers", f"{NUMERIC}: runs the target's kernel and checks its output (set by conftest)")
+    config.addinivalue_line(
+        "markers", f"{NUMERIC}: runs the target's kernel and checks its output (set by conftest)"
+    )
     config.addinivalue_line(
         "markers", f"{REQUIRES}(capability, reason=None): skip unless the target's Capabilities opt in"
     )
@@ -433,7 +435,6 @@ def pytest_runtest_logreport(report):
             config.rpa_cannot_run.setdefault(backend_name, why)
     elif report.when == "call" or report.failed:
         config.rpa_numeric["ran"] += 1
-
 
 
 def _hang_note(config, nodeid: str) -> str:

@@ -71,7 +71,9 @@ def recorded(directory, property_name: str, target, backend, arrays: dict, optio
         runlog.record(**notes, repro=str(path))
         numeric = case is not None and fields.get("expected_error") is None
         known = known_issues.describe_matches(case) if numeric else ""
-        raise type(failure)(f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}{known}") from None
+        raise type(failure)(
+            f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}{known}"
+        ) from None
     finally:
         repro.discard_pending(pending)
     runlog.record(**notes)

@@ -153,7 +153,11 @@ def _logits(q_rows, k, masked, semantics: _Scores):
     soft_cap = semantics.soft_cap
     logits = raw if soft_cap is None else soft_cap * np.tanh(raw / soft_cap)
     if semantics.replaces:  # a replaced logit is the constant itself: no product error is carried into it
-        return np.where(masked, 0.0, raw), np.where(masked, semantics.mask_value, logits), np.where(masked, 0.0, dot_abs)
+        return (
+            np.where(masked, 0.0, raw),
+            np.where(masked, semantics.mask_value, logits),
+            np.where(masked, 0.0, dot_abs),
+        )
     return raw, logits + np.where(masked, semantics.mask_value, 0.0), dot_abs
 
 
@@ -213,8 +217,16 @@ def _rescale_exponents(page_maxima, top, rescale_unit):
     return exponents, rises.sum(axis=-1, keepdims=True)
 
 
-def _attend(q_rows, query_positions, chunks, options: Options, semantics: _Scores, value_subnormal,
-            page_size, rescale_unit):
+def _attend(
+    q_rows,
+    query_positions,
+    chunks,
+    options: Options,
+    semantics: _Scores,
+    value_subnormal,
+    page_size,
+    rescale_unit,
+):
     """Float64 attention of a block of rows over a sequence's key chunks, with the bound ingredients.
 
     ``q_rows`` [kv heads, rows, dim], ``query_positions`` [rows, 1]. Two passes over the chunks: the first
@@ -392,8 +404,14 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
             q_block = q_block.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * (last - first), head_dim)
             positions = np.tile(kv_len - q_len + np.arange(first, last), group)[:, None]
             block_results = _attend(
-                q_block, positions, sequence_chunks or chunks(), options, semantics, value_subnormal,
-                page_size, rescale_unit,
+                q_block,
+                positions,
+                sequence_chunks or chunks(),
+                options,
+                semantics,
+                value_subnormal,
+                page_size,
+                rescale_unit,
             )
             to_rows = (num_kv_heads, group, last - first, head_dim)
             for name, value in block_results.items():

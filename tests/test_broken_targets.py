@@ -93,14 +93,21 @@ def hang_case(path):
 
 def test_a_hang_fails_the_test_and_leaves_a_hang_repro(tmp_path, pytestconfig, capsys):
     root = pytestconfig.rootpath
-    result = run_properties("hangs", [DIFFERENTIAL], tmp_path, root, "-n", "1", env={"RPA_CALL_TIMEOUT": HANG_TIMEOUT})
+    result = run_properties(
+        "hangs", [DIFFERENTIAL], tmp_path, root, "-n", "1", env={"RPA_CALL_TIMEOUT": HANG_TIMEOUT}
+    )
     output = result.stdout + result.stderr
     path = tmp_path / "differential_fast-interpret.json"
     assert result.returncode == 1, output[-3000:]
-    assert "crashed while running" in result.stdout and f"HANG: a kernel call did not return within {HANG_TIMEOUT} s" in output
+    assert (
+        "crashed while running" in result.stdout
+        and f"HANG: a kernel call did not return within {HANG_TIMEOUT} s" in output
+    )
     assert f"repro: {path}" in result.stdout, output[-3000:]
     meta = hang_case(path)
-    assert meta["hang"] == {"seconds": float(HANG_TIMEOUT)} and meta["test"] == f"{DIFFERENTIAL}[fast-interpret]"
+    assert (
+        meta["hang"] == {"seconds": float(HANG_TIMEOUT)} and meta["test"] == f"{DIFFERENTIAL}[fast-interpret]"
+    )
     assert not list(tmp_path.glob("*.pending.*")), "the pending example becomes the hang repro"
     replay = run("-m", "rpa_harness.cli", "replay", str(path), "--timeout", "2", cwd=root)
     assert replay.returncode == 1, replay.stdout + replay.stderr
@@ -113,7 +120,13 @@ def test_a_hang_fails_the_test_and_leaves_a_hang_repro(tmp_path, pytestconfig, c
 
 def test_a_hang_without_xdist_ends_the_run_naming_the_repro(tmp_path, pytestconfig):
     result = run_properties(
-        "hangs", [DIFFERENTIAL], tmp_path, pytestconfig.rootpath, "-p", "no:xdist", env={"RPA_CALL_TIMEOUT": HANG_TIMEOUT}
+        "hangs",
+        [DIFFERENTIAL],
+        tmp_path,
+        pytestconfig.rootpath,
+        "-p",
+        "no:xdist",
+        env={"RPA_CALL_TIMEOUT": HANG_TIMEOUT},
     )
     path = tmp_path / "differential_fast-interpret.json"
     assert result.returncode == 70, result.stdout[-2000:] + result.stderr[-2000:]
@@ -134,7 +147,9 @@ def test_a_deadlock_fails_at_once_with_a_shrunk_repro_that_replays(tmp_path, pyt
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-3000:]
     first_lines = FIRST_LINE.findall(result.stdout)
-    deadlock = "raised on valid inputs: Deadlock: the TPU interpreter found a deadlock in the kernel: a DMA wait "
+    deadlock = (
+        "raised on valid inputs: Deadlock: the TPU interpreter found a deadlock in the kernel: a DMA wait "
+    )
     assert first_lines and deadlock in first_lines[0] and "deadlocks.py:" in first_lines[0], output[-3000:]
     path = tmp_path / "differential-checked_interpret.json"
     meta = json.loads(path.read_text())
@@ -163,7 +178,9 @@ def test_a_run_where_no_numeric_property_ran_is_not_green(broken, reason, tmp_pa
     summary = result.stdout[: result.stdout.index("short test summary")]  # first, before pytest's own
     assert "NOT GREEN: no numeric property ran against target" in summary, result.stdout[-3000:]
     assert f"cannot run on fast-interpret: {reason}" in summary, result.stdout[-3000:]
-    allowed = run_properties(broken, [DIFFERENTIAL], tmp_path, root, "-p", "no:xdist", "--rpa-allow-no-numeric")
+    allowed = run_properties(
+        broken, [DIFFERENTIAL], tmp_path, root, "-p", "no:xdist", "--rpa-allow-no-numeric"
+    )
     assert allowed.returncode == 0, allowed.stdout[-3000:] + allowed.stderr[-3000:]
     assert not list(tmp_path.iterdir()), "a target that cannot run leaves no repro"
 
@@ -173,7 +190,9 @@ def test_an_unusable_harness_folder_is_one_usage_error(setting, tmp_path, pytest
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     folder = blocker / "logs"  # cannot be created: its parent is a file
-    env, extra = ({"RPA_RUN_LOG": str(folder)}, ()) if setting == "RPA_RUN_LOG" else ({}, (f"{setting}={folder}",))
+    env, extra = (
+        ({"RPA_RUN_LOG": str(folder)}, ()) if setting == "RPA_RUN_LOG" else ({}, (f"{setting}={folder}",))
+    )
     result = run(
         "-m", "pytest", DIFFERENTIAL, "-p", "no:cacheprovider", "-p", "no:xdist", "--rpa-backend=fast-interpret",
         *extra, cwd=pytestconfig.rootpath, env=env,
@@ -186,7 +205,9 @@ def test_the_catalogue_recognises_only_known_limitations():
     gap = AttributeError("'ReshapeTransform' object has no attribute 'indices'")
     assert "TPU interpreter" in interpreter_limitations.recognise(gap)
     assert interpreter_limitations.recognise(RuntimeError("internal kernel error: unsupported batch")) is None
-    assert interpreter_limitations.recognise(AttributeError("'Foo' object has no attribute 'indices'")) is None
+    assert (
+        interpreter_limitations.recognise(AttributeError("'Foo' object has no attribute 'indices'")) is None
+    )
 
 
 def test_the_repro_profile_without_its_example_database_is_one_usage_error(tmp_path, pytestconfig):

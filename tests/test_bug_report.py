@@ -18,7 +18,9 @@ def without_checkout_names(script: str) -> str:
 
 
 def test_report_of_a_known_issue():
-    if interpret_compat.unpatched_gaps("generic"):  # this jax cannot run upstream's kernel: nothing to report on
+    if interpret_compat.unpatched_gaps(
+        "generic"
+    ):  # this jax cannot run upstream's kernel: nothing to report on
         pytest.skip(f"upstream's kernel cannot run here: {interpret_compat.unpatched_gaps('generic')}")
     report = bug_report.render(ONE_SCALE.repro, backend_name=FAST_INTERPRET)
     assert ONE_SCALE.description in report.splitlines()[0]
@@ -52,7 +54,10 @@ def test_a_repro_with_extension_semantics_gets_no_report_that_misstates_it(tmp_p
         cwd=pytestconfig.rootpath, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "extension option(s) q_scale, mask_value_meaning" in result.stderr and "Traceback" not in result.stderr
+    assert (
+        "extension option(s) q_scale, mask_value_meaning" in result.stderr
+        and "Traceback" not in result.stderr
+    )
     assert f"rpa-harness replay {path}" in result.stderr and not result.stdout
 
 

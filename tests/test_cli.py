@@ -14,7 +14,9 @@ BUGGY = "tests.injected.head_swap"
 
 
 def run(*args, cwd, env=None):
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,9 @@ def test_replay_of_a_missing_or_malformed_file_is_one_clear_error(tmp_path, pyte
     malformed = run("-m", "rpa_harness.cli", "replay", str(bad), cwd=pytestconfig.rootpath)
     assert malformed.returncode == 2 and "not a readable repro file" in malformed.stderr
     not_a_repro = tmp_path / "other.json"
-    not_a_repro.write_text(json.dumps({"property": "differential[interpret]", "target": "rpa_harness.kernel"}))
+    not_a_repro.write_text(
+        json.dumps({"property": "differential[interpret]", "target": "rpa_harness.kernel"})
+    )
     missing_field = run("-m", "rpa_harness.cli", "replay", str(not_a_repro), cwd=pytestconfig.rootpath)
     assert missing_field.returncode == 2, missing_field.stdout + missing_field.stderr
     assert "missing field 'backend', 'options', 'dtypes', 'arrays'" in missing_field.stderr
@@ -91,7 +95,9 @@ def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path, caps
     program = script.read_text()
     assert "interpret_compat.install()" in program and "force_tpu_interpret_mode(True)" in program
     blocked = without_checkout_names(program)  # a user's copy imports only what is installed
-    printed = run("-c", blocked, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})  # where the target lives
+    printed = run(
+        "-c", blocked, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}
+    )  # where the target lives
     assert printed.returncode == 0, printed.stderr[-2000:]
     assert "FAIL" in printed.stdout and "worst: sequence 1," in printed.stdout, printed.stdout
 
@@ -101,8 +107,9 @@ def test_replay_snippet_uses_the_checking_backends_parameters(failing_repro):
     result = run("-m", "rpa_harness.cli", "replay", str(path), "--backend", "interpret", "--interpreter-compat", "off",
                  cwd=root)  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "pltpu.InterpretParams(detect_races=True, out_of_bounds_reads='raise', uninitialized_memory='nan')" in (
-        result.stdout
+    assert (
+        "pltpu.InterpretParams(detect_races=True, out_of_bounds_reads='raise', uninitialized_memory='nan')"
+        in (result.stdout)
     )
     assert "interpret_compat.install()" not in result.stdout
 
@@ -131,7 +138,9 @@ def test_unknown_target_is_one_usage_error(pytestconfig):
 
 
 def test_run_shows_a_pytest_usage_error_as_is(pytestconfig):
-    result = run("-m", "rpa_harness.cli", "run", "--target", "no_such_module", "-n", "0", cwd=pytestconfig.rootpath)
+    result = run(
+        "-m", "rpa_harness.cli", "run", "--target", "no_such_module", "-n", "0", cwd=pytestconfig.rootpath
+    )
     assert result.returncode == 4, result.stdout + result.stderr
     assert "cannot import it" in result.stderr and "rpa-harness summary" not in result.stdout
 
@@ -176,4 +185,6 @@ def test_kernel_names_the_bundled_kernel_in_a_checkout_and_says_what_to_use_else
     in_checkout = run("-c", code, cwd=pytestconfig.rootpath)
     assert in_checkout.stdout.strip() == "loaded rpa_harness.kernel", in_checkout.stdout + in_checkout.stderr
     elsewhere = run("-c", code, cwd=tmp_path)
-    assert "The bundled kernel is --rpa-target=rpa_harness.kernel" in elsewhere.stdout, elsewhere.stdout + elsewhere.stderr
+    assert "The bundled kernel is --rpa-target=rpa_harness.kernel" in elsewhere.stdout, (
+        elsewhere.stdout + elsewhere.stderr
+    )

@@ -544,7 +544,9 @@ DYNAMIC_COPIES = [
 
 @pytest.mark.parametrize("interpreter", INTERPRETERS)
 @pytest.mark.parametrize(
-    "source_rows, out_rows, src, dst, size", DYNAMIC_COPIES, ids=["-".join(map(str, c)) for c in DYNAMIC_COPIES]
+    "source_rows, out_rows, src, dst, size",
+    DYNAMIC_COPIES,
+    ids=["-".join(map(str, c)) for c in DYNAMIC_COPIES],
 )
 def test_dynamic_size_dma_copies_exactly_its_rows(interpreter, source_rows, out_rows, src, dst, size):
     """A DMA of x[src : src + size] into rows [dst, dst + size) of a -1-filled output: those rows hold the
@@ -566,9 +568,7 @@ def copy_columns_and_count(copy_ref, x_hbm, o_ref, count_ref, buffer, semaphore)
     descriptor covering both (as v3 waits for its page copies) and the count after it."""
     buffer[...] = jnp.full(buffer.shape, 7, buffer.dtype)
     first, second, start = copy_ref[0], copy_ref[1], copy_ref[2]
-    pltpu.make_async_copy(
-        x_hbm.at[:, pl.ds(start, first)], buffer.at[:, pl.ds(0, first)], semaphore
-    ).start()
+    pltpu.make_async_copy(x_hbm.at[:, pl.ds(start, first)], buffer.at[:, pl.ds(0, first)], semaphore).start()
     pltpu.make_async_copy(
         x_hbm.at[:, pl.ds(start + first, second)], buffer.at[:, pl.ds(first, second)], semaphore
     ).start()
@@ -717,7 +717,6 @@ def test_a_long_call_without_a_race_passes_with_short_histories():
         assert max(sizes) < 2 * tpu_gaps._PRUNE_FROM, f"race histories were not pruned: {sorted(sizes)}"
 
 
-
 def test_a_call_that_raised_on_a_race_does_not_stop_later_pruning():
     """A DMA left in flight by a call that ended in RaceDetected never completes; it must not count as live
     in the next call (it did, and no history was pruned after any race)."""
@@ -725,6 +724,7 @@ def test_a_call_that_raised_on_a_race_does_not_stop_later_pruning():
     with pytest.raises(RaceDetected):  # raised at a DMA wait, so that DMA never completes
         Backend(INTERPRET).run(a_race_then_copies(race=True), x)
     test_a_long_call_without_a_race_passes_with_short_histories()
+
 
 # --- which gaps this jax has: the probes agree with the interpreters (canaries for when jax closes a gap) ---
 
@@ -1021,7 +1021,10 @@ def run_checked(kernel, x, in_specs, scratch_shapes):
 
     def call(x):
         return pl.pallas_call(
-            kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), scratch_shapes=scratch_shapes, **extra
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            scratch_shapes=scratch_shapes,
+            **extra,
         )(x)
 
     return Backend(INTERPRET).run(jax.jit(call), x)
@@ -1029,7 +1032,9 @@ def run_checked(kernel, x, in_specs, scratch_shapes):
 
 def test_a_dma_wait_for_a_copy_never_started_is_a_deadlock_naming_the_wait():
     line = r"test_interpret_compat\.py:\d+ \(wait_for_a_copy_never_started\)"
-    with pytest.raises(Deadlock, match=rf"a DMA wait at {line} needs 4096 \(bytes\), its semaphore's count is 0"):
+    with pytest.raises(
+        Deadlock, match=rf"a DMA wait at {line} needs 4096 \(bytes\), its semaphore's count is 0"
+    ):
         run_checked(
             wait_for_a_copy_never_started,
             jnp.ones((8, 128), jnp.float32),
@@ -1041,7 +1046,10 @@ def test_a_dma_wait_for_a_copy_never_started_is_a_deadlock_naming_the_wait():
 def test_a_semaphore_wait_for_more_than_was_signalled_is_a_deadlock():
     with pytest.raises(Deadlock, match=r"a semaphore wait at .+ needs 2, its semaphore's count is 1 "):
         run_checked(
-            wait_for_more_than_was_signalled, jnp.ones((8, 128), jnp.float32), None, [pltpu.SemaphoreType.REGULAR]
+            wait_for_more_than_was_signalled,
+            jnp.ones((8, 128), jnp.float32),
+            None,
+            [pltpu.SemaphoreType.REGULAR],
         )
 
 
@@ -1165,7 +1173,11 @@ UPSTREAM_CONFIGS = {
         UPSTREAM_BASE, num_kv_pages_per_block=1, num_queries_per_block=4
     ),
     "bf16-kv-4q2kv-bitcast-path": dataclasses.replace(
-        UPSTREAM_BASE, num_q_heads=4, num_kv_heads=2, kv_dtype="bfloat16", num_kv_pages_per_block=2,
+        UPSTREAM_BASE,
+        num_q_heads=4,
+        num_kv_heads=2,
+        kv_dtype="bfloat16",
+        num_kv_pages_per_block=2,
         num_queries_per_block=8,
     ),
 }

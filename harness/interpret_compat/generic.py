@@ -842,7 +842,6 @@ def _dma_start_of_dynamic_size(original_rule: Callable) -> Callable:
     return rule
 
 
-
 def _dma_wait_of_dynamic_size(original_rule: Callable) -> Callable:
     """A wait on a descriptor with a data-dependent size takes that many elements off its semaphore."""
 

@@ -477,7 +477,8 @@ def _history_internals() -> None:
     for name in ("check_read", "check_write"):
         names = parameter_names(getattr(state, name))
         require(
-            names in (
+            names
+            in (
                 ["self", "device_id", "local_core_id", "clock", "buffer_key", "rnge", "source_info"],
                 ["self", "thread", "clock", "buffer_key", "rnge", "source_info"],
             ),
@@ -650,13 +651,16 @@ def _callback_arguments_internals() -> None:
     callback = _callback_module()
     require_attributes(callback, "io_callback", "io_callback_impl", "io_callback_lowering", "_FlatCallback")
     require(
-        parameter_names(callback.io_callback_impl) == ["args", "result_avals", "callback", "sharding", "ordered"],
+        parameter_names(callback.io_callback_impl)
+        == ["args", "result_avals", "callback", "sharding", "ordered"],
         f"io_callback_impl takes ({', '.join(parameter_names(callback.io_callback_impl))})",
     )
     callback_fields = [field.name for field in dataclasses.fields(callback._FlatCallback)]
     require("callback_func" in callback_fields, f"_FlatCallback has fields {callback_fields}")
     nested = [
-        const for const in callback.io_callback_lowering.__code__.co_consts if isinstance(const, types.CodeType)
+        const
+        for const in callback.io_callback_lowering.__code__.co_consts
+        if isinstance(const, types.CodeType)
     ]
     require(
         any("io_callback_impl" in code.co_names for code in nested),
@@ -681,7 +685,9 @@ def _callback_arguments_patches() -> list[Patch]:
     @functools.wraps(original)
     def io_callback_impl(*args, result_avals, callback, sharding, ordered):
         if not isinstance(callback.callback_func, _InterpreterCallback):
-            return original(*args, result_avals=result_avals, callback=callback, sharding=sharding, ordered=ordered)
+            return original(
+                *args, result_avals=result_avals, callback=callback, sharding=sharding, ordered=ordered
+            )
         cpu_device, *_ = jax.local_devices(backend="cpu")
         with jax.default_device(cpu_device):
             try:
@@ -724,7 +730,9 @@ def _ordered(x: np.ndarray, y: np.ndarray) -> bool:
     xs, ys = x.tolist(), y.tolist()
     if xs == ys:
         return False
-    return all(a <= b for a, b in zip(xs, ys, strict=True)) or all(b <= a for a, b in zip(xs, ys, strict=True))
+    return all(a <= b for a, b in zip(xs, ys, strict=True)) or all(
+        b <= a for a, b in zip(xs, ys, strict=True)
+    )
 
 
 def _clock_order_probe() -> bool:
@@ -827,7 +835,9 @@ def _deadlock_probe() -> bool:
 
 def _deadlock_internals() -> None:
     semaphore_class = _semaphore_class()
-    require_parameters(semaphore_class.__init__, ["self", "shared_memory", "semaphore_id"], "Semaphore.__init__")
+    require_parameters(
+        semaphore_class.__init__, ["self", "shared_memory", "semaphore_id"], "Semaphore.__init__"
+    )
     require_parameters(semaphore_class.wait, ["self", "value", "global_core_id"], "Semaphore.wait")
     require(
         {"has_tasks", "logging_info"} <= set(parameter_names(semaphore_class.wait)),

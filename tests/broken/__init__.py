@@ -6,5 +6,10 @@ checks that the run fails with the right one-line reason and exit code and leave
 
 # One small shape (the pool's option variants still vary): each run compiles a few kernels, not dozens.
 SMALL_SPACE = dict(
-    head_dims=(64,), page_sizes=(8,), num_kv_heads=(1,), gqa_ratios=(2,), kv_dtypes=("float32",), buckets=("tiny",)
+    head_dims=(64,),
+    page_sizes=(8,),
+    num_kv_heads=(1,),
+    gqa_ratios=(2,),
+    kv_dtypes=("float32",),
+    buckets=("tiny",),
 )
