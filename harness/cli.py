@@ -191,10 +191,8 @@ def replay(args) -> int:
         )
 
     try:
-        with (
-            backends.on_hang(on_hang),
-            backends.call_timeout(timeout),
-        ):  # the watchdog of every call made here
+        # The watchdog's timeout and hang handler of every kernel call this replay makes.
+        with backends.on_hang(on_hang), backends.call_timeout(timeout):
             recheck(kind, target, backend, repro)
     except CannotRun as reason:
         print(f"\ncannot run here (interpreter limitation): {reason}")

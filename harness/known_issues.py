@@ -426,9 +426,11 @@ def _replay_v3_hang(issue, target, backend, repro) -> None:
         text=True,
         timeout=seconds + 180,
     )
-    if child.returncode == 1 and "\nhangs: " in f"\n{child.stdout}":
-        deadlock = next(line for line in child.stdout.splitlines() if line.startswith("hangs: "))
-        raise AssertionError(f"still hangs: {deadlock.removeprefix('hangs: ')}")
+    deadlocks = [
+        line.removeprefix("hangs: ") for line in child.stdout.splitlines() if line.startswith("hangs: ")
+    ]
+    if child.returncode == 1 and deadlocks:
+        raise AssertionError(f"still hangs: {deadlocks[0]}")
     if child.returncode == 70:  # rpa_harness.backends.HANG_EXIT_CODE: the watchdog ended the child
         raise AssertionError(f"still hangs: no return within {seconds:g} s (RPA_CALL_TIMEOUT)")
 

@@ -15,9 +15,8 @@ from rpa_harness import interpret_compat
 
 @dataclasses.dataclass(frozen=True)
 class Limitation:
-    pattern: (
-        str  # regular expression searched in "ExceptionType: message" (the whole text, traceback included)
-    )
+    # A regular expression searched in "ExceptionType: message" (the whole text, traceback included).
+    pattern: str
     reason: str  # what cannot be done, and what to do about it
 
 

@@ -24,7 +24,7 @@ two entries that is most of what a race check costs. The patch decides the same 
 Gap ``tpu-deadlock`` (a missing check): a DMA or semaphore wait whose count is short while no DMA in flight
 will signal it loops forever (sleeping 0.1 s per turn), so a kernel that waits for a copy it never started
 stops the process until a watchdog kills it. With one core nothing else can ever signal that semaphore: the
-patch raises ``DEADLOCK:`` at once, naming the semaphore, the counts and the kernel line that waits.
+patch raises ``DEADLOCK:`` at once, naming the kernel line that waits, the count it needs and the count it has.
 
 Race detection and views: an access through a reshape/bitcast view is reported to the race detector as an
 access to the smallest box of the region the view was taken of (the ref before its first reshape/bitcast)
@@ -788,7 +788,7 @@ DEADLOCK_MESSAGE = "DEADLOCK:"
 """How the deadlock check's error starts (the harness finds it in the error a kernel call raises)."""
 
 _WAITING = "_interpret_compat_waiting"
-"""The Semaphore attribute holding (value, global core id) while its ``wait`` runs."""
+"""The Semaphore attribute holding (value, global core id, has_tasks, logging_info) while its ``wait`` runs."""
 
 
 class _FakeSharedMemory:
