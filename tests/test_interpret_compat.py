@@ -53,16 +53,23 @@ def interpret_params(interpreter: str):
     return pltpu.InterpretParams() if interpreter == "tpu" else True
 
 
-def run(kernel, out_shape, *args, interpreter, scratch_shapes=(), in_specs=None):
-    """Build and trace a fresh pallas_call under the chosen interpreter (fresh, so no stale jit cache)."""
+def fresh_pallas_call(kernel, out_shape, scratch_shapes=(), in_specs=None):
+    """A jitted function that builds the pallas_call when traced (fresh, so no stale jit cache): traced
+    under an interpreter setting, it runs on that interpreter."""
     extra = {} if in_specs is None else {"in_specs": in_specs}
 
     def call(*operands):
         return pl.pallas_call(kernel, out_shape=out_shape, scratch_shapes=scratch_shapes, **extra)(*operands)
 
+    return jax.jit(call)
+
+
+def run(kernel, out_shape, *args, interpreter, scratch_shapes=(), in_specs=None):
+    """Build and trace a fresh pallas_call under the chosen interpreter."""
+    call = fresh_pallas_call(kernel, out_shape, scratch_shapes, in_specs)
     try:
         with pltpu.force_tpu_interpret_mode(interpret_params(interpreter)):
-            return np.asarray(jax.jit(call)(*args))
+            return np.asarray(call(*args))
     except Exception:
         pltpu.reset_tpu_interpret_mode_state()
         raise
@@ -770,6 +777,17 @@ def assert_gap(gap: str, run_without_layer, error_text: str, *, whole_gap: bool 
     )
 
 
+def assert_probe_agrees(gap: str, still_there: bool, closed: str):
+    """For a gap no error shows (a cost, a missing check): the probe agrees with what the unpatched
+    interpreter did (``still_there``); where jax has closed the gap, a warning says so (``closed``)."""
+    assert still_there == (gap_state(gap) != interpret_compat.CLOSED)
+    if not still_there:
+        warnings.warn(
+            f"jax {jax.__version__} {closed}: the {gap} patch can go once this jax is the lowest supported version.",
+            stacklevel=2,
+        )
+
+
 def test_gap_reshape_still_in_tpu_interpreter():
     def kernel(x_ref, o_ref):
         o_ref[...] = x_ref.reshape(16, 128)[...]
@@ -881,13 +899,11 @@ def test_cost_narrow_float_store_still_in_xla_cpu():
     buffer = jnp.zeros((8, 128), jnp.float8_e4m3fn)
     hlo = jax.jit(store_rows).lower(buffer, buffer[:1]).compile().as_text()
     converts = "f16[8,128]" in hlo
-    assert converts == (gap_state("generic-narrow-float-bits") != interpret_compat.CLOSED)
-    if not converts:
-        warnings.warn(
-            f"jax {jax.__version__}'s XLA CPU stores into float8_e4m3fn buffers without converting them: "
-            "the bits wrappers in interpret_compat.generic can go once this jax is the lowest supported.",
-            stacklevel=1,
-        )
+    assert_probe_agrees(
+        "generic-narrow-float-bits",
+        converts,
+        "has XLA CPU store into float8_e4m3fn buffers without converting them",
+    )
 
 
 def test_cost_race_history_still_unpruned_in_tpu_interpreter():
@@ -896,13 +912,7 @@ def test_cost_race_history_still_unpruned_in_tpu_interpreter():
         unpatched = Backend(INTERPRET, interpreter_compat=False)
         unpatched.run(copies_then_a_last_one(race_at_the_end=False), jnp.ones((2, 8, 128)))
         unpruned = max(race_history_sizes()) > LONG_CALL_COPIES
-    assert unpruned == (gap_state("tpu-race-history") != interpret_compat.CLOSED)
-    if not unpruned:
-        warnings.warn(
-            f"jax {jax.__version__} prunes its race histories: the tpu-race-history patch can go once this jax "
-            "is the lowest supported version.",
-            stacklevel=1,
-        )
+    assert_probe_agrees("tpu-race-history", unpruned, "prunes its race histories")
 
 
 def add_one(x_ref, o_ref):
@@ -935,13 +945,7 @@ def test_cost_callback_arguments_still_device_put_in_tpu_interpreter():
     with layer_off(), recording_callback_arguments("store") as calls:
         run(add_one, jax.ShapeDtypeStruct((8, 128), jnp.float32), x, interpreter="tpu")
     device_put = isinstance(calls[0][-1], jax.Array)
-    assert device_put == (gap_state("tpu-callback-arguments") != interpret_compat.CLOSED)
-    if not device_put:
-        warnings.warn(
-            f"jax {jax.__version__} hands interpreter callbacks NumPy arrays: the tpu-callback-arguments patch "
-            "can go once this jax is the lowest supported version.",
-            stacklevel=1,
-        )
+    assert_probe_agrees("tpu-callback-arguments", device_put, "hands interpreter callbacks NumPy arrays")
     with recording_callback_arguments("store") as calls:
         got = run(add_one, jax.ShapeDtypeStruct((8, 128), jnp.float32), x, interpreter="tpu")
     np.testing.assert_array_equal(got, np.full((8, 128), 2.0, np.float32))
@@ -1017,17 +1021,9 @@ def two_copies_then_their_waits(x_hbm, o_ref, buffers, semaphore):
 
 
 def run_checked(kernel, x, in_specs, scratch_shapes):
-    extra = {} if in_specs is None else {"in_specs": in_specs}
-
-    def call(x):
-        return pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
-            scratch_shapes=scratch_shapes,
-            **extra,
-        )(x)
-
-    return Backend(INTERPRET).run(jax.jit(call), x)
+    """On the harness's checking backend, whose errors name races and deadlocks."""
+    call = fresh_pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32), scratch_shapes, in_specs)
+    return Backend(INTERPRET).run(call, x)
 
 
 def test_a_dma_wait_for_a_copy_never_started_is_a_deadlock_naming_the_wait():
@@ -1071,13 +1067,7 @@ def test_gap_deadlock_still_loops_in_tpu_interpreter():
     it on a one-core stand-in for the shared memory); with the layer the same wait raises."""
     with layer_off():
         loops = tpu_gaps._deadlock_probe()
-    assert loops == (gap_state("tpu-deadlock") != interpret_compat.CLOSED)
-    if not loops:
-        warnings.warn(
-            f"jax {jax.__version__} no longer waits forever on a semaphore nothing can signal: the tpu-deadlock "
-            "patch can go once this jax is the lowest supported version.",
-            stacklevel=1,
-        )
+    assert_probe_agrees("tpu-deadlock", loops, "no longer waits forever on a semaphore nothing can signal")
     assert tpu_gaps._deadlock_probe() is False
 
 
