@@ -419,6 +419,7 @@ def main(argv=None) -> int:
     report_parser.add_argument("--backend", choices=BACKENDS, help="default: the one in the repro")
     report_parser.add_argument("--run-script", action="store_true", help="run the script, show its output")
     args = parser.parse_args(argv)
+    os.environ.update(backends.faster_cpu_compilation(os.environ))  # before the first computation
     return {"replay": replay, "run": run, "report": report}[args.command](args)
 
 

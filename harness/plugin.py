@@ -219,6 +219,7 @@ def pytest_configure_after_hypothesis(config):
     _check_folders(config)
     _use_compilation_cache(config)
     _one_blas_thread_per_worker(config)
+    os.environ.update(backends.faster_cpu_compilation(os.environ))  # before the target computes anything
     try:
         config.rpa_target = targets.load(config.getoption("--rpa-target"))
     except targets.TargetError as error:

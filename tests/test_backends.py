@@ -1,5 +1,6 @@
 """The checking backend fails an example on what the TPU interpreter detects, and recovers afterwards."""
 
+import os
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from rpa_harness import backends
 from rpa_harness.backends import INTERPRET, Backend, RaceDetected
 
 X = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
@@ -73,3 +75,23 @@ def test_watchdog_kills_a_hung_call_with_a_message():
     assert (
         "a stuck call did not return within 0 s" in result.stderr or "did not return within" in result.stderr
     )
+
+
+def test_faster_cpu_compilation_keeps_the_users_flags(monkeypatch):
+    flags = {"xla_cpu_one": ("false", "true"), "xla_cpu_two": ("4", "1")}
+    monkeypatch.setattr(backends, "faster_cpu_compilation_flags", lambda: flags)
+    assert backends.faster_cpu_compilation({})["XLA_FLAGS"] == "--xla_cpu_one=false --xla_cpu_two=4"
+    theirs = {"XLA_FLAGS": "--xla_dump_to=/tmp/d  --xla_cpu_one=true", "HOME": "/h"}
+    assert backends.faster_cpu_compilation(theirs) == {
+        "XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_cpu_one=true --xla_cpu_two=4",
+        "HOME": "/h",
+    }
+    chosen = {"XLA_FLAGS": "--xla_cpu_two=1 --xla_cpu_one=false"}
+    assert backends.faster_cpu_compilation(chosen) == chosen
+    monkeypatch.setattr(backends, "faster_cpu_compilation_flags", dict)  # a jaxlib where none was measured
+    assert backends.faster_cpu_compilation(theirs) == theirs
+
+
+def test_the_plugin_gave_this_process_the_faster_cpu_compilation():
+    """Set in the environment at configuration, before the first computation (workers inherit it)."""
+    assert backends.faster_cpu_compilation(os.environ) == dict(os.environ)
