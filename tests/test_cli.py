@@ -70,21 +70,22 @@ def test_replay_passes_against_the_correct_kernel(failing_repro, capsys):
     assert code == 0 and "passes now" in out, out + err
 
 
-def test_replay_of_a_missing_or_malformed_file_is_one_clear_error(tmp_path, pytestconfig):
-    missing = run("-m", "rpa_harness.cli", "replay", str(tmp_path / "nope.json"), cwd=pytestconfig.rootpath)
-    assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
+def test_replay_of_a_missing_or_malformed_file_is_one_clear_error(tmp_path, capsys):
+    """Exit 2 and one line on stderr, before anything runs (in this process: a traceback would raise here)."""
+    code, _, err = replay(tmp_path / "nope.json", capsys=capsys)
+    assert code == 2 and "no such file" in err
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    malformed = run("-m", "rpa_harness.cli", "replay", str(bad), cwd=pytestconfig.rootpath)
-    assert malformed.returncode == 2 and "not a readable repro file" in malformed.stderr
+    code, _, err = replay(bad, capsys=capsys)
+    assert code == 2 and "not a readable repro file" in err
     not_a_repro = tmp_path / "other.json"
     not_a_repro.write_text(
         json.dumps({"property": "differential[interpret]", "target": "rpa_harness.kernel"})
     )
-    missing_field = run("-m", "rpa_harness.cli", "replay", str(not_a_repro), cwd=pytestconfig.rootpath)
-    assert missing_field.returncode == 2, missing_field.stdout + missing_field.stderr
-    assert "missing field 'backend', 'options', 'dtypes', 'arrays'" in missing_field.stderr
-    assert missing_field.stderr.count("\n") == 1 and "KeyError" not in missing_field.stderr
+    code, out, err = replay(not_a_repro, capsys=capsys)
+    assert code == 2, out + err
+    assert "missing field 'backend', 'options', 'dtypes', 'arrays'" in err
+    assert err.count("\n") == 1 and "KeyError" not in err
 
 
 def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path, capsys):

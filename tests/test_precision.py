@@ -13,7 +13,7 @@ import types
 
 import numpy as np
 import pytest
-from rpa_harness import reference, repro, targets
+from rpa_harness import cli, reference, repro, targets
 from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure, check_differential
 from rpa_harness.recording import recorded
@@ -239,7 +239,7 @@ def run(*args, cwd):
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=900)
 
 
-def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded_one(tmp_path, pytestconfig):
+def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded_one(tmp_path, pytestconfig, capsys):
     if pytestconfig.rpa_target.name != "rpa_harness.kernel":
         pytest.skip("runs its own target")
     common = ("-m", "pytest", "tests/properties/test_differential.py::test_kernel_matches_oracle", "-p", "no:cacheprovider",
@@ -252,8 +252,10 @@ def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded
     assert f"diagnosis: consistent with {PROBABILITIES_IN_VALUE_DTYPE}" in overridden.stdout
     path = tmp_path / "differential_fast-interpret.json"
     assert json.loads(path.read_text())["precision"] == [FLOAT32]
-    replay = run("-m", "rpa_harness.cli", "replay", str(path), cwd=pytestconfig.rootpath)
-    assert replay.returncode == 1 and "precision: float32\n" in replay.stdout, replay.stdout + replay.stderr
+    capsys.readouterr()
+    code = cli.main(["replay", str(path)])  # in this process: jax is imported already
+    out, err = capsys.readouterr()
+    assert code == 1 and "precision: float32\n" in out, out + err
     unknown = run(*common, "--rpa-precision=bf16", cwd=pytestconfig.rootpath)
     assert (
         unknown.returncode == 4
