@@ -239,7 +239,9 @@ def run(*args, cwd):
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=900)
 
 
-def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded_one(tmp_path, pytestconfig, capsys):
+def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded_one(
+    tmp_path, pytestconfig, capsys
+):
     if pytestconfig.rpa_target.name != "rpa_harness.kernel":
         pytest.skip("runs its own target")
     common = ("-m", "pytest", "tests/properties/test_differential.py::test_kernel_matches_oracle", "-p", "no:cacheprovider",
