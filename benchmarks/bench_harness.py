@@ -14,7 +14,7 @@ count instead of the one thread per worker the plugin gives xdist workers.
    half of each worker's examples), from the run log's timestamps. Wall time is noisy on a shared machine,
    so each line also gives the CPU seconds per example, the compilations per example and the cache use
    the workers report (hits, entries written, and requests not written: executables with host callbacks,
-   i.e. every kernel on the TPU interpreter, and ones that compiled in under 0.05 s).
+   i.e. every kernel on the TPU interpreter).
 2. The cost split of one example, measured in-process over the pooled property: generation (Hypothesis
    and the strategies), array building, kernel, oracle, comparison; and the compilations per run.
 3. With ``--suite``: the wall time of the whole CI suite (``ci/run_ci.sh``, ci profile, -n 2) per cache state.
