@@ -56,7 +56,7 @@ def run_cases(backend_name: str, examples: int, pooled: bool, outputs: str) -> d
 
 
 def in_child(setting: str, backend_name: str, examples: int, pooled: bool, outputs: Path) -> dict:
-    """``run_cases`` in a fresh process whose XLA_FLAGS give the flags XLA's defaults or the harness's values."""
+    """``run_cases`` in a fresh process, the flags at XLA's defaults or at the harness's values."""
     from rpa_harness import backends
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), RPA_COMPILATION_CACHE="off")

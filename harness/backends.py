@@ -108,8 +108,8 @@ DEFAULT_COMPILATION_CACHE = ".jax-compilation-cache"
 COMPILATION_CACHE_OFF = ("", "off", "none", "0")
 # Every executable jax may write is written. jax's own threshold (1 s) would leave out most interpreted
 # kernels (0.2-1 s each here), and even the 10-30 ms compilations of single operations pay: jax looks each
-# one up in the cache anyway, and a test that runs code op by op (tpu-inference's reference) compiles
-# hundreds of them (tests/test_v3_target.py's reference agreement: 18.7 s warm with a 0.05 s threshold, 7.9 s without).
+# one up in the cache anyway, and code run op by op (tpu-inference's reference) compiles hundreds of them
+# (tests/test_v3_target.py's reference agreement: 18.7 s warm with a 0.05 s threshold, 7.9 s without).
 CACHE_MIN_COMPILE_SECONDS = 0.0
 
 
@@ -129,8 +129,9 @@ def one_blas_thread_per_worker(environ) -> dict:
 # the same, per jaxlib (major, minor) where that was measured: flag -> (the harness's value, XLA's default).
 # jaxlib 0.10's CPU compiler emits each fusion through its newer fusion emitters by default; with its
 # elemental emitters a first pass over new kernels (mostly compilation) takes 22-49% less CPU time
-# (benchmarks/bench_cpu_compiler.py: TPU interpreter and fast interpreter, the same bits for every output). Only where measured: XLA ends
-# the process on a flag it does not know, and jaxlib 0.12 no longer knows this one.
+# (benchmarks/bench_cpu_compiler.py: TPU interpreter and fast interpreter, the same bits for every
+# output). Only where measured: XLA ends the process on a flag it does not know, and jaxlib 0.12 no longer
+# knows this one.
 FASTER_CPU_COMPILATION = {(0, 10): {"xla_cpu_use_fusion_emitters": ("false", "true")}}
 
 
