@@ -1,4 +1,5 @@
-"""Broken targets: the bundled kernel wrapped so that it crashes, hangs or breaks the output's contract.
+"""Broken targets: the bundled kernel wrapped so that it crashes, hangs or breaks the output's contract
+(the hanging one returns the oracle's output where it does not hang).
 
 Each keeps upstream's signature; ``tests/test_broken_targets.py`` runs the properties against each and
 checks that the run fails with the right one-line reason and exit code and leaves a replayable repro.
