@@ -8,7 +8,7 @@ from jax.experimental.pallas import tpu as pltpu
 from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from rpa_harness.kernel import ragged_paged_attention as correct_attention
 
-from tests.broken import SMALL_SPACE
+from tests.broken import SMALL_SPACE, first_sequence_has_two_tokens
 
 RPA_HARNESS_CAPABILITIES = SMALL_SPACE
 
@@ -28,6 +28,6 @@ def _stall(q):
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
-    if int(num_seqs[0]) > 0 and int(cu_q_lens[1]) - int(cu_q_lens[0]) >= 2:
+    if first_sequence_has_two_tokens(num_seqs, cu_q_lens):
         q = jax.jit(_stall)(jnp.asarray(q))
     return correct_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
