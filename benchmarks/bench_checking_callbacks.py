@@ -8,8 +8,7 @@ per example, the interpreter's callbacks (calls, time inside them) and the race 
 number of earlier accesses each one scans. ``--races unpruned`` leaves out the compat layer's
 ``tpu-race-history`` patch, ``off`` runs without race detection; ``--leave-out`` leaves out other compat
 gaps' patches (``tpu-callback-arguments``, ``tpu-clock-order``: the before of each lever). Times are wall
-clock inside the
-callbacks (they run on XLA's threads); the per-example CPU time is the process's.
+clock inside the callbacks (they run on XLA's threads); the per-example CPU time is the process's.
 """
 
 import argparse

@@ -18,9 +18,7 @@ def without_checkout_names(script: str) -> str:
 
 
 def test_report_of_a_known_issue():
-    if interpret_compat.unpatched_gaps(
-        "generic"
-    ):  # this jax cannot run upstream's kernel: nothing to report on
+    if interpret_compat.unpatched_gaps("generic"):
         pytest.skip(f"upstream's kernel cannot run here: {interpret_compat.unpatched_gaps('generic')}")
     report = bug_report.render(ONE_SCALE.repro, backend_name=FAST_INTERPRET)
     assert ONE_SCALE.description in report.splitlines()[0]

@@ -96,9 +96,8 @@ def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path, caps
     program = script.read_text()
     assert "interpret_compat.install()" in program and "force_tpu_interpret_mode(True)" in program
     blocked = without_checkout_names(program)  # a user's copy imports only what is installed
-    printed = run(
-        "-c", blocked, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}
-    )  # where the target lives
+    # PYTHONPATH: where the target lives.
+    printed = run("-c", blocked, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     assert printed.returncode == 0, printed.stderr[-2000:]
     assert "FAIL" in printed.stdout and "worst: sequence 1," in printed.stdout, printed.stdout
 
