@@ -1,8 +1,6 @@
 """The checking backend fails an example on what the TPU interpreter detects, and recovers afterwards."""
 
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +10,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from rpa_harness import backends
 from rpa_harness.backends import INTERPRET, Backend, RaceDetected
+
+from tests.processes import run_python
 
 X = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
 
@@ -70,7 +70,7 @@ def test_checking_backend_raises_on_an_out_of_bounds_dma_then_recovers():
 def test_watchdog_kills_a_hung_call_with_a_message():
     """A call that never returns ends the process (signals cannot interrupt a stuck DMA wait)."""
     code = "import time\nfrom rpa_harness.backends import watchdog\nwith watchdog('a stuck call', 0.5):\n    time.sleep(30)\n"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = run_python("-c", code, cwd=".", timeout=60)
     assert result.returncode == 70
     assert (
         "a stuck call did not return within 0 s" in result.stderr or "did not return within" in result.stderr

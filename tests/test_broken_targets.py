@@ -7,12 +7,12 @@ dev profile and ``-x``: each stops at its first failure, shrunk.
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 from rpa_harness import backends, cli
 from rpa_harness.interpret_compat import limitations as interpreter_limitations
+
+from tests.processes import run_python
 
 DIFFERENTIAL = "tests/properties/test_differential.py::test_kernel_matches_oracle"
 PADDING = "tests/properties/test_padding.py::test_padding_does_not_change_valid_rows"
@@ -47,10 +47,7 @@ def _bundled_kernel_only(pytestconfig):
 
 
 def run(*args, cwd, env=None):
-    return subprocess.run(
-        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=900,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    return run_python(*args, cwd=cwd, env={**os.environ, **(env or {})})
 
 
 def run_properties(target, tests, repro_dir, cwd, *extra, env=None):

@@ -7,8 +7,6 @@ import functools
 import importlib
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +29,8 @@ from rpa_harness.strategies.valid import (
     valid_cases,
 )
 from rpa_harness.targets import UPSTREAM_TARGET
+
+from tests.processes import run_python
 
 PRODUCTION = BUCKETS["production"]
 SELECTED = select_buckets(OUR_KERNEL, "production")
@@ -192,12 +192,11 @@ def test_production_case_arrays_are_deterministic_and_poisoned_outside_the_live_
 
 def test_a_bucket_no_declared_one_matches_is_a_usage_error(tmp_path):
     """--rpa-buckets naming only buckets the target does not declare: one line, exit 4."""
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RPA_BUCKETS="production")
+    env = dict(os.environ, RPA_BUCKETS="production")
     env.pop("HYPOTHESIS_PROFILE", None)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-         f"--rpa-target={UPSTREAM_TARGET}", f"--rpa-repro-dir={tmp_path}", "tests/test_buckets.py"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    run = run_python(
+        "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", f"--rpa-target={UPSTREAM_TARGET}",
+        f"--rpa-repro-dir={tmp_path}", "tests/test_buckets.py", cwd=REPO_ROOT, env=env,
     )  # fmt: skip
     assert run.returncode == 4, run.stdout + run.stderr
     errors = [line for line in run.stderr.splitlines() if "--rpa-buckets" in line]
@@ -205,11 +204,11 @@ def test_a_bucket_no_declared_one_matches_is_a_usage_error(tmp_path):
 
 
 def test_production_examples_never_run_under_the_ci_profile(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RPA_BUCKETS="production", HYPOTHESIS_PROFILE="ci")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--rpa-backend=fast-interpret",
-         "--rpa-allow-no-numeric", f"--rpa-repro-dir={tmp_path}", "tests/properties/test_production.py"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    env = dict(os.environ, RPA_BUCKETS="production", HYPOTHESIS_PROFILE="ci")
+    run = run_python(
+        "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--rpa-backend=fast-interpret",
+        "--rpa-allow-no-numeric", f"--rpa-repro-dir={tmp_path}", "tests/properties/test_production.py",
+        cwd=REPO_ROOT, env=env,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert "1 skipped" in run.stdout and "never run under the ci profile" in run.stdout, run.stdout

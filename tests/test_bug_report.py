@@ -1,11 +1,10 @@
 """`rpa-harness report` writes an upstream-ready report, and `rpa-harness run` summarises the known issues."""
 
-import subprocess
-import sys
-
 import pytest
 from rpa_harness import bug_report, cli, interpret_compat, known_issues
 from rpa_harness.backends import FAST_INTERPRET
+
+from tests.processes import run_python
 
 ONE_SCALE = known_issues.BY_NAME["one-kv-scale-with-mixed-dtypes"]
 CHECKOUT_NAMES = ("harness", "kernel", "reference", "strategies", "spec")
@@ -35,10 +34,7 @@ def test_report_of_a_known_issue():
 def test_report_of_a_bad_file_is_one_error(tmp_path, pytestconfig):
     bad = tmp_path / "bad.json"
     bad.write_text("{")
-    result = subprocess.run(
-        [sys.executable, "-m", "rpa_harness.cli", "report", str(bad)],
-        cwd=pytestconfig.rootpath, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_python("-m", "rpa_harness.cli", "report", str(bad), cwd=pytestconfig.rootpath)
     assert result.returncode == 2 and "not a readable repro file" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -47,10 +43,7 @@ def test_a_repro_with_extension_semantics_gets_no_report_that_misstates_it(tmp_p
     """v3's repros carry mask_value_meaning="replaces" (and may carry q_scale): upstream's API and the
     script's reference cannot state them, so report refuses, naming the option and the replay."""
     path = known_issues.V3_FINDINGS_DIR / "rescale-in-output-dtype" / "differential_fast-interpret.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "rpa_harness.cli", "report", str(path)],
-        cwd=pytestconfig.rootpath, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_python("-m", "rpa_harness.cli", "report", str(path), cwd=pytestconfig.rootpath)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert (
         "extension option(s) q_scale, mask_value_meaning" in result.stderr

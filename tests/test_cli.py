@@ -2,21 +2,18 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from rpa_harness import cli
 
+from tests.processes import run_python
 from tests.test_bug_report import without_checkout_names
 
 BUGGY = "tests.injected.head_swap"
 
 
 def run(*args, cwd, env=None):
-    return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
-    )
+    return run_python(*args, cwd=cwd, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +166,7 @@ def test_plugin_is_inert_in_a_suite_that_does_not_run_the_harness(tmp_path):
         "    assert 'rpa_harness.kernel' not in sys.modules\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RPA_", "HYPOTHESIS_"))}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    result = run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path), cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

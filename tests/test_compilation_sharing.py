@@ -3,8 +3,6 @@ of cases shares one static configuration, and jax's persistent cache serves a la
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given
@@ -16,6 +14,8 @@ from rpa_harness.spec.interface import OPTION_NAMES
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import OUR_KERNEL, RUNTIME_OPTIONS, UPSTREAM_KERNEL, valid_case_groups
 from rpa_harness.targets import load
+
+from tests.processes import run_python
 
 SMALL = Case(
     max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=5, total_num_pages=13, page_size=8,
@@ -82,10 +82,8 @@ print("STATS", json.dumps(backends.compilation_stats()))
 
 def test_a_later_process_reads_the_fast_interpreters_kernel_from_the_cache(tmp_path, pytestconfig):
     def one_call():
-        out = subprocess.run(
-            [sys.executable, "-c", _ONE_CALL, str(tmp_path / "cache")],
-            cwd=pytestconfig.rootpath, capture_output=True, text=True, check=True,
-        )  # fmt: skip
+        out = run_python("-c", _ONE_CALL, str(tmp_path / "cache"), cwd=pytestconfig.rootpath)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         return json.loads(out.stdout.split("STATS ", 1)[1])
 
     cold = one_call()

@@ -4,8 +4,6 @@ declarations and ``--rpa-known-issues`` resolve as documented."""
 
 import dataclasses
 import itertools
-import subprocess
-import sys
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -15,6 +13,8 @@ from rpa_harness import repro as repro_files
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import UPSTREAM_KERNEL, valid_cases
 from rpa_harness.targets import as_jax
+
+from tests.processes import run_python
 
 CATALOGUE = known_issues.CATALOGUE
 # Largest share of drawn cases (no issue excluded) a predicate may match: the rest of the space stays tested.
@@ -120,10 +120,9 @@ def test_option_values():
 
 
 def test_unknown_known_issue_is_one_usage_error(pytestconfig):
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/properties/test_known_issues.py", "--rpa-known-issues=no-such-issue",
-         "-p", "no:cacheprovider"],
-        cwd=pytestconfig.rootpath, capture_output=True, text=True, timeout=600,
+    result = run_python(
+        "-m", "pytest", "tests/properties/test_known_issues.py", "--rpa-known-issues=no-such-issue",
+        "-p", "no:cacheprovider", cwd=pytestconfig.rootpath,
     )  # fmt: skip
     assert result.returncode == 4, result.stdout + result.stderr
     assert "unknown known issue 'no-such-issue'" in result.stderr and "Traceback" not in result.stderr

@@ -7,7 +7,6 @@ for the mutants, from our kernel on the generic interpreter.
 
 import dataclasses
 import json
-import subprocess
 import sys
 import types
 
@@ -29,6 +28,7 @@ from rpa_harness.reference.tolerance import (
 )
 from rpa_harness.reference.variants import contract_attention
 
+from tests.processes import run_python
 from tests.test_mutants import MIXED
 from tests.test_reference import BF16, E4M3, F32, build_case
 
@@ -236,7 +236,7 @@ def test_the_differential_check_judges_under_the_targets_contract(tmp_path):
 
 
 def run(*args, cwd):
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    return run_python(*args, cwd=cwd)
 
 
 def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded_one(

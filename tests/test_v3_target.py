@@ -17,8 +17,6 @@ Skipped when tpu-inference is not installed (``pip install --no-deps tpu-inferen
 
 import dataclasses
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -42,6 +40,8 @@ from rpa_harness.reference import compare, oracle
 from rpa_harness.reference.variants import contract_attention
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import Capabilities, valid_cases
+
+from tests.processes import run_python
 
 CAPABILITIES = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)
 TARGET = targets.load("rpa_harness.tpu_inference_v3")
@@ -234,12 +234,13 @@ HANG_TIMEOUT_SECONDS = 60  # the watchdog, should the deadlock check be unpatche
 def test_q_len_zero_before_live_sequence_returns(v3_runs):
     """The replay of the hang repro finishes (exit 0, or 1 for another failure) instead of hanging: neither
     the deadlock check (``hangs: ...``) nor the watchdog (exit 70) ends it."""
-    env = dict(os.environ, RPA_CALL_TIMEOUT=str(HANG_TIMEOUT_SECONDS), PYTHONPATH=str(ROOT))
-    replay = subprocess.run(
-        [sys.executable, "-m", "rpa_harness.tpu_inference_v3", str(HANG_REPRO)],
+    env = dict(os.environ, RPA_CALL_TIMEOUT=str(HANG_TIMEOUT_SECONDS))
+    replay = run_python(
+        "-m",
+        "rpa_harness.tpu_inference_v3",
+        str(HANG_REPRO),
+        cwd=ROOT,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=HANG_TIMEOUT_SECONDS + 120,
     )
     hangs = [line for line in replay.stdout.splitlines() if line.startswith("hangs: ")]

@@ -1,0 +1,91 @@
+"""Python child processes for the end-to-end tests, without paying the interpreter's imports each time.
+
+``run_python(*args)`` is ``subprocess.run([sys.executable, *args], capture_output=True, text=True)``. A
+``-m``/``-c`` program whose environment differs from this process's only in variables read at run time
+(``RUN_TIME_VARIABLES``) runs in a child forked by this process's zygote (``tests/zygote.py``), which has
+imported jax, NumPy, Hypothesis and pytest once: ~2.5 s less per program. Anything else, and every test
+that is about what an interpreter imports or reads as it starts, gets a new interpreter.
+"""
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ZYGOTE = Path(__file__).with_name("zygote.py")
+
+# Read by the programs when they run, never by the modules the zygote imported: a child may set these.
+RUN_TIME_VARIABLES = ("RPA_", "HYPOTHESIS_", "PYTEST_")
+
+
+class _Zygote:
+    def __init__(self):
+        requests_read, self.requests = os.pipe()
+        self.replies, replies_write = os.pipe()
+        self.environment = dict(os.environ)
+        self.process = subprocess.Popen(
+            [sys.executable, str(ZYGOTE), str(requests_read), str(replies_write)],
+            pass_fds=(requests_read, replies_write), stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        os.close(requests_read)
+        os.close(replies_write)
+        self.pending = b""
+
+    def reply(self, timeout: float | None) -> dict | None:
+        """The zygote's next reply, or None if none came within ``timeout`` seconds."""
+        while b"\n" not in self.pending:
+            if not select.select([self.replies], [], [], timeout)[0]:
+                return None
+            chunk = os.read(self.replies, 4096)
+            if not chunk:
+                raise RuntimeError(f"tests/zygote.py exited ({self.process.wait()}); its errors are above")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, argv, cwd, env, timeout):
+        with tempfile.TemporaryDirectory(prefix="rpa-child-") as scratch:
+            stdout, stderr = Path(scratch, "stdout"), Path(scratch, "stderr")
+            request = {
+                "argv": list(argv),
+                "cwd": str(cwd),
+                "env": env,
+                "stdout": str(stdout),
+                "stderr": str(stderr),
+            }
+            os.write(self.requests, (json.dumps(request) + "\n").encode())
+            pid = self.reply(None)["pid"]  # the zygote's imports, the first time
+            finished = self.reply(timeout)
+            if finished is None:
+                os.kill(pid, signal.SIGKILL)
+                self.reply(None)
+            output = [path.read_text(errors="replace") for path in (stdout, stderr)]
+        command = [sys.executable, *argv]
+        if finished is None:
+            raise subprocess.TimeoutExpired(command, timeout, *output)
+        return subprocess.CompletedProcess(command, finished["returncode"], *output)
+
+
+_zygote: _Zygote | None = None
+
+
+def run_python(*args: str, cwd, env=None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python *args`` in ``cwd`` with ``env`` (default: this process's), its output captured as text."""
+    global _zygote
+    env = dict(os.environ if env is None else env)
+    alive = _zygote is not None and _zygote.process.poll() is None
+    started_with = _zygote.environment if alive else os.environ
+    read_at_start_differ = [
+        name for name in env.keys() | started_with.keys()
+        if not name.startswith(RUN_TIME_VARIABLES) and env.get(name) != started_with.get(name)
+    ]  # fmt: skip
+    if args[0] not in ("-m", "-c") or read_at_start_differ:
+        return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
+    if not alive:
+        _zygote = _Zygote()
+    return _zygote.run(args, cwd, env, timeout)
