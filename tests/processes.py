@@ -1,10 +1,10 @@
 """Python child processes for the end-to-end tests, without paying the interpreter's imports each time.
 
 ``run_python(*args)`` is ``subprocess.run([sys.executable, *args], capture_output=True, text=True)``. A
-``-m``/``-c`` program whose environment differs from this process's only in variables read at run time
-(``RUN_TIME_VARIABLES``) runs in a child forked by this process's zygote (``tests/zygote.py``), which has
-imported jax, NumPy, Hypothesis and pytest once: ~2.5 s less per program. Anything else, and every test
-that is about what an interpreter imports or reads as it starts, gets a new interpreter.
+``-m``/``-c`` program runs in a child forked by this process's zygote (``tests/zygote.py``), which has
+imported jax, NumPy, Hypothesis and pytest once (~2.5 s less per program), unless its environment differs
+from the one those imports saw in a variable that is not only read at run time (``RUN_TIME_VARIABLES``):
+that program, and every test about what an interpreter imports or reads as it starts, gets a new one.
 """
 
 import json
@@ -24,9 +24,9 @@ RUN_TIME_VARIABLES = ("RPA_", "HYPOTHESIS_", "PYTEST_")
 
 class _Zygote:
     def __init__(self):
+        self.started_with = dict(os.environ)
         requests_read, self.requests = os.pipe()
         self.replies, replies_write = os.pipe()
-        self.environment = dict(os.environ)
         self.process = subprocess.Popen(
             [sys.executable, str(ZYGOTE), str(requests_read), str(replies_write)],
             pass_fds=(requests_read, replies_write), stdin=subprocess.DEVNULL,
@@ -34,6 +34,16 @@ class _Zygote:
         os.close(requests_read)
         os.close(replies_write)
         self.pending = b""
+        self.after_imports = self.reply(None)["environment"]  # they set a few variables themselves
+
+    def saw_the_same(self, env: dict) -> bool:
+        """Whether the preloaded modules would have seen ``env`` as they did: every variable read at start
+        the one the zygote started with or the one its imports left."""
+        return all(
+            env.get(name) in (self.started_with.get(name), self.after_imports.get(name))
+            for name in env.keys() | self.started_with.keys() | self.after_imports.keys()
+            if not name.startswith(RUN_TIME_VARIABLES)
+        )
 
     def reply(self, timeout: float | None) -> dict | None:
         """The zygote's next reply, or None if none came within ``timeout`` seconds."""
@@ -58,7 +68,7 @@ class _Zygote:
                 "stderr": str(stderr),
             }
             os.write(self.requests, (json.dumps(request) + "\n").encode())
-            pid = self.reply(None)["pid"]  # the zygote's imports, the first time
+            pid = self.reply(None)["pid"]
             finished = self.reply(timeout)
             if finished is None:
                 os.kill(pid, signal.SIGKILL)
@@ -77,15 +87,10 @@ def run_python(*args: str, cwd, env=None, timeout: float = 900) -> subprocess.Co
     """``python *args`` in ``cwd`` with ``env`` (default: this process's), its output captured as text."""
     global _zygote
     env = dict(os.environ if env is None else env)
-    alive = _zygote is not None and _zygote.process.poll() is None
-    started_with = _zygote.environment if alive else os.environ
-    read_at_start_differ = [
-        name for name in env.keys() | started_with.keys()
-        if not name.startswith(RUN_TIME_VARIABLES) and env.get(name) != started_with.get(name)
-    ]  # fmt: skip
-    if args[0] not in ("-m", "-c") or read_at_start_differ:
-        return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)  # fmt: skip
-    if not alive:
-        _zygote = _Zygote()
-    return _zygote.run(args, cwd, env, timeout)
+    if args[0] in ("-m", "-c"):
+        if _zygote is None or _zygote.process.poll() is not None:
+            _zygote = _Zygote()
+        if _zygote.saw_the_same(env):
+            return _zygote.run(args, cwd, env, timeout)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip

@@ -34,6 +34,9 @@ PRELOADED = (
     "pytest_timeout",
     "pygments",
 )
+# Imported where it can be: jax 0.12's generic interpreter imports it, and the import sets
+# MOSAIC_GPU_CUDA_ROOT, which a child then inherits (on jax 0.10 it needs absl, which is not installed).
+PRELOADED_WHERE_PRESENT = ("jax.experimental.mosaic.gpu",)
 
 
 def exit_status(code) -> int:
@@ -84,8 +87,10 @@ def run_program(argv, cwd, env, stdout, stderr, interpreter_path):
 
 
 def serve(requests_fd: int, replies_fd: int, interpreter_path: list):
-    """One program at a time: fork, report the child's pid, wait, report its exit status as subprocess does."""
+    """First the environment as the imports left it (some set variables); then one program at a time: fork,
+    report the child's pid, wait, report its exit status as subprocess does."""
     with os.fdopen(requests_fd) as requests, os.fdopen(replies_fd, "w", buffering=1) as replies:
+        replies.write(json.dumps({"environment": dict(os.environ)}) + "\n")
         for line in requests:
             pid = os.fork()
             if pid == 0:
@@ -102,4 +107,9 @@ if __name__ == "__main__":
     interpreter_path = list(sys.path)
     for name in PRELOADED:
         importlib.import_module(name)
+    for name in PRELOADED_WHERE_PRESENT:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
     serve(int(sys.argv[1]), int(sys.argv[2]), interpreter_path)
