@@ -27,9 +27,10 @@ class _Zygote:
         self.started_with = dict(os.environ)
         requests_read, self.requests = os.pipe()
         self.replies, replies_write = os.pipe()
+        self.folder = tempfile.TemporaryDirectory(prefix="rpa-zygote-")  # no pytest configuration there
         self.process = subprocess.Popen(
             [sys.executable, str(ZYGOTE), str(requests_read), str(replies_write)],
-            pass_fds=(requests_read, replies_write), stdin=subprocess.DEVNULL,
+            pass_fds=(requests_read, replies_write), stdin=subprocess.DEVNULL, cwd=self.folder.name,
         )  # fmt: skip
         os.close(requests_read)
         os.close(replies_write)

@@ -77,7 +77,7 @@ def test_broken_target_fails_with_its_reason_and_replays(broken, tmp_path, pytes
 
 # tests.broken.hangs compiles nothing (it returns the oracle's output where it does not hang), so the
 # watchdog's timeout only has to cover a NumPy oracle on a small case.
-HANG_TIMEOUT = "5"
+HANG_TIMEOUT = "2"
 
 
 def hang_case(path):
@@ -106,9 +106,9 @@ def test_a_hang_fails_the_test_and_leaves_a_hang_repro(tmp_path, pytestconfig, c
         meta["hang"] == {"seconds": float(HANG_TIMEOUT)} and meta["test"] == f"{DIFFERENTIAL}[fast-interpret]"
     )
     assert not list(tmp_path.glob("*.pending.*")), "the pending example becomes the hang repro"
-    replay = run("-m", "rpa_harness.cli", "replay", str(path), "--timeout", "2", cwd=root)
+    replay = run("-m", "rpa_harness.cli", "replay", str(path), "--timeout", "1", cwd=root)
     assert replay.returncode == 1, replay.stdout + replay.stderr
-    assert "still hangs after 2 s" in replay.stderr, replay.stderr[-2000:]
+    assert "still hangs after 1 s" in replay.stderr, replay.stderr[-2000:]
     # in this process (a call that returns): the first call may compile, so give it time
     capsys.readouterr()
     assert cli.main(["replay", str(path), "--target", "rpa_harness.kernel", "--timeout", "120"]) == 0

@@ -5,12 +5,17 @@ pipes). A child runs its program as ``python -m module ...`` or ``python -c code
 working directory, environment, ``sys.argv``, ``sys.path``, ``__main__``, standard streams to files, exit
 status. It differs from a new interpreter only in the third-party modules below being imported already,
 which costs a new interpreter ~2.5 s here; nothing of the harness is, so its state starts fresh in every child.
+They are imported inside a pytest start-up, so that pytest's plugins (and the distributions they come
+from, Hypothesis among them) are assertion-rewritten as in any pytest run, and a child's pytest finds them
+imported by its own kind of loader instead of warning that it cannot rewrite them.
 No thread of our own runs when it forks (importing jax starts none; NumPy's BLAS handles fork itself).
 """
 
 import atexit
 import builtins
+import contextlib
 import importlib
+import io
 import json
 import os
 import runpy
@@ -18,6 +23,8 @@ import sys
 import threading
 import traceback
 import types
+
+import pytest
 
 PRELOADED = (
     "numpy",
@@ -28,12 +35,12 @@ PRELOADED = (
     "jax.experimental.pallas.tpu",
     "hypothesis",
     "hypothesis.extra.numpy",
-    "pytest",
     "_hypothesis_pytestplugin",
     "xdist.plugin",
     "pytest_timeout",
     "pygments",
 )
+OUR_PLUGIN = "rpa-harness"  # its entry point; never imported here
 # Imported where it can be: jax 0.12's generic interpreter imports it, and the import sets
 # MOSAIC_GPU_CUDA_ROOT, which a child then inherits (on jax 0.10 it needs absl, which is not installed).
 PRELOADED_WHERE_PRESENT = ("jax.experimental.mosaic.gpu",)
@@ -102,14 +109,35 @@ def serve(requests_fd: int, replies_fd: int, interpreter_path: list):
             replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
 
 
+class ImportWhilePytestStarts:
+    """A pytest plugin that imports the modules once pytest has loaded its plugins and installed its
+    assertion-rewriting import hook, before ``--version --version`` ends the run (a single ``--version``
+    returns before pytest starts)."""
+
+    @staticmethod
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_cmdline_main(config):
+        for name in PRELOADED:
+            importlib.import_module(name)
+        for name in PRELOADED_WHERE_PRESENT:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+
+
+def preload():
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        status = pytest.main(["--version", "--version", "-p", f"no:{OUR_PLUGIN}", "-p", "no:cacheprovider"],
+                             plugins=[ImportWhilePytestStarts()])  # fmt: skip
+    if status != 0:
+        raise SystemExit(
+            f"tests/zygote.py: pytest --version --version exited {status} while importing {PRELOADED}"
+        )
+
+
 if __name__ == "__main__":
     sys.path.pop(0)  # this file's folder; a child puts its program's folder there, as the interpreter does
     interpreter_path = list(sys.path)
-    for name in PRELOADED:
-        importlib.import_module(name)
-    for name in PRELOADED_WHERE_PRESENT:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
+    preload()
     serve(int(sys.argv[1]), int(sys.argv[2]), interpreter_path)
