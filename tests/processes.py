@@ -7,6 +7,7 @@ from the one those imports saw in a variable that is not only read at run time (
 that program, and every test about what an interpreter imports or reads as it starts, gets a new one.
 """
 
+import atexit
 import json
 import os
 import select
@@ -36,6 +37,13 @@ class _Zygote:
         os.close(replies_write)
         self.pending = b""
         self.after_imports = self.reply(None)["environment"]  # they set a few variables themselves
+        atexit.register(self.close)
+
+    def close(self):
+        """End of requests: the zygote exits; waited for, so that its CPU time counts as this process's."""
+        os.close(self.requests)
+        self.process.wait(timeout=60)
+        self.folder.cleanup()
 
     def saw_the_same(self, env: dict) -> bool:
         """Whether the preloaded modules would have seen ``env`` as they did: every variable read at start
