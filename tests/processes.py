@@ -19,8 +19,9 @@ from pathlib import Path
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
 
-# Read by the programs when they run, never by the modules the zygote imported: a child may set these.
-RUN_TIME_VARIABLES = ("RPA_", "HYPOTHESIS_", "PYTEST_")
+# Read by the programs when they run, never by the modules the zygote imported as they loaded: a child
+# may set these (prefixes). Hypothesis reads HYPOTHESIS_NO_PLUGINS as it loads, so only these two of its own.
+RUN_TIME_VARIABLES = ("RPA_", "PYTEST_", "HYPOTHESIS_PROFILE", "HYPOTHESIS_STORAGE_DIRECTORY")
 
 
 class _Zygote:
