@@ -97,7 +97,7 @@ def run_python(*args: str, cwd, env=None, timeout: float = 900) -> subprocess.Co
     """``python *args`` in ``cwd`` with ``env`` (default: this process's), its output captured as text."""
     global _zygote
     env = dict(os.environ if env is None else env)
-    if args[0] in ("-m", "-c"):
+    if args[0] in ("-m", "-c") and hasattr(os, "fork"):
         if _zygote is None or _zygote.process.poll() is not None:
             _zygote = _Zygote()
         if _zygote.saw_the_same(env):
