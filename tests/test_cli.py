@@ -12,16 +12,12 @@ from tests.test_bug_report import without_checkout_names
 BUGGY = "tests.injected.head_swap"
 
 
-def run(*args, cwd, env=None):
-    return run_python(*args, cwd=cwd, env=env)
-
-
 @pytest.fixture(scope="module")
 def failing_repro(tmp_path_factory, pytestconfig):
     if pytestconfig.rpa_target.name != "rpa_harness.kernel":
         pytest.skip("the CLI test injects its own bug into the bundled kernel")
     repro_dir = tmp_path_factory.mktemp("repros")
-    result = run(
+    result = run_python(
         "-m", "pytest", "tests/properties/test_differential.py::test_kernel_matches_oracle", "-p", "no:cacheprovider",
         "-q", "-x", f"--rpa-target={BUGGY}", "--rpa-backend=fast-interpret", "--hypothesis-profile=ci",
         f"--rpa-repro-dir={repro_dir}", cwd=pytestconfig.rootpath,
@@ -94,14 +90,14 @@ def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path, caps
     assert "interpret_compat.install()" in program and "force_tpu_interpret_mode(True)" in program
     blocked = without_checkout_names(program)  # a user's copy imports only what is installed
     # PYTHONPATH: where the target lives.
-    printed = run("-c", blocked, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    printed = run_python("-c", blocked, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     assert printed.returncode == 0, printed.stderr[-2000:]
     assert "FAIL" in printed.stdout and "worst: sequence 1," in printed.stdout, printed.stdout
 
 
 def test_replay_snippet_uses_the_checking_backends_parameters(failing_repro):
     path, root = failing_repro
-    result = run("-m", "rpa_harness.cli", "replay", str(path), "--backend", "interpret", "--interpreter-compat", "off",
+    result = run_python("-m", "rpa_harness.cli", "replay", str(path), "--backend", "interpret", "--interpreter-compat", "off",
                  cwd=root)  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
     assert (
@@ -128,14 +124,14 @@ def test_replay_of_a_crash_is_not_a_reproduced_bug(failing_repro, tmp_path, caps
 
 
 def test_unknown_target_is_one_usage_error(pytestconfig):
-    result = run("-m", "pytest", "tests/properties/test_validation.py", "--rpa-target=no_such_module", "-p", "no:cacheprovider",
+    result = run_python("-m", "pytest", "tests/properties/test_validation.py", "--rpa-target=no_such_module", "-p", "no:cacheprovider",
                  cwd=pytestconfig.rootpath)  # fmt: skip
     assert result.returncode == 4, result.stdout + result.stderr
     assert "cannot import it" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_run_shows_a_pytest_usage_error_as_is(pytestconfig):
-    result = run(
+    result = run_python(
         "-m", "rpa_harness.cli", "run", "--target", "no_such_module", "-n", "0", cwd=pytestconfig.rootpath
     )
     assert result.returncode == 4, result.stdout + result.stderr
@@ -143,7 +139,7 @@ def test_run_shows_a_pytest_usage_error_as_is(pytestconfig):
 
 
 def test_tpu_backend_without_a_tpu_is_one_usage_error(pytestconfig):
-    result = run("-m", "pytest", "tests/properties/test_validation.py", "--rpa-backend=tpu", "-p", "no:cacheprovider",
+    result = run_python("-m", "pytest", "tests/properties/test_validation.py", "--rpa-backend=tpu", "-p", "no:cacheprovider",
                  cwd=pytestconfig.rootpath)  # fmt: skip
     assert result.returncode == 4, result.stdout + result.stderr
     assert "no TPU visible to jax" in result.stderr and "use auto or an interpreter" in result.stderr
@@ -152,7 +148,9 @@ def test_tpu_backend_without_a_tpu_is_one_usage_error(pytestconfig):
 
 def test_run_shows_an_unknown_pytest_argument_as_is(tmp_path):
     """Outside any checkout: pytest's own usage error, exit 4, and no summary table under it."""
-    result = run("-m", "rpa_harness.cli", "run", "-n", "0", "--", "--no-such-pytest-option", cwd=tmp_path)
+    result = run_python(
+        "-m", "rpa_harness.cli", "run", "-n", "0", "--", "--no-such-pytest-option", cwd=tmp_path
+    )
     assert result.returncode == 4, result.stdout + result.stderr
     assert "--no-such-pytest-option" in result.stderr and "rpa-harness summary" not in result.stdout
 
@@ -166,7 +164,7 @@ def test_plugin_is_inert_in_a_suite_that_does_not_run_the_harness(tmp_path):
         "    assert 'rpa_harness.kernel' not in sys.modules\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RPA_", "HYPOTHESIS_"))}
-    result = run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path), cwd=tmp_path, env=env)
+    result = run_python("-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path), cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -176,9 +174,9 @@ def test_kernel_names_the_bundled_kernel_in_a_checkout_and_says_what_to_use_else
         "try:\n    print('loaded', targets.load('kernel').name)\n"
         "except targets.TargetError as error:\n    print('error', error)\n"
     )
-    in_checkout = run("-c", code, cwd=pytestconfig.rootpath)
+    in_checkout = run_python("-c", code, cwd=pytestconfig.rootpath)
     assert in_checkout.stdout.strip() == "loaded rpa_harness.kernel", in_checkout.stdout + in_checkout.stderr
-    elsewhere = run("-c", code, cwd=tmp_path)
+    elsewhere = run_python("-c", code, cwd=tmp_path)
     assert "The bundled kernel is --rpa-target=rpa_harness.kernel" in elsewhere.stdout, (
         elsewhere.stdout + elsewhere.stderr
     )

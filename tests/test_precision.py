@@ -235,10 +235,6 @@ def test_the_differential_check_judges_under_the_targets_contract(tmp_path):
     assert reference.parse_precision(written.precision) == undeclared.precision
 
 
-def run(*args, cwd):
-    return run_python(*args, cwd=cwd)
-
-
 def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded_one(
     tmp_path, pytestconfig, capsys
 ):
@@ -247,9 +243,9 @@ def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded
     common = ("-m", "pytest", "tests/properties/test_differential.py::test_kernel_matches_oracle", "-p", "no:cacheprovider",
               "-q", "-x", f"--rpa-target={DECLARED}", "--rpa-backend=fast-interpret", "--hypothesis-profile=ci",
               f"--rpa-repro-dir={tmp_path}")  # fmt: skip
-    declared = run(*common, cwd=pytestconfig.rootpath)
+    declared = run_python(*common, cwd=pytestconfig.rootpath)
     assert declared.returncode == 0, declared.stdout[-3000:] + declared.stderr[-3000:]
-    overridden = run(*common, "--rpa-precision=float32", cwd=pytestconfig.rootpath)
+    overridden = run_python(*common, "--rpa-precision=float32", cwd=pytestconfig.rootpath)
     assert overridden.returncode == 1, overridden.stdout[-3000:] + overridden.stderr[-3000:]
     assert f"diagnosis: consistent with {PROBABILITIES_IN_VALUE_DTYPE}" in overridden.stdout
     path = tmp_path / "differential_fast-interpret.json"
@@ -258,7 +254,7 @@ def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded
     code = cli.main(["replay", str(path)])  # in this process: jax is imported already
     out, err = capsys.readouterr()
     assert code == 1 and "precision: float32\n" in out, out + err
-    unknown = run(*common, "--rpa-precision=bf16", cwd=pytestconfig.rootpath)
+    unknown = run_python(*common, "--rpa-precision=bf16", cwd=pytestconfig.rootpath)
     assert (
         unknown.returncode == 4
         and "--rpa-precision: unknown precision contract(s) bf16; known:" in unknown.stderr
