@@ -26,6 +26,8 @@ from rpa_harness.interpret_compat import tpu as tpu_gaps
 from rpa_harness.interpret_compat.patching import InternalsMoved
 from rpa_harness.strategies.case import Case
 
+from tests.references import as_one_program
+
 INTERPRETERS = ["tpu", "generic"]
 
 
@@ -1181,10 +1183,10 @@ def test_upstream_rpa_matches_its_reference_under_both_interpreters(config):
         k: v for k, v in options.items() if k not in ("num_kv_pages_per_block", "num_queries_per_block")
     }
     # Upstream's reference casts probabilities to the KV dtype; give it the same values in float32 instead.
-    # NumPy arguments keep its slicing out of XLA.
-    reference_arrays = dict(arrays, kv_pages=arrays["kv_pages"].astype(np.float32))
+    metadata = [arrays[name] for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
+    tensors = (arrays["q"], arrays["kv_pages"].astype(np.float32))
     upstream_expected = np.asarray(
-        upstream.ref_ragged_paged_attention(*reference_arrays.values(), **reference_options)
+        as_one_program(upstream.ref_ragged_paged_attention, tensors, metadata, **reference_options)
     )
     expected = reference.oracle(**arrays, **options)
     num_tokens = upstream_expected.shape[0]

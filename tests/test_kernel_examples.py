@@ -11,8 +11,8 @@ float64 (exact), with K and V first put through the kernel's scaling (float32 mu
 The kernel computes in float32, so it must agree within 1e-5 of the output scale; a bfloat16 output may
 additionally sit one rounding step (half a bfloat16 ulp, 2**-8 relative, of the float32 value) away.
 
-Examples that share shapes and static options share one compilation per interpreter; the reference is
-jitted with the metadata as constants so that each example compiles it once.
+Examples that share shapes and static options share one compilation per interpreter; the reference runs
+as one program per example (``tests.references``).
 """
 
 import dataclasses
@@ -26,6 +26,8 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ra
 from rpa_harness import reference
 from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
 from rpa_harness.strategies.case import DTYPES, Case
+
+from tests.references import as_one_program
 
 INTERPRETERS = {
     "tpu_interpreter": pltpu.InterpretParams(),
@@ -82,8 +84,8 @@ def _reference(case, arrays):
     kv[:, :, 1::2] = _as_used_by_kernel(arrays["kv_pages"][:, :, 1::2], v_scale, q_dtype)
     metadata = [arrays[name] for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
     with jax.enable_x64(True):
-        reference = jax.jit(lambda q, kv: ref_ragged_paged_attention(q, kv, *metadata, **options))
-        return np.asarray(reference(arrays["q"].astype(np.float64), kv))
+        q = arrays["q"].astype(np.float64)
+        return np.asarray(as_one_program(ref_ragged_paged_attention, (q, kv), metadata, **options))
 
 
 EXAMPLES = {

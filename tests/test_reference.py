@@ -4,7 +4,6 @@ computation, against upstream's reference, and against deliberately imprecise va
 import importlib
 import math
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -12,6 +11,8 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ups
 from rpa_harness.reference import compare, error_bound, oracle, ragged_paged_attention
 from rpa_harness.reference.jnp_reference import _ragged_paged_attention
 from rpa_harness.strategies.case import Case
+
+from tests.references import as_one_program
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -257,7 +258,12 @@ UPSTREAM_CASES = {
 
 def upstream_reference(arrays, result, **options):
     """Upstream's reference output, padded with NaN to the full row count (it returns only owned rows)."""
-    theirs = upstream.ref_ragged_paged_attention(*(jnp.asarray(a) for a in arrays.values()), **options)
+    metadata = [arrays[name] for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
+    theirs = np.asarray(
+        as_one_program(
+            upstream.ref_ragged_paged_attention, (arrays["q"], arrays["kv_pages"]), metadata, **options
+        )
+    )
     padded = np.full(result.out.shape, np.nan, theirs.dtype)
     padded[: theirs.shape[0]] = theirs
     return padded

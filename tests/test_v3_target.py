@@ -42,6 +42,7 @@ from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import Capabilities, valid_cases
 
 from tests.processes import run_python
+from tests.references import as_one_program
 
 CAPABILITIES = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)
 TARGET = targets.load("rpa_harness.tpu_inference_v3")
@@ -326,7 +327,6 @@ F32_QUERIES = dataclasses.replace(CAPABILITIES, q_dtypes=("float32",), kv_dtypes
 def test_oracle_agrees_with_v3_reference(case):
     """Our oracle, given v3's declared semantics (mask_value_meaning, q_scale), computes what v3's own
     ``ref_ragged_paged_attention`` computes, within the float32 contract."""
-    import jax.numpy as jnp
     from rpa_harness import reference
 
     assume(case.num_seqs > 0)  # v3's reference concatenates the sequences' outputs: it needs one
@@ -337,7 +337,8 @@ def test_oracle_agrees_with_v3_reference(case):
         for k, v in inputs.kwargs.items()
         if k not in ("d_block_sizes", "m_block_sizes", "vmem_limit_bytes")
     }
-    ref_out, _ = v3target.v3.ref_ragged_paged_attention(*map(jnp.asarray, inputs.args), **semantic)
+    tensors, metadata = inputs.args[:4], inputs.args[4:]  # q, k, v, cache; kv_lens ... distribution
+    ref_out, _ = as_one_program(v3target.v3.ref_ragged_paged_attention, tensors, metadata, **semantic)
     rows = case.num_tokens
     padded = np.zeros(arrays["q"].shape, arrays["q"].dtype)
     padded[:rows] = np.asarray(ref_out)[:rows]
