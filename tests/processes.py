@@ -3,8 +3,9 @@
 ``run_python(*args)`` is ``subprocess.run([sys.executable, *args], capture_output=True, text=True)``. A
 ``-m``/``-c`` program runs in a child forked by this process's zygote (``tests/zygote.py``), which has
 imported jax, NumPy, Hypothesis and pytest once (~2.5 s less per program), unless its environment differs
-from the one those imports saw in a variable that is not only read at run time (``RUN_TIME_VARIABLES``):
-that program, and every test about what an interpreter imports or reads as it starts, gets a new one.
+from the one those imports saw in a variable that is not only read at run time (``RUN_TIME_VARIABLES``), or
+its PYTHONPATH has a relative entry: that program, and every test about what an interpreter imports or
+reads as it starts, gets a new one.
 """
 
 import atexit
@@ -90,6 +91,12 @@ class _Zygote:
         return subprocess.CompletedProcess(command, finished["returncode"], *output)
 
 
+def names_the_same_folders_from_anywhere(python_path: str | None) -> bool:
+    """Whether a PYTHONPATH means the same folders whatever the working directory: an interpreter resolves a
+    relative (or empty) entry against the folder it starts in, and the zygote started in a folder of its own."""
+    return not python_path or all(os.path.isabs(entry) for entry in python_path.split(os.pathsep))
+
+
 _zygote: _Zygote | None = None
 
 
@@ -97,7 +104,8 @@ def run_python(*args: str, cwd, env=None, timeout: float = 900) -> subprocess.Co
     """``python *args`` in ``cwd`` with ``env`` (default: this process's), its output captured as text."""
     global _zygote
     env = dict(os.environ if env is None else env)
-    if args[0] in ("-m", "-c") and hasattr(os, "fork"):
+    forkable = args[0] in ("-m", "-c") and hasattr(os, "fork")
+    if forkable and names_the_same_folders_from_anywhere(env.get("PYTHONPATH")):
         if _zygote is None or _zygote.process.poll() is not None:
             _zygote = _Zygote()
         if _zygote.saw_the_same(env):

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from tests.processes import run_python
+from tests import processes
+from tests.processes import names_the_same_folders_from_anywhere, run_python
 
 SEEN = (
     "import json, os, sys\n"
@@ -27,12 +28,27 @@ def test_a_program_sees_what_a_new_interpreter_shows_it(tmp_path):
     for args in (("-c", SEEN, "an argument"), ("-m", "probe", "an argument")):
         warm, new = run_python(*args, cwd=tmp_path, env=env), new_interpreter(*args, cwd=tmp_path, env=env)
         assert (warm.returncode, warm.stderr) == (0, "") and json.loads(warm.stdout) == json.loads(new.stdout)
+
+
+def test_a_relative_pythonpath_names_folders_of_the_programs_cwd(tmp_path, monkeypatch):
+    """Also where the run (so its zygote) started with relative PYTHONPATH entries (here an empty one and
+    ``probes``): the zygote resolved them in a folder of its own, an interpreter started for the program
+    resolves them in the program's cwd."""
+    monkeypatch.setenv("PYTHONPATH", f"{os.pathsep}probes")
+    monkeypatch.setattr(processes, "_zygote", None)  # the next program starts a zygote in this environment
+    (tmp_path / "probe.py").write_text(SEEN)
+    for args in (("-c", SEEN), ("-m", "probe")):
+        warm, new = run_python(*args, cwd=tmp_path), new_interpreter(*args, cwd=tmp_path)
+        assert warm.returncode == 0 and json.loads(warm.stdout) == json.loads(new.stdout), warm.stderr
+
+
+def test_jax_is_imported_in_advance_and_nothing_of_the_harness(tmp_path):
+    """Unless this run's own PYTHONPATH is relative: then every program gets a new interpreter."""
     preloaded = run_python(
         "-c", "import sys; print('jax' in sys.modules, 'rpa_harness' in sys.modules)", cwd=tmp_path
     )
-    assert preloaded.stdout.split() == ["True", "False"], (
-        "jax is imported in advance, nothing of the harness is"
-    )
+    forked = names_the_same_folders_from_anywhere(os.environ.get("PYTHONPATH"))
+    assert preloaded.stdout.split() == [str(forked), "False"], preloaded.stdout + preloaded.stderr
 
 
 @pytest.mark.parametrize(
