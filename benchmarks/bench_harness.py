@@ -18,6 +18,9 @@ count instead of the one thread per worker the plugin gives xdist workers.
 2. The cost split of one example, measured in-process over the pooled property: generation (Hypothesis
    and the strategies), array building, kernel, oracle, comparison; and the compilations per run.
 3. With ``--suite``: the wall time of the whole CI suite (``ci/run_ci.sh``, ci profile, -n 2) per cache state.
+   ``--examples 0 --checking-examples 0 --any-config-examples 0 --skip-split --suite`` times the suite only.
+
+Before and after, the CPU time of a fixed pure-Python loop: the machine's speed while it measured.
 """
 
 import argparse
@@ -60,6 +63,17 @@ STAT_KEYS = ("compilations", "cache_hits", "cache_writes", "cache_not_written")
 def children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def machine_speed() -> float:
+    """CPU seconds of a fixed pure-Python loop (3e7 multiply-adds), printed before and after the
+    measurements: on a shared virtual machine the CPU time of the same work moves with what the other
+    tenants do, and two runs compare only at about the same speed."""
+    start = time.process_time()
+    total = 0
+    for i in range(30_000_000):
+        total += i * i
+    return time.process_time() - start
 
 
 def examples_per_minute(prop: str, examples: int, cache: str, blas_threads: str) -> dict:
@@ -224,6 +238,7 @@ def main():
         "any-config fast": args.any_config_examples,
         "any-config checking": args.any_config_examples // 4,
     }
+    print(f"machine speed before: {machine_speed():.2f} s for the fixed loop")
     try:
         for state in states:
             if state == "cold":
@@ -284,6 +299,7 @@ def main():
                     f"ci suite (ci/run_ci.sh, -n 2), cache {state}: {time.time() - start:.0f} s wall, "
                     f"{children_cpu_seconds() - cpu_before:.0f} s CPU, exit {code}"
                 )
+        print(f"machine speed after: {machine_speed():.2f} s for the fixed loop")
     finally:
         shutil.rmtree(cache_root, ignore_errors=True)
 
