@@ -11,6 +11,10 @@ contract these references are compared under).
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention
+from rpa_harness.spec.interface import ARRAY_NAMES
+
+METADATA_NAMES = ARRAY_NAMES[2:]  # after q and kv_pages: the integer arrays the references slice by
 
 
 def as_one_program(reference, tensors, metadata, **options):
@@ -19,3 +23,10 @@ def as_one_program(reference, tensors, metadata, **options):
     constants = [np.asarray(m) for m in metadata]
     program = jax.jit(lambda *traced: reference(*traced, *constants, **options))
     return program(*(jnp.asarray(t) for t in tensors))
+
+
+def upstream_in_one_program(arrays: dict, q, kv_pages, **options):
+    """jax's upstream ``ref_ragged_paged_attention`` as one program, on ``q`` and ``kv_pages`` (the values a
+    test wants it to see) and the metadata of ``arrays``."""
+    metadata = [arrays[name] for name in METADATA_NAMES]
+    return as_one_program(ref_ragged_paged_attention, (q, kv_pages), metadata, **options)

@@ -26,7 +26,7 @@ from rpa_harness.interpret_compat import tpu as tpu_gaps
 from rpa_harness.interpret_compat.patching import InternalsMoved
 from rpa_harness.strategies.case import Case
 
-from tests.references import as_one_program
+from tests.references import upstream_in_one_program
 
 INTERPRETERS = ["tpu", "generic"]
 
@@ -1183,10 +1183,9 @@ def test_upstream_rpa_matches_its_reference_under_both_interpreters(config):
         k: v for k, v in options.items() if k not in ("num_kv_pages_per_block", "num_queries_per_block")
     }
     # Upstream's reference casts probabilities to the KV dtype; give it the same values in float32 instead.
-    metadata = [arrays[name] for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
-    tensors = (arrays["q"], arrays["kv_pages"].astype(np.float32))
+    kv_pages = arrays["kv_pages"].astype(np.float32)
     upstream_expected = np.asarray(
-        as_one_program(upstream.ref_ragged_paged_attention, tensors, metadata, **reference_options)
+        upstream_in_one_program(arrays, arrays["q"], kv_pages, **reference_options)
     )
     expected = reference.oracle(**arrays, **options)
     num_tokens = upstream_expected.shape[0]

@@ -22,12 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention
 from rpa_harness import reference
 from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
 from rpa_harness.strategies.case import DTYPES, Case
 
-from tests.references import as_one_program
+from tests.references import upstream_in_one_program
 
 INTERPRETERS = {
     "tpu_interpreter": pltpu.InterpretParams(),
@@ -82,10 +81,8 @@ def _reference(case, arrays):
     kv = np.empty(arrays["kv_pages"].shape, np.float64)
     kv[:, :, 0::2] = _as_used_by_kernel(arrays["kv_pages"][:, :, 0::2], k_scale, q_dtype)
     kv[:, :, 1::2] = _as_used_by_kernel(arrays["kv_pages"][:, :, 1::2], v_scale, q_dtype)
-    metadata = [arrays[name] for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
     with jax.enable_x64(True):
-        q = arrays["q"].astype(np.float64)
-        return np.asarray(as_one_program(ref_ragged_paged_attention, (q, kv), metadata, **options))
+        return np.asarray(upstream_in_one_program(arrays, arrays["q"].astype(np.float64), kv, **options))
 
 
 EXAMPLES = {

@@ -7,12 +7,11 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 from rpa_harness.reference import compare, error_bound, oracle, ragged_paged_attention
 from rpa_harness.reference.jnp_reference import _ragged_paged_attention
 from rpa_harness.strategies.case import Case
 
-from tests.references import as_one_program
+from tests.references import upstream_in_one_program
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -258,12 +257,7 @@ UPSTREAM_CASES = {
 
 def upstream_reference(arrays, result, **options):
     """Upstream's reference output, padded with NaN to the full row count (it returns only owned rows)."""
-    metadata = [arrays[name] for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
-    theirs = np.asarray(
-        as_one_program(
-            upstream.ref_ragged_paged_attention, (arrays["q"], arrays["kv_pages"]), metadata, **options
-        )
-    )
+    theirs = np.asarray(upstream_in_one_program(arrays, arrays["q"], arrays["kv_pages"], **options))
     padded = np.full(result.out.shape, np.nan, theirs.dtype)
     padded[: theirs.shape[0]] = theirs
     return padded
