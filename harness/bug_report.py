@@ -21,7 +21,7 @@ import numpy as np
 from rpa_harness import known_issues, reference
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, TPU, Backend
-from rpa_harness.spec.interface import EXTENSION_NAMES
+from rpa_harness.spec.interface import ARRAY_NAMES, EXTENSION_NAMES
 from rpa_harness.targets import Target, first_line_of_error, load
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -69,8 +69,7 @@ def observe(target: Target, backend: Backend, repro: repro_files.Repro) -> Obser
 def _as_jax_list(arrays: dict) -> list:
     import jax.numpy as jnp
 
-    names = ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
-    return [jnp.asarray(arrays[name]) for name in names]
+    return [jnp.asarray(arrays[name]) for name in ARRAY_NAMES]
 
 
 def case_in_words(repro: repro_files.Repro) -> list[str]:
