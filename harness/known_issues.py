@@ -360,7 +360,7 @@ def drop_empty_sequences_before_live_ones(case: Case) -> Case:
 def _v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
     """[q_len, num_q_heads] largest logit over keys [0, kv_len), v3's semantics: q quantised with q_scale,
     k_scale and q_scale folded into the score scale, soft cap, masked logits replaced by mask_value."""
-    from rpa_harness.reference.oracle import quantised_query
+    from rpa_harness.reference.float64 import quantised_query
 
     q, k = _sequence_queries_and_keys(case, arrays, seq)
     q = quantised_query(q, case.q_scale, arrays["kv_pages"].dtype)

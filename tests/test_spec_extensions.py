@@ -71,7 +71,7 @@ def test_replacing_mask_value_weights_masked_keys():
 
 def test_q_scale_clips_to_the_kv_range_and_casts():
     """q / q_scale beyond fp8 e4m3fn's 448 is clipped to 448, then q is cast to fp8; logits times q_scale."""
-    from rpa_harness.reference.oracle import quantised_query
+    from rpa_harness.reference.float64 import quantised_query
 
     q = np.array([1.0, -10.0, 0.3], np.float32)
     got = quantised_query(q, 0.01, np.dtype(ml_dtypes.float8_e4m3fn))
