@@ -26,12 +26,12 @@ from rpa_harness.strategies.case import DTYPES, Case  # noqa: E402
 from rpa_harness.strategies.valid import (  # noqa: E402
     BUCKETS,
     LARGE_BUCKETS,
-    OUR_KERNEL,
     ProductionBucket,
     page_bytes,
     select_buckets,
     valid_cases,
 )
+from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL  # noqa: E402
 
 
 def drawn_cases(bucket: str, examples: int) -> list[Case]:

@@ -22,7 +22,7 @@ from rpa_harness import known_issues, reference
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, TPU, Backend
 from rpa_harness.spec.interface import ARRAY_NAMES, EXTENSION_NAMES
-from rpa_harness.targets import Target, first_line_of_error, load
+from rpa_harness.targets import Target, first_line_of_error, load, shipped_catalogue
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BLOCK_OPTIONS = ("num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes")
@@ -38,7 +38,7 @@ class Observation:
 
 
 def known_issue_for(path: Path) -> known_issues.KnownIssue | None:
-    for issue in known_issues.CATALOGUE:
+    for issue in shipped_catalogue():
         if issue.repro.resolve() == path.resolve():
             return issue
     return None

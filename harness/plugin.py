@@ -23,7 +23,7 @@ Options (each also read from an environment variable):
                                                     Capabilities.buckets (none of them: a usage error)
   --rpa-known-issues=auto|none|NAME[,NAME...]
                                 RPA_KNOWN_ISSUES    known issues whose cases are not drawn (default: auto, the
-                                                    target's declaration; see harness/known_issues.py)
+                                                    target's declaration; see docs/targets.md)
 Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
 RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
 
@@ -232,7 +232,9 @@ def pytest_configure_after_hypothesis(config):
         config.rpa_target = dataclasses.replace(config.rpa_target, precision=precision)
     try:
         declared = known_issues.parse_option(
-            config.getoption(known_issues.OPTION), config.rpa_target.known_issues
+            config.getoption(known_issues.OPTION),
+            config.rpa_target.known_issues,
+            config.rpa_target.catalogue + targets.shipped_catalogue(),
         )
     except known_issues.KnownIssueError as error:
         raise pytest.UsageError(str(error)) from None

@@ -11,13 +11,12 @@ Public API: ``MUTANTS`` (the catalogue), ``BY_NAME``, ``patched_source(mutant)``
 ``PatchError``; and one attribute per mutant name (its module).
 """
 
-import dataclasses
 import linecache
 import sys
 import types
 from pathlib import Path
 
-from rpa_harness.strategies.valid import OUR_KERNEL
+from rpa_harness.targets import bundled
 
 from mutants.catalogue import KERNEL_FILE, MUTANTS, VALIDATION_FILE, Mutant
 
@@ -72,7 +71,7 @@ def build(mutant: Mutant) -> types.ModuleType:
     # The kernel source imports the validator from rpa_harness.spec.interface; point it at this mutant's instead.
     module.static_validate_inputs = validation.static_validate_inputs
     module.dynamic_validate_inputs = validation.dynamic_validate_inputs
-    module.RPA_HARNESS_CAPABILITIES = dataclasses.asdict(OUR_KERNEL)
+    module.RPA_HARNESS_CAPABILITIES = bundled.RPA_HARNESS_CAPABILITIES
     module.MUTANT = mutant
     module.__doc__ = f"Mutant {mutant.name} of our kernel: {mutant.description}."
     return module

@@ -16,8 +16,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from rpa_harness.known_issues import UPSTREAM_KNOWN_ISSUES
-from rpa_harness.strategies.valid import UPSTREAM_KERNEL
+from rpa_harness.targets import upstream
 
 from mutants import PatchError, _exec_module
 
@@ -86,8 +85,9 @@ def build(mutant: UpstreamMutant):
     module = _exec_module(
         f"{__name__}.{mutant.name}", patched_source(mutant), f"upstream mutant {mutant.name}: kernel.py"
     )
-    module.RPA_HARNESS_CAPABILITIES = dataclasses.asdict(UPSTREAM_KERNEL)
-    module.RPA_HARNESS_KNOWN_ISSUES = UPSTREAM_KNOWN_ISSUES
+    module.RPA_HARNESS_CAPABILITIES = upstream.RPA_HARNESS_CAPABILITIES
+    module.RPA_HARNESS_KNOWN_ISSUES = upstream.RPA_HARNESS_KNOWN_ISSUES
+    module.RPA_HARNESS_CATALOGUE = upstream.RPA_HARNESS_CATALOGUE
     module.MUTANT = mutant
     module.__doc__ = f"Mutant {mutant.name} of upstream's RPA kernel: {mutant.description}."
     return module

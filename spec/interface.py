@@ -24,7 +24,7 @@ import numpy as np
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 # What mask_value means. Upstream ADDS it to a masked logit (the default masks fully: its sum is far below
-# every live logit). tpu-inference's RPA v3 REPLACES a masked logit with it, and its default (None) is
+# every live logit). A kernel may instead REPLACE a masked logit with it, with the default (None)
 # finfo(output dtype).min: with a finite mask_value a masked key keeps the weight exp(mask_value - max),
 # and its value enters P @ V. The two defaults mean the same (no weight); other values do not.
 MASK_ADDED = "added"
@@ -35,7 +35,7 @@ ARRAY_NAMES = ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seq
 
 # Field metadata: an option that only tunes how the kernel runs (block sizes, VMEM); the output is the same.
 TUNING = {"tuning": True}
-# Field metadata: semantics beyond upstream's interface that some targets have (tpu-inference v3). Not in
+# Field metadata: semantics beyond upstream's interface that some targets have. Not in
 # upstream's signature (``SIGNATURE``, ``takes_options``): only the judges (``takes_extended_options``) and
 # targets that declare them (``rpa_harness.strategies.valid.Capabilities``) receive them, so upstream's kernel and ours
 # never get a keyword they do not take.
@@ -55,10 +55,10 @@ class Options:
     num_kv_pages_per_block: int | None = dataclasses.field(default=None, metadata=TUNING)
     num_queries_per_block: int | None = dataclasses.field(default=None, metadata=TUNING)
     vmem_limit_bytes: int | None = dataclasses.field(default=None, metadata=TUNING)
-    # v3's query scale: q is divided by it, clipped to the KV dtype's finite range and cast to the KV dtype
+    # A quantised query: q is divided by it, clipped to the KV dtype's finite range and cast to the KV dtype
     # (in q's dtype until the cast), and the logits are multiplied by it. None: q is used as it is.
     q_scale: float | None = dataclasses.field(default=None, metadata=EXTENSION)
-    # MASK_ADDED (upstream) or MASK_REPLACES (v3); see MASK_VALUE_MEANINGS.
+    # MASK_ADDED (upstream's) or MASK_REPLACES; see MASK_VALUE_MEANINGS.
     mask_value_meaning: str = dataclasses.field(default=MASK_ADDED, metadata=EXTENSION)
 
     def keywords(self) -> dict:
@@ -86,8 +86,8 @@ class Options:
         return dataclasses.replace(self, mask_value=mask_value, **tuning)
 
     def mask_value_for(self, out_dtype) -> float:
-        """The mask value a call uses: ``None`` resolved per meaning (v3's default depends on the output
-        dtype, so it is resolved here rather than in ``semantics()``)."""
+        """The mask value a call uses: ``None`` resolved per meaning (a replacing mask's default depends on
+        the output dtype, so it is resolved here rather than in ``semantics()``)."""
         if self.mask_value is not None:
             return self.mask_value
         if self.mask_value_meaning == MASK_REPLACES:
@@ -151,7 +151,27 @@ def takes_extended_options(implementation):
 
 
 # The messages, one function per rule. ``f"{x=}"`` in upstream renders ``x=`` and ``repr(x)``; each function
-# takes the values as the validator has them (a jax scalar renders as ``Array(7, dtype=int32)``).
+# takes the values as the validator has them (a jax scalar renders as ``Array(7, dtype=int32)``: JaxInt).
+
+
+class JaxInt:
+    """An int32 as a validator renders an entry of a jax array: ``Array(7, dtype=int32)``."""
+
+    def __init__(self, value: int):
+        self.value = int(value)
+
+    def __repr__(self) -> str:
+        return f"Array({self.value}, dtype=int32)"
+
+    __str__ = __repr__
+
+
+def values_per_word(dtype) -> int:
+    """Values of ``dtype`` in one 32-bit word (float32 1, bfloat16 2, 8-bit 4): how TPU layouts pack them."""
+    import ml_dtypes  # numpy's dtype() does not know the 8-bit float names
+
+    dtype = np.dtype(getattr(ml_dtypes, dtype, dtype)) if isinstance(dtype, str) else np.dtype(dtype)
+    return 4 // dtype.itemsize
 
 
 def odd_combined_kv_heads_message(num_combined_kv_heads) -> str:
@@ -259,7 +279,7 @@ def mask_value_meaning_message(meaning) -> str:
 
 
 def check_extensions(options: Options) -> None:
-    """The extension options' own rules (v3 states none for q_scale; a scale must be a float or None)."""
+    """The extension options' own rules (a scale must be a float or None)."""
     if options.mask_value_meaning not in MASK_VALUE_MEANINGS:
         raise ValueError(mask_value_meaning_message(options.mask_value_meaning))
     _check_scale("q_scale", options.q_scale)

@@ -13,7 +13,7 @@ import math
 import numpy as np
 from hypothesis import event, reject
 from hypothesis import strategies as st
-from rpa_harness.spec.interface import DEFAULT_MASK_VALUE, MASK_ADDED, MASK_VALUE_MEANINGS
+from rpa_harness.spec.interface import DEFAULT_MASK_VALUE, MASK_ADDED, MASK_VALUE_MEANINGS, values_per_word
 from rpa_harness.strategies.case import DTYPES, Case
 
 
@@ -32,8 +32,8 @@ class ProductionBucket:
 
     The choices follow the keys of upstream's tuned block-size tables (jax's
     ``ragged_paged_attention/tuned_block_sizes.py``: max_num_batched_tokens 512-4096, page sizes 16-256,
-    max_model_len = page_size * pages_per_seq; tpu-inference v3's: 8-128 q heads, head_dim 128/256, model
-    lengths to 8k) widened to what serving uses (8,192 tokens, 512 slots, 128k keys per sequence). The
+    max_model_len = page_size * pages_per_seq; the tuned tables of other TPU kernels: 8-128 q heads, head_dim
+    128/256, model lengths to 8k) widened to what serving uses (8,192 tokens, 512 slots, 128k keys per sequence). The
     budgets keep one example affordable on one CPU core: the oracle's result (seven float64 arrays of
     ``T * q_heads * head_dim``), the KV cache (which Case.arrays fills whole), and the attention work of the layout (query rows times
     keys times q heads, which is what the oracle and an interpreted kernel spend their time on).
@@ -137,19 +137,19 @@ class Capabilities:
     # Whether k_scale and v_scale must be given together when q's dtype differs from the KV dtype
     # (upstream casts only the scaled side to q's dtype, then fails `assert k.dtype == v.dtype`).
     paired_kv_scales_for_mixed_dtypes: bool = False
-    # Whether page_size must be a multiple of the KV dtype's values per 32-bit word (tpu-inference v3 packs
+    # Whether page_size must be a multiple of the KV dtype's values per 32-bit word (a cache that packs
     # them: bfloat16 2, fp8 4); page sizes a KV dtype cannot use are not drawn with it.
     page_size_multiple_of_kv_packing: bool = False
-    # Whether a live sequence may have q_len == 0 (tpu-inference v3 requires 0 < q_len <= kv_len).
+    # Whether a live sequence may have q_len == 0 (a target may require 0 < q_len <= kv_len).
     empty_sequences: bool = True
-    # What the target's mask_value means (rpa_harness.spec.interface.MASK_VALUE_MEANINGS): upstream adds it to a masked
-    # logit, tpu-inference v3 replaces the logit with it. Cases carry the meaning (mask_value_meaning) so
-    # that the judges compute it.
+    # What the target's mask_value means (rpa_harness.spec.interface.MASK_VALUE_MEANINGS): upstream adds it to
+    # a masked logit, a target may replace the logit with it. Cases carry the meaning (mask_value_meaning)
+    # so that the judges compute it.
     mask_value_meaning: str = MASK_ADDED
-    # Whether the target takes q_scale (an extension option: tpu-inference v3's quantised query).
+    # Whether the target takes q_scale (an extension option: a quantised query).
     q_scale: bool = False
     # Whether a K/V scale has upstream's meaning: the scaled cache is rounded to q's dtype. If not
-    # (tpu-inference v3 folds k_scale into the score scale and applies v_scale after P @ V, unrounded), no
+    # (a kernel may fold k_scale into the score scale and apply v_scale after P @ V, unrounded), no
     # scale is drawn where that rounding is lossy, i.e. where the KV dtype is wider than q's.
     kv_scales_round_to_q_dtype: bool = True
     # The buckets the target can run (names of BUCKETS); ``bucket_selection`` is what is drawn (set by
@@ -159,10 +159,8 @@ class Capabilities:
     # The backends (rpa_harness.backends names) the target is declared to run on; elsewhere its numeric
     # properties are skipped as "cannot run" (declared). Any other error on valid input is a failure.
     backends: tuple[str, ...] = ("interpret", "fast-interpret", "tpu")
-    # The input rules and messages the target's validators are held to (rpa_harness.strategies.violations.TABLES):
-    # upstream's, or tpu-inference v3's own (spec/tpu_inference_v3.py).
-    validation_rules: str = "upstream"
-    # Opt-ins beyond the specified behaviour: our stricter ValueErrors, and lowering to Mosaic on CPU.
+    # Opt-ins beyond the specified behaviour: the specification's stricter ValueErrors (the rules upstream
+    # asserts or accepts), and lowering to Mosaic on CPU.
     strict_validation: bool = False
     lowers_for_tpu: bool = False
     # Options whose values the target takes at run time (calls differing only in them share a compilation;
@@ -196,10 +194,6 @@ class Capabilities:
                 f"Capabilities(bucket_selection={self.bucket_selection!r}) draws buckets the target does not "
                 f"declare (buckets={self.buckets!r}); select among the declared ones."
             )
-        if self.validation_rules not in ("upstream", "tpu-inference-v3"):
-            raise ValueError(
-                f"Capabilities(validation_rules={self.validation_rules!r}): choose 'upstream' or 'tpu-inference-v3'."
-            )
         if self.mask_value_meaning not in MASK_VALUE_MEANINGS:
             raise ValueError(
                 f"Capabilities(mask_value_meaning={self.mask_value_meaning!r}): choose one of {MASK_VALUE_MEANINGS}."
@@ -212,19 +206,7 @@ class Capabilities:
             )
 
 
-OUR_KERNEL = Capabilities(
-    strict_validation=True,
-    lowers_for_tpu=True,
-    buckets=("tiny", "small", "medium", "production"),
-    runtime_options=RUNTIME_OPTIONS,
-)
-# One K/V scale with mixed dtypes is an upstream bug, not a documented limitation: it is the known issue
-# one-kv-scale-with-mixed-dtypes (harness/known_issues.py), not paired_kv_scales_for_mixed_dtypes.
-UPSTREAM_KERNEL = Capabilities(
-    head_dims=(128, 256),
-    even_kv_heads_for_fp8=True,
-    needs_block_sizes=True,
-)
+WHOLE_SPACE = Capabilities()  # the default of every strategy: the whole specified space
 
 SM_SCALES = (1.0, 0.125, 0.05)
 SLIDING_WINDOWS = (1, 5, 16, 1 << 20)  # one key, small, medium, longer than every kv_len
@@ -272,13 +254,9 @@ def make_config(
     )
 
 
-def _kv_packing(kv_dtype: str) -> int:
-    return 4 if kv_dtype.startswith("float8") else 2 if kv_dtype == "bfloat16" else 1
-
-
 def _kv_dtypes_for(capabilities: Capabilities, page_size: int) -> tuple[str, ...]:
     if capabilities.page_size_multiple_of_kv_packing:
-        return tuple(d for d in capabilities.kv_dtypes if page_size % _kv_packing(d) == 0)
+        return tuple(d for d in capabilities.kv_dtypes if page_size % values_per_word(d) == 0)
     return capabilities.kv_dtypes
 
 
@@ -297,7 +275,7 @@ def _small_page_sizes(capabilities: Capabilities) -> tuple[int, ...]:
 
 
 @st.composite
-def static_configs(draw, capabilities: Capabilities = OUR_KERNEL, *, buckets=None) -> dict:
+def static_configs(draw, capabilities: Capabilities = WHOLE_SPACE, *, buckets=None) -> dict:
     """Static shapes and dtypes: the part that decides which compiled kernel runs.
 
     ``buckets`` default to the selected small ones (``drawn_buckets``); a large bucket named here is drawn
@@ -306,7 +284,7 @@ def static_configs(draw, capabilities: Capabilities = OUR_KERNEL, *, buckets=Non
 
 
 @st.composite
-def bucketed_configs(draw, capabilities: Capabilities = OUR_KERNEL, *, buckets=None) -> tuple[str, dict]:
+def bucketed_configs(draw, capabilities: Capabilities = WHOLE_SPACE, *, buckets=None) -> tuple[str, dict]:
     """(bucket name, static config): see ``static_configs``."""
     bucket = draw(st.sampled_from(buckets or drawn_buckets(capabilities)))
     if isinstance(BUCKETS[bucket], ProductionBucket):
@@ -421,7 +399,7 @@ def tuned_block_sizes(config: dict) -> st.SearchStrategy[dict]:
 
 
 @st.composite
-def production_block_sizes(draw, config: dict, capabilities: Capabilities = OUR_KERNEL) -> dict:
+def production_block_sizes(draw, config: dict, capabilities: Capabilities = WHOLE_SPACE) -> dict:
     """Block sizes for a production config: left to the kernel (None, what shrinking moves to) where the
     target picks its own, else (or sometimes) upstream's tuned values."""
     if not capabilities.needs_block_sizes and draw(st.booleans()) is False:
@@ -459,7 +437,7 @@ def required_block_sizes(config: dict) -> dict:
     return dict(num_kv_pages_per_block=min(2, config["pages_per_seq"]), num_queries_per_block=8)
 
 
-def pool(capabilities: Capabilities = OUR_KERNEL) -> list[tuple[dict, dict]]:
+def pool(capabilities: Capabilities = WHOLE_SPACE) -> list[tuple[dict, dict]]:
     """POOL moved inside a target's capabilities (nearest supported head_dim, page size, heads, dtypes)."""
     entries = []
     for layout, opts in POOL:
@@ -507,7 +485,7 @@ def _kv_scales_unspecified(capabilities: Capabilities, config: dict) -> bool:
 
 
 @st.composite
-def options(draw, config: dict, capabilities: Capabilities = OUR_KERNEL) -> dict:
+def options(draw, config: dict, capabilities: Capabilities = WHOLE_SPACE) -> dict:
     """Keyword options; each shrinks to its upstream default."""
     drawn = dict(
         sm_scale=draw(st.sampled_from(SM_SCALES)),
@@ -690,7 +668,7 @@ def production_layouts(
 @st.composite
 def valid_cases(
     draw,
-    capabilities: Capabilities = OUR_KERNEL,
+    capabilities: Capabilities = WHOLE_SPACE,
     *,
     pooled: bool = False,
     large: bool = False,
@@ -824,7 +802,7 @@ def label_coverage(case: Case) -> None:
 
 
 def valid_case_groups(
-    capabilities: Capabilities = OUR_KERNEL, *, max_cases: int = 4, excluding=()
+    capabilities: Capabilities = WHOLE_SPACE, *, max_cases: int = 4, excluding=()
 ) -> st.SearchStrategy[list[Case]]:
     """1 to ``max_cases`` valid cases from the whole static space that share one static configuration and
     static options, so one compiled kernel serves them all: each has its own ragged layout and data, and

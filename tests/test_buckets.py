@@ -16,10 +16,8 @@ from rpa_harness.strategies.case import DTYPES
 from rpa_harness.strategies.valid import (
     BUCKETS,
     DEFAULT_BUCKETS,
-    OUR_KERNEL,
     TUNED_KV_PAGES_PER_BLOCK,
     TUNED_QUERIES_PER_BLOCK,
-    UPSTREAM_KERNEL,
     BucketError,
     Capabilities,
     drawn_buckets,
@@ -29,6 +27,8 @@ from rpa_harness.strategies.valid import (
     valid_cases,
 )
 from rpa_harness.targets import UPSTREAM_TARGET
+from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
+from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
 
 from tests.processes import run_python
 

@@ -1,12 +1,14 @@
 """`rpa-harness report` writes an upstream-ready report, and `rpa-harness run` summarises the known issues."""
 
 import pytest
-from rpa_harness import bug_report, cli, interpret_compat, known_issues
+from rpa_harness import bug_report, cli, interpret_compat
+from rpa_harness.known_issues import findings_dir
+from rpa_harness.targets import upstream
 from rpa_harness.backends import FAST_INTERPRET
 
 from tests.processes import run_python
 
-ONE_SCALE = known_issues.BY_NAME["one-kv-scale-with-mixed-dtypes"]
+ONE_SCALE = {issue.name: issue for issue in upstream.RPA_HARNESS_CATALOGUE}["one-kv-scale-with-mixed-dtypes"]
 CHECKOUT_NAMES = ("harness", "kernel", "reference", "strategies", "spec")
 
 
@@ -42,7 +44,7 @@ def test_report_of_a_bad_file_is_one_error(tmp_path, pytestconfig):
 def test_a_repro_with_extension_semantics_gets_no_report_that_misstates_it(tmp_path, pytestconfig):
     """v3's repros carry mask_value_meaning="replaces" (and may carry q_scale): upstream's API and the
     script's reference cannot state them, so report refuses, naming the option and the replay."""
-    path = known_issues.V3_FINDINGS_DIR / "rescale-in-output-dtype" / "differential_fast-interpret.json"
+    path = findings_dir("tpu-inference-v3-findings") / "rescale-in-output-dtype" / "differential_fast-interpret.json"
     result = run_python("-m", "rpa_harness.cli", "report", str(path), cwd=pytestconfig.rootpath)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert (

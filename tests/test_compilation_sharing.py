@@ -12,8 +12,10 @@ from rpa_harness.checks import check_differential
 from rpa_harness.kernel import pallas_rpa
 from rpa_harness.spec.interface import OPTION_NAMES
 from rpa_harness.strategies.case import Case
-from rpa_harness.strategies.valid import OUR_KERNEL, RUNTIME_OPTIONS, UPSTREAM_KERNEL, valid_case_groups
+from rpa_harness.strategies.valid import RUNTIME_OPTIONS, valid_case_groups
 from rpa_harness.targets import load
+from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
+from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
 
 from tests.processes import run_python
 
@@ -74,6 +76,10 @@ backends.count_compilations()
 backends.enable_compilation_cache(sys.argv[1])
 from rpa_harness.backends import Backend
 from rpa_harness.targets import load
+from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
+from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
+from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
+from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 from tests.test_compilation_sharing import SMALL
 Backend("fast-interpret").run(load("rpa_harness.kernel").attention, SMALL.arrays(), SMALL.options())
 print("STATS", json.dumps(backends.compilation_stats()))

@@ -7,16 +7,17 @@ import itertools
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
-from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream_kernel
 from rpa_harness import known_issues, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.strategies.case import Case
-from rpa_harness.strategies.valid import UPSTREAM_KERNEL, valid_cases
-from rpa_harness.targets import as_jax
+from rpa_harness.strategies.valid import valid_cases
+from rpa_harness.targets import as_jax, upstream
 
 from tests.processes import run_python
 
-CATALOGUE = known_issues.CATALOGUE
+CATALOGUE = upstream.RPA_HARNESS_CATALOGUE
+UPSTREAM = upstream.RPA_HARNESS_CAPABILITIES
 # Largest share of drawn cases (no issue excluded) a predicate may match: the rest of the space stays tested.
 NARROW = 0.25
 
@@ -43,7 +44,7 @@ def drawn(strategy, count: int) -> list[Case]:
 
 @pytest.fixture(scope="module")
 def upstream_cases() -> list[Case]:
-    return drawn(valid_cases(UPSTREAM_KERNEL), 200) + drawn(valid_cases(UPSTREAM_KERNEL, pooled=True), 200)
+    return drawn(valid_cases(UPSTREAM), 200) + drawn(valid_cases(UPSTREAM, pooled=True), 200)
 
 
 @pytest.mark.parametrize("issue", CATALOGUE, ids=lambda issue: issue.name)
@@ -65,9 +66,9 @@ def test_predicate_is_narrow(issue, upstream_cases):
 @settings(max_examples=100, deadline=None)
 @given(data=__import__("hypothesis").strategies.data())
 def test_declared_issues_are_never_drawn(pooled, data):
-    case = data.draw(valid_cases(UPSTREAM_KERNEL, pooled=pooled, excluding=CATALOGUE))
+    case = data.draw(valid_cases(UPSTREAM, pooled=pooled, excluding=CATALOGUE))
     assert [issue.name for issue in CATALOGUE if issue.matches(case)] == []
-    upstream.dynamic_validate_inputs(**as_jax(case.arrays()), **case.options())
+    upstream_kernel.dynamic_validate_inputs(**as_jax(case.arrays()), **case.options())
 
 
 def test_moving_out_of_an_issue_keeps_the_case_close(upstream_cases):
@@ -86,34 +87,34 @@ def test_moving_out_of_an_issue_keeps_the_case_close(upstream_cases):
 def test_head_blocks_restate_upstream():
     """``upstream_head_blocks`` gives upstream's grid size for every head layout and dtype drawn."""
     for kv_heads, ratio, q_dtype, kv_dtype in itertools.product(
-        (1, 2, 4, 8), (1, 2, 3, 4, 8), UPSTREAM_KERNEL.q_dtypes, UPSTREAM_KERNEL.kv_dtypes
+        (1, 2, 4, 8), (1, 2, 3, 4, 8), UPSTREAM.q_dtypes, UPSTREAM.kv_dtypes
     ):
         case = Case(8, 2, 2, 4, 16, kv_heads * ratio, kv_heads, 128, q_dtype=q_dtype, kv_dtype=kv_dtype)
         try:
-            q_heads_per_block, _ = upstream.get_min_heads_per_blk(
+            q_heads_per_block, _ = upstream_kernel.get_min_heads_per_blk(
                 kv_heads * ratio, 2 * kv_heads, case.arrays()["q"].dtype, case.arrays()["kv_pages"].dtype
             )
         except ValueError:  # a combined head count upstream cannot tile: not drawn for it
             continue
-        assert known_issues.upstream_head_blocks(case) == kv_heads * ratio // q_heads_per_block, case
+        assert upstream.upstream_head_blocks(case) == kv_heads * ratio // q_heads_per_block, case
 
 
 def test_upstream_declares_every_upstream_finding():
     declared = targets.load(targets.UPSTREAM_TARGET).known_issues
-    assert [issue.name for issue in declared] == list(known_issues.UPSTREAM_KNOWN_ISSUES)
-    findings = sorted(p.name for p in known_issues.FINDINGS_DIR.iterdir() if p.is_dir())
+    assert [issue.name for issue in declared] == list(upstream.RPA_HARNESS_KNOWN_ISSUES)
+    findings = sorted(p.name for p in upstream.FINDINGS.iterdir() if p.is_dir())
     assert sorted(issue.name for issue in declared) == findings
     assert targets.load(targets.DEFAULT_TARGET).known_issues == ()
 
 
 def test_option_values():
-    declared = known_issues.CATALOGUE[:2]
-    assert known_issues.parse_option("auto", declared) == declared
-    assert known_issues.parse_option("none", declared) == ()
+    declared = CATALOGUE[:2]
+    assert known_issues.parse_option("auto", declared, CATALOGUE) == declared
+    assert known_issues.parse_option("none", declared, CATALOGUE) == ()
     first, third = CATALOGUE[0], CATALOGUE[2]
-    assert known_issues.parse_option(f"{first.name}, {third.name}", ()) == (first, third)
+    assert known_issues.parse_option(f"{first.name}, {third.name}", (), CATALOGUE) == (first, third)
     with pytest.raises(known_issues.KnownIssueError) as error:
-        known_issues.parse_option("no-such-issue", declared)
+        known_issues.parse_option("no-such-issue", declared, CATALOGUE)
     message = str(error.value)
     assert "'no-such-issue'" in message and all(issue.name in message for issue in CATALOGUE)
     assert "\n" not in message

@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from rpa_harness import kernel, reference
 from rpa_harness.spec.interface import EXTENSION_NAMES, MASK_REPLACES, OPTION_NAMES, Options
 from rpa_harness.strategies.case import Case
-from rpa_harness.strategies.valid import OUR_KERNEL, UPSTREAM_KERNEL, Capabilities, valid_cases
+from rpa_harness.strategies.valid import Capabilities, valid_cases
+from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
+from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
 
 # What tpu-inference v3 declares (harness/tpu_inference_v3.py), without importing it.
 EXTENDED = Capabilities(mask_value_meaning=MASK_REPLACES, q_scale=True, page_size_multiple_of_kv_packing=True)

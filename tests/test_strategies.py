@@ -10,9 +10,10 @@ from hypothesis import find, given, settings
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 from rpa_harness.kernel import dynamic_validate_inputs
 from rpa_harness.spec.interface import DEFAULT_MASK_VALUE
-from rpa_harness.strategies.valid import OUR_KERNEL, Capabilities, coverage_labels, valid_cases
+from rpa_harness.strategies.valid import Capabilities, coverage_labels, valid_cases
 from rpa_harness.strategies.violations import RULES, UPSTREAM_RULES, invalid_cases
 from rpa_harness.targets import as_jax
+from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 
 
 def live_keys(arrays, page_size) -> np.ndarray:

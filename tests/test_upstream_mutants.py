@@ -6,11 +6,10 @@ small case outside every known issue (so the issues' exclusion cannot hide it). 
 import dataclasses
 
 import pytest
-from rpa_harness import known_issues
 from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import CannotRun, PropertyFailure, check_differential
 from rpa_harness.strategies.case import Case
-from rpa_harness.targets import UPSTREAM_TARGET, load
+from rpa_harness.targets import UPSTREAM_TARGET, load, upstream
 
 import mutants.upstream
 
@@ -60,10 +59,10 @@ def test_every_upstream_mutant_has_a_witness():
 @pytest.mark.parametrize("name", sorted(WITNESSES))
 def test_upstream_mutant_differs_from_upstream_outside_the_known_issues(name):
     case = WITNESSES[name]
-    assert [i.name for i in known_issues.CATALOGUE if i.matches(case)] == []
+    assert [i.name for i in upstream.RPA_HARNESS_CATALOGUE if i.matches(case)] == []
     arrays, options = case.arrays(), case.options()
     check_differential(load(UPSTREAM_TARGET), FAST, arrays, options)
     mutant = load(f"mutants.upstream.{name}")
-    assert mutant.known_issues == tuple(known_issues.BY_NAME[n] for n in known_issues.UPSTREAM_KNOWN_ISSUES)
+    assert mutant.known_issues == upstream.RPA_HARNESS_CATALOGUE
     with pytest.raises(PropertyFailure):
         check_differential(mutant, FAST, arrays, options)

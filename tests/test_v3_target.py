@@ -1,4 +1,4 @@
-"""tpu-inference's RPA v3 (``rpa_harness.tpu_inference_v3``): both of its outputs, its validators, its hang,
+"""tpu-inference's RPA v3 (``rpa_harness.targets.tpu_inference_v3``): both of its outputs, its validators, its hang,
 its semantics against its own reference, its known issues.
 
 v3 returns the attention and the cache with the new tokens written into it. Each example runs v3 once on
@@ -26,11 +26,11 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 try:
-    from rpa_harness import tpu_inference_v3 as v3target
+    from rpa_harness.targets import tpu_inference_v3 as v3target
 except ImportError as error:
     pytest.skip(str(error), allow_module_level=True)
 
-from rpa_harness import known_issues, targets
+from rpa_harness import targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure
@@ -45,8 +45,9 @@ from tests.processes import run_python
 from tests.references import as_one_program
 
 CAPABILITIES = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)
-TARGET = targets.load("rpa_harness.tpu_inference_v3")
+TARGET = targets.load(targets.V3_TARGET)
 BACKEND = v3target.CHECKING
+CATALOGUE = {issue.name: issue for issue in v3target.RPA_HARNESS_CATALOGUE}
 # A warm v3 call on the TPU interpreter costs 0.1-4 s and each new configuration compiles for 3-10 s.
 POOLED_EXAMPLES = max(5, settings.default.max_examples // 4)
 ANY_CONFIG_EXAMPLES = max(3, settings.default.max_examples // 8)
@@ -238,7 +239,7 @@ def test_q_len_zero_before_live_sequence_returns(v3_runs):
     env = dict(os.environ, RPA_CALL_TIMEOUT=str(HANG_TIMEOUT_SECONDS))
     replay = run_python(
         "-m",
-        "rpa_harness.tpu_inference_v3",
+        targets.V3_TARGET,
         str(HANG_REPRO),
         cwd=ROOT,
         env=env,
@@ -248,7 +249,7 @@ def test_q_len_zero_before_live_sequence_returns(v3_runs):
     assert replay.returncode in (0, 1) and not hangs, hangs or textwrap.shorten(replay.stderr, 600)
 
 
-RESCALE_REPRO = known_issues.V3_FINDINGS_DIR / "rescale-in-output-dtype" / "differential_fast-interpret.json"
+RESCALE_REPRO = v3target.known_issues.FINDINGS / "rescale-in-output-dtype" / "differential_fast-interpret.json"
 
 
 def test_the_accumulator_contract_makes_v3s_roundings(v3_runs):
@@ -350,7 +351,7 @@ def test_oracle_agrees_with_v3_reference(case):
     assert comparison.ok, f"{case.describe()}\n{comparison}"
 
 
-# ---- The known issues v3 declares (harness/known_issues.py V3_CATALOGUE) ----
+# ---- The known issues v3 declares (known_issues.py of its target) ----
 
 
 def test_the_finite_mask_value_finding_covers_values_zeroed_past_a_query_blocks_positions():
@@ -362,18 +363,18 @@ def test_the_finite_mask_value_finding_covers_values_zeroed_past_a_query_blocks_
                 num_q_heads=2, num_kv_heads=2, head_dim=256, q_dtype="float32", kv_dtype="float8_e5m2",
                 q_lens=(32,), kv_lens=(32,), mask_value=-2.0, num_kv_pages_per_block=1, num_queries_per_block=16,
                 mask_value_meaning="replaces")  # fmt: skip
-    finding = known_issues.BY_NAME["finite-mask-value-counts-keys-by-block"]
+    finding = CATALOGUE["finite-mask-value-counts-keys-by-block"]
     assert finding.matches(case)
     assert not finding.matches(dataclasses.replace(case, num_queries_per_block=32))  # one block, values kept
 
 
-@pytest.mark.parametrize("issue", known_issues.V3_CATALOGUE, ids=lambda issue: issue.name)
+@pytest.mark.parametrize("issue", v3target.RPA_HARNESS_CATALOGUE, ids=lambda issue: issue.name)
 def test_v3_issue_matches_its_own_repro(issue):
     case = repro_files.read(issue.repro).case
     assert issue.matches(case), f"{issue.name} does not match its own repro's case: {case.describe()}"
     moved = issue.nearest_outside(case)
     assert not issue.matches(moved), moved.describe()
-    assert TARGET.known_issues == tuple(known_issues.BY_NAME[n] for n in v3target.RPA_HARNESS_KNOWN_ISSUES)
+    assert TARGET.known_issues == tuple(CATALOGUE[n] for n in v3target.RPA_HARNESS_KNOWN_ISSUES)
 
 
 def test_v3_issues_are_narrow():
@@ -389,7 +390,7 @@ def test_v3_issues_are_narrow():
         cases.append(case)
 
     collect()
-    for issue in known_issues.V3_CATALOGUE:
+    for issue in v3target.RPA_HARNESS_CATALOGUE:
         share = sum(issue.matches(case) for case in cases) / len(cases)
         if issue.name == "q-len-zero-before-a-live-sequence-hangs":  # empty_sequences=False: never drawn
             assert share == 0, issue.name

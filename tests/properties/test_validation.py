@@ -1,8 +1,8 @@
 """Invalid inputs raise the specified ValueError; valid ones pass; our validators agree with upstream's.
 
-A target is held to the rule table it declares (``Capabilities.validation_rules``): upstream's rules and
-messages by default, our stricter rules only for targets that opt in (``strict_validation``); tpu-inference
-v3 declares its own (``spec/tpu_inference_v3.py``). Static rules must fire from ``ragged_paged_attention``
+A target is held to the rule table it declares (``RPA_HARNESS_RULES``): by default the specification's,
+upstream's rules and messages, with our stricter rules only for targets that opt in (``strict_validation``);
+a target with validators of its own declares their table. Static rules must fire from ``ragged_paged_attention``
 itself, dynamic ones from ``dynamic_validate_inputs``.
 """
 
@@ -15,20 +15,14 @@ from rpa_harness.checks import VALIDATION, check_validation
 from rpa_harness.properties.budget import EXAMPLES_PER_RULE
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.valid import valid_cases
-from rpa_harness.strategies.violations import (
-    RULES,
-    UPSTREAM_ACCEPTS,
-    UPSTREAM_ASSERTS,
-    invalid_cases,
-    rules_for,
-)
+from rpa_harness.strategies.violations import RULES, UPSTREAM_ACCEPTS, UPSTREAM_ASSERTS, invalid_cases
 from rpa_harness.targets import as_jax
 
 
-def _rule_params(capabilities):
-    """Every rule of the target's table; in upstream's, our stricter ones (upstream asserts or accepts)
-    need the strict_validation opt-in."""
-    for rule, spec in rules_for(capabilities).items():
+def _rule_params(table):
+    """Every rule of the target's table; in the specification's, our stricter ones (upstream asserts or
+    accepts) need the strict_validation opt-in."""
+    for rule, spec in table.items():
         if spec.upstream in (UPSTREAM_ASSERTS, UPSTREAM_ACCEPTS):
             reason = f"{rule!r} is our stricter rule; upstream {spec.upstream}"
             yield pytest.param(rule, marks=pytest.mark.rpa_requires("strict_validation", reason=reason))
@@ -38,13 +32,15 @@ def _rule_params(capabilities):
 
 def pytest_generate_tests(metafunc):
     if "rule" in metafunc.fixturenames:
-        metafunc.parametrize("rule", list(_rule_params(metafunc.config.rpa_target.capabilities)))
+        metafunc.parametrize("rule", list(_rule_params(metafunc.config.rpa_target.rules)))
 
 
 @settings(max_examples=EXAMPLES_PER_RULE)
 @given(data=st.data())
 def test_invalid_input_raises_specified_error(target, backend, repro_dir, rule, data):
-    invalid = data.draw(invalid_cases(target.capabilities, rules=(rule,)), label="invalid case")
+    invalid = data.draw(
+        invalid_cases(target.capabilities, table=target.rules, rules=(rule,)), label="invalid case"
+    )
     arrays, options, message = invalid.inputs()
     fields = dict(case=invalid.case, expected_error=message, stage=invalid.stage)
     with recorded(repro_dir, f"{VALIDATION}[{rule}]", target, backend, arrays, options, **fields):
@@ -61,10 +57,10 @@ def test_valid_input_passes_validation(target, data):
 @given(invalid=invalid_cases())
 def test_validators_agree_with_upstream(target, invalid):
     """Same accept/reject and message as upstream's validator, except the documented differences."""
-    if target.capabilities.validation_rules != "upstream":
+    if target.own_rules:
         pytest.skip(
-            f"target {target.name} declares its own rules (validation_rules="
-            f"{target.capabilities.validation_rules!r}); test_invalid_input_raises_specified_error checks them"
+            f"target {target.name} declares its own rule table (RPA_HARNESS_RULES); "
+            "test_invalid_input_raises_specified_error checks it"
         )
     arrays, options, message = invalid.inputs()
     runlog.record()

@@ -1,12 +1,11 @@
-"""tpu-inference RPA v3's input rules and their messages, restated from its source (imports no kernel).
+"""tpu-inference RPA v3's validation messages, restated from its source (imports no kernel).
 
 Source: ``static_validate_inputs`` and ``dynamic_validate_inputs`` in
 ``tpu_inference/kernels/ragged_paged_attention/v3/kernel.py`` (PyPI ``tpu-inference`` 0.32.0). v3 renders
 its messages with ``f"{x=}"``, so each function here takes the values as v3 has them: shapes as tuples,
 dtypes as ``numpy.dtype`` (``dtype('int16')``), metadata entries as jax scalars (``Array(3, dtype=int32)``)
-where v3 indexes a jax array, plain ints where it reads a shape. ``rpa_harness.strategies.violations.V3_RULES`` breaks
-each rule through the v3 target's upstream-style interface (``rpa_harness.tpu_inference_v3``) and expects
-these messages; a target declares that it is held to them with ``validation_rules="tpu-inference-v3"``.
+where v3 indexes a jax array, plain ints where it reads a shape. ``rules.RULES`` breaks each rule through
+the v3 target's upstream-style interface and expects these messages.
 
 v3's rules differ from upstream's: it requires ``0 < q_len <= kv_len`` for every live sequence, checks
 pages only of live sequences, has no upper bound on the KV block size, no rule on ``num_seqs``'s shape
@@ -15,20 +14,7 @@ tuples ``(bq, bkv, bq_chunk, bkv_chunk)`` the v3 target maps the upstream block 
 """
 
 import numpy as np
-
-RULES_NAME = "tpu-inference-v3"
-
-
-class JaxInt:
-    """An int32 as v3 renders an entry of a jax array: ``Array(7, dtype=int32)``."""
-
-    def __init__(self, value: int):
-        self.value = int(value)
-
-    def __repr__(self) -> str:
-        return f"Array({self.value}, dtype=int32)"
-
-    __str__ = __repr__
+from rpa_harness.spec.interface import JaxInt
 
 
 def jax_int_vector(values) -> str:

@@ -1,4 +1,4 @@
-"""tpu-inference's ragged paged attention v3 as a harness target: ``--rpa-target=rpa_harness.tpu_inference_v3``.
+"""tpu-inference's ragged paged attention v3 as a harness target: ``--rpa-target=rpa_harness.targets.tpu_inference_v3``.
 
 v3 (PyPI ``tpu-inference``, ``tpu_inference/kernels/ragged_paged_attention/v3/kernel.py``) is the kernel
 that serves vLLM on TPU. Its API differs from upstream jax's: the new tokens' keys and values are inputs
@@ -10,9 +10,9 @@ unchanged, and exposes the rest of v3's contract for ``tests/test_v3_target.py``
 - ``call_v3``: the same call returning v3's updated cache too; ``check_updated_cache`` judges it bit for bit.
 - ``v3_inputs``: the upstream-style case in v3's layout (what is passed, and what the cache must become).
 
-It lives in ``harness/`` because it is glue between the harness and an external kernel, like
-``harness/targets.py`` (a module, so it cannot hold a ``targets/`` folder); a top-level package would add
-a folder to the layout for one file.
+Its profile is whole here: the adapter (this module), its validators' messages (``messages``) and rule
+table (``rules``), and its known issues with their predicates (``known_issues``). ``rpa_harness.tpu_inference_v3``
+is accepted as a shorter target name.
 
 Install v3 without its dependencies (its ``__init__`` imports vllm, and it pins a jax it does not need):
 
@@ -25,11 +25,12 @@ import math
 import os
 import sys
 import types
+from importlib.metadata import version as _version
 
 import jax
 import numpy as np
 from rpa_harness.backends import INTERPRET, Backend, Deadlock
-from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES
+from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES, values_per_word
 
 INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
@@ -77,8 +78,6 @@ RPA_HARNESS_CAPABILITIES = dict(
     # v3 folds k_scale into the score scale and applies v_scale after P @ V, without upstream's rounding
     # of the scaled cache to q's dtype (docs/tpu-inference-v3-findings/README.md).
     kv_scales_round_to_q_dtype=False,
-    # v3's validators have their own rules and messages (spec/tpu_inference_v3.py).
-    validation_rules="tpu-inference-v3",
     # The generic interpreter runs v3's data-dependent copy sizes (pl.ds with a traced length) through the
     # compat layer's gap generic-dynamic-size-copies (masked copies of a static window).
     backends=("interpret", "fast-interpret", "tpu"),
@@ -87,20 +86,6 @@ RPA_HARNESS_CAPABILITIES = dict(
 # queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).
 # Its kernel computes logits and P in float32 and does not round P to V's dtype (its reference does).
 RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype",)
-# docs/tpu-inference-v3-findings/ (harness/known_issues.py V3_CATALOGUE): their cases are not drawn, and
-# tests/properties/test_known_issues.py replays each repro while it still fails.
-RPA_HARNESS_KNOWN_ISSUES = (
-    "sliding-window-skips-cache-writes",
-    "q-len-zero-before-a-live-sequence-hangs",
-    "finite-mask-value-counts-keys-by-block",
-)
-
-
-def kv_packing(dtype) -> int:
-    """Values per 32-bit word in v3's cache: 1 for float32, 2 for bfloat16, 4 for fp8."""
-    return 32 // (np.dtype(dtype).itemsize * 8)
-
-
 def _align(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
@@ -122,7 +107,7 @@ def pack_cache(kv_pages: np.ndarray) -> np.ndarray:
     ``[pages, page_size, align(2 * kv_heads, packing) // packing, packing, align(head_dim, 128)]``,
     zero-filled in the padded heads and dims as v3 writes them."""
     pages, page_size, heads_x2, head_dim = kv_pages.shape
-    packing = kv_packing(kv_pages.dtype)
+    packing = values_per_word(kv_pages.dtype)
     padded = np.zeros((pages, page_size, _align(heads_x2, packing), _align(head_dim, 128)), kv_pages.dtype)
     padded[:, :, :heads_x2, :head_dim] = kv_pages
     return padded.reshape(pages, page_size, padded.shape[2] // packing, packing, padded.shape[3])
@@ -405,14 +390,14 @@ def judge(arrays: dict, options: dict, label: str = "tpu-inference v3 on interpr
 
 
 def main(argv=None) -> int:
-    """``python -m rpa_harness.tpu_inference_v3 REPRO.json``: re-runs a v3 repro (attention and updated cache)
+    """``python -m rpa_harness.targets.tpu_inference_v3 REPRO.json``: re-runs a v3 repro (attention and updated cache)
     on the TPU interpreter; exit 1 while it fails (a deadlock the interpreter finds prints ``hangs: ...``),
     0 once it passes, 2 for an unreadable repro."""
     from rpa_harness import repro
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m rpa_harness.tpu_inference_v3 REPRO.json", file=sys.stderr)
+        print("usage: python -m rpa_harness.targets.tpu_inference_v3 REPRO.json", file=sys.stderr)
         return 4
     try:
         pair = repro.read(argv[0])
@@ -436,5 +421,12 @@ def main(argv=None) -> int:
     return 0 if verdict.comparison.ok and verdict.cache_error is None else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# The rest of the profile: v3's validators' rule table, and its known issues (docs/tpu-inference-v3-findings/:
+# their cases are not drawn, and tests/properties/test_known_issues.py replays each repro while it still
+# fails). Imported last: both read the adapter above.
+from rpa_harness.targets.tpu_inference_v3 import known_issues as _known_issues  # noqa: E402
+from rpa_harness.targets.tpu_inference_v3.rules import RULES as RPA_HARNESS_RULES  # noqa: E402, F401
+
+RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
+RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
+RPA_HARNESS_VERSION = f"tpu-inference {_version('tpu-inference')}"

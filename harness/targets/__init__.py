@@ -1,0 +1,208 @@
+"""Targets: a kernel module under test, and its profile (what the harness draws for it and holds it to).
+
+A target is any importable module with upstream's ``ragged_paged_attention`` and ``dynamic_validate_inputs``
+(an adapter module wraps a kernel with another API; ``rpa_harness.targets.layouts`` converts the layouts).
+Its profile is read from these module attributes, each optional:
+
+- ``RPA_HARNESS_CAPABILITIES``: a dict of ``rpa_harness.strategies.valid.Capabilities`` fields (or a
+  ``Capabilities``): what the strategies draw for it (default: the whole specified space).
+- ``RPA_HARNESS_PRECISION``: the precision contract its outputs are judged under (names from
+  ``reference.CONTRACTS``; default float32 throughout; ``--rpa-precision`` overrides it).
+- ``RPA_HARNESS_RULES``: its validators' rule table (``rpa_harness.strategies.violations.Rule`` by name;
+  default the specification's ``RULES``, upstream's rules and messages).
+- ``RPA_HARNESS_KNOWN_ISSUES``: the known issues whose cases are not drawn (catalogue names or
+  ``rpa_harness.known_issues.KnownIssue`` objects; ``--rpa-known-issues`` overrides it).
+- ``RPA_HARNESS_CATALOGUE``: every known issue of its kind, declared or not (named in failure reports).
+- ``RPA_HARNESS_VERSION``: the version the run header shows (default: the module's ``__version__``).
+
+A module that cannot declare them (jax's upstream kernel; the bundled kernel, which stays free of the
+harness) gets them from its profile module in this package (``PROFILES``). Each shipped target is one
+module here: ``bundled``, ``upstream``, ``tpu_inference_v3``.
+"""
+
+import dataclasses
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+import types
+
+import jax
+from rpa_harness import known_issues
+from rpa_harness.reference.tolerance import DEFAULT_PRECISION, PrecisionError, parse_precision
+from rpa_harness.strategies.valid import Capabilities
+from rpa_harness.strategies.violations import RULES, check_table
+
+DEFAULT_TARGET = "rpa_harness.kernel"  # the bundled kernel
+LEGACY_DEFAULT_TARGET = "kernel"  # its folder's name, which a checkout can still pass
+UPSTREAM_TARGET = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
+V3_TARGET = "rpa_harness.targets.tpu_inference_v3"
+REQUIRED_FUNCTIONS = ("ragged_paged_attention", "dynamic_validate_inputs")
+# Profile modules of targets that do not declare their own (module attributes as above).
+PROFILES = {
+    DEFAULT_TARGET: "rpa_harness.targets.bundled",
+    UPSTREAM_TARGET: "rpa_harness.targets.upstream",
+    f"{UPSTREAM_TARGET}.kernel": "rpa_harness.targets.upstream",
+}
+# Shorter names a shipped target is also known by on the command line and in repros.
+ALIASES = {"rpa_harness.tpu_inference_v3": V3_TARGET}
+# The modules holding shipped targets' catalogues (RPA_HARNESS_CATALOGUE): their issues can be named by
+# --rpa-known-issues for any target whose kernel is installed.
+SHIPPED_CATALOGUES = ("rpa_harness.targets.upstream", V3_TARGET)
+
+
+class TargetError(Exception):
+    """A target module that cannot be used; the message says why and what to pass instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    module: types.ModuleType
+    capabilities: Capabilities
+    precision: tuple[str, ...] = DEFAULT_PRECISION  # the precision contract its outputs are judged under
+    known_issues: tuple = ()  # rpa_harness.known_issues.KnownIssue entries: their cases are not drawn
+    rules: dict = dataclasses.field(default_factory=lambda: RULES)  # its validators' rule table
+    catalogue: tuple = ()  # every KnownIssue of its kind (named when a failing case matches one)
+    version: str | None = None
+
+    def attention(self, arrays: dict, options: dict):
+        """Calls the target's kernel on NumPy inputs (converted to jax arrays, as users call it)."""
+        return self.module.ragged_paged_attention(**as_jax(arrays), **options)
+
+    def validate(self, arrays: dict, options: dict) -> None:
+        self.module.dynamic_validate_inputs(**as_jax(arrays), **options)
+
+    @property
+    def own_rules(self) -> bool:
+        """Whether the target declares its own rule table (not the specification's)."""
+        return self.rules is not RULES
+
+
+def as_jax(arrays: dict) -> dict:
+    """The arrays as jax arrays: ``jax.device_put`` gives what ``jnp.asarray`` does (dtype, weak type,
+    uncommitted placement) without compiling an identity per shape and dtype, as ``jnp.asarray`` does on
+    jax 0.10."""
+    return {name: jax.device_put(value) for name, value in arrays.items()}
+
+
+def shipped_catalogue() -> tuple:
+    """Every known issue the shipped targets catalogue, in their order; a target whose kernel is not
+    installed (tpu-inference is optional) contributes none."""
+    issues = []
+    for name in SHIPPED_CATALOGUES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        issues.extend(module.RPA_HARNESS_CATALOGUE)
+    return tuple(issues)
+
+
+def _bundled_kernel_under_its_folder_name(name: str) -> bool:
+    """True for ``kernel`` when it would import this harness's own kernel folder (a checkout's ``kernel/``).
+
+    The bundled kernel is ``rpa_harness.kernel``; importing its folder a second time as ``kernel`` would give a
+    copy the harness does not know. A module of the user's own called ``kernel`` is theirs to test.
+    """
+    if name != LEGACY_DEFAULT_TARGET:
+        return False
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    bundled = importlib.util.find_spec(DEFAULT_TARGET)
+    return found is not None and bundled is not None and found.origin == bundled.origin
+
+
+def _version(name: str, module: types.ModuleType, profile: types.ModuleType) -> str | None:
+    """What the run header shows: the declared version, else the installed distribution of the module's
+    top-level package and its version."""
+    declared = getattr(profile, "RPA_HARNESS_VERSION", None)
+    if declared is not None:
+        return str(declared)
+    top = name.split(".")[0]
+    distributions = importlib.metadata.packages_distributions().get(top, [])
+    for distribution in distributions:
+        return f"{distribution} {importlib.metadata.version(distribution)}"
+    version = getattr(sys.modules.get(top), "__version__", None)
+    return f"{top} {version}" if version else None
+
+
+def load(name: str) -> Target:
+    """Imports a target by module name and reads its profile; raises TargetError with a usable message."""
+    name = ALIASES.get(name, name)
+    if _bundled_kernel_under_its_folder_name(name):
+        name = DEFAULT_TARGET
+    try:
+        module = importlib.import_module(name)
+    except ImportError as error:
+        bundled = (
+            f" The bundled kernel is --rpa-target={DEFAULT_TARGET}." if name == LEGACY_DEFAULT_TARGET else ""
+        )
+        raise TargetError(
+            f"--rpa-target={name}: cannot import it ({error}). Pass an importable module that defines "
+            f"{' and '.join(REQUIRED_FUNCTIONS)}, e.g. --rpa-target={DEFAULT_TARGET}.{bundled}"
+        ) from None
+    missing = [fn for fn in REQUIRED_FUNCTIONS if not callable(getattr(module, fn, None))]
+    if missing:
+        raise TargetError(
+            f"--rpa-target={name}: module {module.__name__} ({getattr(module, '__file__', '?')}) lacks "
+            f"{', '.join(missing)}; a target must define {' and '.join(REQUIRED_FUNCTIONS)} with upstream's signatures."
+        )
+    declares = any(hasattr(module, attribute) for attribute in PROFILE_ATTRIBUTES)
+    profile = module if declares or name not in PROFILES else importlib.import_module(PROFILES[name])
+    return _target(name, module, profile)
+
+
+PROFILE_ATTRIBUTES = (
+    "RPA_HARNESS_CAPABILITIES",
+    "RPA_HARNESS_PRECISION",
+    "RPA_HARNESS_RULES",
+    "RPA_HARNESS_KNOWN_ISSUES",
+    "RPA_HARNESS_CATALOGUE",
+)
+
+
+def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> Target:
+    declared = getattr(profile, "RPA_HARNESS_CAPABILITIES", None)
+    try:
+        if declared is None:
+            capabilities = Capabilities()
+        elif isinstance(declared, Capabilities):
+            capabilities = declared
+        else:
+            capabilities = Capabilities(**declared)
+    except (TypeError, ValueError) as error:
+        raise TargetError(f"--rpa-target={name}: RPA_HARNESS_CAPABILITIES: {error}") from None
+    try:
+        precision = parse_precision(getattr(profile, "RPA_HARNESS_PRECISION", DEFAULT_PRECISION))
+    except PrecisionError as error:
+        raise TargetError(f"--rpa-target={name}: RPA_HARNESS_PRECISION: {error}") from None
+    try:
+        rules = check_table(getattr(profile, "RPA_HARNESS_RULES", RULES), f"--rpa-target={name}: RPA_HARNESS_RULES")
+    except ValueError as error:
+        raise TargetError(str(error)) from None
+    own_catalogue = tuple(getattr(profile, "RPA_HARNESS_CATALOGUE", ()))
+    where = f"{name}.RPA_HARNESS_KNOWN_ISSUES"
+    try:
+        issues = known_issues.resolve(
+            getattr(profile, "RPA_HARNESS_KNOWN_ISSUES", ()), where, own_catalogue + shipped_catalogue()
+        )
+    except known_issues.KnownIssueError as error:
+        raise TargetError(str(error)) from None
+    # A target without a catalogue of its own is told about the upstream kinds of discrepancy it matches.
+    catalogue = own_catalogue or tuple(
+        issue for issue in importlib.import_module(PROFILES[UPSTREAM_TARGET]).RPA_HARNESS_CATALOGUE
+    )
+    catalogue = catalogue + tuple(issue for issue in issues if issue not in catalogue)
+    return Target(
+        name, module, capabilities, precision, issues, rules, catalogue, _version(name, module, profile)
+    )
+
+
+def first_line_of_error(error: BaseException) -> str:
+    """The real exception behind a JaxRuntimeError is on the last line of its embedded traceback."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
+

@@ -1,0 +1,15 @@
+"""The bundled kernel (``rpa_harness.kernel``): its profile.
+
+The kernel stays free of the harness (the judged imports nothing of the judges), so its declaration is
+kept here. It is held to the specification's rules with our stricter ValueErrors (``strict_validation``),
+lowers to Mosaic on CPU, runs every bucket, and takes the runtime options as traced values.
+"""
+
+from rpa_harness.strategies.valid import RUNTIME_OPTIONS, Capabilities
+
+RPA_HARNESS_CAPABILITIES = Capabilities(
+    strict_validation=True,
+    lowers_for_tpu=True,
+    buckets=("tiny", "small", "medium", "production"),
+    runtime_options=RUNTIME_OPTIONS,
+)

@@ -1,0 +1,177 @@
+"""tpu-inference v3's known issues (``docs/tpu-inference-v3-findings/``) and their predicates.
+
+Restated from v3's kernel (``tpu_inference/kernels/ragged_paged_attention/v3/kernel.py``, 0.32.0): per
+sequence, query blocks of bq rows (one row per block for the leading decodes, v3's decode kernel); each
+query block walks KV blocks of bkv keys from max(first position - window, 0) // bkv (0 without a window)
+up to its effective length min(kv_len, first position + bq), each block in compute chunks of bkv_chunk
+keys up to that length. The block sizes are the v3 target's mapping of the case (``v3_inputs``).
+"""
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+from rpa_harness.known_issues import (
+    FLOAT32_EXP_UNDERFLOW,
+    NUMERIC_MISMATCH,
+    KnownIssue,
+    findings_dir,
+    hidden_keys,
+    keep_sequences,
+    sequence_queries_and_keys,
+    soft_capped_logits,
+)
+from rpa_harness.reference.float64 import quantised_query
+from rpa_harness.spec.interface import MASK_REPLACES
+from rpa_harness.strategies.case import Case
+from rpa_harness.targets import tpu_inference_v3 as v3
+
+FINDINGS = findings_dir("tpu-inference-v3-findings")
+
+
+def _v3_query_blocks(case: Case):
+    """Per live sequence and query block: (sequence, first row, rows, first key visited, the block's
+    effective kv length (keys from it on have their values zeroed), end of the keys visited)."""
+    inputs = v3.v3_inputs(**case.arrays(), **case.options())
+    decodes = int(inputs.args[-1][0])
+    window = case.sliding_window
+    for i, (q_len, kv_len) in enumerate(zip(case.q_lens, case.kv_lens, strict=True)):
+        bq, bkv, _, bkv_chunk = inputs.kwargs["d_block_sizes" if i < decodes else "m_block_sizes"]
+        block_rows = min(bq, 1) if i < decodes else bq
+        for first in range(0, q_len, block_rows):
+            position = kv_len - q_len + first
+            start = max(position - window, 0) // bkv * bkv if window is not None else 0
+            effective = min(kv_len, position + block_rows)
+            last_block = (-(-effective // bkv) - 1) * bkv
+            end = last_block + -(-(effective - last_block) // bkv_chunk) * bkv_chunk
+            yield i, first, min(block_rows, q_len - first), start, effective, end
+
+
+def v3_sliding_window_skips_cache_writes(case: Case) -> bool:
+    """A sliding window lets the last query block of a sequence skip KV blocks that hold new tokens."""
+    if case.sliding_window is None:
+        return False
+    return bool(v3.unwritten_by_sliding_window(v3.v3_inputs(**case.arrays(), **case.options())).any())
+
+
+def one_query_block_per_sequence(case: Case) -> Case:
+    """Query blocks as long as the longest sequence: the last block is the only one (a tuning change)."""
+    return dataclasses.replace(case, num_queries_per_block=max(case.q_lens))
+
+
+def v3_q_len_zero_before_live_sequence(case: Case) -> bool:
+    """A q_len == 0 sequence followed by one with query rows (v3's validator forbids q_len == 0)."""
+    return any(q == 0 and any(case.q_lens[i + 1 :]) for i, q in enumerate(case.q_lens))
+
+
+def drop_empty_sequences_before_live_ones(case: Case) -> Case:
+    q = case.q_lens
+    return keep_sequences(case, [not (q[i] == 0 and any(q[i + 1 :])) for i in range(case.num_seqs)])
+
+
+def _v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
+    """[q_len, num_q_heads] largest logit over keys [0, kv_len), v3's semantics: q quantised with q_scale,
+    k_scale and q_scale folded into the score scale, soft cap, masked logits replaced by mask_value."""
+    q, k = sequence_queries_and_keys(case, arrays, seq)
+    q = quantised_query(q, case.q_scale, arrays["kv_pages"].dtype)
+    scale = case.sm_scale * (case.k_scale or 1.0) * (case.q_scale or 1.0)
+    logits = soft_capped_logits(case, q, k, scale)
+    masked = hidden_keys(case, case.q_lens[seq], case.kv_lens[seq])
+    return np.where(masked[:, None, :], mask_value, logits).max(axis=-1)
+
+
+def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
+    """A finite replacing mask_value with a weight exp(mask_value - row max) that does not underflow, in a
+    query block whose visited keys are not exactly [0, kv_len) with every value kept.
+
+    v3's kernel replaces every masked logit it computes and computes none outside the KV blocks a query
+    block visits (the window's skipped blocks, the blocks past the block's last position). Within them it
+    also zeroes the values from the block's effective kv length min(kv_len, last position + 1) on, the
+    empty slots past kv_len in its last compute chunk included: those keys get the weight with a value of
+    0. The masked keys that get weight, and with what value, are set by the block sizes. Its reference
+    gives every masked key in [0, kv_len) the weight with its value, and no other key.
+    """
+    if case.mask_value_meaning != MASK_REPLACES or case.mask_value is None or not math.isfinite(case.mask_value):
+        return False
+    arrays = None
+    for seq, first, rows, start, effective, end in _v3_query_blocks(case):
+        if start == 0 and effective == end == case.kv_lens[seq]:
+            continue
+        arrays = arrays or case.arrays()
+        row_max = _v3_row_max_logits(case, arrays, seq, case.mask_value)[first : first + rows]
+        if (case.mask_value - row_max > FLOAT32_EXP_UNDERFLOW).any():
+            return True
+    return False
+
+
+def with_v3_default_mask_value(case: Case) -> Case:
+    """v3's default mask value (finfo(output dtype).min: masked keys get no weight)."""
+    return dataclasses.replace(case, mask_value=None)
+
+
+def _replay_v3_both_outputs(issue, target, backend, repro) -> None:
+    """The v3 property: attention against the oracle under v3's contract, updated cache bit for bit."""
+    verdict = v3.judge(repro.arrays, repro.options)
+    problems = [str(verdict.comparison)] if not verdict.comparison.ok else []
+    if verdict.cache_error is not None:
+        problems.append(str(verdict.cache_error))
+    if problems:
+        raise AssertionError("\n".join(problems))
+
+
+def _replay_v3_hang(issue, target, backend, repro) -> None:
+    """Replays the hang in a child process: fails while it hangs, whether the TPU interpreter's deadlock
+    check says so (``hangs: ...``, in seconds) or the watchdog ends the child (a wait that cannot be
+    interrupted, where the check is unpatched)."""
+    seconds = float(os.environ.get("RPA_KNOWN_HANG_TIMEOUT", "60"))
+    env = dict(os.environ, RPA_CALL_TIMEOUT=f"{seconds:g}")
+    child = subprocess.run(
+        [sys.executable, "-m", "rpa_harness.targets.tpu_inference_v3", str(issue.repro)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=seconds + 180,
+    )
+    deadlocks = [
+        line.removeprefix("hangs: ") for line in child.stdout.splitlines() if line.startswith("hangs: ")
+    ]
+    if child.returncode == 1 and deadlocks:
+        raise AssertionError(f"still hangs: {deadlocks[0]}")
+    if child.returncode == 70:  # rpa_harness.backends.HANG_EXIT_CODE: the watchdog ended the child
+        raise AssertionError(f"still hangs: no return within {seconds:g} s (RPA_CALL_TIMEOUT)")
+
+
+RPA_HARNESS_CATALOGUE = (
+    KnownIssue(
+        "sliding-window-skips-cache-writes",
+        "with a sliding window, new tokens in KV blocks the last query block skips are not written to the cache",
+        FINDINGS / "sliding-window-skips-cache-writes" / "v3-attention-and-cache_interpret.json",
+        v3_sliding_window_skips_cache_writes,
+        one_query_block_per_sequence,
+        r"updated cache differs from the expected cache",
+        replay=_replay_v3_both_outputs,
+    ),
+    KnownIssue(
+        "q-len-zero-before-a-live-sequence-hangs",
+        "a q_len == 0 sequence before one with query rows: the call never returns (a DMA wait)",
+        FINDINGS / "q-len-zero-before-a-live-sequence-hangs" / "v3-hang_interpret.json",
+        v3_q_len_zero_before_live_sequence,
+        drop_empty_sequences_before_live_ones,
+        r"still hangs",
+        replay=_replay_v3_hang,
+    ),
+    KnownIssue(
+        "finite-mask-value-counts-keys-by-block",
+        "a finite mask_value weights the masked keys v3's blocks visit (slots past kv_len included, with "
+        "values zeroed past the query block's last position), not the masked keys in [0, kv_len)",
+        FINDINGS / "finite-mask-value-counts-keys-by-block" / "differential-checked_interpret.json",
+        v3_finite_mask_value_counts_keys_by_block,
+        with_v3_default_mask_value,
+        NUMERIC_MISMATCH,
+    ),
+)
+
+

@@ -1,0 +1,227 @@
+"""jax's upstream ragged paged attention (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``): its profile.
+
+Upstream's module cannot declare one, so the harness keeps it here: what is drawn for it, and its known
+issues (``docs/upstream-findings/``) with their predicates. The predicates restate the causes worked out from
+upstream's kernel source (``ragged_paged_attention/kernel.py``; identical in jax 0.10.2 and 0.12): the kernel
+walks a grid of (KV-head block, query block); inside a query block it visits the sequences whose rows it
+holds, in order, and for each one its KV blocks of ``num_kv_pages_per_block * page_size`` keys, prefetching
+the next block into the other half of a double buffer before it waits for the current.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+from rpa_harness.known_issues import (
+    FLOAT32_EXP_UNDERFLOW,
+    NUMERIC_MISMATCH,
+    KnownIssue,
+    findings_dir,
+    hidden_keys,
+    keep_sequences,
+    sequence_queries_and_keys,
+    soft_capped_logits,
+)
+from rpa_harness.spec.interface import MASK_ADDED, values_per_word
+from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.valid import Capabilities
+
+FINDINGS = findings_dir("upstream-findings")
+
+# Upstream's validators are the specification's (RULES); its default block sizes come from a per-chip table
+# that needs a TPU, so both block sizes are given. One K/V scale with mixed dtypes is a bug, not a
+# documented limitation: the known issue one-kv-scale-with-mixed-dtypes, not paired_kv_scales_for_mixed_dtypes.
+RPA_HARNESS_CAPABILITIES = Capabilities(
+    head_dims=(128, 256),
+    even_kv_heads_for_fp8=True,
+    needs_block_sizes=True,
+)
+
+
+# --- How upstream's kernel schedules a call (restated from its source) ---------------------------------
+
+
+def _fully_tiled(count: int, packing: int) -> bool:
+    if count % packing:
+        return False
+    count //= packing
+    return count in (1, 2, 4, 8) or count % 8 == 0
+
+
+def upstream_head_blocks(case: Case) -> int:
+    """How many KV-head blocks upstream's grid has: the smallest head block that tiles, else all heads."""
+    combined = 2 * case.num_kv_heads
+    kv_tiling = 8 * values_per_word(case.kv_dtype)
+    combined_per_block = kv_tiling if combined % kv_tiling == 0 else combined
+    q_heads_per_block = combined_per_block // 2 * (case.num_q_heads // case.num_kv_heads)
+    if not _fully_tiled(q_heads_per_block, values_per_word(case.q_dtype)):
+        q_heads_per_block = case.num_q_heads
+    return case.num_q_heads // q_heads_per_block
+
+
+# --- 1. empty-sequence-shifts-kv-pages -------------------------------------------------------------------
+
+
+def _stealing_empty_sequences(case: Case) -> list[bool]:
+    """Per sequence: it has kv_len == 0 and the prefetch made for it is consumed by a sequence with rows.
+
+    Nothing waits for the KV block prefetched for a sequence with kv_len == 0 (its loop over KV blocks runs
+    zero times), so the next KV-block iteration in the kernel's order computes from it instead of its own:
+    the first later sequence with kv_len > 0, or, after the last sequence, the first such sequence of the
+    next KV-head block. A consumer without query rows (q_len == 0) stores nothing and absorbs the shift.
+    """
+    q, kv = case.q_lens, case.kv_lens
+    n = len(kv)
+    wraps = upstream_head_blocks(case) > 1
+    stealing = []
+    for i in range(n):
+        if kv[i] != 0:
+            stealing.append(False)
+            continue
+        later = [j for j in range(i + 1, n) if kv[j] > 0]
+        if not later and wraps:
+            later = [j for j in range(i) if kv[j] > 0]
+        stealing.append(bool(later) and q[later[0]] > 0)
+    return stealing
+
+
+def empty_sequence_shifts_kv_pages(case: Case) -> bool:
+    return any(_stealing_empty_sequences(case))
+
+
+def drop_stealing_empty_sequences(case: Case) -> Case:
+    """Drops the empty sequences whose prefetch would be stolen (the others' consumers are unchanged)."""
+    return keep_sequences(case, [not s for s in _stealing_empty_sequences(case)])
+
+
+# --- 2. one-kv-scale-with-mixed-dtypes -------------------------------------------------------------------
+
+
+def one_kv_scale_with_mixed_dtypes(case: Case) -> bool:
+    """Only the scaled side is cast to q's dtype, so K and V differ in dtype and an assert fails."""
+    return (case.k_scale is None) != (case.v_scale is None) and case.q_dtype != case.kv_dtype
+
+
+def without_kv_scales(case: Case) -> Case:
+    return dataclasses.replace(case, k_scale=None, v_scale=None)
+
+
+# --- 3. finite-mask-value-weights-keys-past-kv-len -------------------------------------------------------
+
+_DEFAULT_MASK_VALUE = {f.name: f.default for f in dataclasses.fields(Case)}["mask_value"]
+
+
+def _partial_last_block(case: Case, kv_len: int) -> bool:
+    if case.num_kv_pages_per_block is None:  # the tuned block size is unknown off TPU: any block may be
+        return kv_len > 0
+    return kv_len % (case.num_kv_pages_per_block * case.page_size) != 0
+
+
+def _row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
+    """[q_len, num_q_heads] largest logit (soft cap and mask added, as upstream) over keys [0, kv_len)."""
+    q, k = sequence_queries_and_keys(case, arrays, seq)
+    if case.k_scale is not None:  # scaled in float32, then rounded to q's dtype (upstream)
+        k = (k.astype(np.float32) * np.float32(case.k_scale)).astype(arrays["q"].dtype)
+    logits = soft_capped_logits(case, q, k, case.sm_scale)
+    masked = hidden_keys(case, case.q_lens[seq], case.kv_lens[seq])
+    return (logits + np.where(masked, mask_value, 0.0)[:, None, :]).max(axis=-1)
+
+
+def finite_mask_value_weights_keys_past_kv_len(case: Case) -> bool:
+    """An empty key slot of a live sequence's last KV block gets a non-zero softmax weight.
+
+    Inside a KV block the kernel zeroes K and V past kv_len and leaves those slots to the causal mask, so
+    each gets the logit ``0 + mask_value`` and the weight ``exp(mask_value - row max)``: exactly 0 in
+    float32 for the default mask value, not for one within ~100 of the row's largest logit.
+    """
+    if case.mask_value_meaning != MASK_ADDED:  # a replacing mask value is another semantics
+        return False
+    mask_value = _DEFAULT_MASK_VALUE if case.mask_value is None else case.mask_value
+    if not math.isfinite(mask_value):
+        return False
+    candidates = [
+        i
+        for i, (q, kv) in enumerate(zip(case.q_lens, case.kv_lens, strict=True))
+        if q > 0 and _partial_last_block(case, kv)
+    ]
+    if not candidates:
+        return False
+    arrays = case.arrays()
+    return any(
+        (mask_value - _row_max_logits(case, arrays, i, mask_value) > FLOAT32_EXP_UNDERFLOW).any()
+        for i in candidates
+    )
+
+
+def with_default_mask_value(case: Case) -> Case:
+    return dataclasses.replace(case, mask_value=_DEFAULT_MASK_VALUE)
+
+
+# --- 4. zero-query-tail-skips-head-blocks ---------------------------------------------------------------
+
+
+def zero_query_tail_skips_head_blocks(case: Case) -> bool:
+    """The query rows end on a query-block boundary, a sequence follows the last one with rows, and the
+    grid has more than one KV-head block.
+
+    The kernel carries (sequence, buffer) from one grid step to the next and resets the sequence to 0 only
+    when it ran past the last one. When the last sequence with rows ends exactly at the end of its query
+    block, the loop stops there and carries the following (q_len == 0) sequence into the next KV-head
+    block, which then starts at that sequence and never computes the earlier ones: their output rows for
+    those heads are whatever the accumulator held.
+    """
+    total = sum(case.q_lens)
+    if total == 0 or upstream_head_blocks(case) < 2:
+        return False
+    if case.num_queries_per_block is not None and total % case.num_queries_per_block:
+        return False
+    last_with_rows = max(i for i, q in enumerate(case.q_lens) if q > 0)
+    return last_with_rows + 1 < case.num_seqs
+
+
+def drop_zero_query_tail(case: Case) -> Case:
+    last_with_rows = max(i for i, q in enumerate(case.q_lens) if q > 0)
+    return keep_sequences(case, [i <= last_with_rows for i in range(case.num_seqs)])
+
+
+# --- The catalogue -----------------------------------------------------------------------------------------
+
+RPA_HARNESS_CATALOGUE = (
+    KnownIssue(
+        "empty-sequence-shifts-kv-pages",
+        "a sequence with kv_len == 0 hands its prefetched KV page to the next sequence that has query rows",
+        FINDINGS / "empty-sequence-shifts-kv-pages" / "differential_interpret.json",
+        empty_sequence_shifts_kv_pages,
+        drop_stealing_empty_sequences,
+        NUMERIC_MISMATCH,
+    ),
+    KnownIssue(
+        "one-kv-scale-with-mixed-dtypes",
+        "exactly one of k_scale/v_scale with q's dtype different from the cache's fails an assert",
+        FINDINGS / "one-kv-scale-with-mixed-dtypes" / "differential_fast-interpret.json",
+        one_kv_scale_with_mixed_dtypes,
+        without_kv_scales,
+        r"raised on valid inputs: AssertionError",
+    ),
+    KnownIssue(
+        "finite-mask-value-weights-keys-past-kv-len",
+        "a finite mask_value gives softmax weight to the empty key slots of a sequence's last KV block",
+        FINDINGS / "finite-mask-value-weights-keys-past-kv-len" / "differential_interpret.json",
+        finite_mask_value_weights_keys_past_kv_len,
+        with_default_mask_value,
+        NUMERIC_MISMATCH,
+    ),
+    KnownIssue(
+        "zero-query-tail-skips-head-blocks",
+        "query rows ending on a query-block boundary, then a q_len == 0 sequence: later KV-head blocks "
+        "skip every sequence",
+        FINDINGS / "zero-query-tail-skips-head-blocks" / "differential_fast-interpret.json",
+        zero_query_tail_skips_head_blocks,
+        drop_zero_query_tail,
+        NUMERIC_MISMATCH,
+    ),
+)
+# Every catalogued issue is still present in the jax versions the harness supports.
+RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
+
+
