@@ -332,7 +332,7 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
         labels.update(e.get("labels", []))
     width = max([len(t) for t in results] + [8])
     session = session or {}
-    lines = ["", "rpa-harness summary"]
+    lines = ["", "rpa-harness summary", *session.get("header", [])]
     if session.get("no_numeric"):
         lines.append(session["no_numeric"])
     lines += [

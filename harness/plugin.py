@@ -440,6 +440,45 @@ def pytest_runtest_logreport(report):
         config.rpa_numeric["ran"] += 1
 
 
+def run_header(config) -> list[str]:
+    """What a run is testing, as its first lines say it: the target and its version, the backends, the
+    precision contract, the rule table, the declared known issues, the buckets, and jax's version."""
+    import importlib.metadata
+
+    import jax
+
+    target = config.rpa_target
+    version = f" ({target.version})" if target.version else ""
+    try:
+        harness = importlib.metadata.version("rpa-harness")
+    except importlib.metadata.PackageNotFoundError:
+        harness = "?"
+    backends_line = ", ".join(backend.name for backend in config.rpa_backends)
+    compat = "on" if config.rpa_backends and config.rpa_backends[0].interpreter_compat else "off"
+    rules = (
+        f"its own ({len(target.rules)} rules)"
+        if target.own_rules
+        else f"the specification's ({len(target.rules)} rules, stricter ones "
+        f"{'on' if target.capabilities.strict_validation else 'off'})"
+    )
+    issues = ", ".join(issue.name for issue in target.known_issues) or "none"
+    buckets = target.capabilities.bucket_selection or target.capabilities.buckets
+    return [
+        f"rpa-harness {harness}: target {target.name}{version}",
+        f"  backends: {backends_line} (interpreter compat {compat}); jax {jax.__version__}",
+        f"  precision contract: {', '.join(target.precision)}",
+        f"  validation rules: {rules}",
+        f"  known issues declared: {issues}",
+        f"  buckets: {', '.join(buckets)}",
+    ]
+
+
+def pytest_report_header(config):
+    if _active(config) and hasattr(config, "rpa_target") and not _is_worker(config):
+        return run_header(config)
+    return None
+
+
 def _hang_note(config, nodeid: str) -> str:
     """Names the hang repro a crashed worker's watchdog left for this test (if any)."""
     directory = Path(config.getoption("--rpa-repro-dir"))
@@ -481,7 +520,9 @@ def pytest_sessionfinish(session, exitstatus):
     if verdict and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = NO_NUMERIC_EXIT
     if os.environ.get(runlog.ENV):
-        runlog.write_session(no_numeric=verdict, cannot_run=getattr(config, "rpa_cannot_run", {}))
+        runlog.write_session(
+            no_numeric=verdict, cannot_run=getattr(config, "rpa_cannot_run", {}), header=run_header(config)
+        )
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -9,7 +9,7 @@ time, and an inner loop walks its query rows in fixed-size blocks; the largest t
 The dtype path is the specification's: K (resp. V) is upcast to float32, multiplied by ``k_scale`` (resp.
 ``v_scale``) and rounded to q's dtype when a scale is given; logits, softmax and the P @ V accumulation are
 float32 (inputs are upcast exactly, probabilities are never rounded); the output is cast to q's dtype.
-With ``q_scale`` (an extension: tpu-inference v3's) q is divided by it in q's dtype, clipped to the KV
+With ``q_scale`` (an extension: a quantised query) q is divided by it in q's dtype, clipped to the KV
 dtype's range and cast to the KV dtype, and the logits are multiplied by it; ``mask_value_meaning`` says
 whether a masked logit gets ``mask_value`` added or is replaced by it. Keys at positions >= kv_len do not exist: they are zeroed before any product (so NaN poison in page tails
 cannot leak) and take no part in the softmax. Rows past ``cu_q_lens[num_seqs]`` come out as zeros.

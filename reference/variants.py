@@ -6,11 +6,11 @@ contract in ``precision`` switches on the choice it names, the way production ke
 
 - probabilities-in-value-dtype: the block's unnormalised weights are rounded to V's dtype for P @ V (the
   normaliser is summed from the float32 weights);
-- accumulators-in-output-dtype: the arithmetic of tpu-inference's RPA v3 (0.32.0, ``kernel.py``,
-  ``flash_attention_step1_qk_softmax`` and ``step2_pv``): the block's row max is rounded to the output dtype
-  before it updates the stored max, the weights are float32 against that max, the row sum and P @ V are
-  rounded, the rescale factor is exp of the difference of the two stored maxima, both in the output dtype,
-  and each of l = alpha l + row sum and acc = alpha acc + P @ V rounds the product and the sum;
+- accumulators-in-output-dtype: flash attention with its running state in the output dtype: the block's
+  row max is rounded to the output dtype before it updates the stored max, the weights are float32 against
+  that max, the row sum and P @ V are rounded, the rescale factor is exp of the difference of the two stored
+  maxima, both in the output dtype, and each of l = alpha l + row sum and acc = alpha acc + P @ V rounds
+  the product and the sum (a target that declares it says where its kernel does so);
 - bf16-matmul / bf16x3-matmul: float32 operands of both products rounded to bf16 / split into bf16 hi + lo
   (three products, lo * lo dropped), float32 accumulation;
 - approx-reciprocal: the output is acc * (1 / l) * (1 + rho) with |rho| = the stated maximum (sign drawn per

@@ -184,7 +184,7 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
     except ValueError as error:
         raise TargetError(str(error)) from None
     own_catalogue = tuple(getattr(profile, "RPA_HARNESS_CATALOGUE", ()))
-    where = f"{name}.RPA_HARNESS_KNOWN_ISSUES"
+    where = f"--rpa-target={name}: RPA_HARNESS_KNOWN_ISSUES"
     try:
         issues = known_issues.resolve(
             getattr(profile, "RPA_HARNESS_KNOWN_ISSUES", ()), where, own_catalogue + shipped_catalogue()

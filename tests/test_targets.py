@@ -1,0 +1,104 @@
+"""Targets are one place each: the loader reads a profile from a module's declarations, the core holds
+nothing of any one target, and a run says what it tests."""
+
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from rpa_harness import targets
+from rpa_harness.strategies import violations
+from rpa_harness.strategies.valid import Capabilities
+from rpa_harness.targets import upstream as upstream_profile
+
+from tests.processes import run_python
+
+ROOT = Path(__file__).resolve().parent.parent
+# The core: what every target shares. A target's own text belongs in its module under harness/targets/.
+CORE = ["spec", "strategies", "reference", "harness/checks.py", "harness/plugin.py", "harness/known_issues.py"]
+TARGET_SPECIFIC = re.compile(r"\bv3\b|v3'|tpu.inference", re.IGNORECASE)
+
+
+def test_the_core_names_no_target():
+    found = []
+    for entry in CORE:
+        paths = [ROOT / entry] if entry.endswith(".py") else sorted((ROOT / entry).rglob("*.py"))
+        for path in paths:
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if TARGET_SPECIFIC.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert found == [], "\n".join(found)
+
+
+def _module(name="user_target", **attributes):
+    module = types.ModuleType(name)
+    module.ragged_paged_attention = lambda *args, **kwargs: None
+    module.dynamic_validate_inputs = lambda *args, **kwargs: None
+    for key, value in attributes.items():
+        setattr(module, key, value)
+    return module
+
+
+def test_a_module_without_declarations_is_held_to_the_whole_space(monkeypatch):
+    monkeypatch.setitem(sys.modules, "user_target", _module())
+    target = targets.load("user_target")
+    assert target.capabilities == Capabilities()
+    assert target.rules is violations.RULES and not target.own_rules
+    assert target.known_issues == ()
+    # A kernel of its own still hears about the kinds of discrepancy upstream's catalogue knows.
+    assert target.catalogue == upstream_profile.RPA_HARNESS_CATALOGUE
+
+
+def test_a_declared_rule_table_is_the_targets(monkeypatch):
+    rule = violations.Rule("dynamic", violations.break_num_seqs_over_max, lambda num_seqs, max_num_seqs: "x")
+    monkeypatch.setitem(sys.modules, "user_target", _module(RPA_HARNESS_RULES={"over": rule}))
+    target = targets.load("user_target")
+    assert target.own_rules and target.rules == {"over": rule}
+
+
+@pytest.mark.parametrize(
+    "declaration, complaint",
+    [
+        ({"RPA_HARNESS_RULES": {"over": "not a rule"}}, "are not rpa_harness.strategies.violations.Rule"),
+        ({"RPA_HARNESS_RULES": {}}, "a rule table is a non-empty dict"),
+        ({"RPA_HARNESS_CAPABILITIES": {"head_dims": (96,)}}, "RPA_HARNESS_CAPABILITIES"),
+        ({"RPA_HARNESS_KNOWN_ISSUES": ("no-such-issue",)}, "unknown known issue 'no-such-issue'"),
+    ],
+)
+def test_a_malformed_declaration_is_one_clear_error(monkeypatch, declaration, complaint):
+    monkeypatch.setitem(sys.modules, "user_target", _module(**declaration))
+    with pytest.raises(targets.TargetError) as error:
+        targets.load("user_target")
+    assert complaint in str(error.value) and "--rpa-target=user_target" in str(error.value)
+
+
+def test_a_rule_breaks_one_stage():
+    with pytest.raises(ValueError, match="stage='runtime'"):
+        violations.Rule("runtime", violations.break_num_seqs_shape, str)
+
+
+def test_shipped_profiles_and_versions():
+    bundled = targets.load(targets.DEFAULT_TARGET)
+    assert bundled.capabilities.strict_validation and bundled.rules is violations.RULES
+    assert bundled.version.startswith("rpa-harness ")
+    upstream = targets.load(targets.UPSTREAM_TARGET)
+    assert upstream.capabilities.needs_block_sizes and upstream.version.startswith("jax ")
+    assert upstream.known_issues == upstream_profile.RPA_HARNESS_CATALOGUE
+
+
+def test_the_run_header_says_what_is_tested():
+    """pytest's report header, as the run prints it before any test."""
+    result = run_python(
+        "-m", "pytest", "tests/properties/test_validation.py", "--collect-only", "-p", "no:cacheprovider",
+        f"--rpa-target={targets.UPSTREAM_TARGET}", "--rpa-backend=fast-interpret", "--rpa-buckets=tiny",
+        cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    header = result.stdout
+    assert f"target {targets.UPSTREAM_TARGET} (jax " in header
+    assert "backends: fast-interpret (interpreter compat on); jax " in header
+    assert "precision contract: float32" in header
+    assert "validation rules: the specification's (21 rules, stricter ones off)" in header
+    assert "known issues declared: empty-sequence-shifts-kv-pages, one-kv-scale-with-mixed-dtypes" in header
+    assert "buckets: tiny\n" in header
