@@ -170,6 +170,6 @@ def test_validation_mutant_differs_from_our_validator(name):
     arrays, options = case.arrays(), case.options()
     expected = ("accepted", "")
     if rule is not None:
-        expected = ("ValueError", RULES[rule].break_(arrays, options, case, param))
+        expected = ("ValueError", RULES[rule].apply(arrays, options, case, param))
     assert _validation_outcome(kernel, arrays, options) == expected
     assert _validation_outcome(getattr(mutants, name), arrays, options) != expected
