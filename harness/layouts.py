@@ -207,7 +207,8 @@ def flat_page_list(
         seq = int(outside[0])
         raise LayoutError(
             f"{function}: kv_lens[{seq}]={int(live[seq])} of a live sequence is outside [0, {capacity}] "
-            f"(pages_per_seq={pages_per_seq} x page_size={page_size}); pass valid metadata (validate the call before converting it)"
+            f"(pages_per_seq={pages_per_seq} x page_size={page_size}); pass valid metadata (validate the "
+            "call before converting it)"
         )
     counts = np.zeros(max_num_seqs, np.int64)
     counts[:n] = -(-live.astype(np.int64) // page_size)
@@ -241,7 +242,7 @@ def page_table_from_flat(pages, page_offsets, *, pages_per_seq: int, pad_page: i
     function = "page_table_from_flat"
     pages = _index_array(function, "pages", pages, 1, "[number of pages]")
     offsets = _index_array(function, "page_offsets", page_offsets, 1, "[max_num_seqs + 1]")
-    pages_per_seq = _count(function, "pages_per_seq", pages_per_seq, minimum=1)
+    pages_per_seq = _count(function, "pages_per_seq", pages_per_seq, minimum=0)
     pad_page = _int32(function, "pad_page", pad_page)
     if offsets.size == 0 or offsets[0] != 0:
         raise LayoutError(
