@@ -34,9 +34,9 @@ def main():
 
     import numpy as np
     from hypothesis import HealthCheck, given, settings
-    from rpa_harness.targets import tpu_inference_v3 as v3target
     from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
     from rpa_harness.strategies.valid import Capabilities, valid_cases
+    from rpa_harness.targets import tpu_inference_v3 as v3target
 
     capabilities = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)
     fast, checking = Backend(FAST_INTERPRET), Backend(INTERPRET)

@@ -167,10 +167,24 @@ class JaxInt:
 
 
 def values_per_word(dtype) -> int:
-    """Values of ``dtype`` in one 32-bit word (float32 1, bfloat16 2, 8-bit 4): how TPU layouts pack them."""
-    import ml_dtypes  # numpy's dtype() does not know the 8-bit float names
+    """Values of ``dtype`` in one 32-bit word (float32 1, bfloat16 2, 8-bit types 4): how TPU layouts pack
+    them. Takes a dtype or its name, ml_dtypes' names (``"bfloat16"``, ``"float8_e4m3fn"``) included."""
+    import ml_dtypes  # numpy's dtype() does not know them by name
 
-    dtype = np.dtype(getattr(ml_dtypes, dtype, dtype)) if isinstance(dtype, str) else np.dtype(dtype)
+    if isinstance(dtype, str) and isinstance(getattr(ml_dtypes, dtype, None), type):
+        dtype = getattr(ml_dtypes, dtype)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(
+            f"values_per_word: dtype={dtype!r} is not a dtype; pass a numpy dtype or a name such as "
+            "'float32', 'bfloat16' or 'float8_e4m3fn'"
+        ) from None
+    if dtype.itemsize not in (1, 2, 4):
+        raise ValueError(
+            f"values_per_word: {dtype} has {8 * dtype.itemsize} bits; a 32-bit word holds a whole number of "
+            "8-, 16- or 32-bit values only: pass one of those dtypes"
+        )
     return 4 // dtype.itemsize
 
 

@@ -1,10 +1,8 @@
-"""The layout converters (``rpa_harness.layouts``): each conversion against its stated layout, each inverse
-round trip bit for bit, the new-token split against what the v3 target computes today, and the argument
-errors.
+"""The layout converters (``rpa_harness.targets.layouts``): each conversion against its stated layout, each
+inverse round trip bit for bit, the new-token split's tolerance of any metadata, and the argument errors.
 
 Arrays are built with NumPy from drawn structure; caches hold random bits (NaN payloads included), so that
-a converter that rounds, reorders or drops anything shows. The agreement with
-``rpa_harness.tpu_inference_v3`` is skipped when tpu-inference is not installed.
+a converter that rounds, reorders or drops anything shows.
 """
 
 import math
@@ -14,21 +12,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rpa_harness import layouts
-from rpa_harness.layouts import LayoutError
 from rpa_harness.strategies.case import DTYPES
-from rpa_harness.strategies.valid import OUR_KERNEL, Capabilities, valid_cases
+from rpa_harness.strategies.valid import valid_cases
+from rpa_harness.targets import layouts
+from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
+from rpa_harness.targets.layouts import LayoutError
 
-try:
-    from rpa_harness import tpu_inference_v3 as v3target
-    from rpa_harness.strategies.violations import invalid_cases
-
-    V3_CAPABILITIES = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)
-    V3_MISSING = ""
-except ImportError as error:
-    v3target, V3_MISSING = None, str(error)
-
-needs_v3 = pytest.mark.skipif(v3target is None, reason=V3_MISSING)
 FEW = settings(max_examples=40, deadline=None)
 # valid_cases builds a whole case per example: fewer of them, and no complaint about the draw's size.
 CASES = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -186,44 +175,7 @@ def test_pack_cache_places_each_value_in_its_word_pads_with_zeros_and_unpacks(kv
     assert not np.shares_memory(unpacked, packed) and not np.shares_memory(packed, kv_pages)
 
 
-@needs_v3
-@FEW
-@given(kv_pages=caches(), extra_head=st.booleans())
-def test_pack_cache_is_the_v3_targets(kv_pages, extra_head):
-    if extra_head:  # the odd head count of v3's "k and v shapes differ" rule
-        kv_pages = np.concatenate([kv_pages, kv_pages[:, :, :1]], axis=2)
-    assert_same_bits(layouts.pack_cache(kv_pages), v3target.pack_cache(kv_pages), "pack_cache")
-
-
 # ---- New tokens ----
-
-
-def assert_matches_v3_inputs(arrays: dict) -> None:
-    """split_new_tokens and the poisoned cache, packed, against v3_inputs' on the same call, bit for bit."""
-    new = layouts.split_new_tokens(**arrays)
-    expected = v3target.v3_inputs(**arrays)
-    assert_same_bits(new.keys, expected.args[1], "keys")
-    assert_same_bits(new.values, expected.args[2], "values")
-    assert_same_bits(new.new_slots, expected.new_slots, "new_slots")
-    assert_same_bits(new.slot_owner, expected.slot_owner, "slot_owner")
-    assert_same_bits(new.slot_position, expected.slot_position, "slot_position")
-    poisoned = layouts.pack_cache(new.poisoned_cache(arrays["kv_pages"]))
-    assert_same_bits(poisoned, expected.args[3], "packed poisoned cache")
-
-
-@needs_v3
-@CASES
-@given(case=valid_cases(V3_CAPABILITIES if v3target else OUR_KERNEL, with_options=False))
-def test_split_new_tokens_agrees_with_v3_inputs_on_valid_cases(case):
-    assert_matches_v3_inputs(case.arrays())
-
-
-@needs_v3
-@CASES
-@given(invalid=invalid_cases(V3_CAPABILITIES) if v3target else st.nothing())
-def test_split_new_tokens_agrees_with_v3_inputs_on_v3s_invalid_inputs(invalid):
-    arrays, _, _ = invalid.inputs()  # v3's validators must see each of these as the caller passed it
-    assert_matches_v3_inputs(arrays)
 
 
 @st.composite
@@ -254,11 +206,20 @@ def garbage_calls(draw) -> dict:
     )
 
 
-@needs_v3
 @settings(max_examples=60, deadline=None)
 @given(arrays=garbage_calls())
-def test_split_new_tokens_tolerates_invalid_metadata_as_v3_inputs_does(arrays):
-    assert_matches_v3_inputs(arrays)
+def test_split_new_tokens_tolerates_invalid_metadata(arrays):
+    """Whatever the metadata, the split returns (a kernel's validators must see the call as passed), every
+    slot it marks new lies in a page the cache has and is owned, and the poisoned cache differs from the
+    cache only there."""
+    new = layouts.split_new_tokens(**arrays)
+    kv_pages = arrays["kv_pages"]
+    assert new.keys.shape == new.values.shape[:1] + new.keys.shape[1:]
+    assert new.keys.shape[0] == arrays["q"].shape[0] and new.new_slots.shape == kv_pages.shape[:2]
+    assert (new.slot_owner[new.new_slots] >= 0).all()
+    poisoned = layouts.pack_cache(new.poisoned_cache(kv_pages)).reshape(*kv_pages.shape[:2], -1)
+    unchanged = layouts.pack_cache(kv_pages).reshape(*kv_pages.shape[:2], -1)
+    assert_same_bits(poisoned[~new.new_slots], unchanged[~new.new_slots], "slots that are not new")
 
 
 @CASES
@@ -364,13 +325,7 @@ ARGUMENT_ERRORS = {
         lambda: layouts.page_table_from_flat(np.arange(3), np.array([0, 3]), pages_per_seq=2),
         r"step by at most pages_per_seq=2",
     ),
-    "values_per_word of float64": (lambda: layouts.values_per_word(np.float64), r"float64 has 64 bits"),
-    "values_per_word of a non-dtype": (
-        lambda: layouts.values_per_word("bfloat15"),
-        r"dtype='bfloat15' is not",
-    ),
     "pack_cache of a 5-D array": (lambda: layouts.pack_cache(KV[None]), r"pack_cache: kv_pages has shape"),
-    "pack_cache of float64": (lambda: layouts.pack_cache(KV.astype(np.float64)), r"float64 has 64 bits"),
     "unpack_cache with the wrong head count": (
         lambda: layouts.unpack_cache(layouts.pack_cache(KV), num_kv_heads=3, head_dim=8),
         r"unpack_cache: packed has shape \(2, 4, 4, 1, 128\), but 3 kv heads .* pack to \(2, 4, 6, 1, 128\)",
@@ -404,6 +359,21 @@ ARGUMENT_ERRORS = {
 def test_argument_errors(name):
     call, message = ARGUMENT_ERRORS[name]
     with pytest.raises(LayoutError, match=message) as raised:
+        call()
+    assert "pass " in str(raised.value), f"the message does not say what to pass: {raised.value}"
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: layouts.values_per_word(np.float64), r"float64 has 64 bits"),
+        (lambda: layouts.values_per_word("bfloat15"), r"dtype='bfloat15' is not"),
+        (lambda: layouts.pack_cache(KV.astype(np.float64)), r"float64 has 64 bits"),
+    ],
+    ids=["values_per_word of float64", "values_per_word of a non-dtype", "pack_cache of float64"],
+)
+def test_dtype_errors(call, message):
+    with pytest.raises(ValueError, match=message) as raised:
         call()
     assert "pass " in str(raised.value), f"the message does not say what to pass: {raised.value}"
 

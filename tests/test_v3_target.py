@@ -30,8 +30,8 @@ try:
 except ImportError as error:
     pytest.skip(str(error), allow_module_level=True)
 
-from rpa_harness import targets
 from rpa_harness import repro as repro_files
+from rpa_harness import targets
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure
 from rpa_harness.interpret_compat.limitations import recognise
@@ -288,16 +288,6 @@ def test_new_tokens_are_the_last_q_len_keys_of_each_sequence():
     assert np.isnan(keys[4:]).all()  # poisoned padding rows
     assert inputs.new_slots.sum() == 4
     np.testing.assert_array_equal(inputs.args[-1], [1, 1, 2])  # one leading decode
-
-
-def test_packed_cache_layout():
-    case = dataclasses.replace(BASE, kv_dtype="float8_e4m3fn", num_kv_heads=1, head_dim=64)
-    kv_pages = case.arrays()["kv_pages"]
-    packed = v3target.pack_cache(kv_pages)
-    assert packed.shape == (8, 4, 1, 4, 128)  # 2 combined heads padded to the packing of 4, dims to 128
-    heads = packed.reshape(8, 4, 4, 128)
-    np.testing.assert_array_equal(heads[:, :, :2, :64].view(np.uint8), kv_pages.view(np.uint8))
-    assert not heads[:, :, 2:].astype(np.float32).any() and not heads[:, :, :, 64:].astype(np.float32).any()
 
 
 def test_cache_check_reports_a_changed_slot_outside_the_new_tokens():

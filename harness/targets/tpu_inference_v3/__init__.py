@@ -30,7 +30,8 @@ from importlib.metadata import version as _version
 import jax
 import numpy as np
 from rpa_harness.backends import INTERPRET, Backend, Deadlock
-from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES, values_per_word
+from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES
+from rpa_harness.targets import layouts
 
 INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
@@ -86,10 +87,6 @@ RPA_HARNESS_CAPABILITIES = dict(
 # queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).
 # Its kernel computes logits and P in float32 and does not round P to V's dtype (its reference does).
 RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype",)
-def _align(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 @dataclasses.dataclass(frozen=True)
 class V3Inputs:
     """One upstream-style call in v3's terms, and the cache v3 must return."""
@@ -100,17 +97,6 @@ class V3Inputs:
     new_slots: np.ndarray  # bool [pages, page_size]: the slots v3 writes (positions [kv_len - q_len, kv_len))
     slot_owner: np.ndarray  # int [pages, page_size]: sequence whose page holds the slot, -1 for none
     slot_position: np.ndarray  # int [pages, page_size]: the key position of the slot in its sequence
-
-
-def pack_cache(kv_pages: np.ndarray) -> np.ndarray:
-    """Upstream's ``[pages, page_size, 2 * kv_heads, head_dim]`` (K/V interleaved) in v3's layout
-    ``[pages, page_size, align(2 * kv_heads, packing) // packing, packing, align(head_dim, 128)]``,
-    zero-filled in the padded heads and dims as v3 writes them."""
-    pages, page_size, heads_x2, head_dim = kv_pages.shape
-    packing = values_per_word(kv_pages.dtype)
-    padded = np.zeros((pages, page_size, _align(heads_x2, packing), _align(head_dim, 128)), kv_pages.dtype)
-    padded[:, :, :heads_x2, :head_dim] = kv_pages
-    return padded.reshape(pages, page_size, padded.shape[2] // packing, packing, padded.shape[3])
 
 
 def decode_prefix(q_lens: np.ndarray) -> int:
@@ -171,44 +157,16 @@ def v3_inputs(
             f"mask_value_meaning={MASK_REPLACES!r} (or the default mask_value)"
         )
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
-    # v3 receives the metadata as given (its validators judge dtypes and shapes); the mapping reads integer
-    # copies, and only the entries that exist: invalid metadata is v3's validators' business.
+    # v3 receives the metadata as given (its validators judge dtypes and shapes); the split reads only the
+    # entries that exist: invalid metadata is v3's validators' business.
+    tokens = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     kv_lens_given, cu_q_lens_given = np.asarray(kv_lens), np.asarray(cu_q_lens)
     page_table_given = np.asarray(page_indices)
-    kv_lens, cu_q_lens = kv_lens_given.astype(np.int64), cu_q_lens_given.astype(np.int64)
-    page_table = page_table_given.astype(np.int64)
+    cu_q_lens_read = cu_q_lens_given.astype(np.int64)
     n = int(np.asarray(num_seqs).reshape(-1)[0])
-    pages, page_size, heads_x2, head_dim = kv_pages.shape
-    max_tokens = q.shape[0]
-
-    new_kv = np.zeros((max_tokens, heads_x2, head_dim), kv_pages.dtype)
-    poisoned_rows = np.isnan(q.astype(np.float32)).all(axis=(1, 2))
-    new_kv[poisoned_rows] = np.nan
-    new_slots = np.zeros((pages, page_size), bool)
-    slot_owner = np.full((pages, page_size), -1)
-    slot_position = np.full((pages, page_size), -1)
-    pages_per_seq = page_table.shape[1]
-    live = range(min(max(n, 0), len(kv_lens), len(cu_q_lens) - 1, page_table.shape[0]))
-    for i in live:
-        start, q_len, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1] - cu_q_lens[i]), int(kv_lens[i])
-        for p in range(min(math.ceil(kv_len / page_size), pages_per_seq)):
-            page = page_table[i, p]
-            if 0 <= page < pages:
-                slot_owner[page] = i
-                slot_position[page] = p * page_size + np.arange(page_size)
-        for j in range(max(0, -start), max(0, min(q_len, max_tokens - start))):  # rows inside q only
-            position, row = kv_len - q_len + j, start + j
-            if not 0 <= position < pages_per_seq * page_size:
-                continue
-            page, slot = page_table[i, position // page_size], position % page_size
-            if 0 <= page < pages:
-                new_kv[row] = kv_pages[page, slot]
-                new_slots[page, slot] = True
-
-    expected_cache = pack_cache(kv_pages)
-    stale = kv_pages.copy()
-    stale[new_slots] = np.nan
-    decodes = decode_prefix(np.diff(cu_q_lens[: len(live) + 1]))
+    page_size, pages_per_seq = kv_pages.shape[1], page_table_given.shape[1]
+    live = range(min(max(n, 0), len(kv_lens_given), len(cu_q_lens_read) - 1, page_table_given.shape[0]))
+    decodes = decode_prefix(np.diff(cu_q_lens_read[: len(live) + 1]))
     bq = DEFAULT_QUERIES_PER_BLOCK if num_queries_per_block is None else num_queries_per_block
     bkv_pages = (
         min(DEFAULT_KV_PAGES_PER_BLOCK, pages_per_seq)
@@ -232,15 +190,16 @@ def v3_inputs(
     )
     args = (
         q,
-        new_kv[:, 0::2],
-        new_kv[:, 1::2],
-        pack_cache(stale),
+        tokens.keys,
+        tokens.values,
+        layouts.pack_cache(tokens.poisoned_cache(kv_pages)),
         kv_lens_given,
         page_table_given.reshape(-1),
         cu_q_lens_given,
         np.array([decodes, decodes, n], np.int32),
     )
-    return V3Inputs(args, kwargs, expected_cache, new_slots, slot_owner, slot_position)
+    expected_cache = layouts.pack_cache(kv_pages)
+    return V3Inputs(args, kwargs, expected_cache, tokens.new_slots, tokens.slot_owner, tokens.slot_position)
 
 
 _JITTED: dict = {}

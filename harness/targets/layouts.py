@@ -34,11 +34,10 @@ target must.
 import dataclasses
 import numbers
 
-import ml_dtypes
 import numpy as np
+from rpa_harness.spec.interface import values_per_word
 
 INT32 = np.iinfo(np.int32)
-WORD_BITS = 32  # tpu-inference v3 packs its cache into 32-bit words
 LANES = 128  # v3 pads head_dim to a whole number of TPU lanes
 UPSTREAM_CACHE = "[pages, page_size, 2 * kv_heads, head_dim]"  # K at 0::2 and V at 1::2 of axis 2
 
@@ -50,19 +49,6 @@ class LayoutError(ValueError):
 
 def _align(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def _as_dtype(function: str, dtype) -> np.dtype:
-    """numpy's dtype of ``dtype``, also for the ml_dtypes names (``"bfloat16"``) that numpy alone rejects."""
-    if isinstance(dtype, str) and isinstance(getattr(ml_dtypes, dtype, None), type):
-        dtype = getattr(ml_dtypes, dtype)
-    try:
-        return np.dtype(dtype)
-    except TypeError as error:
-        raise LayoutError(
-            f"{function}: dtype={dtype!r} is not a dtype; pass a numpy dtype or a name such as 'float32', "
-            "'bfloat16' or 'float8_e4m3fn'"
-        ) from error
 
 
 def _array(function: str, name: str, value, ndim: int, layout: str) -> np.ndarray:
@@ -263,18 +249,6 @@ def page_table_from_flat(pages, page_offsets, *, pages_per_seq: int, pad_page: i
 
 
 # ---- tpu-inference v3's packed cache ----
-
-
-def values_per_word(dtype) -> int:
-    """How many values of ``dtype`` a 32-bit word holds (v3's ``kv_packing``): float32 1, bfloat16 2, 8-bit
-    types 4. Takes a dtype or its name, ml_dtypes' names included."""
-    dtype = _as_dtype("values_per_word", dtype)
-    if dtype.itemsize not in (1, 2, 4):
-        raise LayoutError(
-            f"values_per_word: {dtype} has {8 * dtype.itemsize} bits; a 32-bit word holds a whole number of "
-            "8-, 16- or 32-bit values only: pass one of those dtypes"
-        )
-    return WORD_BITS // (8 * dtype.itemsize)
 
 
 def pack_cache(kv_pages) -> np.ndarray:
