@@ -2,7 +2,7 @@
 
 Inputs are upcast exactly (ml_dtypes for bf16 and fp8). The one rounding the specification prescribes is
 reproduced: with ``k_scale`` (``v_scale``) the keys (values) are multiplied by the scale in float32 and
-rounded to q's dtype before use; with ``q_scale`` (an extension, tpu-inference v3's) q is divided by it in
+rounded to q's dtype before use; with ``q_scale`` (an extension: a quantised query) q is divided by it in
 q's dtype, clipped to the KV dtype's finite range and cast to the KV dtype, and the logits are multiplied
 by it. ``mask_value`` is added to a masked logit or replaces it, as ``mask_value_meaning`` says. Everything else (logits, soft cap, mask, softmax, P @ V) is float64, and
 the output is not rounded: the tolerance model accounts for the rounding a kernel does.
@@ -145,7 +145,7 @@ def _logits(q_rows, k, masked, semantics: _Scores):
     gives it, K as the specification reads it, see ``_scaled``), ``masked`` [rows, keys] is True where the
     causal mask or the sliding window hides the key. Returns ``(raw, logits, dot_abs)``, each [kv heads,
     rows, keys]: ``raw = scale * q.k`` before the soft cap; ``logits`` after the soft cap and the mask
-    (upstream adds ``mask_value`` to a masked logit, v3 replaces it); ``dot_abs = |scale| * sum_i |q_i k_i|``,
+    (upstream adds ``mask_value`` to a masked logit, a replacing mask substitutes it); ``dot_abs = |scale| * sum_i |q_i k_i|``,
     the dot product's condition, which the error bound needs.
     """
     raw = semantics.scale * (q_rows @ k.transpose(0, 2, 1))

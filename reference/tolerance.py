@@ -52,7 +52,7 @@ computed from the same float64 quantities; contracts combine by adding their ter
     for e4m3): ``u_v (sum p|v| + |o|) + sum_k min(p_k, zeta_v) (|v_k| + |o|)`` (the |o| parts cover a
     normaliser summed from the rounded weights).
 ``accumulators-in-output-dtype``: the running max m, the running sum l and the unnormalised output acc are
-    stored in the output dtype (q's), and the per-block updates are done in it, as in tpu-inference's RPA v3:
+    stored in the output dtype (q's), and the per-block updates are done in it:
     the block's row max is rounded before m = max(m, row max), the weights exp(s - m) are float32, the
     block's row sum and its P @ V are rounded to the output dtype, the rescale factor alpha = exp(m_prev -
     m) is computed from the two stored maxima in the output dtype, and l = alpha l + row sum, acc = alpha
@@ -103,7 +103,7 @@ of std ~11) the d * A_k term dominates and the bound reaches ~1.6e-3 where the o
 bfloat16 the bound is half an ulp plus ~1e-4, >= 48x below upstream's. The jnp reference reaches error/bound
 <= 0.05 in float32 and <= 0.998 in bfloat16 (round-to-nearest uses almost all of its half ulp). Per contract
 (``--contracts``, 2,400 cases, NumPy variants making exactly each choice): 0 false alarms, largest
-error/bound 0.88 (P in V's dtype), 0.55 (accumulators, v3's arithmetic), 0.68 (bf16-matmul), 0.99
+error/bound 0.88 (P in V's dtype), 0.55 (accumulators in the output dtype), 0.68 (bf16-matmul), 0.99
 (bf16x3), 0.999 (approximate reciprocal: the variant uses the full 2**-8 error) and 0.86 all combined.
 """
 

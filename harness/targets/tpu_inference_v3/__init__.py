@@ -21,7 +21,6 @@ Install v3 without its dependencies (its ``__init__`` imports vllm, and it pins 
 
 import dataclasses
 import importlib.util
-import math
 import os
 import sys
 import types
