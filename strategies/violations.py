@@ -293,7 +293,9 @@ RULES: dict[str, Rule] = {
     # Upstream's static checks, in upstream's order.
     "num_seqs shape": _same("static", break_num_seqs_shape, spec.num_seqs_shape_message),
     "head_dim mismatch": _same(
-        "static", break_head_dim, lambda q_head_dim, kv_head_dim: spec.head_dim_mismatch_message(q_head_dim, kv_head_dim)
+        "static",
+        break_head_dim,
+        lambda q_head_dim, kv_head_dim: spec.head_dim_mismatch_message(q_head_dim, kv_head_dim),
     ),
     "kv_lens shape": _same("static", break_kv_lens_shape, spec.kv_lens_shape_message),
     "cu_q_lens shape": _same("static", break_cu_q_lens_shape, spec.cu_q_lens_shape_message),

@@ -44,7 +44,11 @@ def test_report_of_a_bad_file_is_one_error(tmp_path, pytestconfig):
 def test_a_repro_with_extension_semantics_gets_no_report_that_misstates_it(tmp_path, pytestconfig):
     """v3's repros carry mask_value_meaning="replaces" (and may carry q_scale): upstream's API and the
     script's reference cannot state them, so report refuses, naming the option and the replay."""
-    path = findings_dir("tpu-inference-v3-findings") / "rescale-in-output-dtype" / "differential_fast-interpret.json"
+    path = (
+        findings_dir("tpu-inference-v3-findings")
+        / "rescale-in-output-dtype"
+        / "differential_fast-interpret.json"
+    )
     result = run_python("-m", "rpa_harness.cli", "report", str(path), cwd=pytestconfig.rootpath)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert (

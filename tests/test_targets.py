@@ -16,7 +16,14 @@ from tests.processes import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 # The core: what every target shares. A target's own text belongs in its module under harness/targets/.
-CORE = ["spec", "strategies", "reference", "harness/checks.py", "harness/plugin.py", "harness/known_issues.py"]
+CORE = [
+    "spec",
+    "strategies",
+    "reference",
+    "harness/checks.py",
+    "harness/plugin.py",
+    "harness/known_issues.py",
+]
 TARGET_SPECIFIC = re.compile(r"\bv3\b|v3'|tpu.inference", re.IGNORECASE)
 
 

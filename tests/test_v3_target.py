@@ -249,7 +249,9 @@ def test_q_len_zero_before_live_sequence_returns(v3_runs):
     assert replay.returncode in (0, 1) and not hangs, hangs or textwrap.shorten(replay.stderr, 600)
 
 
-RESCALE_REPRO = v3target.known_issues.FINDINGS / "rescale-in-output-dtype" / "differential_fast-interpret.json"
+RESCALE_REPRO = (
+    v3target.known_issues.FINDINGS / "rescale-in-output-dtype" / "differential_fast-interpret.json"
+)
 
 
 def test_the_accumulator_contract_makes_v3s_roundings(v3_runs):

@@ -180,7 +180,9 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
     except PrecisionError as error:
         raise TargetError(f"--rpa-target={name}: RPA_HARNESS_PRECISION: {error}") from None
     try:
-        rules = check_table(getattr(profile, "RPA_HARNESS_RULES", RULES), f"--rpa-target={name}: RPA_HARNESS_RULES")
+        rules = check_table(
+            getattr(profile, "RPA_HARNESS_RULES", RULES), f"--rpa-target={name}: RPA_HARNESS_RULES"
+        )
     except ValueError as error:
         raise TargetError(str(error)) from None
     own_catalogue = tuple(getattr(profile, "RPA_HARNESS_CATALOGUE", ()))
@@ -205,4 +207,3 @@ def first_line_of_error(error: BaseException) -> str:
     """The real exception behind a JaxRuntimeError is on the last line of its embedded traceback."""
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
-

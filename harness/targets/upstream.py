@@ -223,5 +223,3 @@ RPA_HARNESS_CATALOGUE = (
 )
 # Every catalogued issue is still present in the jax versions the harness supports.
 RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
-
-

@@ -86,6 +86,8 @@ RPA_HARNESS_CAPABILITIES = dict(
 # queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).
 # Its kernel computes logits and P in float32 and does not round P to V's dtype (its reference does).
 RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype",)
+
+
 @dataclasses.dataclass(frozen=True)
 class V3Inputs:
     """One upstream-style call in v3's terms, and the cache v3 must return."""

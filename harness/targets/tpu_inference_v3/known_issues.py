@@ -94,7 +94,11 @@ def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
     0. The masked keys that get weight, and with what value, are set by the block sizes. Its reference
     gives every masked key in [0, kv_len) the weight with its value, and no other key.
     """
-    if case.mask_value_meaning != MASK_REPLACES or case.mask_value is None or not math.isfinite(case.mask_value):
+    if (
+        case.mask_value_meaning != MASK_REPLACES
+        or case.mask_value is None
+        or not math.isfinite(case.mask_value)
+    ):
         return False
     arrays = None
     for seq, first, rows, start, effective, end in _v3_query_blocks(case):
@@ -173,5 +177,3 @@ RPA_HARNESS_CATALOGUE = (
         NUMERIC_MISMATCH,
     ),
 )
-
-

@@ -79,7 +79,9 @@ RULES: dict[str, Rule] = {
         shared.break_head_dim,
         lambda q_head_dim, kv_head_dim: messages.head_dim_mismatch_message(q_head_dim, kv_head_dim),
     ),
-    "heads not divisible": Rule("static", shared.break_head_divisibility, messages.heads_not_divisible_message),
+    "heads not divisible": Rule(
+        "static", shared.break_head_divisibility, messages.heads_not_divisible_message
+    ),
     "index dtype": Rule("static", shared.break_index_dtype, messages.index_dtype_message),
     "kv_lens shape": Rule("static", _kv_lens_shape, _kv_lens_shape_message),
     "cu_q_lens shape": Rule("static", shared.break_cu_q_lens_shape, messages.cu_q_lens_shape_message),
@@ -87,9 +89,13 @@ RULES: dict[str, Rule] = {
         "static", _page_size_packing, messages.page_size_packing_message
     ),
     "sliding_window not positive": Rule(
-        "static", shared.break_sliding_window, lambda value: messages.not_positive_message("sliding_window", value)
+        "static",
+        shared.break_sliding_window,
+        lambda value: messages.not_positive_message("sliding_window", value),
     ),
-    "soft_cap zero": Rule("static", shared.break_soft_cap, lambda value: messages.soft_cap_zero_message(value)),
+    "soft_cap zero": Rule(
+        "static", shared.break_soft_cap, lambda value: messages.soft_cap_zero_message(value)
+    ),
     "num_queries_per_block not positive": Rule(
         "static", shared.break_query_block, lambda value: messages.query_block_message("decode", value, value)
     ),
@@ -101,13 +107,17 @@ RULES: dict[str, Rule] = {
         lambda value, page_size: messages.kv_block_message("decode", value * page_size, value * page_size),
     ),
     "vmem_limit_bytes not positive": Rule(
-        "static", shared.break_vmem_limit, lambda value: messages.not_positive_message("vmem_limit_bytes", value)
+        "static",
+        shared.break_vmem_limit,
+        lambda value: messages.not_positive_message("vmem_limit_bytes", value),
     ),
     # v3's dynamic checks, in v3's order.
     "negative num_seqs": Rule(
         "dynamic",
         shared.break_negative_num_seqs,
-        lambda num_seqs: messages.invalid_distribution_message((0, 0, num_seqs)),  # no live sequence: no decodes
+        lambda num_seqs: messages.invalid_distribution_message(
+            (0, 0, num_seqs)
+        ),  # no live sequence: no decodes
     ),
     "num_seqs over max_num_seqs": Rule(
         "dynamic", shared.break_num_seqs_over_max, messages.num_seqs_over_max_message
