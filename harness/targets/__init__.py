@@ -129,6 +129,17 @@ def _version(name: str, module: types.ModuleType, profile: types.ModuleType) -> 
     return f"{top} {version}" if version else None
 
 
+# A module with any of these declares its own profile (the module docstring says what each means).
+PROFILE_ATTRIBUTES = (
+    "RPA_HARNESS_CAPABILITIES",
+    "RPA_HARNESS_PRECISION",
+    "RPA_HARNESS_RULES",
+    "RPA_HARNESS_KNOWN_ISSUES",
+    "RPA_HARNESS_CATALOGUE",
+    "RPA_HARNESS_VERSION",
+)
+
+
 def load(name: str) -> Target:
     """Imports a target by module name and reads its profile; raises TargetError with a usable message."""
     name = ALIASES.get(name, name)
@@ -153,15 +164,6 @@ def load(name: str) -> Target:
     declares = any(hasattr(module, attribute) for attribute in PROFILE_ATTRIBUTES)
     profile = module if declares or name not in PROFILES else importlib.import_module(PROFILES[name])
     return _target(name, module, profile)
-
-
-PROFILE_ATTRIBUTES = (
-    "RPA_HARNESS_CAPABILITIES",
-    "RPA_HARNESS_PRECISION",
-    "RPA_HARNESS_RULES",
-    "RPA_HARNESS_KNOWN_ISSUES",
-    "RPA_HARNESS_CATALOGUE",
-)
 
 
 def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> Target:
@@ -194,9 +196,7 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
     except known_issues.KnownIssueError as error:
         raise TargetError(str(error)) from None
     # A target without a catalogue of its own is told about the upstream kinds of discrepancy it matches.
-    catalogue = own_catalogue or tuple(
-        issue for issue in importlib.import_module(PROFILES[UPSTREAM_TARGET]).RPA_HARNESS_CATALOGUE
-    )
+    catalogue = own_catalogue or importlib.import_module(PROFILES[UPSTREAM_TARGET]).RPA_HARNESS_CATALOGUE
     catalogue = catalogue + tuple(issue for issue in issues if issue not in catalogue)
     return Target(
         name, module, capabilities, precision, issues, rules, catalogue, _version(name, module, profile)

@@ -312,6 +312,7 @@ class NewTokens:
     new_slots: np.ndarray  # bool [pages, page_size]: the slots the kernel writes the new tokens to
     slot_owner: np.ndarray  # int64 [pages, page_size]: the live sequence whose page holds the slot, -1 none
     slot_position: np.ndarray  # int64 [pages, page_size]: the slot's key position in its owner, -1 none
+    q_lens: np.ndarray  # int64 [sequences read]: the q_len of each live sequence the split read
 
     def poisoned_cache(self, kv_pages) -> np.ndarray:
         """``kv_pages`` with the new tokens' slots set to NaN: the cache to pass, so that a kernel reading a
@@ -380,7 +381,8 @@ def split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) ->
     new_slots = np.zeros((num_pages, page_size), bool)
     slot_owner = np.full((num_pages, page_size), -1, np.int64)
     slot_position = np.full((num_pages, page_size), -1, np.int64)
-    for i in range(min(max(n, 0), len(kv_lens), len(cu_q_lens) - 1, page_table.shape[0])):
+    read = min(max(n, 0), len(kv_lens), len(cu_q_lens) - 1, page_table.shape[0])
+    for i in range(read):
         start, kv_len = int(cu_q_lens[i]), int(kv_lens[i])
         q_len = int(cu_q_lens[i + 1]) - start
 
@@ -409,4 +411,5 @@ def split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) ->
         new_slots,
         slot_owner,
         slot_position,
+        np.diff(cu_q_lens[: read + 1]),
     )

@@ -161,13 +161,10 @@ def v3_inputs(
     # v3 receives the metadata as given (its validators judge dtypes and shapes); the split reads only the
     # entries that exist: invalid metadata is v3's validators' business.
     tokens = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    kv_lens_given, cu_q_lens_given = np.asarray(kv_lens), np.asarray(cu_q_lens)
     page_table_given = np.asarray(page_indices)
-    cu_q_lens_read = cu_q_lens_given.astype(np.int64)
     n = int(np.asarray(num_seqs).reshape(-1)[0])
     page_size, pages_per_seq = kv_pages.shape[1], page_table_given.shape[1]
-    live = range(min(max(n, 0), len(kv_lens_given), len(cu_q_lens_read) - 1, page_table_given.shape[0]))
-    decodes = decode_prefix(np.diff(cu_q_lens_read[: len(live) + 1]))
+    decodes = decode_prefix(tokens.q_lens)
     bq = DEFAULT_QUERIES_PER_BLOCK if num_queries_per_block is None else num_queries_per_block
     bkv_pages = (
         min(DEFAULT_KV_PAGES_PER_BLOCK, pages_per_seq)
@@ -194,9 +191,9 @@ def v3_inputs(
         tokens.keys,
         tokens.values,
         layouts.pack_cache(tokens.poisoned_cache(kv_pages)),
-        kv_lens_given,
+        np.asarray(kv_lens),
         page_table_given.reshape(-1),
-        cu_q_lens_given,
+        np.asarray(cu_q_lens),
         np.array([decodes, decodes, n], np.int32),
     )
     expected_cache = layouts.pack_cache(kv_pages)
