@@ -148,5 +148,5 @@ def describe_matches(case: Case, catalogue: tuple[KnownIssue, ...]) -> str:
         return ""
     return (
         f"\n  known issue{'s' * (len(names) > 1)} this case matches: {', '.join(names)} "
-        f"(docs/targets.md, 'Known issues'; declare it in RPA_HARNESS_KNOWN_ISSUES or with {OPTION})"
+        f"(catalogued with its target under harness/targets/; declare it in RPA_HARNESS_KNOWN_ISSUES or with {OPTION})"
     )

@@ -23,7 +23,7 @@ Options (each also read from an environment variable):
                                                     Capabilities.buckets (none of them: a usage error)
   --rpa-known-issues=auto|none|NAME[,NAME...]
                                 RPA_KNOWN_ISSUES    known issues whose cases are not drawn (default: auto, the
-                                                    target's declaration; see docs/targets.md)
+                                                    target's declaration; see harness/targets/)
 Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
 RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
 
