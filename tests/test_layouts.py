@@ -5,6 +5,7 @@ Arrays are built with NumPy from drawn structure; caches hold random bits (NaN p
 a converter that rounds, reorders or drops anything shows.
 """
 
+import dataclasses
 import math
 
 import ml_dtypes
@@ -132,6 +133,33 @@ def test_flat_page_list_lists_each_live_sequences_pages_and_inverts(call, extra,
     np.testing.assert_array_equal(again.pages, flat.pages[: sum(used)])
     np.testing.assert_array_equal(again.page_offsets, flat.page_offsets)
     np.testing.assert_array_equal(again.cu_kv_lens, flat.cu_kv_lens)
+
+
+@FEW
+@given(call=page_tables(), num_seqs=st.integers(-3, 7), data=st.data())
+def test_flat_page_list_clips_invalid_metadata_to_what_the_table_holds(call, num_seqs, data):
+    """``clip=True`` gives the list of the clipped metadata: what a kernel's own validators then compare
+    with the real values."""
+    table, page_size = call["page_indices"], call["page_size"]
+    capacity = table.shape[1] * page_size
+    kv_lens = call["kv_lens"].copy()
+    n = min(max(num_seqs, 0), len(table))
+    for i in range(n):  # each live kv_len anywhere from negative to past the table
+        kv_lens[i] = data.draw(st.integers(-5, capacity + 5), label=f"kv_lens[{i}]")
+        table[i] = np.arange(table.shape[1])  # every entry a page, as the clipped lengths may read them all
+    clipped = layouts.flat_page_list(
+        table, kv_lens, np.array([num_seqs], np.int32), page_size=page_size, pad_to=table.size, clip=True
+    )
+    valid = layouts.flat_page_list(
+        table, np.clip(kv_lens, 0, capacity) * (np.arange(len(table)) < n), n, page_size=page_size,
+        pad_to=table.size,
+    )  # fmt: skip
+    for got, expected in zip(dataclasses.astuple(clipped), dataclasses.astuple(valid), strict=True):
+        np.testing.assert_array_equal(got, expected)
+    in_range = 0 <= num_seqs <= len(table) and ((kv_lens[:n] >= 0) & (kv_lens[:n] <= capacity)).all()
+    if not in_range:  # without clip, the same call is refused
+        with pytest.raises(LayoutError):
+            layouts.flat_page_list(table, kv_lens, np.array([num_seqs], np.int32), page_size=page_size)
 
 
 # ---- v3's packed cache ----

@@ -109,3 +109,10 @@ def test_the_run_header_says_what_is_tested():
     assert "validation rules: the specification's (21 rules, stricter ones off)" in header
     assert "known issues declared: empty-sequence-shifts-kv-pages, one-kv-scale-with-mixed-dtypes" in header
     assert "buckets: tiny\n" in header
+
+
+def test_a_version_comes_from_the_distribution_that_holds_the_module():
+    """tpu-inference installs a top-level ``tests`` package; this checkout's ``tests/`` is not it."""
+    assert targets.load("tests.flat_pages.target").version is None
+    assert targets.load(targets.DEFAULT_TARGET).version.startswith("rpa-harness ")
+    assert targets.load(targets.UPSTREAM_TARGET).version.startswith("jax ")

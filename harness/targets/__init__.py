@@ -24,8 +24,11 @@ import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import sys
 import types
+import urllib.parse
+from pathlib import Path
 
 import jax
 from rpa_harness import known_issues
@@ -116,17 +119,43 @@ def _bundled_kernel_under_its_folder_name(name: str) -> bool:
 
 
 def _version(name: str, module: types.ModuleType, profile: types.ModuleType) -> str | None:
-    """What the run header shows: the declared version, else the installed distribution of the module's
-    top-level package and its version."""
+    """What the run header shows: the declared version, else the installed distribution that holds the
+    module's top-level package, and its version."""
     declared = getattr(profile, "RPA_HARNESS_VERSION", None)
     if declared is not None:
         return str(declared)
     top = name.split(".")[0]
-    distributions = importlib.metadata.packages_distributions().get(top, [])
-    for distribution in distributions:
-        return f"{distribution} {importlib.metadata.version(distribution)}"
+    distribution = _distribution_holding(sys.modules.get(top))
+    if distribution is not None:
+        return f"{distribution.metadata['Name']} {distribution.version}"
     version = getattr(sys.modules.get(top), "__version__", None)
     return f"{top} {version}" if version else None
+
+
+def _distribution_holding(package: types.ModuleType | None) -> importlib.metadata.Distribution | None:
+    """The installed distribution whose files hold ``package`` (a top-level module), or None.
+
+    A top-level name alone does not decide it: distributions ship generic ones (tpu-inference installs a
+    ``tests`` package), and a checkout's own folder of that name is not theirs.
+    """
+    where = getattr(package, "__file__", None)
+    if where is None:
+        return None
+    origin = Path(where).resolve()
+    if origin.name == "__init__.py":
+        origin = origin.parent
+    names = dict.fromkeys(importlib.metadata.packages_distributions().get(package.__name__, []))
+    # Every installed copy of each (a checkout's egg-info is found before the environment's dist-info).
+    for distribution in (found for name in names for found in importlib.metadata.distributions(name=name)):
+        installed = Path(distribution.locate_file(package.__name__)).resolve()
+        if origin in (installed, installed.with_suffix(".py")):
+            return distribution
+        source = json.loads(distribution.read_text("direct_url.json") or "{}")  # an editable install
+        if source.get("dir_info", {}).get("editable"):
+            folder = Path(urllib.parse.urlparse(source["url"]).path).resolve()
+            if folder in origin.parents:
+                return distribution
+    return None
 
 
 # A module with any of these declares its own profile (the module docstring says what each means).

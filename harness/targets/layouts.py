@@ -26,9 +26,8 @@ Everything is NumPy on the host: inputs are whatever ``np.asarray`` takes (the h
 jax arrays), outputs are new NumPy arrays that never alias the inputs. A malformed argument raises
 ``LayoutError`` (a ``ValueError``) naming the function, the argument, its value and what to pass instead,
 before any work. ``flat_page_list`` requires valid live metadata (it cannot list pages of a negative or
-over-long sequence): an adapter whose kernel must see invalid metadata, to raise its own validators'
-errors, validates before converting. ``split_new_tokens`` instead tolerates invalid metadata, as v3's
-target must.
+over-long sequence) unless told to ``clip`` it, for an adapter whose kernel raises its own validators'
+errors; ``split_new_tokens`` tolerates invalid metadata, as v3's target must.
 """
 
 import dataclasses
@@ -91,8 +90,9 @@ def _int32(function: str, name: str, value) -> int:
     return int(value)
 
 
-def _num_seqs(function: str, num_seqs, max_num_seqs: int) -> int:
-    """Upstream's ``num_seqs`` (int32 ``[1]``) or a plain integer, within ``[0, max_num_seqs]``."""
+def _num_seqs(function: str, num_seqs, max_num_seqs: int, *, clip: bool = False) -> int:
+    """Upstream's ``num_seqs`` (int32 ``[1]``) or a plain integer, within ``[0, max_num_seqs]`` (or clipped
+    to it)."""
     array = np.asarray(num_seqs)
     if array.size != 1 or array.dtype.kind not in "iu":
         raise LayoutError(
@@ -100,6 +100,8 @@ def _num_seqs(function: str, num_seqs, max_num_seqs: int) -> int:
             "e.g. upstream's int32 array of shape [1]"
         )
     n = int(array.reshape(-1)[0])
+    if clip:
+        return min(max(n, 0), max_num_seqs)
     if not 0 <= n <= max_num_seqs:
         raise LayoutError(
             f"{function}: num_seqs={n} is outside [0, max_num_seqs={max_num_seqs}] (the page table's rows); "
@@ -165,7 +167,14 @@ class FlatPages:
 
 
 def flat_page_list(
-    page_indices, kv_lens, num_seqs, *, page_size: int, pad_to: int | None = None, pad_page: int = 0
+    page_indices,
+    kv_lens,
+    num_seqs,
+    *,
+    page_size: int,
+    pad_to: int | None = None,
+    pad_page: int = 0,
+    clip: bool = False,
 ) -> FlatPages:
     """Upstream's 2-D page table as a flat page list (``FlatPages``).
 
@@ -173,6 +182,10 @@ def flat_page_list(
     page_indices.size``, which every valid call fits); the padding entries hold ``pad_page``, by default
     0, a page every cache has, so that a kernel reading past the list (a prefetch of the next block) reads
     a real page rather than out of bounds. Without ``pad_to`` the list is exactly as long as needed.
+
+    ``clip``: list what the table holds for invalid metadata instead of raising: ``num_seqs`` clipped to
+    ``[0, max_num_seqs]``, each live kv_len to ``[0, pages_per_seq * page_size]``. For an adapter whose
+    kernel validates the metadata itself: pass it the real ``num_seqs`` and ``kv_lens`` beside the list.
     """
     function = "flat_page_list"
     table = _index_array(function, "page_indices", page_indices, 2, "[max_num_seqs, pages_per_seq]")
@@ -183,11 +196,11 @@ def flat_page_list(
             f"{function}: kv_lens has shape {kv_lens.shape} but page_indices has {max_num_seqs} rows "
             f"(shape {table.shape}); pass one kv_len per page-table row"
         )
-    n = _num_seqs(function, num_seqs, max_num_seqs)
+    n = _num_seqs(function, num_seqs, max_num_seqs, clip=clip)
     page_size = _count(function, "page_size", page_size, minimum=1)
     pad_page = _int32(function, "pad_page", pad_page)
     capacity = pages_per_seq * page_size
-    live = kv_lens[:n]
+    live = np.clip(kv_lens[:n], 0, capacity) if clip else kv_lens[:n]
     outside = np.flatnonzero((live < 0) | (live > capacity))
     if outside.size:
         seq = int(outside[0])

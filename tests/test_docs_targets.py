@@ -1,0 +1,75 @@
+"""``docs/targets.md``'s worked example runs: its adapter is ``tests/flat_pages/target.py`` verbatim, short,
+and passes the ci profile; its catalogue table lists every shipped known issue."""
+
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from rpa_harness import targets
+from rpa_harness.backends import FAST_INTERPRET, Backend
+from rpa_harness.checks import PropertyFailure, check_validation
+from rpa_harness.reference import CONTRACTS
+from rpa_harness.strategies.violations import invalid_cases
+
+from tests.processes import run_python
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = (ROOT / "docs" / "targets.md").read_text()
+ADAPTER = ROOT / "tests" / "flat_pages" / "target.py"
+TARGET = "tests.flat_pages.target"
+RULE_TABLE = "# The kernel's validators"
+EXAMPLE = targets.load(TARGET)
+FAST = Backend(FAST_INTERPRET)
+
+
+def code_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)
+
+
+def test_the_docs_show_the_tested_adapter():
+    assert code_blocks(DOC) == [ADAPTER.read_text()]
+
+
+def test_the_adapter_is_short():
+    """The signature mapping, without the kernel's rule table, fits in 30 non-blank lines."""
+    mapping = ADAPTER.read_text().split(RULE_TABLE)[0]
+    lines = [line for line in mapping.splitlines() if line.strip()]
+    assert len(lines) <= 30, len(lines)
+    assert f"{len(lines)} lines map the signature".lower() in DOC.lower().replace("twenty-three", "23")
+
+
+def test_the_docs_name_every_catalogue_entry_and_contract():
+    for issue in targets.shipped_catalogue():
+        assert f"| `{issue.name}` |" in DOC, issue.name
+    for contract in CONTRACTS:
+        assert f"| `{contract}` |" in DOC, contract
+
+
+def test_the_adapter_declares_the_kernels_own_rules():
+    assert EXAMPLE.own_rules and "num_seqs over max_num_seqs" in EXAMPLE.rules
+
+
+@settings(max_examples=20, deadline=None)
+@given(invalid=invalid_cases(table=EXAMPLE.rules))
+def test_the_rule_table_holds_the_kernel_to_its_messages(invalid):
+    """Each rule's message is the kernel's, and a table expecting other text fails validation."""
+    arrays, options, message = invalid.inputs()
+    check_validation(EXAMPLE, FAST, arrays, options, invalid.stage, message)
+    with pytest.raises(PropertyFailure, match="wrong message"):
+        check_validation(EXAMPLE, FAST, arrays, options, invalid.stage, f"not {message}")
+
+
+def test_the_example_passes_the_ci_profile(pytestconfig, tmp_path):
+    if pytestconfig.rpa_target.name != targets.DEFAULT_TARGET:
+        pytest.skip("runs its own target")
+    result = run_python(
+        "-m", "pytest", "--pyargs", "rpa_harness.properties", "-p", "no:cacheprovider",
+        f"--rpa-target={TARGET}", "--rpa-backend=fast-interpret", "--hypothesis-profile=ci",
+        f"--rpa-repro-dir={tmp_path}", cwd=ROOT,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert f"target {TARGET}" in result.stdout and "validation rules: its own (10 rules)" in result.stdout
+    passed = re.search(r"\b(\d+) passed", result.stdout)
+    assert passed and int(passed[1]) > len(EXAMPLE.rules), output[-3000:]  # every rule, and the numeric ones
