@@ -76,10 +76,6 @@ backends.count_compilations()
 backends.enable_compilation_cache(sys.argv[1])
 from rpa_harness.backends import Backend
 from rpa_harness.targets import load
-from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
-from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
-from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
-from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 from tests.test_compilation_sharing import SMALL
 Backend("fast-interpret").run(load("rpa_harness.kernel").attention, SMALL.arrays(), SMALL.options())
 print("STATS", json.dumps(backends.compilation_stats()))
