@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
+from rpa_harness import generations
 
 INTERPRET = "interpret"
 FAST_INTERPRET = "fast-interpret"
@@ -307,6 +308,26 @@ def resolve(choice: str) -> tuple[str, ...]:
 class Backend:
     name: str
     interpreter_compat: bool = True  # patch the interpreter so kernels that reshape/bitcast refs run
+    # The TPU generation an interpreter emulates while the kernel is traced (rpa_harness.generations);
+    # a real TPU is the chip it is.
+    generation: str = generations.NONE
+
+    def __post_init__(self):
+        if self.name == TPU and self.generation != generations.NONE:
+            raise generations.GenerationError(
+                f"{generations.OPTION}={self.generation} with the tpu backend: a real TPU is the chip it is; "
+                "emulate a generation on an interpreter"
+            )
+
+    @property
+    def label(self) -> str:
+        """The backend and its emulated generation, as test ids and repro names show it."""
+        return self.name if self.generation == generations.NONE else f"{self.name}-{self.generation}"
+
+    @property
+    def has_tpu_generation(self) -> bool:
+        """Whether kernels traced here see a TPU generation (a real chip, or an emulated one)."""
+        return self.name == TPU or self.generation != generations.NONE
 
     @property
     def skip_reason(self) -> str | None:
@@ -327,7 +348,7 @@ class Backend:
         params = True
         if self.name == INTERPRET:
             params = checking_interpret_params()
-        with pltpu.force_tpu_interpret_mode(params):
+        with pltpu.force_tpu_interpret_mode(params), generations.emulated(self.generation):
             try:
                 yield
             except BaseException:

@@ -21,6 +21,7 @@ import numpy as np
 from rpa_harness import known_issues, reference
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, TPU, Backend
+from rpa_harness.generations import NONE
 from rpa_harness.spec.interface import ARRAY_NAMES, EXTENSION_NAMES
 from rpa_harness.targets import Target, first_line_of_error, load, shipped_catalogue
 
@@ -170,8 +171,16 @@ def reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_sca
 '''
 
 
-def script(repro: repro_files.Repro, target_name: str, backend_name: str, needs_compat: bool) -> str:
-    """A standalone program: jax, numpy and ml_dtypes (and, off TPU when needed, the compat layer)."""
+def script(
+    repro: repro_files.Repro,
+    target_name: str,
+    backend_name: str,
+    needs_compat: bool,
+    *,
+    generation: str = NONE,
+) -> str:
+    """A standalone program: jax, numpy and ml_dtypes (and, off TPU when needed, the compat layer and the
+    emulated TPU generation)."""
     arrays, options = repro.arrays, repro.options
     q, kv_pages = arrays["q"], arrays["kv_pages"]
     interpret = "pltpu.InterpretParams()" if backend_name == INTERPRET else "True"
@@ -186,6 +195,22 @@ def script(repro: repro_files.Repro, target_name: str, backend_name: str, needs_
         ]
         if needs_compat
         else []
+    )
+    if generation != NONE:
+        compat += [
+            f"    # The kernel reads the chip while it is traced: rpa-harness makes the CPU device report a TPU {generation}",
+            "    # (device kind and TPU info), so that it takes that chip's tuned defaults and branches.",
+            "    from rpa_harness import generations",
+            "",
+        ]
+    run_on = (
+        [f"    run_on = pltpu.force_tpu_interpret_mode({interpret})"]
+        if generation == NONE
+        else [
+            "    run_on = contextlib.ExitStack()  # entered now, left after the kernel's call",
+            f"    run_on.enter_context(pltpu.force_tpu_interpret_mode({interpret}))",
+            f"    run_on.enter_context(generations.emulated({generation!r}))",
+        ]
     )
     own_reference = (
         [
@@ -210,7 +235,7 @@ def script(repro: repro_files.Repro, target_name: str, backend_name: str, needs_
         'on_tpu = jax.default_backend() == "tpu"',
         "if not on_tpu:",
         *compat,
-        f"    run_on = pltpu.force_tpu_interpret_mode({interpret})",
+        *run_on,
         "else:",
         "    run_on = contextlib.nullcontext()",
         "",
@@ -262,7 +287,7 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
     """The Markdown report for the repro at ``path`` (re-running it on the target and backend)."""
     repro = repro_files.read(path)
     target = load(target_name or repro.target)
-    backend = Backend(backend_name or repro.backend)
+    backend = Backend(backend_name or repro.backend, generation=repro.tpu_generation)
     kind = repro.property.split("[", 1)[0]
     if not kind.startswith("differential"):
         raise repro_files.ReproError(
@@ -289,7 +314,7 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
     else:
         title = f"`{function}` returns wrong output (error {observation.comparison.worst.error:.3g})"
     versions = repro.versions or repro_files.versions()
-    program = script(repro, target.name, backend.name, needs_compat)
+    program = script(repro, target.name, backend.name, needs_compat, generation=backend.generation)
     sections = [
         f"# {title}",
         "",
@@ -298,6 +323,12 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
         *(f"- {name} {version}" for name, version in versions.items()),
         f"- ml_dtypes {ml_dtypes.__version__}",
         f"- run on: {_backend_words(backend.name)}"
+        + (
+            f", traced as on a TPU {backend.generation} (the chip's device kind and TPU info emulated on the "
+            "CPU device: the kernel takes that chip's tuned defaults and branches)"
+            if backend.generation != NONE
+            else ""
+        )
         + (
             "; the kernel runs in jax's interpreters only with rpa-harness's interpreter compatibility "
             "layer (`rpa_harness.interpret_compat`), which patches the interpreters, never the kernel"

@@ -50,7 +50,7 @@ def check_differential(target: Target, backend: Backend, arrays: dict, options: 
     actual = run_valid(target, backend, arrays, options)
     expected = reference.oracle(**arrays, **options)
     comparison = reference.compare(
-        actual, expected, label=f"{target.name} on {backend.name}", precision=target.precision
+        actual, expected, label=f"{target.name} on {backend.label}", precision=target.precision
     )
     if not comparison.ok:
         raise PropertyFailure(str(comparison))

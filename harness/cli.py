@@ -1,13 +1,13 @@
 """``rpa-harness``: replay a repro without Hypothesis, or run the property campaign with a summary.
 
-rpa-harness replay FILE [--target MODULE] [--backend NAME] [--interpreter-compat on|off] [--timeout S]
-                        [--script OUT.py]
+rpa-harness replay FILE [--target MODULE] [--backend NAME] [--tpu-generation NAME] [--interpreter-compat on|off]
+                        [--timeout S] [--script OUT.py]
     exit 0: the property holds now; 1: it still fails the same way (a wrong output, the same exception as
     recorded, a hang that still hangs); 2: the file is missing or malformed; 3: it cannot run here (a
     recognised interpreter limitation, a backend that is absent or not declared, or an error other than
     the recorded one).
 rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repro-dir DIR] [--junit FILE]
-                [--buckets NAME,...] [-- PYTEST ARGS]
+                [--buckets NAME,...] [--tpu-generation NAME,...] [-- PYTEST ARGS]
     runs pytest on the properties and ends with a table: property, examples, result, repros, coverage,
     and the declared known issues (cases avoided, whether each still reproduces).
 rpa-harness report FILE [--target MODULE] [--backend NAME] [--run-script]
@@ -27,9 +27,10 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from rpa_harness import backends, progress, runlog
+from rpa_harness import backends, generations, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import AUTO, BACKENDS, Backend
+from rpa_harness.generations import GenerationError
 from rpa_harness.targets import DEFAULT_TARGET, TargetError, load
 
 PROPERTIES_PACKAGE = "rpa_harness.properties"  # the shipped properties (tests/properties/ in a checkout)
@@ -53,11 +54,15 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
     else:
         context = "pltpu.force_tpu_interpret_mode(True)"
     compat = backend.name != backends.TPU and backend.interpreter_compat
+    emulated = backend.generation != generations.NONE
+    if emulated:  # the kernel sees the chip while it is traced (rpa_harness.generations)
+        context = f"{context}, generations.emulated({backend.generation!r})"
     lines = [
-        f'"""Standalone reproduction of {json_path} ({repro.property}, {target} on {backend.name})."""',
+        f'"""Standalone reproduction of {json_path} ({repro.property}, {target} on {backend.label})."""',
         "import contextlib, dataclasses, importlib",
         "import jax, jax.numpy as jnp, ml_dtypes, numpy as np",
         "from jax.experimental.pallas import tpu as pltpu",
+        *(["from rpa_harness import generations"] if emulated else []),
         *(["from rpa_harness import interpret_compat", "interpret_compat.install()"] if compat else []),
         f"target = importlib.import_module({target!r})",
         f"stored = np.load({str(npz)!r})",
@@ -142,7 +147,12 @@ def replay(args) -> int:
         return BAD_FILE
     target_name = args.target or repro.target
     compat = repro.interpreter_compat if args.interpreter_compat is None else args.interpreter_compat == "on"
-    backend = Backend(args.backend or repro.backend, compat)
+    generation = args.tpu_generation or repro.tpu_generation
+    try:
+        backend = Backend(args.backend or repro.backend, compat, generation)
+    except GenerationError as error:
+        print(f"rpa-harness replay: {error}", file=sys.stderr)
+        return BAD_FILE
     try:
         target = load(target_name)
     except TargetError as error:
@@ -172,7 +182,7 @@ def replay(args) -> int:
     timeout = args.timeout or (repro.hang or {}).get("seconds") or backends.CALL_TIMEOUT_SECONDS
     kind = repro.property.split("[", 1)[0]
     print(
-        f"property: {repro.property}\ntarget:   {target_name}\nbackend:  {backend.name} "
+        f"property: {repro.property}\ntarget:   {target_name}\nbackend:  {backend.label} "
         f"(interpreter compat {'on' if compat else 'off'})\nrecorded: {_recorded(repro)}\n"
         f"precision: {', '.join(target.precision)}"
     )
@@ -237,6 +247,8 @@ def run(args) -> int:
         ]  # fmt: skip
         if args.buckets:
             command.append(f"--rpa-buckets={args.buckets}")
+        if args.tpu_generation:
+            command.append(f"{generations.OPTION}={args.tpu_generation}")
         if args.n and args.n > 1:
             command += ["-n", str(args.n)]
         command += args.pytest_args
@@ -401,6 +413,10 @@ def main(argv=None) -> int:
         "--timeout", type=float, help="seconds before a call is taken for a hang (default: the recorded "
         "hang's timeout, else RPA_CALL_TIMEOUT)",
     )  # fmt: skip
+    replay_parser.add_argument(
+        "--tpu-generation",
+        help="TPU generation to emulate (default: the one in the repro; none: a CPU device)",
+    )
     replay_parser.add_argument("--script", help="also write the standalone reproduction to this file")
     run_parser = commands.add_parser("run", help="run the property campaign (pytest) and print a summary")
     run_parser.add_argument("--profile", default="ci", choices=("dev", "ci", "nightly", "repro"))
@@ -411,6 +427,10 @@ def main(argv=None) -> int:
     run_parser.add_argument("--junit", help="also keep pytest's JUnit XML report in this file")
     run_parser.add_argument(
         "--buckets", help="shape buckets to draw, comma-separated (--rpa-buckets; default: the profile's)"
+    )
+    run_parser.add_argument(
+        "--tpu-generation",
+        help="TPU generations to emulate, comma-separated (--rpa-tpu-generation; default: auto, the target's)",
     )
     run_parser.add_argument("pytest_args", nargs="*", help="passed to pytest after --")
     report_parser = commands.add_parser("report", help="print an upstream-ready bug report for a repro")

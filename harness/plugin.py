@@ -24,6 +24,10 @@ Options (each also read from an environment variable):
   --rpa-known-issues=auto|none|NAME[,NAME...]
                                 RPA_KNOWN_ISSUES    known issues whose cases are not drawn (default: auto, the
                                                     target's declaration; see harness/targets/)
+  --rpa-tpu-generation=auto|none|NAME[,NAME...]
+                                RPA_TPU_GENERATION  TPU generations the interpreters emulate (default: auto,
+                                                    the target's declared tpu_generations; see
+                                                    rpa_harness.generations)
 Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
 RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
 
@@ -42,7 +46,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
-from rpa_harness import backends, checks, known_issues, repro, runlog, targets
+from rpa_harness import backends, checks, generations, known_issues, repro, runlog, targets
 from rpa_harness.reference.tolerance import CONTRACTS, PrecisionError, parse_precision
 from rpa_harness.strategies.valid import BucketError, select_buckets
 
@@ -137,6 +141,14 @@ def pytest_addoption(parser):
         default=os.environ.get("RPA_BUCKETS", ""),
         help="shape buckets to draw, comma-separated (default: tiny,small, plus production under the nightly "
         "profile); only the target's declared Capabilities.buckets are drawn",
+    )
+    group.addoption(
+        generations.OPTION,
+        default=os.environ.get(generations.ENV, generations.AUTO),
+        help="TPU generation(s) the interpreters emulate while the kernel is traced, comma-separated "
+        f"({', '.join(generations.DEVICE_KINDS)}), none (a CPU device), or auto (default: the target's "
+        f"Capabilities.tpu_generations, {' and '.join(generations.EVERYDAY_GENERATIONS)} of them except "
+        "under the nightly profile; none if it declares none); each is its own parametrisation",
     )
     group.addoption(
         "--rpa-allow-no-numeric",
@@ -245,7 +257,19 @@ def pytest_configure_after_hypothesis(config):
         chosen = backends.resolve(config.getoption("--rpa-backend"))
     except backends.BackendChoiceError as error:
         raise pytest.UsageError(str(error)) from None
-    config.rpa_backends = [backends.Backend(name, compat) for name in chosen]
+    try:
+        emulated = generations.select(
+            config.getoption(generations.OPTION),
+            config.rpa_target.capabilities.tpu_generations,
+            profile=config.rpa_profile,
+        )
+    except generations.GenerationError as error:
+        raise pytest.UsageError(str(error)) from None
+    config.rpa_backends = [
+        backends.Backend(name, compat, generation)
+        for name in chosen
+        for generation in (emulated if name != backends.TPU else (generations.NONE,))
+    ]
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
         backends.release_captured_output = lambda: capture.suspend_global_capture(in_=False)
@@ -322,7 +346,7 @@ def pytest_generate_tests(metafunc):
         if fixture in metafunc.fixturenames:
             chosen = [b for b in metafunc.config.rpa_backends if b.name in kinds]
             metafunc.parametrize(
-                fixture, chosen, ids=[b.name for b in chosen], scope="session", indirect=True
+                fixture, chosen, ids=[b.label for b in chosen], scope="session", indirect=True
             )
 
 
@@ -453,7 +477,7 @@ def run_header(config) -> list[str]:
         harness = importlib.metadata.version("rpa-harness")
     except importlib.metadata.PackageNotFoundError:
         harness = "?"
-    backends_line = ", ".join(backend.name for backend in config.rpa_backends)
+    backends_line = ", ".join(backend.label for backend in config.rpa_backends)
     compat = "on" if config.rpa_backends and config.rpa_backends[0].interpreter_compat else "off"
     rules = (
         f"its own ({len(target.rules)} rules)"
@@ -462,10 +486,17 @@ def run_header(config) -> list[str]:
         f"{'on' if target.capabilities.strict_validation else 'off'})"
     )
     issues = ", ".join(issue.name for issue in target.known_issues) or "none"
+    emulated = (
+        ", ".join(
+            dict.fromkeys(b.generation for b in config.rpa_backends if b.generation != generations.NONE)
+        )
+        or f"{generations.NONE} (a CPU device)"
+    )
     buckets = target.capabilities.bucket_selection or target.capabilities.buckets
     return [
         f"rpa-harness {harness}: target {target.name}{version}",
         f"  backends: {backends_line} (interpreter compat {compat}); jax {jax.__version__}",
+        f"  TPU generations emulated: {emulated}",
         f"  precision contract: {', '.join(target.precision)}",
         f"  validation rules: {rules}",
         f"  known issues declared: {issues}",

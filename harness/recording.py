@@ -41,7 +41,7 @@ def recorded(directory, property_name: str, target, backend, arrays: dict, optio
         notes.update(shape_notes(case))
     example = repro.Repro(
         property_name, target.name, backend.name, arrays, options,
-        interpreter_compat=backend.interpreter_compat, test=current_test(),
+        interpreter_compat=backend.interpreter_compat, tpu_generation=backend.generation, test=current_test(),
         precision=getattr(target, "precision", None), **fields,
     )  # fmt: skip
     pending = repro.write_pending(example, directory)

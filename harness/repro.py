@@ -48,6 +48,7 @@ class Repro:
     hang: dict | None = None  # {"seconds": N}: the call did not return within N s
     test: str = ""  # the pytest node id that wrote it
     precision: tuple[str, ...] | None = None  # the target's precision contract when it failed
+    tpu_generation: str = "none"  # the TPU generation the interpreter emulated (rpa_harness.generations)
 
 
 REQUIRED_FIELDS = ("property", "target", "backend", "options", "dtypes", "arrays")
@@ -136,6 +137,7 @@ def _metadata(repro: Repro, json_path: Path | None) -> bytes:
         "versions": repro.versions or versions(),
         "precision": list(repro.precision) if repro.precision is not None else None,
         "interpreter_compat": repro.interpreter_compat,
+        "tpu_generation": repro.tpu_generation,
         "error": repro.error,
         "hang": repro.hang,
         "test": repro.test,
@@ -190,6 +192,7 @@ def read(path: str | os.PathLike) -> Repro:
             failure=meta.get("failure", ""),
             versions=meta.get("versions", {}),
             interpreter_compat=meta.get("interpreter_compat", True),
+            tpu_generation=meta.get("tpu_generation", "none"),
             error=meta.get("error"),
             hang=meta.get("hang"),
             test=meta.get("test", ""),

@@ -167,6 +167,10 @@ class Capabilities:
     # whether each is None may still be static). Not a narrowing: the cases of a whole-space group
     # (valid_case_groups) vary these values, which costs a compilation per value where they are static.
     runtime_options: tuple[str, ...] = ()
+    # The TPU generations whose code paths the kernel has (it asks which chip it is on while traced): the
+    # interpreters emulate them (rpa_harness.generations; names as jax's tpu_info.ChipVersion values,
+    # checked where the target is loaded). Empty: the kernel does not ask, a CPU device is enough.
+    tpu_generations: tuple[str, ...] = ()
 
     def __post_init__(self):
         """Capabilities only narrow the specified space: each choice is a non-empty subset of the default
@@ -174,7 +178,7 @@ class Capabilities:
         that draws nothing or a dtype no case can build."""
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, tuple):
+            if not isinstance(value, tuple) or field.name == "tpu_generations":  # jax knows the names
                 continue
             allowed = {
                 "buckets": tuple(BUCKETS),

@@ -104,7 +104,9 @@ def test_the_run_header_says_what_is_tested():
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     header = result.stdout
     assert f"target {targets.UPSTREAM_TARGET} (jax " in header
-    assert "backends: fast-interpret (interpreter compat on); jax " in header
+    # upstream declares the generations it branches on: by default two are emulated
+    assert "backends: fast-interpret-v5e, fast-interpret-v6e (interpreter compat on); jax " in header
+    assert "TPU generations emulated: v5e, v6e\n" in header
     assert "precision contract: float32" in header
     assert "validation rules: the specification's (21 rules, stricter ones off)" in header
     assert "known issues declared: empty-sequence-shifts-kv-pages, one-kv-scale-with-mixed-dtypes" in header

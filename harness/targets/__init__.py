@@ -13,7 +13,9 @@ Its profile is read from these module attributes, each optional:
 - ``RPA_HARNESS_KNOWN_ISSUES``: the known issues whose cases are not drawn (catalogue names or
   ``rpa_harness.known_issues.KnownIssue`` objects; ``--rpa-known-issues`` overrides it).
 - ``RPA_HARNESS_CATALOGUE``: every known issue of its kind, declared or not (named in failure reports).
-- ``RPA_HARNESS_VERSION``: the version the run header shows (default: the module's ``__version__``).
+- ``RPA_HARNESS_VERSION``: the version the run header shows (default: the installed distribution's).
+- ``RPA_HARNESS_GENERATION_HOOK``: for a kernel that learns its TPU generation some way emulation does not
+  cover, a function of the generation name returning a context manager (``rpa_harness.generations``).
 
 A module that cannot declare them (jax's upstream kernel; the bundled kernel, which stays free of the
 harness) gets them from its profile module in this package (``PROFILES``). Each shipped target is one
@@ -28,10 +30,11 @@ import json
 import sys
 import types
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
-from rpa_harness import known_issues
+from rpa_harness import generations, known_issues
 from rpa_harness.reference.tolerance import DEFAULT_PRECISION, PrecisionError, parse_precision
 from rpa_harness.strategies.valid import Capabilities
 from rpa_harness.strategies.violations import RULES, check_table
@@ -68,10 +71,19 @@ class Target:
     rules: dict = dataclasses.field(default_factory=lambda: RULES)  # its validators' rule table
     catalogue: tuple = ()  # every KnownIssue of its kind (named when a failing case matches one)
     version: str | None = None
+    generation_hook: Callable | None = None  # its own way of being told the emulated TPU generation
 
     def attention(self, arrays: dict, options: dict):
         """Calls the target's kernel on NumPy inputs (converted to jax arrays, as users call it)."""
-        return self.module.ragged_paged_attention(**as_jax(arrays), **options)
+        with generations.hooked(self.generation_hook):
+            return self.module.ragged_paged_attention(**as_jax(arrays), **options)
+
+    def capabilities_on(self, backend) -> Capabilities:
+        """What is drawn for the target on ``backend``: where kernels see a TPU generation (a real chip or
+        an emulated one), block sizes that default to a per-chip table may be left to it."""
+        if backend.has_tpu_generation and self.capabilities.needs_block_sizes:
+            return dataclasses.replace(self.capabilities, needs_block_sizes=False)
+        return self.capabilities
 
     def validate(self, arrays: dict, options: dict) -> None:
         self.module.dynamic_validate_inputs(**as_jax(arrays), **options)
@@ -166,6 +178,7 @@ PROFILE_ATTRIBUTES = (
     "RPA_HARNESS_KNOWN_ISSUES",
     "RPA_HARNESS_CATALOGUE",
     "RPA_HARNESS_VERSION",
+    "RPA_HARNESS_GENERATION_HOOK",
 )
 
 
@@ -204,6 +217,7 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
             capabilities = declared
         else:
             capabilities = Capabilities(**declared)
+        generations.check_declared(capabilities.tpu_generations)
     except (TypeError, ValueError) as error:
         raise TargetError(f"--rpa-target={name}: RPA_HARNESS_CAPABILITIES: {error}") from None
     try:
@@ -227,9 +241,14 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
     # A target without a catalogue of its own is told about the upstream kinds of discrepancy it matches.
     catalogue = own_catalogue or importlib.import_module(PROFILES[UPSTREAM_TARGET]).RPA_HARNESS_CATALOGUE
     catalogue = catalogue + tuple(issue for issue in issues if issue not in catalogue)
-    return Target(
-        name, module, capabilities, precision, issues, rules, catalogue, _version(name, module, profile)
-    )
+    hook = getattr(profile, "RPA_HARNESS_GENERATION_HOOK", None)
+    if hook is not None and not callable(hook):
+        raise TargetError(
+            f"--rpa-target={name}: RPA_HARNESS_GENERATION_HOOK is {hook!r}; declare a function of the "
+            "generation name that returns a context manager"
+        )
+    version = _version(name, module, profile)
+    return Target(name, module, capabilities, precision, issues, rules, catalogue, version, hook)
 
 
 def first_line_of_error(error: BaseException) -> str:

@@ -29,12 +29,15 @@ from rpa_harness.strategies.valid import Capabilities
 FINDINGS = findings_dir("upstream-findings")
 
 # Upstream's validators are the specification's (RULES); its default block sizes come from a per-chip table
-# that needs a TPU, so both block sizes are given. One K/V scale with mixed dtypes is a bug, not a
-# documented limitation: the known issue one-kv-scale-with-mixed-dtypes, not paired_kv_scales_for_mixed_dtypes.
+# (tuned_block_sizes.get_tuned_block_sizes reads jax.devices()[0].device_kind): on a CPU device both block
+# sizes are given, on an emulated generation they are drawn or left to the table. One K/V scale with mixed
+# dtypes is a bug, not a documented limitation: the known issue one-kv-scale-with-mixed-dtypes, not
+# paired_kv_scales_for_mixed_dtypes.
 RPA_HARNESS_CAPABILITIES = Capabilities(
     head_dims=(128, 256),
     even_kv_heads_for_fp8=True,
     needs_block_sizes=True,
+    tpu_generations=("v4", "v5e", "v5p", "v6e", "7x"),
 )
 
 

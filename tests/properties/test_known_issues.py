@@ -22,11 +22,11 @@ def pytest_generate_tests(metafunc):
 def test_known_issue_still_reproduces(target, replay_backend, known_issue):
     repro = repro_files.read(known_issue.repro)
     kind = repro.property.split("[", 1)[0]
-    where = f"{known_issue.name} in {target.name} on {replay_backend.name}"
+    where = f"{known_issue.name} in {target.name} on {replay_backend.label}"
 
     def record(outcome: str) -> None:  # for the summary of ``rpa-harness run``
         runlog.record_event(
-            "known-issue-replay", issue=known_issue.name, backend=replay_backend.name, outcome=outcome
+            "known-issue-replay", issue=known_issue.name, backend=replay_backend.label, outcome=outcome
         )
 
     try:
@@ -47,6 +47,6 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue):
     record("FIXED")
     pytest.fail(
         f"{known_issue.name} is fixed in {target.name} (its repro {known_issue.repro} passes on "
-        f"{replay_backend.name}): remove it from the known issues (the module's RPA_HARNESS_KNOWN_ISSUES, "
+        f"{replay_backend.label}): remove it from the known issues (the module's RPA_HARNESS_KNOWN_ISSUES, "
         f"or {OPTION})"
     )

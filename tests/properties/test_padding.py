@@ -15,20 +15,20 @@ from rpa_harness.strategies.valid import valid_cases
 
 @given(data=st.data())
 def test_padding_does_not_change_valid_rows(target, volume_backend, repro_dir, data):
-    cases = valid_cases(target.capabilities, pooled=True, excluding=target.known_issues)
+    cases = valid_cases(target.capabilities_on(volume_backend), pooled=True, excluding=target.known_issues)
     case = data.draw(cases, label="case")
     dirty = dataclasses.replace(case, poison=True, garbage=True)
     dirty_arrays = dirty.arrays()  # recorded and run: built once
-    name = f"{PADDING}[{volume_backend.name}]"
+    name = f"{PADDING}[{volume_backend.label}]"
     with recorded(repro_dir, name, target, volume_backend, dirty_arrays, case.options(), case=dirty):
         check_padding_isolation(target, volume_backend, case, dirty_arrays)
 
 
 @given(data=st.data())
 def test_same_call_gives_same_bits(target, volume_backend, repro_dir, data):
-    cases = valid_cases(target.capabilities, pooled=True, excluding=target.known_issues)
+    cases = valid_cases(target.capabilities_on(volume_backend), pooled=True, excluding=target.known_issues)
     case = data.draw(cases, label="case")
     arrays, options = case.arrays(), case.options()
-    name = f"{DETERMINISM}[{volume_backend.name}]"
+    name = f"{DETERMINISM}[{volume_backend.label}]"
     with recorded(repro_dir, name, target, volume_backend, arrays, options, case=case):
         check_determinism(target, volume_backend, arrays, options)

@@ -35,10 +35,10 @@ def production_target(target, pytestconfig):
 @given(data=st.data())
 def test_kernel_matches_oracle_production(production_target, volume_backend, repro_dir, data):
     target = production_target
-    cases = valid_cases(target.capabilities, large=True, excluding=target.known_issues)
+    cases = valid_cases(target.capabilities_on(volume_backend), large=True, excluding=target.known_issues)
     case = data.draw(cases, label="case")
     arrays, options = case.arrays(), case.options()
-    name = f"{DIFFERENTIAL}-production[{volume_backend.name}]"
+    name = f"{DIFFERENTIAL}-production[{volume_backend.label}]"
     with recorded(repro_dir, name, target, volume_backend, arrays, options, case=case) as notes:
         comparison = check_differential(target, volume_backend, arrays, options)
         notes.update(max_ratio=comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)

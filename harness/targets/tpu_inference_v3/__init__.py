@@ -28,6 +28,7 @@ from importlib.metadata import version as _version
 
 import jax
 import numpy as np
+from rpa_harness import generations
 from rpa_harness.backends import INTERPRET, Backend, Deadlock
 from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES
 from rpa_harness.targets import layouts
@@ -81,6 +82,10 @@ RPA_HARNESS_CAPABILITIES = dict(
     # The generic interpreter runs v3's data-dependent copy sizes (pl.ds with a traced length) through the
     # compat layer's gap generic-dynamic-size-copies (masked copies of a static window).
     backends=("interpret", "fast-interpret", "tpu"),
+    # v3 reads the chip (util.get_tpu_version, pltpu.get_tpu_info) for its default block sizes and VMEM
+    # limit, its position integers (int16 for packed queries from v6 on) and its output memory space (v7).
+    # v4 has no default block sizes in v3 (NotImplementedError).
+    tpu_generations=("v5e", "v5p", "v6e", "7x"),
 )
 # v3 keeps its softmax max, denominator and P @ V accumulator in the output dtype (bfloat16 for bfloat16
 # queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).
@@ -114,6 +119,14 @@ def block_sizes(tokens_per_block: int, chunk_unit: int) -> tuple[int, int]:
     """A block and its compute chunk: half the block when that is a whole number of units."""
     units = tokens_per_block // chunk_unit
     return tokens_per_block, (units // 2 if units > 0 and units % 2 == 0 else units) * chunk_unit
+
+
+def _vmem_limit(vmem_limit_bytes: int | None) -> int | None:
+    """v3 takes its default VMEM limit from the chip (``pltpu.get_tpu_info()``): off a TPU generation,
+    which has none, the target passes ``DEFAULT_VMEM_LIMIT_BYTES``."""
+    if vmem_limit_bytes is None and not generations.on_a_tpu_generation():
+        return DEFAULT_VMEM_LIMIT_BYTES
+    return vmem_limit_bytes
 
 
 def v3_inputs(
@@ -184,7 +197,7 @@ def v3_inputs(
         v_scale=v_scale,
         d_block_sizes=sizes,
         m_block_sizes=sizes,
-        vmem_limit_bytes=DEFAULT_VMEM_LIMIT_BYTES if vmem_limit_bytes is None else vmem_limit_bytes,
+        vmem_limit_bytes=_vmem_limit(vmem_limit_bytes),
     )
     args = (
         q,
