@@ -313,6 +313,7 @@ class Backend:
     generation: str = generations.NONE
 
     def __post_init__(self):
+        generations.check_name(self.generation)
         if self.name == TPU and self.generation != generations.NONE:
             raise generations.GenerationError(
                 f"{generations.OPTION}={self.generation} with the tpu backend: a real TPU is the chip it is; "

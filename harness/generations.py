@@ -24,7 +24,7 @@ import functools
 
 import jax
 from jax._src import config as jax_config
-from jax._src.pallas.mosaic import tpu_info
+from rpa_harness.lowering import known_tpu_generations, tpu_generation_registered
 
 NONE = "none"  # no emulation: the CPU device, as it is
 AUTO = "auto"  # the target's declared generations (Capabilities.tpu_generations), per profile
@@ -52,12 +52,8 @@ _REPORTED_KINDS = {
 }
 
 
-def known_generations() -> tuple[str, ...]:
-    """The generations the installed jax describes (``tpu_info.ChipVersion`` values), in its order."""
-    return tuple(chip.value for chip in tpu_info.ChipVersion if chip.value in _REPORTED_KINDS)
-
-
-DEVICE_KINDS = {name: _REPORTED_KINDS[name] for name in known_generations()}
+# The generations the installed jax describes (lowering.known_tpu_generations), in its order.
+DEVICE_KINDS = {name: _REPORTED_KINDS[name] for name in known_tpu_generations() if name in _REPORTED_KINDS}
 
 # In the jit cache key and the trace context: a trace made for one generation is not reused for another.
 _GENERATION = jax_config.enum_state(
@@ -86,10 +82,17 @@ def parse(text: str) -> tuple[str, ...]:
     return names or (NONE,)
 
 
+def check_name(generation: str) -> None:
+    """One generation name this jax knows, or ``none``."""
+    if generation != NONE and generation not in DEVICE_KINDS:
+        parse(generation)  # raises, naming it and the known ones
+        raise GenerationError(f"{OPTION}={generation!r}: one generation is expected here, not a list")
+
+
 def select(text: str, declared: tuple[str, ...], *, profile: str | None = None) -> tuple[str, ...]:
     """The generations a run emulates: ``auto`` (or nothing) picks among the target's ``declared`` ones
-    (``EVERYDAY_GENERATIONS`` of them, every one under the nightly profile; ``none`` if it declares none
-    this jax knows); names are taken as given."""
+    (``EVERYDAY_GENERATIONS`` of them, else its first two; every one under the nightly profile; ``none`` if
+    it declares none this jax knows); names are taken as given."""
     if (text or AUTO).strip() != AUTO:
         return parse(text)
     known = tuple(name for name in declared if name in DEVICE_KINDS)
@@ -99,9 +102,9 @@ def select(text: str, declared: tuple[str, ...], *, profile: str | None = None) 
 
 
 def check_declared(declared: tuple[str, ...]) -> None:
-    """A target's ``tpu_generations``: names jax knows (a newer jax's names are allowed only when this jax
-    knows them too, so a typo is one error)."""
-    unknown = [name for name in declared if name not in _REPORTED_KINDS or name == NONE]
+    """A target's ``tpu_generations``: names of TPU generations, those of a newer jax included (``select``
+    skips the ones this jax does not know), so that a typo is one error."""
+    unknown = [name for name in declared if name not in _REPORTED_KINDS]
     if unknown:
         raise GenerationError(
             f"tpu_generations: {unknown} are not TPU generations; choose among {', '.join(_REPORTED_KINDS)}"
@@ -139,32 +142,26 @@ def emulated(generation: str):
     if generation == NONE:
         yield
         return
-    parse(generation)
+    check_name(generation)
     cpu = jax.devices()[0]
     if cpu.platform != "cpu":
         raise GenerationError(
             f"{OPTION}={generation}: the default device is {cpu.device_kind!r}, not a CPU; emulation is for "
             "the interpreters on a CPU host"
         )
-    devices, registered = jax.devices, tpu_info.registry.get(cpu.device_kind)
+    devices = jax.devices
 
     @functools.wraps(devices)
     def emulating_devices(*args, **kwargs):
         found = devices(*args, **kwargs)
         return [_EmulatedDevice(d, DEVICE_KINDS[generation]) if d.platform == "cpu" else d for d in found]
 
-    chip = tpu_info.ChipVersion(generation)
-    jax.devices = emulating_devices
-    tpu_info.registry[cpu.device_kind] = lambda: tpu_info.get_tpu_info_for_chip(chip, 1)
-    try:
-        with _GENERATION(generation):
+    with tpu_generation_registered(generation), _GENERATION(generation):  # pltpu.get_tpu_info() answers
+        jax.devices = emulating_devices
+        try:
             yield
-    finally:
-        jax.devices = devices
-        if registered is None:
-            tpu_info.registry.pop(cpu.device_kind, None)
-        else:
-            tpu_info.registry[cpu.device_kind] = registered
+        finally:
+            jax.devices = devices
 
 
 def hooked(hook):

@@ -6,6 +6,8 @@ can be traced and lowered for the "tpu" platform. The lowered text holds the ser
 ``tpu_custom_call``; compiling it still needs libtpu and a TPU, so this checks Pallas' lowering rules only.
 """
 
+import contextlib
+
 import jax
 from jax._src.pallas.mosaic import tpu_info
 from jax.experimental.pallas import tpu as pltpu
@@ -47,15 +49,21 @@ def lower_for_tpu(fn, *args, chip: str = "v5e", **kwargs) -> str:
     runs, so this works on a CPU-only host. Tracing happens with the Pallas interpret mode switched off (an
     interpreted kernel contains no Mosaic call), and the chip registration is undone afterwards.
     """
+    with tpu_generation_registered(chip), pltpu.force_tpu_interpret_mode(None):
+        traced = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args)
+        return traced.lower(lowering_platforms=("tpu",)).as_text()
+
+
+@contextlib.contextmanager
+def tpu_generation_registered(chip: str):
+    """``register_tpu_generation(chip)`` for the enclosed block; the previous registration (or none) after."""
     device_kind = jax.devices()[0].device_kind
     previous = tpu_info.registry.get(device_kind)
     register_tpu_generation(chip)
     try:
-        with pltpu.force_tpu_interpret_mode(None):
-            traced = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args)
-        return traced.lower(lowering_platforms=("tpu",)).as_text()
+        yield
     finally:
         if previous is None:
-            del tpu_info.registry[device_kind]
+            tpu_info.registry.pop(device_kind, None)
         else:
             tpu_info.registry[device_kind] = previous

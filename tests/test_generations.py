@@ -78,6 +78,10 @@ def test_unknown_names_and_a_real_tpu_are_refused():
         generations.parse("v5e,v9")
     with pytest.raises(generations.GenerationError, match="a real TPU is the chip it is"):
         Backend(TPU, generation="v5e")
+    with pytest.raises(generations.GenerationError, match="unknown TPU generation.*v9"):
+        Backend(FAST_INTERPRET, generation="v9")
+    with pytest.raises(generations.GenerationError, match="one generation is expected"):
+        Backend(FAST_INTERPRET, generation="v5e,v6e")
     assert generations.parse("") == generations.parse("none") == (generations.NONE,)
 
 
