@@ -36,7 +36,7 @@ def test_the_adapter_is_short():
     mapping = ADAPTER.read_text().split(RULE_TABLE)[0]
     lines = [line for line in mapping.splitlines() if line.strip()]
     assert len(lines) <= 30, len(lines)
-    assert f"{len(lines)} lines map the signature".lower() in DOC.lower().replace("twenty-three", "23")
+    assert f"{len(lines)} non-blank lines map the signature" in DOC  # the docs give the count
 
 
 def test_the_docs_name_every_catalogue_entry_and_contract():
