@@ -890,6 +890,20 @@ def test_gap_dynamic_size_copy_still_in_generic_interpreter():
     )
 
 
+def test_gap_memory_space_operand_still_in_generic_interpreter():
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    assert_gap(
+        "generic-memory-space-operands",
+        lambda: generic_gaps.add_one_to_an_hbm_operand(x),
+        generic_gaps.MEMORY_SPACE_ERROR,
+    )
+
+
+def test_an_operand_in_hbm_keeps_its_values_on_the_generic_interpreter():
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    np.testing.assert_array_equal(generic_gaps.add_one_to_an_hbm_operand(x), np.asarray(x) + 1)
+
+
 def test_cost_narrow_float_store_still_in_xla_cpu():
     """XLA CPU still converts a float8_e4m3fn buffer to f16 and back around a dynamic-update-slice."""
 

@@ -16,7 +16,8 @@ internals moved stays unpatched, with one warning naming it and the jax version,
 - ``tpu``: the TPU interpreter's gaps (``tpu-ref-views``, ``tpu-masked-swap``, ``tpu-race-history``,
   ``tpu-callback-arguments``, ``tpu-clock-order``, ``tpu-deadlock``).
 - ``generic``: the generic interpreter's gaps (``generic-literal-indices``, ``generic-view-stores``,
-  ``generic-scalar-prefetch-state``, ``generic-narrow-float-bits``, ``generic-dynamic-size-copies``).
+  ``generic-scalar-prefetch-state``, ``generic-narrow-float-bits``, ``generic-dynamic-size-copies``,
+  ``generic-memory-space-operands``).
 - ``limitations``: the interpreter limitations the harness recognises by their error, the only errors on
   valid input that mean "cannot run here" rather than a kernel bug.
 

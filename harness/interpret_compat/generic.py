@@ -29,6 +29,13 @@ other end's static slice), and write back only the elements of ``[start, start +
 rest of the window is written back unchanged. DMA semaphores count the copied elements, as for static
 copies. Supported: local copies whose data-dependent slices (stride 1) are in each ref's last indexer; an
 out-of-range copy is clipped to the window (the generic interpreter checks no bounds).
+
+Gap ``generic-memory-space-operands``: an operand placed in a memory space
+(``pltpu.with_memory_space_constraint(x, pltpu.HBM)``, as tpu-inference's RPA v3 does for its inputs on TPU
+v7 and later) fails in the interpreter's grid loop: "memory_space of all inputs passed to
+`dynamic_update_slice` must be the same" (the operand is ``<hbm>``, the block the kernel wrote is not). The
+patched interpreter takes its operands in the default memory space, which is where the generic interpreter
+keeps every array anyway; the values are unchanged.
 """
 
 from __future__ import annotations
@@ -885,4 +892,83 @@ DYNAMIC_SIZE_COPIES = Gap(
     patches=_dynamic_size_patches,
 )
 
-GAPS = (LITERAL_INDICES, VIEW_STORES, SCALAR_PREFETCH_STATE, NARROW_FLOAT_BITS, DYNAMIC_SIZE_COPIES)
+
+# ---------------------------------------------------------------------------------------------------------
+# Gap generic-memory-space-operands.
+
+MEMORY_SPACE_ERROR = "memory_space of all inputs passed to `dynamic_update_slice` must be the same"
+
+
+def add_one_to_an_hbm_operand(x) -> np.ndarray:
+    """``x + 1`` by a kernel whose operand is constrained to HBM, on the generic interpreter."""
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1
+
+    def call(x):
+        x = pltpu.with_memory_space_constraint(x, pltpu.HBM)
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    with pltpu.force_tpu_interpret_mode(True):
+        return np.asarray(jax.jit(call)(x))
+
+
+def _memory_space_probe() -> bool:
+    x = jnp.ones((8, 128), jnp.float32)
+    return _fails_with(lambda: add_one_to_an_hbm_operand(x), MEMORY_SPACE_ERROR)
+
+
+def _memory_space_internals() -> None:
+    internals = _internals()
+    require_attributes(internals.hlo_interpreter, "pallas_call_hlo_interpret")
+    require_attributes(internals.pallas_core, "with_memory_space_constraint_p")
+    require_attributes(internals.core, "MemorySpace", "Tracer")
+    require_attributes(internals.core.MemorySpace, "Device")
+
+
+def _in_default_memory_space(x):
+    """``x`` as an operand in the default memory space (a no-op in the lowering)."""
+    core = _internals().core
+    memory_space = getattr(getattr(x, "aval", None), "memory_space", core.MemorySpace.Device)
+    if not isinstance(x, core.Tracer) or memory_space == core.MemorySpace.Device:
+        return x
+    return _internals().pallas_core.with_memory_space_constraint_p.bind(x, memory_space=core.MemorySpace.Device)
+
+
+def _interpret_in_default_memory_space(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def interpret(*args, **params):
+        return original(*map(_in_default_memory_space, args), **params)
+
+    return interpret
+
+
+def _memory_space_patches() -> list[Patch]:
+    interpreter = _internals().hlo_interpreter
+    return [
+        Patch(
+            interpreter,
+            "pallas_call_hlo_interpret",
+            _interpret_in_default_memory_space(interpreter.pallas_call_hlo_interpret),
+        )
+    ]
+
+
+MEMORY_SPACE_OPERANDS = Gap(
+    name="generic-memory-space-operands",
+    interpreter="generic",
+    symptom="operands constrained to a memory space (pltpu.with_memory_space_constraint): "
+    f"'{MEMORY_SPACE_ERROR}'",
+    probe=_memory_space_probe,
+    check_internals=_memory_space_internals,
+    patches=_memory_space_patches,
+)
+
+GAPS = (
+    LITERAL_INDICES,
+    VIEW_STORES,
+    SCALAR_PREFETCH_STATE,
+    NARROW_FLOAT_BITS,
+    DYNAMIC_SIZE_COPIES,
+    MEMORY_SPACE_OPERANDS,
+)
