@@ -15,13 +15,14 @@ the keys the causal mask and the window hide), once for every target's catalogue
 """
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from rpa_harness import runlog
+from rpa_harness import generations, runlog
 from rpa_harness.strategies.case import Case
 
 
@@ -139,6 +140,27 @@ def parse_option(value: str, declared: tuple[KnownIssue, ...], catalogue) -> tup
         return ()
     names = [name.strip() for name in value.split(",") if name.strip()]
     return resolve(names, f"{OPTION}={value}", tuple(catalogue) + tuple(declared))
+
+
+def on_generation(issues: tuple[KnownIssue, ...], generation: str) -> tuple[KnownIssue, ...]:
+    """``issues`` whose predicates see TPU ``generation`` (``rpa_harness.generations.emulated``), as the
+    kernel does while traced for it: a predicate that restates the kernel's blocking reads the block sizes
+    the kernel chooses for that chip. Unchanged for ``none``."""
+    if generation == generations.NONE:
+        return tuple(issues)
+
+    def seeing(function):
+        @functools.wraps(function)
+        def on_the_chip(case):
+            with generations.emulated(generation):
+                return function(case)
+
+        return on_the_chip
+
+    return tuple(
+        dataclasses.replace(issue, matches=seeing(issue.matches), nearest_outside=seeing(issue.nearest_outside))
+        for issue in issues
+    )
 
 
 def describe_matches(case: Case, catalogue: tuple[KnownIssue, ...]) -> str:

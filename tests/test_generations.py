@@ -3,6 +3,7 @@ ask, traces are not shared between generations, everything is restored afterward
 replays carry the generation."""
 
 import contextlib
+import dataclasses
 import importlib
 import sys
 import types
@@ -114,6 +115,51 @@ def test_upstream_runs_on_its_tuned_defaults_only_on_a_generation():
         ).ok
     assert upstream.capabilities.needs_block_sizes
     assert not upstream.capabilities_on(Backend(FAST_INTERPRET, generation="v6e")).needs_block_sizes
+
+
+V3_CASE = Case(
+    max_num_batched_tokens=16, max_num_seqs=3, pages_per_seq=8, total_num_pages=30, page_size=16,
+    num_q_heads=4, num_kv_heads=2, head_dim=128, q_dtype="bfloat16", kv_dtype="bfloat16",
+    q_lens=(1, 3, 9), kv_lens=(50, 9, 100), mask_value_meaning="replaces", seed=3,
+)  # fmt: skip
+
+
+def test_v3_runs_on_its_own_defaults_on_a_generation():
+    """Without block sizes or a VMEM limit v3 chooses them for the chip: the target passes None on a
+    generation (its own defaults elsewhere), records the sizes v3 chooses (which differ between v6e and
+    7x), and v3 then matches the oracle."""
+    v3target = pytest.importorskip("rpa_harness.targets.tpu_inference_v3")
+    v3 = targets.load(targets.V3_TARGET)
+    arrays, options = V3_CASE.arrays(), V3_CASE.options()
+    off_chip = v3target.v3_inputs(**arrays, **options)
+    assert off_chip.kwargs["d_block_sizes"] == off_chip.mixed_block_sizes  # the target's own defaults
+    assert off_chip.kwargs["vmem_limit_bytes"] == v3target.DEFAULT_VMEM_LIMIT_BYTES
+    chosen = {}
+    for generation in ("v6e", "7x"):
+        with generations.emulated(generation):
+            inputs = v3target.v3_inputs(**arrays, **options)
+        assert inputs.kwargs["d_block_sizes"] is inputs.kwargs["m_block_sizes"] is None
+        assert inputs.kwargs["vmem_limit_bytes"] is None
+        assert inputs.decode_block_sizes[0] == 1  # v3's decode kernel: one query row per block
+        chosen[generation] = inputs.mixed_block_sizes
+        assert check_differential(v3, Backend(FAST_INTERPRET, generation=generation), arrays, options).ok
+    assert chosen["v6e"] != chosen["7x"], chosen
+
+
+def test_known_issue_predicates_see_the_generation():
+    """A predicate that reads the block sizes v3 chooses runs under the backend's generation (at draw time
+    there is no kernel call to emulate it)."""
+    pytest.importorskip("rpa_harness.targets.tpu_inference_v3")
+    v3 = targets.load(targets.V3_TARGET)
+    seen = []
+    probe = dataclasses.replace(
+        v3.catalogue[0], matches=lambda case: seen.append(jax.devices()[0].device_kind) or False
+    )
+    v3 = dataclasses.replace(v3, known_issues=(probe,))
+    for generation in (generations.NONE, "v6e"):
+        (issue,) = v3.known_issues_on(Backend(FAST_INTERPRET, generation=generation))
+        assert not issue.matches(V3_CASE)
+    assert seen == ["cpu", "TPU v6 lite"]
 
 
 def test_a_targets_hook_is_told_the_generation(monkeypatch):

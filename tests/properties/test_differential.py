@@ -28,13 +28,11 @@ CASES_PER_CONFIG = 6
 def draw_and_compare(target, backend, repro_dir, data, *, pooled, variant=""):
     """Draws valid cases (one from the pooled configurations, or a group sharing one configuration from
     the whole static space) and compares each with the oracle."""
-    capabilities = target.capabilities_on(backend)
+    capabilities, issues = target.capabilities_on(backend), target.known_issues_on(backend)
     if pooled:
-        cases = [
-            data.draw(valid_cases(capabilities, pooled=True, excluding=target.known_issues), label="case")
-        ]
+        cases = [data.draw(valid_cases(capabilities, pooled=True, excluding=issues), label="case")]
     else:
-        groups = valid_case_groups(capabilities, max_cases=CASES_PER_CONFIG, excluding=target.known_issues)
+        groups = valid_case_groups(capabilities, max_cases=CASES_PER_CONFIG, excluding=issues)
         cases = data.draw(groups, label="cases")
     name = f"{DIFFERENTIAL}{variant}[{backend.label}]"
     for case in cases:

@@ -15,7 +15,8 @@ from rpa_harness.strategies.valid import valid_cases
 
 @given(data=st.data())
 def test_padding_does_not_change_valid_rows(target, volume_backend, repro_dir, data):
-    cases = valid_cases(target.capabilities_on(volume_backend), pooled=True, excluding=target.known_issues)
+    capabilities, issues = target.capabilities_on(volume_backend), target.known_issues_on(volume_backend)
+    cases = valid_cases(capabilities, pooled=True, excluding=issues)
     case = data.draw(cases, label="case")
     dirty = dataclasses.replace(case, poison=True, garbage=True)
     dirty_arrays = dirty.arrays()  # recorded and run: built once
@@ -26,7 +27,8 @@ def test_padding_does_not_change_valid_rows(target, volume_backend, repro_dir, d
 
 @given(data=st.data())
 def test_same_call_gives_same_bits(target, volume_backend, repro_dir, data):
-    cases = valid_cases(target.capabilities_on(volume_backend), pooled=True, excluding=target.known_issues)
+    capabilities, issues = target.capabilities_on(volume_backend), target.known_issues_on(volume_backend)
+    cases = valid_cases(capabilities, pooled=True, excluding=issues)
     case = data.draw(cases, label="case")
     arrays, options = case.arrays(), case.options()
     name = f"{DETERMINISM}[{volume_backend.label}]"

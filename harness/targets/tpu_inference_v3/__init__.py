@@ -103,6 +103,10 @@ class V3Inputs:
     new_slots: np.ndarray  # bool [pages, page_size]: the slots v3 writes (positions [kv_len - q_len, kv_len))
     slot_owner: np.ndarray  # int [pages, page_size]: sequence whose page holds the slot, -1 for none
     slot_position: np.ndarray  # int [pages, page_size]: the key position of the slot in its sequence
+    # (bq, bkv, bq_chunk, bkv_chunk) of v3's decode and mixed kernels: the ones passed, or where the
+    # target leaves them to v3 (None in kwargs), the ones v3 chooses for the chip.
+    decode_block_sizes: tuple[int, int, int, int]
+    mixed_block_sizes: tuple[int, int, int, int]
 
 
 def decode_prefix(q_lens: np.ndarray) -> int:
@@ -119,6 +123,24 @@ def block_sizes(tokens_per_block: int, chunk_unit: int) -> tuple[int, int]:
     """A block and its compute chunk: half the block when that is a whole number of units."""
     units = tokens_per_block // chunk_unit
     return tokens_per_block, (units // 2 if units > 0 and units % 2 == 0 else units) * chunk_unit
+
+
+def v3_default_block_sizes(q, kv_cache, num_kv_heads: int, max_num_seqs: int, pages_per_seq: int, case):
+    """(bq, bkv, bq_chunk, bkv_chunk) that v3 chooses for its ``case`` kernel (``RpaCase.DECODE`` or
+    ``MIXED``) on the chip it sees (its ``get_default_block_sizes``, called with the arguments v3 passes)."""
+    sizes = v3.get_default_block_sizes(
+        q.dtype,
+        kv_cache.dtype,
+        q.shape[1],
+        num_kv_heads,
+        q.shape[2],
+        kv_cache.shape[1],
+        q.shape[0],
+        max_num_seqs,
+        pages_per_seq,
+        case=case,
+    )
+    return sizes["bq_sz"], sizes["bkv_sz"], sizes["bq_csz"], sizes["bkv_csz"]
 
 
 def _vmem_limit(vmem_limit_bytes: int | None) -> int | None:
@@ -178,15 +200,23 @@ def v3_inputs(
     n = int(np.asarray(num_seqs).reshape(-1)[0])
     page_size, pages_per_seq = kv_pages.shape[1], page_table_given.shape[1]
     decodes = decode_prefix(tokens.q_lens)
-    bq = DEFAULT_QUERIES_PER_BLOCK if num_queries_per_block is None else num_queries_per_block
-    bkv_pages = (
-        min(DEFAULT_KV_PAGES_PER_BLOCK, pages_per_seq)
-        if num_kv_pages_per_block is None
-        else num_kv_pages_per_block
-    )
-    bq, bq_chunk = block_sizes(bq, 1)
-    bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
-    sizes = (bq, bkv, bq_chunk, bkv_chunk)
+    packed_cache = layouts.pack_cache(tokens.poisoned_cache(kv_pages))
+    if num_queries_per_block is None and num_kv_pages_per_block is None and generations.on_a_tpu_generation():
+        passed = None  # v3's defaults for the chip
+        decode_sizes, mixed_sizes = (
+            v3_default_block_sizes(q, packed_cache, tokens.keys.shape[1], len(kv_lens), pages_per_seq, case)
+            for case in (v3.RpaCase.DECODE, v3.RpaCase.MIXED)
+        )
+    else:
+        bq = DEFAULT_QUERIES_PER_BLOCK if num_queries_per_block is None else num_queries_per_block
+        bkv_pages = (
+            min(DEFAULT_KV_PAGES_PER_BLOCK, pages_per_seq)
+            if num_kv_pages_per_block is None
+            else num_kv_pages_per_block
+        )
+        bq, bq_chunk = block_sizes(bq, 1)
+        bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
+        passed = decode_sizes = mixed_sizes = (bq, bkv, bq_chunk, bkv_chunk)
     kwargs = dict(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
@@ -195,22 +225,31 @@ def v3_inputs(
         q_scale=q_scale,
         k_scale=k_scale,
         v_scale=v_scale,
-        d_block_sizes=sizes,
-        m_block_sizes=sizes,
+        d_block_sizes=passed,
+        m_block_sizes=passed,
         vmem_limit_bytes=_vmem_limit(vmem_limit_bytes),
     )
     args = (
         q,
         tokens.keys,
         tokens.values,
-        layouts.pack_cache(tokens.poisoned_cache(kv_pages)),
+        packed_cache,
         np.asarray(kv_lens),
         page_table_given.reshape(-1),
         np.asarray(cu_q_lens),
         np.array([decodes, decodes, n], np.int32),
     )
     expected_cache = layouts.pack_cache(kv_pages)
-    return V3Inputs(args, kwargs, expected_cache, tokens.new_slots, tokens.slot_owner, tokens.slot_position)
+    return V3Inputs(
+        args,
+        kwargs,
+        expected_cache,
+        tokens.new_slots,
+        tokens.slot_owner,
+        tokens.slot_position,
+        decode_sizes,
+        mixed_sizes,
+    )
 
 
 _JITTED: dict = {}
@@ -262,7 +301,7 @@ def unwritten_by_sliding_window(inputs: V3Inputs) -> np.ndarray:
     pages_per_seq = len(page_indices) // len(kv_lens)
     decodes, _, num_seqs = (int(x) for x in distribution)
     for i in range(num_seqs):
-        bq, bkv = (inputs.kwargs["d_block_sizes"] if i < decodes else inputs.kwargs["m_block_sizes"])[:2]
+        bq, bkv = (inputs.decode_block_sizes if i < decodes else inputs.mixed_block_sizes)[:2]
         q_len, kv_len = int(cu_q_lens[i + 1] - cu_q_lens[i]), int(kv_lens[i])
         q_block = min(bq, q_len) if i < decodes else bq  # the decode kernel's query block is one row
         last_block_start = kv_len - q_len + (-(-q_len // q_block) - 1) * q_block

@@ -4,7 +4,8 @@ Restated from v3's kernel (``tpu_inference/kernels/ragged_paged_attention/v3/ker
 sequence, query blocks of bq rows (one row per block for the leading decodes, v3's decode kernel); each
 query block walks KV blocks of bkv keys from max(first position - window, 0) // bkv (0 without a window)
 up to its effective length min(kv_len, first position + bq), each block in compute chunks of bkv_chunk
-keys up to that length. The block sizes are the v3 target's mapping of the case (``v3_inputs``).
+keys up to that length. The block sizes are the v3 target's mapping of the case (``v3_inputs``): the
+case's, or v3's defaults for the chip a generation emulates.
 """
 
 import dataclasses
@@ -39,7 +40,7 @@ def _v3_query_blocks(case: Case):
     decodes = int(inputs.args[-1][0])
     window = case.sliding_window
     for i, (q_len, kv_len) in enumerate(zip(case.q_lens, case.kv_lens, strict=True)):
-        bq, bkv, _, bkv_chunk = inputs.kwargs["d_block_sizes" if i < decodes else "m_block_sizes"]
+        bq, bkv, _, bkv_chunk = inputs.decode_block_sizes if i < decodes else inputs.mixed_block_sizes
         block_rows = min(bq, 1) if i < decodes else bq
         for first in range(0, q_len, block_rows):
             position = kv_len - q_len + first
