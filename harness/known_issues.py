@@ -73,6 +73,16 @@ class KnownIssue:
 # --- What predicates read from a case ---------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1)
+def case_arrays(case: Case) -> dict:
+    """``case.arrays()`` for predicates, read-only and built once while several predicates judge the same
+    case (a long case's cache is hundreds of MiB, built in seconds)."""
+    arrays = case.arrays()
+    for array in arrays.values():
+        array.flags.writeable = False
+    return arrays
+
+
 def keep_sequences(case: Case, keep: list[bool]) -> Case:
     """The case with only the sequences ``keep`` marks."""
     return dataclasses.replace(
@@ -158,7 +168,9 @@ def on_generation(issues: tuple[KnownIssue, ...], generation: str) -> tuple[Know
         return on_the_chip
 
     return tuple(
-        dataclasses.replace(issue, matches=seeing(issue.matches), nearest_outside=seeing(issue.nearest_outside))
+        dataclasses.replace(
+            issue, matches=seeing(issue.matches), nearest_outside=seeing(issue.nearest_outside)
+        )
         for issue in issues
     )
 

@@ -50,18 +50,45 @@ class ProductionBucket:
     max_work: int = 1 << 24  # sum over sequences of q_len * kv_len * num_q_heads
 
 
+@dataclasses.dataclass(frozen=True)
+class LongBucket:
+    """Long contexts for few query rows: decodes and short prefill chunks against up to 131,072 keys.
+
+    Narrow integer arithmetic (int16 or uint16 positions, packed index math) breaks where a length or a
+    position passes 2^15 or 2^16, so each sequence's kv_len is drawn short or within a few keys of one of
+    ``boundaries`` or of the model length, with its query rows' positions below, across or above it
+    (``long_layouts``). The budgets keep one example within seconds on the fast interpreter and the oracle's
+    memory small: the KV cache (which Case.arrays fills whole) must hold one sequence of the model length,
+    and the attention work (query rows times keys times q heads) is capped.
+    """
+
+    token_budgets: tuple[int, ...] = (16, 64, 256)  # max_num_batched_tokens
+    seq_slots: tuple[int, ...] = (2, 4)  # max_num_seqs
+    max_model_len: int = 131072  # page_size * pages_per_seq
+    page_sizes: tuple[int, ...] = (16, 32, 64, 128, 256)
+    max_q_heads: int = 8
+    head_dims: tuple[int, ...] = (64, 128, 256)
+    kv_cache_bytes: int = 256 * 2**20
+    max_work: int = 1 << 26  # sum over sequences of q_len * kv_len * num_q_heads
+    boundaries: tuple[int, ...] = (1 << 15, 1 << 16)
+
+
 BUCKETS = {
     "tiny": Bucket(max_num_batched_tokens=8, max_num_seqs=2, max_kv_len=32),
     "small": Bucket(max_num_batched_tokens=32, max_num_seqs=4, max_kv_len=96),
     "medium": Bucket(max_num_batched_tokens=128, max_num_seqs=8, max_kv_len=512),
+    "long": LongBucket(),
     "production": ProductionBucket(),
 }
-# Drawn when no selection is made (--rpa-buckets / RPA_BUCKETS); the nightly profile adds LARGE_BUCKETS.
+# Drawn when no selection is made (--rpa-buckets / RPA_BUCKETS), with PROFILE_BUCKETS of the profile.
 DEFAULT_BUCKETS = ("tiny", "small")
-# Buckets whose examples cost seconds to minutes each on CPU: only the production properties draw them (a
-# handful of examples per run, tests/properties/test_production.py); every other property draws the selected small
-# buckets, or DEFAULT_BUCKETS when the selection holds only large ones.
-LARGE_BUCKETS = ("production",)
+# Large buckets a profile adds to DEFAULT_BUCKETS when no selection is made: a handful of long examples
+# under ci, every large bucket under nightly.
+PROFILE_BUCKETS = {"ci": ("long",), "nightly": ("long", "production")}
+# Buckets whose examples cost seconds to minutes each on CPU: only the large-shape properties draw them (a
+# handful of examples per run, tests/properties/test_production.py); every other property draws the selected
+# small buckets, or DEFAULT_BUCKETS when the selection holds only large ones.
+LARGE_BUCKETS = ("long", "production")
 # Page sizes the small buckets draw (the production bucket has its own).
 SMALL_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -82,13 +109,13 @@ def parse_buckets(text: str) -> tuple[str, ...]:
 def select_buckets(capabilities: "Capabilities", text: str, *, profile: str | None = None) -> "Capabilities":
     """``capabilities`` drawing from the buckets named in ``text`` that the target declares.
 
-    No names: DEFAULT_BUCKETS, plus LARGE_BUCKETS under the nightly profile, within the declaration. Names
+    No names: DEFAULT_BUCKETS and the profile's PROFILE_BUCKETS, within the declaration. Names
     of which the target declares none raise BucketError (a usage error, nothing would be drawn); declared
     ones among several are kept.
     """
     names = parse_buckets(text)
     if not names:
-        defaults = DEFAULT_BUCKETS + (LARGE_BUCKETS if profile == "nightly" else ())
+        defaults = DEFAULT_BUCKETS + PROFILE_BUCKETS.get(profile, ())
         chosen = tuple(name for name in defaults if name in capabilities.buckets)
         return dataclasses.replace(capabilities, bucket_selection=chosen or None)
     chosen = tuple(name for name in names if name in capabilities.buckets)
@@ -100,6 +127,8 @@ def select_buckets(capabilities: "Capabilities", text: str, *, profile: str | No
     for name in chosen:
         if isinstance(BUCKETS[name], ProductionBucket):
             check_production_space(capabilities, BUCKETS[name])
+        if isinstance(BUCKETS[name], LongBucket):
+            check_long_space(capabilities, BUCKETS[name])
     return dataclasses.replace(capabilities, bucket_selection=chosen)
 
 
@@ -134,6 +163,10 @@ class Capabilities:
     even_kv_heads_for_fp8: bool = False
     # Whether both block sizes must be given (upstream's default lookup needs a TPU).
     needs_block_sizes: bool = False
+    # Whether the long bucket may leave block sizes to the kernel (None). False for a kernel whose default
+    # KV block at long contexts spans so many pages that its unrolled page copies take the interpreters
+    # minutes per call; the long bucket then draws tuned block sizes (the small buckets still draw None).
+    default_blocks_at_long_contexts: bool = True
     # Whether k_scale and v_scale must be given together when q's dtype differs from the KV dtype
     # (upstream casts only the scaled side to q's dtype, then fails `assert k.dtype == v.dtype`).
     paired_kv_scales_for_mixed_dtypes: bool = False
@@ -283,7 +316,7 @@ def static_configs(draw, capabilities: Capabilities = WHOLE_SPACE, *, buckets=No
     """Static shapes and dtypes: the part that decides which compiled kernel runs.
 
     ``buckets`` default to the selected small ones (``drawn_buckets``); a large bucket named here is drawn
-    with ``production_configs``."""
+    with ``production_configs`` or ``long_configs``."""
     return draw(bucketed_configs(capabilities, buckets=buckets))[1]
 
 
@@ -293,6 +326,8 @@ def bucketed_configs(draw, capabilities: Capabilities = WHOLE_SPACE, *, buckets=
     bucket = draw(st.sampled_from(buckets or drawn_buckets(capabilities)))
     if isinstance(BUCKETS[bucket], ProductionBucket):
         return bucket, draw(production_configs(capabilities, BUCKETS[bucket]))
+    if isinstance(BUCKETS[bucket], LongBucket):
+        return bucket, draw(long_configs(capabilities, BUCKETS[bucket]))
     page_size = draw(st.sampled_from(_small_page_sizes(capabilities)))
     kv_dtype = draw(st.sampled_from(_kv_dtypes_for(capabilities, page_size)))
     num_kv_heads = draw(st.sampled_from(_kv_heads_for(capabilities, kv_dtype)))
@@ -377,6 +412,112 @@ def production_configs(draw, capabilities: Capabilities, bucket: ProductionBucke
     )
 
 
+def long_layouts_of(
+    capabilities: Capabilities, bucket: LongBucket, kv_dtype: str
+) -> list[tuple[int, int, int]]:
+    """(num_kv_heads, gqa_ratio, head_dim) the target supports whose cache holds one sequence of the model
+    length within the bucket's bytes, fewest q heads and smallest head_dim first."""
+    key_bytes = page_bytes(1, 1, 1, kv_dtype)
+    found = [
+        (h, r, d)
+        for h in _kv_heads_for(capabilities, kv_dtype)
+        for r in capabilities.gqa_ratios
+        for d in capabilities.head_dims
+        if d in bucket.head_dims
+        and h * r <= bucket.max_q_heads
+        and key_bytes * h * d * bucket.max_model_len <= bucket.kv_cache_bytes
+    ]
+    return sorted(found, key=lambda layout: (layout[0] * layout[1], layout[2], layout))
+
+
+def check_long_space(capabilities: Capabilities, bucket: LongBucket) -> None:
+    """Raises BucketError if the target supports no long head layout or page size."""
+    missing = []
+    if not any(long_layouts_of(capabilities, bucket, d) for d in capabilities.kv_dtypes):
+        missing.append(
+            f"a head layout with at most {bucket.max_q_heads} q heads and head_dim in {bucket.head_dims} "
+            f"whose {bucket.max_model_len}-key sequence fits {bucket.kv_cache_bytes // 2**20} MiB"
+        )
+    if not any(
+        set(_page_sizes_for(capabilities, d)) & set(bucket.page_sizes) for d in capabilities.kv_dtypes
+    ):
+        missing.append(f"page_size in {bucket.page_sizes}")
+    if missing:
+        raise BucketError(
+            f"the long bucket needs {' and '.join(missing)}, which the target's Capabilities exclude; "
+            "select another bucket"
+        )
+
+
+@st.composite
+def long_configs(draw, capabilities: Capabilities, bucket: LongBucket) -> dict:
+    """A long-context static config within the bucket's budgets (see ``LongBucket``), shrinking toward
+    float32, fewest q heads, the smallest head_dim, page size, slot count and token budget."""
+    check_long_space(capabilities, bucket)
+    kv_dtypes = [
+        d
+        for d in capabilities.kv_dtypes
+        if long_layouts_of(capabilities, bucket, d)
+        and set(_page_sizes_for(capabilities, d)) & set(bucket.page_sizes)
+    ]
+    kv_dtype = draw(st.sampled_from(kv_dtypes))
+    q_dtype = draw(st.sampled_from(capabilities.q_dtypes))
+    num_kv_heads, ratio, head_dim = draw(st.sampled_from(long_layouts_of(capabilities, bucket, kv_dtype)))
+    page_size = draw(
+        st.sampled_from([p for p in _page_sizes_for(capabilities, kv_dtype) if p in bucket.page_sizes])
+    )
+    max_num_seqs = draw(st.sampled_from(bucket.seq_slots))
+    pages_per_seq = bucket.max_model_len // page_size
+    cache_pages = bucket.kv_cache_bytes // page_bytes(page_size, num_kv_heads, head_dim, kv_dtype)
+    return dict(
+        max_num_batched_tokens=draw(st.sampled_from(bucket.token_budgets)),
+        max_num_seqs=max_num_seqs,
+        pages_per_seq=pages_per_seq,
+        total_num_pages=min(max_num_seqs * pages_per_seq, cache_pages),
+        page_size=page_size,
+        num_q_heads=num_kv_heads * ratio,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+    )
+
+
+@st.composite
+def long_layouts(draw, config: dict, bucket: LongBucket) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Decodes and short prefill chunks, each against a short context or one a few keys from 2^15, 2^16
+    or the model length (``bucket.boundaries``): its query positions ``[kv_len - q_len, kv_len)`` lie
+    below the boundary, across it or past it. Sequences are fitted in order to the rows, pages and work
+    left (a chunk gets fewer rows, a context fewer keys); shrinking makes every context short, then one
+    decode."""
+    capacity = config["pages_per_seq"] * config["page_size"]
+    rows_left, pages_left = config["max_num_batched_tokens"], config["total_num_pages"]
+    work_left = bucket.max_work // config["num_q_heads"]  # sum of q_len * kv_len
+    near = st.sampled_from((None, *(b for b in bucket.boundaries if b < capacity), capacity))
+    q_lens, kv_lens = [], []
+    for _ in range(draw(st.integers(1, config["max_num_seqs"]))):
+        longest = min(capacity, pages_left * config["page_size"])
+        if rows_left == 0 or longest == 0 or work_left == 0:
+            break
+        q_len = draw(st.integers(2, rows_left)) if rows_left > 1 and draw(st.booleans()) else 1
+        target = draw(near)
+        if target is None:
+            kv_len = draw(st.integers(0, min(capacity, 1024)))
+        else:
+            q_len = max(1, min(q_len, work_left // target))
+            kv_len = target + draw(st.integers(-2, q_len + 1))
+        q_len = max(1, min(q_len, work_left // max(1, min(kv_len, longest))))
+        kv_len = max(q_len, min(kv_len, longest, work_left // q_len))
+        if kv_len < q_len:
+            break
+        q_lens.append(q_len)
+        kv_lens.append(kv_len)
+        rows_left -= q_len
+        pages_left -= -(-kv_len // config["page_size"])
+        work_left -= q_len * kv_len
+    return tuple(q_lens), tuple(kv_lens)
+
+
 # Block sizes as upstream tunes them: every (num_kv_pages_per_block, num_queries_per_block) value in jax's
 # tuned table (TPU v5e and v6e) and its untuned default (128, 32), clipped as upstream clips them (to
 # pages_per_seq and max_num_batched_tokens). A KV block is kept to at most TUNED_MAX_BLOCK_KEYS keys, the
@@ -403,10 +544,13 @@ def tuned_block_sizes(config: dict) -> st.SearchStrategy[dict]:
 
 
 @st.composite
-def production_block_sizes(draw, config: dict, capabilities: Capabilities = WHOLE_SPACE) -> dict:
-    """Block sizes for a production config: left to the kernel (None, what shrinking moves to) where the
-    target picks its own, else (or sometimes) upstream's tuned values."""
-    if not capabilities.needs_block_sizes and draw(st.booleans()) is False:
+def production_block_sizes(
+    draw, config: dict, capabilities: Capabilities = WHOLE_SPACE, *, kernel_defaults: bool = True
+) -> dict:
+    """Block sizes for a production or long config: left to the kernel (None, what shrinking moves to)
+    where the target picks its own and ``kernel_defaults`` allows it, else (or sometimes) upstream's tuned
+    values."""
+    if kernel_defaults and not capabilities.needs_block_sizes and draw(st.booleans()) is False:
         return dict(num_kv_pages_per_block=None, num_queries_per_block=None)
     return draw(tuned_block_sizes(config))
 
@@ -675,25 +819,28 @@ def valid_cases(
     capabilities: Capabilities = WHOLE_SPACE,
     *,
     pooled: bool = False,
-    large: bool = False,
+    large: bool | str = False,
     with_options: bool = True,
     values=("normal", "large", "ties", "tiny"),
     excluding=(),
 ) -> Case:
     """A valid case: from the whole static space, or (``pooled``) from the few configurations of POOL.
 
-    ``large``: from the selected large buckets (``drawn_buckets(capabilities, large=True)``, an error if
-    none is selected) with serving-scale layouts and block sizes (``production_layouts``,
-    ``production_block_sizes``). ``excluding``: known issues of the target (see ``outside_known_issues``)
-    whose cases are not drawn.
+    ``large``: from the selected large buckets (``drawn_buckets(capabilities, large=True)``; a bucket name:
+    that one; an error if it is not selected) with their layouts (``production_layouts``, ``long_layouts``)
+    and block sizes left to the kernel or tuned (``production_block_sizes``). ``excluding``: known issues of
+    the target (see ``outside_known_issues``) whose cases are not drawn.
     """
     if large and pooled:
         raise ValueError("valid_cases(pooled=True, large=True): the pool holds small configurations only")
     large_buckets = drawn_buckets(capabilities, large=True) if large else ()
+    if isinstance(large, str):
+        large_buckets = tuple(name for name in large_buckets if name == large)
     if large and not large_buckets:
+        wanted = large if isinstance(large, str) else f"no large bucket ({', '.join(LARGE_BUCKETS)})"
         raise BucketError(
-            f"valid_cases(large=True): no large bucket ({', '.join(LARGE_BUCKETS)}) is selected "
-            f"(bucket_selection={capabilities.bucket_selection}); select one with --rpa-buckets"
+            f"valid_cases(large={large!r}): {wanted} is not selected "
+            f"(bucket_selection={capabilities.bucket_selection}); select it with --rpa-buckets"
         )
     if pooled:
         config, opts = draw(st.sampled_from(pool(capabilities)))
@@ -702,12 +849,15 @@ def valid_cases(
         name, config = draw(bucketed_configs(capabilities, buckets=large_buckets or None))
         bucket = BUCKETS[name]
         opts = draw(options(config, capabilities)) if with_options else {}
-        if isinstance(bucket, ProductionBucket):
-            opts = {**opts, **draw(production_block_sizes(config, capabilities))}
+        if isinstance(bucket, ProductionBucket | LongBucket):
+            defaults = not isinstance(bucket, LongBucket) or capabilities.default_blocks_at_long_contexts
+            opts = {**opts, **draw(production_block_sizes(config, capabilities, kernel_defaults=defaults))}
         elif not with_options and capabilities.needs_block_sizes:
             opts = required_block_sizes(config)
     if isinstance(bucket, ProductionBucket):
         q_lens, kv_lens = draw(production_layouts(config, bucket))
+    elif isinstance(bucket, LongBucket):
+        q_lens, kv_lens = draw(long_layouts(config, bucket))
     else:
         q_lens, kv_lens = draw(
             layouts(config, opts.get("num_kv_pages_per_block"), empty_sequences=capabilities.empty_sequences)
@@ -797,6 +947,11 @@ def coverage_labels(case: Case) -> list[str]:
             f"page={case.page_size} pages={sum(-(-kv // case.page_size) for kv in case.kv_lens)}/"
             f"{case.total_num_pages} max kv_len={max(case.kv_lens, default=0)} {case.q_dtype}/{case.kv_dtype}"
         )
+    for boundary in BUCKETS["long"].boundaries:
+        if any(kv > boundary for kv in case.kv_lens):
+            labels.append(f"context past 2^{boundary.bit_length() - 1} keys")
+        if any(kv - q < boundary < kv for q, kv in zip(q, kv, strict=True)):
+            labels.append(f"query positions across 2^{boundary.bit_length() - 1}")
     return labels
 
 

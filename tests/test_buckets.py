@@ -34,12 +34,14 @@ from tests.processes import run_python
 
 PRODUCTION = BUCKETS["production"]
 SELECTED = select_buckets(OUR_KERNEL, "production")
+LONG = BUCKETS["long"]
+LONG_SELECTED = select_buckets(OUR_KERNEL, "long")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_unknown_bucket_is_one_error_listing_the_known_ones():
     with pytest.raises(
-        BucketError, match=r"unknown bucket\(s\) huge, tiniest; known: tiny, small, medium, production"
+        BucketError, match=r"unknown bucket\(s\) huge, tiniest; known: tiny, small, medium, long, production"
     ):
         parse_buckets("tiny,huge, tiniest")
 
@@ -47,10 +49,13 @@ def test_unknown_bucket_is_one_error_listing_the_known_ones():
 def test_selection_defaults_and_the_nightly_profile():
     assert drawn_buckets(select_buckets(OUR_KERNEL, "")) == DEFAULT_BUCKETS
     assert drawn_buckets(select_buckets(OUR_KERNEL, ""), large=True) == ()
+    ci = select_buckets(OUR_KERNEL, "", profile="ci")
+    assert drawn_buckets(ci) == DEFAULT_BUCKETS and drawn_buckets(ci, large=True) == ("long",)
     nightly = select_buckets(OUR_KERNEL, "", profile="nightly")
-    assert drawn_buckets(nightly) == DEFAULT_BUCKETS and drawn_buckets(nightly, large=True) == ("production",)
+    assert drawn_buckets(nightly) == DEFAULT_BUCKETS
+    assert drawn_buckets(nightly, large=True) == ("long", "production")
     # A target that does not declare production keeps its buckets under the nightly profile.
-    assert drawn_buckets(select_buckets(UPSTREAM_KERNEL, "", profile="nightly"), large=True) == ()
+    assert drawn_buckets(select_buckets(UPSTREAM_KERNEL, "", profile="nightly"), large=True) == ("long",)
 
 
 def test_selection_is_within_the_declared_buckets():
@@ -61,7 +66,7 @@ def test_selection_is_within_the_declared_buckets():
     # Declared ones among several are kept; none declared is an error naming the declaration.
     assert select_buckets(UPSTREAM_KERNEL, "small,production").bucket_selection == ("small",)
     with pytest.raises(
-        BucketError, match=r"production: the target declares buckets tiny,small .* none of these"
+        BucketError, match=r"production: the target declares buckets tiny,small,long .* none of these"
     ):
         select_buckets(UPSTREAM_KERNEL, "production")
     with pytest.raises(ValueError, match=r"draws buckets the target does not declare"):
@@ -103,6 +108,55 @@ def test_production_cases_keep_the_budgets(case):
         assert case.num_queries_per_block in {
             min(q, case.max_num_batched_tokens) for q in TUNED_QUERIES_PER_BLOCK
         }
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=valid_cases(LONG_SELECTED, large="long"))
+def test_long_cases_keep_the_budgets(case):
+    q_lens, kv_lens = np.array(case.q_lens), np.array(case.kv_lens)
+    assert case.kv_capacity == LONG.max_model_len and case.page_size in LONG.page_sizes
+    assert case.max_num_batched_tokens in LONG.token_budgets and case.max_num_seqs in LONG.seq_slots
+    assert case.num_q_heads <= LONG.max_q_heads and case.head_dim in LONG.head_dims
+    cache = case.total_num_pages * page_bytes(case.page_size, case.num_kv_heads, case.head_dim, case.kv_dtype)
+    assert cache <= LONG.kv_cache_bytes and case.total_num_pages * case.page_size >= LONG.max_model_len
+    assert 1 <= case.num_seqs <= case.max_num_seqs and case.num_tokens <= case.max_num_batched_tokens
+    assert ((1 <= q_lens) & (q_lens <= kv_lens) & (kv_lens <= case.kv_capacity)).all()
+    assert np.ceil(kv_lens / case.page_size).sum() <= case.total_num_pages
+    assert (q_lens * kv_lens).sum() * case.num_q_heads <= LONG.max_work
+
+
+def _long(condition):
+    settings_ = settings(max_examples=2000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    return find(valid_cases(LONG_SELECTED, large="long"), condition, settings=settings_)
+
+
+@pytest.mark.parametrize("boundary", LONG.boundaries)
+def test_long_lengths_lie_on_both_sides_of_each_boundary(boundary):
+    """Contexts that end just below, at and past 2^15 and 2^16, and query rows whose positions cross it."""
+    assert max(_long(lambda c: boundary - 2 <= max(c.kv_lens) < boundary).kv_lens) < boundary
+    assert boundary in _long(lambda c: boundary in c.kv_lens).kv_lens
+    crossing = _long(lambda c: any(kv - q < boundary < kv for q, kv in zip(c.q_lens, c.kv_lens)))
+    assert any(q > 1 for q in crossing.q_lens)
+    assert max(_long(lambda c: max(c.kv_lens) > LONG.max_model_len - 2).kv_lens) <= LONG.max_model_len
+
+
+def test_a_long_case_shrinks_to_one_short_decode():
+    smallest = _long(lambda c: True)
+    assert (smallest.q_lens, smallest.kv_lens) == ((1,), (0,)) or smallest.kv_lens[0] <= 1
+    assert smallest.num_seqs == 1 and smallest.q_lens == (1,)
+
+
+def test_long_draws_leave_block_sizes_to_the_kernel_only_where_declared():
+    assert _long(lambda c: c.num_kv_pages_per_block is None).num_queries_per_block is None
+    expensive = select_buckets(Capabilities(buckets=("tiny", "long"), default_blocks_at_long_contexts=False), "long")
+    settings_ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+    @settings_
+    @given(case=valid_cases(expensive, large="long"))
+    def blocks_given(case):
+        assert case.num_kv_pages_per_block is not None and case.num_queries_per_block is not None
+
+    blocks_given()
 
 
 @functools.cache
@@ -211,4 +265,5 @@ def test_production_examples_never_run_under_the_ci_profile(tmp_path):
         cwd=REPO_ROOT, env=env,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "1 skipped" in run.stdout and "never run under the ci profile" in run.stdout, run.stdout
+    assert "2 skipped" in run.stdout and "never run under the ci profile" in run.stdout, run.stdout
+    assert "the long bucket is not selected" in run.stdout, run.stdout

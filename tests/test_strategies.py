@@ -110,7 +110,7 @@ def test_every_coverage_label_occurs():
         (dict(kv_dtypes=("float32", "float16")), r"\['float16'\] not in the specified space"),
         (dict(q_dtypes=()), r"q_dtypes=\(\)\): empty, so nothing can be drawn"),
         (dict(buckets=("huge",)), r"\['huge'\] not in the specified space; choose a non-empty subset of "
-         r"\('tiny', 'small', 'medium', 'production'\)"),
+         r"\('tiny', 'small', 'medium', 'long', 'production'\)"),
         (dict(num_kv_heads=(1,), even_kv_heads_for_fp8=True), r"no even num_kv_heads for the 8-bit KV dtypes"),
     ],
 )  # fmt: skip

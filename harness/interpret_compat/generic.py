@@ -932,7 +932,9 @@ def _in_default_memory_space(x):
     memory_space = getattr(getattr(x, "aval", None), "memory_space", core.MemorySpace.Device)
     if not isinstance(x, core.Tracer) or memory_space == core.MemorySpace.Device:
         return x
-    return _internals().pallas_core.with_memory_space_constraint_p.bind(x, memory_space=core.MemorySpace.Device)
+    return _internals().pallas_core.with_memory_space_constraint_p.bind(
+        x, memory_space=core.MemorySpace.Device
+    )
 
 
 def _interpret_in_default_memory_space(original: Callable) -> Callable:

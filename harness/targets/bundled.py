@@ -10,6 +10,6 @@ from rpa_harness.strategies.valid import RUNTIME_OPTIONS, Capabilities
 RPA_HARNESS_CAPABILITIES = Capabilities(
     strict_validation=True,
     lowers_for_tpu=True,
-    buckets=("tiny", "small", "medium", "production"),
+    buckets=("tiny", "small", "medium", "long", "production"),
     runtime_options=RUNTIME_OPTIONS,
 )

@@ -16,6 +16,7 @@ from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
     NUMERIC_MISMATCH,
     KnownIssue,
+    case_arrays,
     findings_dir,
     hidden_keys,
     keep_sequences,
@@ -38,6 +39,7 @@ RPA_HARNESS_CAPABILITIES = Capabilities(
     even_kv_heads_for_fp8=True,
     needs_block_sizes=True,
     tpu_generations=("v4", "v5e", "v5p", "v6e", "7x"),
+    buckets=("tiny", "small", "long"),
 )
 
 
@@ -149,7 +151,7 @@ def finite_mask_value_weights_keys_past_kv_len(case: Case) -> bool:
     ]
     if not candidates:
         return False
-    arrays = case.arrays()
+    arrays = case_arrays(case)
     return any(
         (mask_value - _row_max_logits(case, arrays, i, mask_value) > FLOAT32_EXP_UNDERFLOW).any()
         for i in candidates

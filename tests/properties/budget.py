@@ -18,3 +18,5 @@ EXAMPLES_PER_RULE = max(
 # Serving-scale examples (tests/properties/test_production.py): tens of seconds each on the fast interpreter, so a
 # handful per run (the nightly profile: 5), never more.
 PRODUCTION_EXAMPLES = max(1, min(5, _BASE // 80))
+# Long-context examples (the same module): seconds each on the fast interpreter; ci 4, nightly 20.
+LONG_EXAMPLES = max(1, min(20, _BASE // 10))

@@ -86,6 +86,11 @@ RPA_HARNESS_CAPABILITIES = dict(
     # limit, its position integers (int16 for packed queries from v6 on) and its output memory space (v7).
     # v4 has no default block sizes in v3 (NotImplementedError).
     tpu_generations=("v5e", "v5p", "v6e", "7x"),
+    buckets=("tiny", "small", "long"),
+    # At long contexts v3's default decode block is up to 16,384 keys (1,024 pages of 16, each an unrolled
+    # copy): one call with 65,536 keys did not return within 300 s on the fast interpreter (v6e), where
+    # 16-page blocks compile in 17 s and run in 2 s. Its defaults are drawn in the small buckets.
+    default_blocks_at_long_contexts=False,
 )
 # v3 keeps its softmax max, denominator and P @ V accumulator in the output dtype (bfloat16 for bfloat16
 # queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).

@@ -9,16 +9,19 @@ case's, or v3's defaults for the chip a generation emulates.
 """
 
 import dataclasses
+import functools
 import math
 import os
 import subprocess
 import sys
 
 import numpy as np
+from rpa_harness import generations
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
     NUMERIC_MISMATCH,
     KnownIssue,
+    case_arrays,
     findings_dir,
     hidden_keys,
     keep_sequences,
@@ -33,10 +36,20 @@ from rpa_harness.targets import tpu_inference_v3 as v3
 FINDINGS = findings_dir("tpu-inference-v3-findings")
 
 
+def _v3_inputs(case: Case) -> v3.V3Inputs:
+    """The case in v3's terms on the chip seen now (predicates read it; built once per case and chip)."""
+    return _v3_inputs_on(case, generations.current())
+
+
+@functools.lru_cache(maxsize=1)
+def _v3_inputs_on(case: Case, generation: str) -> v3.V3Inputs:
+    return v3.v3_inputs(**case_arrays(case), **case.options())
+
+
 def _v3_query_blocks(case: Case):
     """Per live sequence and query block: (sequence, first row, rows, first key visited, the block's
     effective kv length (keys from it on have their values zeroed), end of the keys visited)."""
-    inputs = v3.v3_inputs(**case.arrays(), **case.options())
+    inputs = _v3_inputs(case)
     decodes = int(inputs.args[-1][0])
     window = case.sliding_window
     for i, (q_len, kv_len) in enumerate(zip(case.q_lens, case.kv_lens, strict=True)):
@@ -55,7 +68,7 @@ def v3_sliding_window_skips_cache_writes(case: Case) -> bool:
     """A sliding window lets the last query block of a sequence skip KV blocks that hold new tokens."""
     if case.sliding_window is None:
         return False
-    return bool(v3.unwritten_by_sliding_window(v3.v3_inputs(**case.arrays(), **case.options())).any())
+    return bool(v3.unwritten_by_sliding_window(_v3_inputs(case)).any())
 
 
 def one_query_block_per_sequence(case: Case) -> Case:
@@ -105,7 +118,7 @@ def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
     for seq, first, rows, start, effective, end in _v3_query_blocks(case):
         if start == 0 and effective == end == case.kv_lens[seq]:
             continue
-        arrays = arrays or case.arrays()
+        arrays = arrays or case_arrays(case)
         row_max = _v3_row_max_logits(case, arrays, seq, case.mask_value)[first : first + rows]
         if (case.mask_value - row_max > FLOAT32_EXP_UNDERFLOW).any():
             return True
