@@ -126,7 +126,9 @@ def test_long_cases_keep_the_budgets(case):
 
 
 def _long(condition):
-    settings_ = settings(max_examples=2000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    settings_ = settings(
+        max_examples=2000, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     return find(valid_cases(LONG_SELECTED, large="long"), condition, settings=settings_)
 
 
@@ -135,7 +137,7 @@ def test_long_lengths_lie_on_both_sides_of_each_boundary(boundary):
     """Contexts that end just below, at and past 2^15 and 2^16, and query rows whose positions cross it."""
     assert max(_long(lambda c: boundary - 2 <= max(c.kv_lens) < boundary).kv_lens) < boundary
     assert boundary in _long(lambda c: boundary in c.kv_lens).kv_lens
-    crossing = _long(lambda c: any(kv - q < boundary < kv for q, kv in zip(c.q_lens, c.kv_lens)))
+    crossing = _long(lambda c: any(kv - q < boundary < kv for q, kv in zip(c.q_lens, c.kv_lens, strict=True)))
     assert any(q > 1 for q in crossing.q_lens)
     assert max(_long(lambda c: max(c.kv_lens) > LONG.max_model_len - 2).kv_lens) <= LONG.max_model_len
 
@@ -148,8 +150,12 @@ def test_a_long_case_shrinks_to_one_short_decode():
 
 def test_long_draws_leave_block_sizes_to_the_kernel_only_where_declared():
     assert _long(lambda c: c.num_kv_pages_per_block is None).num_queries_per_block is None
-    expensive = select_buckets(Capabilities(buckets=("tiny", "long"), default_blocks_at_long_contexts=False), "long")
-    settings_ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    expensive = select_buckets(
+        Capabilities(buckets=("tiny", "long"), default_blocks_at_long_contexts=False), "long"
+    )
+    settings_ = settings(
+        max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
 
     @settings_
     @given(case=valid_cases(expensive, large="long"))
