@@ -506,9 +506,9 @@ def long_layouts(draw, config: dict, bucket: LongBucket) -> tuple[tuple[int, ...
         else:
             q_len = max(1, min(q_len, work_left // target))
             kv_len = target + draw(st.integers(-2, q_len + 1))
-        q_len = max(1, min(q_len, work_left // max(1, min(kv_len, longest))))
+        q_len = max(1, min(q_len, longest, work_left // max(1, min(kv_len, longest))))
         kv_len = max(q_len, min(kv_len, longest, work_left // q_len))
-        if kv_len < q_len:
+        if q_len * kv_len > work_left:  # even q_len keys for its rows exceed the work left
             break
         q_lens.append(q_len)
         kv_lens.append(kv_len)
