@@ -70,13 +70,8 @@ def recorded(directory, property_name: str, target, backend, arrays: dict, optio
         path = repro.write(example, directory)
         runlog.record(**notes, repro=str(path))
         numeric = case is not None and fields.get("expected_error") is None
-        known = (
-            known_issues.describe_matches(
-                case, known_issues.on_generation(getattr(target, "catalogue", ()), backend.generation)
-            )
-            if numeric
-            else ""
-        )
+        catalogue = known_issues.on_generation(getattr(target, "catalogue", ()), backend.generation)
+        known = known_issues.describe_matches(case, catalogue) if numeric else ""
         raise type(failure)(
             f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}{known}"
         ) from None
