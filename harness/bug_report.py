@@ -129,6 +129,8 @@ def expected_vs_actual(observation: Observation) -> list[str]:
         f"{c.num_over} of {c.num_checked} output elements of the live rows are off "
         f"({c.nonfinite} non-finite).",
     ]
+    if c.error_map is not None:
+        lines += ["", "```", c.error_map.render(indent=""), "```"]
     return lines
 
 
@@ -286,8 +288,6 @@ def run_script(text: str, timeout: float = 900) -> tuple[int, str]:
 def render(path: Path, *, target_name=None, backend_name=None, with_script_output=False) -> str:
     """The Markdown report for the repro at ``path`` (re-running it on the target and backend)."""
     repro = repro_files.read(path)
-    target = load(target_name or repro.target)
-    backend = Backend(backend_name or repro.backend, generation=repro.tpu_generation)
     kind = repro.property.split("[", 1)[0]
     if not kind.startswith("differential"):
         raise repro_files.ReproError(
@@ -301,6 +301,9 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
             "upstream's signature, such as tpu-inference v3's); a report's script calls upstream's API and "
             f"reference, which cannot state it: replay it with `rpa-harness replay {path}`"
         )
+    # The repro's own questions first: a report it cannot have is refused before the target is imported.
+    target = load(target_name or repro.target)
+    backend = Backend(backend_name or repro.backend, generation=repro.tpu_generation)
     issue = known_issue_for(path)
     observation = observe(target, backend, repro)
     needs_compat = backend.name != TPU and target.name.startswith(

@@ -111,6 +111,7 @@ import dataclasses
 
 import ml_dtypes
 import numpy as np
+from rpa_harness.reference.error_map import ErrorMap
 
 U32 = 2.0**-24
 TINY32 = 2.0**-126  # smallest normal float32: XLA on CPU flushes results below it to zero
@@ -292,6 +293,7 @@ class Comparison:
     kv_dtype: np.dtype
     precision: tuple[str, ...] = DEFAULT_PRECISION  # the contract the bound was computed under
     diagnosis: str = ""  # for a numeric failure: the tightest contract that accepts the errors, if any
+    error_map: ErrorMap | None = dataclasses.field(default=None, compare=False)  # for a numeric failure
 
     @property
     def ok(self) -> bool:
@@ -316,6 +318,8 @@ class Comparison:
             )
         if self.diagnosis:
             lines.append(f"  diagnosis: {self.diagnosis}")
+        if self.error_map is not None:
+            lines.append(self.error_map.render())
         dtype_note = (
             "" if self.actual_dtype == self.expected_dtype else f" but got {self.actual_dtype}: wrong"
         )
@@ -415,6 +419,7 @@ def compare(actual, result, *, label="kernel", precision=DEFAULT_PRECISION) -> C
     rows = np.flatnonzero(result.row_sequence >= 0)
     num_over = nonfinite = 0
     max_ratio, worst = 0.0, None
+    row_head_ratios = []  # per checked row and q head, the largest error/bound over head_dim
     for block in _row_blocks(result, rows):
         piece = result_rows(result, block)
         got = _as_float64(actual, block)
@@ -424,6 +429,7 @@ def compare(actual, result, *, label="kernel", precision=DEFAULT_PRECISION) -> C
         ratio = np.where(finite, error / bound, np.inf)
         num_over += int(np.count_nonzero(finite & (ratio > 1.0)))
         nonfinite += int(np.count_nonzero(~finite))
+        row_head_ratios.append(np.max(ratio, axis=2, initial=0.0))
         r, head, dim = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
         if worst is None or ratio[r, head, dim] > max_ratio:
             max_ratio = float(ratio[r, head, dim])
@@ -440,6 +446,13 @@ def compare(actual, result, *, label="kernel", precision=DEFAULT_PRECISION) -> C
                 bound=float(bound[r, head, dim]),
             )
     numeric_failure = num_over > 0 or nonfinite > 0
+    error_map = None
+    if numeric_failure:
+        error_map = ErrorMap(
+            sequence=result.row_sequence[rows],
+            token=result.row_token[rows],
+            ratio=np.concatenate(row_head_ratios),
+        )
     return Comparison(
         label=label,
         num_checked=int(rows.size * np.prod(result.out.shape[1:])),
@@ -453,4 +466,5 @@ def compare(actual, result, *, label="kernel", precision=DEFAULT_PRECISION) -> C
         kv_dtype=np.dtype(result.kv_dtype),
         precision=precision,
         diagnosis=diagnose(actual, result, rows, precision) if numeric_failure else "",
+        error_map=error_map,
     )

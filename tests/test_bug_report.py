@@ -70,3 +70,17 @@ def test_summary_lists_declared_issues_with_avoided_counts_and_replays():
     assert lines[2].split() == ["a", "2", "interpret:", "reproduces"]
     assert lines[3].split() == ["b", "0", "interpret:", "FIXED"]
     assert "none declared" in cli.known_issues_summary([])
+
+
+def test_a_report_maps_where_the_output_is_wrong():
+    if interpret_compat.unpatched_gaps("generic"):
+        pytest.skip(f"upstream's kernel cannot run here: {interpret_compat.unpatched_gaps('generic')}")
+    path = (
+        findings_dir("upstream-findings")
+        / "zero-query-tail-skips-head-blocks"
+        / "differential_fast-interpret.json"
+    )
+    report = bug_report.render(path, backend_name=FAST_INTERPRET)
+    expected = report.split("## Expected and actual", 1)[1].split("## Reproduce", 1)[0]
+    drawn = expected.split("```\n", 1)[1].split("```", 1)[0]
+    assert "where the output is wrong" in drawn and "sequence 0, token 0  ....8898" in drawn, expected
