@@ -12,6 +12,7 @@ rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repr
     and the declared known issues (cases avoided, whether each still reproduces).
 rpa-harness report FILE [--target MODULE] [--backend NAME] [--run-script]
     prints an upstream-ready bug report (Markdown) for a differential repro; exit 2 for a bad file.
+A usage error (an unknown option, or a bad value given on the command line) is one line and exit 4.
 """
 
 import argparse
@@ -34,7 +35,17 @@ from rpa_harness.generations import GenerationError
 from rpa_harness.targets import DEFAULT_TARGET, TargetError, load
 
 PROPERTIES_PACKAGE = "rpa_harness.properties"  # the shipped properties (tests/properties/ in a checkout)
-PASSES, FAILS, BAD_FILE, CANNOT_RUN = 0, 1, 2, 3
+PASSES, FAILS, BAD_FILE, CANNOT_RUN, USAGE = 0, 1, 2, 3, 4
+DESCRIPTION = "Replay a repro without Hypothesis, run the property campaign with a summary, or report a bug."
+
+
+class UsageError(Exception):
+    """A command line rpa-harness cannot act on; main() prints it as one line and exits 4."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Backend) -> str:
@@ -152,12 +163,12 @@ def replay(args) -> int:
         backend = Backend(args.backend or repro.backend, compat, generation)
     except GenerationError as error:
         print(f"rpa-harness replay: {error}", file=sys.stderr)
-        return BAD_FILE
+        return USAGE if args.tpu_generation else BAD_FILE
     try:
         target = load(target_name)
     except TargetError as error:
         print(f"rpa-harness replay: {error}", file=sys.stderr)
-        return BAD_FILE
+        return USAGE if args.target else BAD_FILE
     if backend.skip_reason:
         print(
             f"rpa-harness replay: cannot run here: {backend.skip_reason}; pass --backend interpret",
@@ -393,17 +404,37 @@ def report(args) -> int:
     try:
         print(render(Path(args.file), target_name=args.target, backend_name=args.backend,
                      with_script_output=args.run_script), end="")  # fmt: skip
-    except (repro_files.ReproError, TargetError) as error:
+    except repro_files.ReproError as error:
         print(f"rpa-harness report: {error}", file=sys.stderr)
-        return 2
-    return 0
+        return BAD_FILE
+    except TargetError as error:
+        print(f"rpa-harness report: {error}", file=sys.stderr)
+        return USAGE if args.target else BAD_FILE
+    return PASSES
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="rpa-harness", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    replay_parser = commands.add_parser("replay", help="replay a repro file without Hypothesis")
-    replay_parser.add_argument("file")
+def _version() -> str:
+    from importlib import metadata
+
+    import jax
+
+    try:
+        own = metadata.version("rpa-harness")
+    except metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        own = "unknown (not installed)"
+    return f"rpa-harness {own} (jax {jax.__version__}, Python {sys.version.split()[0]})"
+
+
+def parser() -> argparse.ArgumentParser:
+    top = _Parser(prog="rpa-harness", description=DESCRIPTION)
+    top.add_argument("--version", action="version", version=_version())
+    commands = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    replay_parser = commands.add_parser(
+        "replay", help="replay a repro file without Hypothesis",
+        description="Re-run one repro (NAME.json next to NAME.npz): exit 0 if the property holds now, 1 if it "
+        "still fails the same way, 2 for a missing or malformed file, 3 if it cannot run here.",
+    )  # fmt: skip
+    replay_parser.add_argument("file", help="the repro's .json file (its arrays are the .npz next to it)")
     replay_parser.add_argument("--target", help="module to replay against (default: the one in the repro)")
     replay_parser.add_argument("--backend", choices=BACKENDS, help="default: the one in the repro")
     replay_parser.add_argument(
@@ -418,12 +449,31 @@ def main(argv=None) -> int:
         help="TPU generation to emulate (default: the one in the repro; none: a CPU device)",
     )
     replay_parser.add_argument("--script", help="also write the standalone reproduction to this file")
-    run_parser = commands.add_parser("run", help="run the property campaign (pytest) and print a summary")
-    run_parser.add_argument("--profile", default="ci", choices=("dev", "ci", "nightly", "repro"))
-    run_parser.add_argument("--target", default=DEFAULT_TARGET)
-    run_parser.add_argument("--backend", default=AUTO, choices=(*BACKENDS, AUTO))
-    run_parser.add_argument("-n", type=int, default=2, help="pytest-xdist workers (default 2)")
-    run_parser.add_argument("--repro-dir", default=repro_files.DEFAULT_REPRO_DIR)
+    run_parser = commands.add_parser(
+        "run", help="run the property campaign (pytest) and print a summary",
+        description="Run the shipped properties with pytest against one target and end with a summary table "
+        "(property, examples, result, repros, coverage, known issues). Exit codes are pytest's.",
+    )  # fmt: skip
+    run_parser.add_argument(
+        "--profile", default="ci", choices=("dev", "ci", "nightly", "repro"),
+        help="Hypothesis profile: dev (10 examples), ci (40, derandomized; default), nightly (400, with an "
+        "example database), repro (replay the saved failures only)",
+    )  # fmt: skip
+    run_parser.add_argument(
+        "--target", default=DEFAULT_TARGET,
+        help=f"module under test: upstream's API or an adapter (default {DEFAULT_TARGET}, the bundled kernel)",
+    )  # fmt: skip
+    run_parser.add_argument(
+        "--backend", default=AUTO, choices=(*BACKENDS, AUTO),
+        help="where the kernel runs; auto (default): a TPU if jax sees one, else both interpreters",
+    )  # fmt: skip
+    run_parser.add_argument(
+        "-n", type=int, default=2, help="pytest-xdist workers (default 2; 0: one process)"
+    )
+    run_parser.add_argument(
+        "--repro-dir", default=repro_files.DEFAULT_REPRO_DIR,
+        help=f"where failing properties write their repros (default {repro_files.DEFAULT_REPRO_DIR})",
+    )  # fmt: skip
     run_parser.add_argument("--junit", help="also keep pytest's JUnit XML report in this file")
     run_parser.add_argument(
         "--buckets", help="shape buckets to draw, comma-separated (--rpa-buckets; default: the profile's)"
@@ -433,12 +483,24 @@ def main(argv=None) -> int:
         help="TPU generations to emulate, comma-separated (--rpa-tpu-generation; default: auto, the target's)",
     )
     run_parser.add_argument("pytest_args", nargs="*", help="passed to pytest after --")
-    report_parser = commands.add_parser("report", help="print an upstream-ready bug report for a repro")
-    report_parser.add_argument("file")
+    report_parser = commands.add_parser(
+        "report", help="print an upstream-ready bug report for a repro",
+        description="Print a Markdown bug report for a differential repro: the case, the wrong elements and a "
+        "standalone script against the kernel's own reference. Exit 2 for a bad file.",
+    )  # fmt: skip
+    report_parser.add_argument("file", help="the repro's .json file")
     report_parser.add_argument("--target", help="module to report on (default: the one in the repro)")
     report_parser.add_argument("--backend", choices=BACKENDS, help="default: the one in the repro")
     report_parser.add_argument("--run-script", action="store_true", help="run the script, show its output")
-    args = parser.parse_args(argv)
+    return top
+
+
+def main(argv=None) -> int:
+    try:
+        args = parser().parse_args(argv)
+    except UsageError as error:
+        print(error, file=sys.stderr)
+        return USAGE
     os.environ.update(backends.faster_cpu_compilation(os.environ))  # before the first computation
     return {"replay": replay, "run": run, "report": report}[args.command](args)
 

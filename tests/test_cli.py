@@ -54,6 +54,7 @@ def test_replay_names_the_sequence_and_head(failing_repro, capsys):
     code, out, err = replay(path, capsys=capsys)
     assert code == 1, out + err
     assert "worst: sequence 1," in out and ", head 1," in out, out
+    assert "where the output is wrong: rows (by sequence) x q heads" in out, out
     assert "target = importlib.import_module('tests.injected.head_swap')" in out
 
 
@@ -180,3 +181,54 @@ def test_kernel_names_the_bundled_kernel_in_a_checkout_and_says_what_to_use_else
     assert "The bundled kernel is --rpa-target=rpa_harness.kernel" in elsewhere.stdout, (
         elsewhere.stdout + elsewhere.stderr
     )
+
+
+def test_help_is_plain_text_and_every_run_option_says_what_it_does(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--help"])
+    assert exited.value.code == 0
+    top = capsys.readouterr().out
+    assert "``" not in top and "--version" in top
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    run_help = capsys.readouterr().out
+    for option in ("--profile", "--target", "--backend", "--repro-dir", "--buckets", "--tpu-generation"):
+        described = run_help.split(option, 2)[-1].split("\n  -")[0]  # the option's entry under "options:"
+        assert len(described.split()) > 3, (option, described)
+
+
+def test_version_names_the_package_and_jax(capsys):
+    import jax
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("rpa-harness ") and f"jax {jax.__version__}" in cli._version()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["run", "--no-such-option"], ["replay"], ["run", "--profile", "fast"], ["report"]],
+    ids=["no-command", "unknown-option", "missing-file", "bad-choice", "report-without-file"],
+)
+def test_a_usage_error_is_one_line_and_exit_4(argv, capsys):
+    assert cli.main(argv) == cli.USAGE
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert captured.err.startswith("rpa-harness") and "--help" in captured.err
+
+
+def test_a_bad_target_on_the_command_line_is_a_usage_error_and_in_the_file_a_bad_file(
+    failing_repro, tmp_path, capsys
+):
+    path, _ = failing_repro
+    assert cli.main(["replay", str(path), "--target", "no_such_module"]) == cli.USAGE
+    assert cli.main(["report", str(path), "--target", "no_such_module"]) == cli.USAGE
+    assert cli.main(["replay", str(path), "--tpu-generation", "v9"]) == cli.USAGE
+    meta = json.loads(path.read_text())
+    meta["target"] = "no_such_module"
+    moved = tmp_path / path.name
+    moved.write_text(json.dumps(meta))
+    (tmp_path / meta["arrays"]).write_bytes(path.with_suffix(".npz").read_bytes())
+    assert cli.main(["replay", str(moved)]) == cli.BAD_FILE
+    assert "cannot import it" in capsys.readouterr().err
