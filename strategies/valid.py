@@ -163,10 +163,11 @@ class Capabilities:
     even_kv_heads_for_fp8: bool = False
     # Whether both block sizes must be given (upstream's default lookup needs a TPU).
     needs_block_sizes: bool = False
-    # Whether the long bucket may leave block sizes to the kernel (None). False for a kernel whose default
-    # KV block at long contexts spans so many pages that its unrolled page copies take the interpreters
-    # minutes per call; the long bucket then draws tuned block sizes (the small buckets still draw None).
-    default_blocks_at_long_contexts: bool = True
+    # The smallest page size at which the long bucket may leave block sizes to the kernel (None); 0: any.
+    # For a kernel whose default KV block at long contexts is a fixed number of keys, copied page by page
+    # (each copy unrolled), small pages make one call take the interpreters minutes; below this page size
+    # the long bucket draws tuned block sizes (the small buckets still draw None).
+    min_page_size_for_long_default_blocks: int = 0
     # Whether k_scale and v_scale must be given together when q's dtype differs from the KV dtype
     # (upstream casts only the scaled side to q's dtype, then fails `assert k.dtype == v.dtype`).
     paired_kv_scales_for_mixed_dtypes: bool = False
@@ -850,7 +851,10 @@ def valid_cases(
         bucket = BUCKETS[name]
         opts = draw(options(config, capabilities)) if with_options else {}
         if isinstance(bucket, ProductionBucket | LongBucket):
-            defaults = not isinstance(bucket, LongBucket) or capabilities.default_blocks_at_long_contexts
+            defaults = (
+                not isinstance(bucket, LongBucket)
+                or config["page_size"] >= capabilities.min_page_size_for_long_default_blocks
+            )
             opts = {**opts, **draw(production_block_sizes(config, capabilities, kernel_defaults=defaults))}
         elif not with_options and capabilities.needs_block_sizes:
             opts = required_block_sizes(config)

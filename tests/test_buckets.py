@@ -125,11 +125,11 @@ def test_long_cases_keep_the_budgets(case):
     assert (q_lens * kv_lens).sum() * case.num_q_heads <= LONG.max_work
 
 
-def _long(condition):
+def _long(condition, capabilities=LONG_SELECTED):
     settings_ = settings(
         max_examples=2000, deadline=None, database=None, suppress_health_check=list(HealthCheck)
     )
-    return find(valid_cases(LONG_SELECTED, large="long"), condition, settings=settings_)
+    return find(valid_cases(capabilities, large="long"), condition, settings=settings_)
 
 
 @pytest.mark.parametrize("boundary", LONG.boundaries)
@@ -151,7 +151,7 @@ def test_a_long_case_shrinks_to_one_short_decode():
 def test_long_draws_leave_block_sizes_to_the_kernel_only_where_declared():
     assert _long(lambda c: c.num_kv_pages_per_block is None).num_queries_per_block is None
     expensive = select_buckets(
-        Capabilities(buckets=("tiny", "long"), default_blocks_at_long_contexts=False), "long"
+        Capabilities(buckets=("tiny", "long"), min_page_size_for_long_default_blocks=256), "long"
     )
     settings_ = settings(
         max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck)
@@ -159,10 +159,11 @@ def test_long_draws_leave_block_sizes_to_the_kernel_only_where_declared():
 
     @settings_
     @given(case=valid_cases(expensive, large="long"))
-    def blocks_given(case):
-        assert case.num_kv_pages_per_block is not None and case.num_queries_per_block is not None
+    def blocks_given_below_the_page_size(case):
+        assert case.page_size >= 256 or None not in (case.num_kv_pages_per_block, case.num_queries_per_block)
 
-    blocks_given()
+    blocks_given_below_the_page_size()
+    assert _long(lambda c: c.num_kv_pages_per_block is None, expensive).page_size == 256
 
 
 @functools.cache

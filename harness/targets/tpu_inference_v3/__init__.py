@@ -87,10 +87,11 @@ RPA_HARNESS_CAPABILITIES = dict(
     # v4 has no default block sizes in v3 (NotImplementedError).
     tpu_generations=("v5e", "v5p", "v6e", "7x"),
     buckets=("tiny", "small", "long"),
-    # At long contexts v3's default decode block is up to 16,384 keys (1,024 pages of 16, each an unrolled
-    # copy): one call with 65,536 keys did not return within 300 s on the fast interpreter (v6e), where
-    # 16-page blocks compile in 17 s and run in 2 s. Its defaults are drawn in the small buckets.
-    default_blocks_at_long_contexts=False,
+    # At long contexts v3's default decode block is 16,384 keys for a bfloat16 cache (32,768 for fp8),
+    # copied page by page, each copy unrolled. With 16-key pages (1,024 copies) one call with 65,536 keys
+    # did not return within 300 s on the fast interpreter (v6e); with 256-key pages (64 copies) a call with
+    # 70,001 keys on v3's own defaults took 46-54 s on v5e, v5p and v6e (benchmarks/generation_branches.py).
+    min_page_size_for_long_default_blocks=256,
 )
 # v3 keeps its softmax max, denominator and P @ V accumulator in the output dtype (bfloat16 for bfloat16
 # queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).
