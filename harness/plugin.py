@@ -217,7 +217,8 @@ def pytest_configure_after_hypothesis(config):
     if not config.getoption("--hypothesis-profile", None):
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
     config.addinivalue_line(
-        "markers", f"{NUMERIC}: runs the target's kernel and checks its output (set by conftest)"
+        "markers",
+        f"{NUMERIC}: runs the target's kernel and checks its output (set by the plugin at collection)",
     )
     config.addinivalue_line(
         "markers", f"{REQUIRES}(capability, reason=None): skip unless the target's Capabilities opt in"

@@ -1,8 +1,9 @@
 """Example counts per kind of property, derived from the loaded Hypothesis profile's max_examples.
 
-conftest loads the profile before test modules are imported. A kernel call costs ~2-10 ms warm on the
-fast interpreter but 1-4 s when a new static configuration compiles, so properties over the pooled
-configurations (few compilations) get the volume, and the whole static space gets fewer examples.
+The harness's pytest plugin (``rpa_harness.plugin``) loads the profile before test modules are imported. A
+kernel call costs ~2-10 ms warm on the fast interpreter but 1-4 s when a new static configuration compiles,
+so properties over the pooled configurations (few compilations) get the volume, and the whole static space
+gets fewer examples.
 """
 
 from hypothesis import settings
