@@ -18,8 +18,9 @@ Options (each also read from an environment variable):
   --rpa-compilation-cache=DIR|off
                                 RPA_COMPILATION_CACHE  jax's persistent compilation cache (default:
                                                     .jax-compilation-cache; created if missing)
-  --rpa-buckets=NAME[,NAME...]  RPA_BUCKETS         shape buckets drawn (default: tiny,small; the nightly
-                                                    profile adds production), within the target's declared
+  --rpa-buckets=NAME[,NAME...]  RPA_BUCKETS         shape buckets drawn (default: tiny,small; the ci
+                                                    profile adds long, the nightly profile long and
+                                                    production), within the target's declared
                                                     Capabilities.buckets (none of them: a usage error)
   --rpa-known-issues=auto|none|NAME[,NAME...]
                                 RPA_KNOWN_ISSUES    known issues whose cases are not drawn (default: auto, the
@@ -139,8 +140,8 @@ def pytest_addoption(parser):
     group.addoption(
         BUCKETS_OPTION,
         default=os.environ.get("RPA_BUCKETS", ""),
-        help="shape buckets to draw, comma-separated (default: tiny,small, plus production under the nightly "
-        "profile); only the target's declared Capabilities.buckets are drawn",
+        help="shape buckets to draw, comma-separated (default: tiny,small, plus long under the ci profile and "
+        "long,production under the nightly one); only the target's declared Capabilities.buckets are drawn",
     )
     group.addoption(
         generations.OPTION,

@@ -10,7 +10,7 @@ The rules are upstream's (``jax.experimental.pallas.ops.tpu.ragged_paged_attenti
 order and worded the same, character for character, so that a caller cannot tell the two validators apart
 on the inputs upstream rejects. Where upstream raises a bare ``AssertionError`` or accepts an input that
 makes the kernel read out of bounds or loop forever, a ``ValueError`` names the argument, the value and the
-rule (the README lists each difference). ``static_validate_inputs`` looks only at shapes, dtypes and
+rule (docs/semantics.md lists each difference). ``static_validate_inputs`` looks only at shapes, dtypes and
 options (it runs at trace time); ``dynamic_validate_inputs`` also reads the metadata arrays (call it
 eagerly, outside ``jax.jit``).
 """

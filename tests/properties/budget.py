@@ -1,7 +1,7 @@
 """Example counts per kind of property, derived from the loaded Hypothesis profile's max_examples.
 
 The harness's pytest plugin (``rpa_harness.plugin``) loads the profile before test modules are imported. A
-kernel call costs ~2-10 ms warm on the fast interpreter but 1-4 s when a new static configuration compiles,
+kernel call costs ~2-10 ms warm on the fast interpreter but 0.3-2 s when a new static configuration compiles,
 so properties over the pooled configurations (few compilations) get the volume, and the whole static space
 gets fewer examples.
 """
@@ -11,7 +11,7 @@ from hypothesis import settings
 _BASE = settings.default.max_examples
 POOLED_EXAMPLES = _BASE * 5  # fast interpreter, a few compiled kernels, ragged layouts vary
 ANY_CONFIG_EXAMPLES = max(5, _BASE // 2)  # fast interpreter, nearly every example compiles
-CHECKING_EXAMPLES = _BASE  # TPU interpreter, pooled: 20-100x the fast one per warm call
+CHECKING_EXAMPLES = _BASE  # TPU interpreter, pooled: 50-200x the fast one per warm call
 CHECKING_ANY_CONFIG_EXAMPLES = max(5, _BASE // 4)  # TPU interpreter, nearly every example compiles (~2 s)
 EXAMPLES_PER_RULE = max(
     5, _BASE // 4

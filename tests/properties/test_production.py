@@ -13,7 +13,7 @@ The long cases have few query rows (decodes and short prefill chunks, up to 256 
 Each is drawn only when its bucket is selected (``--rpa-buckets=long,production``; by default the ci
 profile selects long, the nightly profile both); production examples never run under the ci profile. On
 CPU the examples run on the fast interpreter only: the checking one would take far longer per example
-(see README, "Production shapes"). Production examples are not shrunk (every step would compile a new
+(see docs/production-and-long-shapes.md). Production examples are not shrunk (every step would compile a new
 kernel at that scale; the small buckets shrink the same bugs, and the failing example is kept as a repro);
 long ones are, toward short contexts and one decode.
 """
