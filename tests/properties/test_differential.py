@@ -8,7 +8,7 @@ interpreter carries the volume; the checking one (out-of-bounds reads raise, scr
 when waited for, races are asserted) checks memory safety.
 """
 
-from hypothesis import given, settings
+from hypothesis import given, settings, target
 from hypothesis import strategies as st
 from rpa_harness import reference
 from rpa_harness.checks import DIFFERENTIAL, check_differential
@@ -25,21 +25,25 @@ from rpa_harness.strategies.valid import valid_case_groups, valid_cases
 CASES_PER_CONFIG = 6
 
 
-def draw_and_compare(target, backend, repro_dir, data, *, pooled, variant=""):
+def draw_and_compare(target_, backend, repro_dir, data, *, pooled, variant=""):
     """Draws valid cases (one from the pooled configurations, or a group sharing one configuration from
-    the whole static space) and compares each with the oracle."""
-    capabilities, issues = target.capabilities_on(backend), target.known_issues_on(backend)
+    the whole static space), compares each with the oracle, and targets the largest error/bound."""
+    capabilities, issues = target_.capabilities_on(backend), target_.known_issues_on(backend)
     if pooled:
         cases = [data.draw(valid_cases(capabilities, pooled=True, excluding=issues), label="case")]
     else:
         groups = valid_case_groups(capabilities, max_cases=CASES_PER_CONFIG, excluding=issues)
         cases = data.draw(groups, label="cases")
     name = f"{DIFFERENTIAL}{variant}[{backend.label}]"
+    ratios = []
     for case in cases:
         arrays, options = case.arrays(), case.options()
-        with recorded(repro_dir, name, target, backend, arrays, options, case=case) as notes:
-            comparison = check_differential(target, backend, arrays, options)
+        with recorded(repro_dir, name, target_, backend, arrays, options, case=case) as notes:
+            comparison = check_differential(target_, backend, arrays, options)
             notes.update(max_ratio=comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
+        ratios.append(comparison.max_ratio)
+    # Hypothesis' targeted phase then mutates the examples that came closest to their bound.
+    target(max(ratios), label="max error/bound")
 
 
 @settings(max_examples=POOLED_EXAMPLES)
