@@ -30,8 +30,8 @@ try:
 except ImportError as error:
     pytest.skip(str(error), allow_module_level=True)
 
+from rpa_harness import generations, known_issues, targets
 from rpa_harness import repro as repro_files
-from rpa_harness import targets
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure
 from rpa_harness.interpret_compat.limitations import recognise
@@ -362,11 +362,40 @@ def test_the_finite_mask_value_finding_covers_values_zeroed_past_a_query_blocks_
 
 @pytest.mark.parametrize("issue", v3target.RPA_HARNESS_CATALOGUE, ids=lambda issue: issue.name)
 def test_v3_issue_matches_its_own_repro(issue):
-    case = repro_files.read(issue.repro).case
+    """On the chip the repro was recorded for (its predicate may read the block sizes v3 chooses there)."""
+    recorded = repro_files.read(issue.repro)
+    (issue,) = known_issues.on_generation((issue,), recorded.tpu_generation)
+    case = recorded.case
     assert issue.matches(case), f"{issue.name} does not match its own repro's case: {case.describe()}"
     moved = issue.nearest_outside(case)
     assert not issue.matches(moved), moved.describe()
     assert TARGET.known_issues == tuple(CATALOGUE[n] for n in v3target.RPA_HARNESS_KNOWN_ISSUES)
+
+
+DEFAULT_BLOCKS = CATALOGUE["default-blocks-break-v3s-own-rules"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=valid_cases(CAPABILITIES), generation=st.sampled_from(["v5e", "v6e", "7x"]))
+def test_the_default_blocks_finding_is_v3s_validator_on_v3s_defaults(case, generation):
+    """The predicate holds exactly where v3's own validator rejects the mixed block sizes v3 chooses for
+    the chip, had they been given; given block sizes never match."""
+    (issue,) = known_issues.on_generation((DEFAULT_BLOCKS,), generation)
+    with generations.emulated(generation):
+        inputs = v3target.v3_inputs(**case.arrays(), **case.options())
+    if inputs.kwargs["m_block_sizes"] is not None:
+        assert not issue.matches(case)
+        return
+    given_defaults = dict(
+        inputs.kwargs, d_block_sizes=inputs.decode_block_sizes, m_block_sizes=inputs.mixed_block_sizes
+    )
+    try:
+        v3target.v3.static_validate_inputs(*inputs.args, **given_defaults)
+        rejected = False
+    except ValueError as error:
+        rejected = str(error).startswith("mixed ")
+    event(f"{generation}: v3 rejects its own defaults: {rejected}")
+    assert issue.matches(case) == rejected
 
 
 def test_v3_issues_are_narrow():
@@ -385,6 +414,8 @@ def test_v3_issues_are_narrow():
     for issue in v3target.RPA_HARNESS_CATALOGUE:
         share = sum(issue.matches(case) for case in cases) / len(cases)
         if issue.name == "q-len-zero-before-a-live-sequence-hangs":  # empty_sequences=False: never drawn
+            assert share == 0, issue.name
+        elif issue is DEFAULT_BLOCKS:  # v3's defaults exist on a TPU generation only
             assert share == 0, issue.name
         else:
             assert 0 < share <= 0.25, (issue.name, share)

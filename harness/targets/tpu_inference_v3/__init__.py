@@ -207,12 +207,11 @@ def v3_inputs(
     page_size, pages_per_seq = kv_pages.shape[1], page_table_given.shape[1]
     decodes = decode_prefix(tokens.q_lens)
     packed_cache = layouts.pack_cache(tokens.poisoned_cache(kv_pages))
-    if num_queries_per_block is None and num_kv_pages_per_block is None and generations.on_a_tpu_generation():
-        passed = None  # v3's defaults for the chip
-        decode_sizes, mixed_sizes = (
-            v3_default_block_sizes(q, packed_cache, tokens.keys.shape[1], len(kv_lens), pages_per_seq, case)
-            for case in (v3.RpaCase.DECODE, v3.RpaCase.MIXED)
-        )
+    own_defaults = (
+        num_queries_per_block is None and num_kv_pages_per_block is None and generations.on_a_tpu_generation()
+    )
+    if own_defaults:
+        passed = decode_sizes = mixed_sizes = None  # v3's defaults for the chip, known once it validated
     else:
         bq = DEFAULT_QUERIES_PER_BLOCK if num_queries_per_block is None else num_queries_per_block
         bkv_pages = (
@@ -245,6 +244,14 @@ def v3_inputs(
         np.asarray(cu_q_lens),
         np.array([decodes, decodes, n], np.int32),
     )
+    if own_defaults:
+        # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,
+        # not an assertion of the sizing helpers.
+        v3.static_validate_inputs(*args, **kwargs)
+        decode_sizes, mixed_sizes = (
+            v3_default_block_sizes(q, packed_cache, tokens.keys.shape[1], len(kv_lens), pages_per_seq, case)
+            for case in (v3.RpaCase.DECODE, v3.RpaCase.MIXED)
+        )
     expected_cache = layouts.pack_cache(kv_pages)
     return V3Inputs(
         args,

@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 from rpa_harness import generations
+from rpa_harness.backends import INTERPRET
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
     NUMERIC_MISMATCH,
@@ -130,6 +131,29 @@ def with_v3_default_mask_value(case: Case) -> Case:
     return dataclasses.replace(case, mask_value=None)
 
 
+def v3_default_blocks_break_its_rules(case: Case) -> bool:
+    """v3 chooses its block sizes for the chip (a generation, none given) and its mixed kernel's compute
+    chunk does not divide its block: ``bq_sz % bq_csz`` or ``bkv_sz % bkv_csz`` is not 0, which v3's
+    validator rejects when the same sizes are given.
+
+    ``get_default_block_sizes`` on TPU v5 and v6 (0.32.0) takes ``bq_sz = min(1024 // r, max_q // 2)`` but
+    ``bq_csz = min(512 // r, max_q)`` (r q heads per KV head, max_q the token budget rounded up to a power of
+    2), so for a budget below 1024 // r the chunk is twice the block, and ``bkv_csz = min(512, max_kv // 2
+    aligned to a page)`` need not divide ``bkv_sz = min(1024, max_kv)``. v3 validates given block sizes
+    only; its own go to the kernel unchecked.
+    """
+    inputs = _v3_inputs(case)
+    if inputs.kwargs["m_block_sizes"] is not None:
+        return False
+    bq, bkv, bq_chunk, bkv_chunk = inputs.mixed_block_sizes
+    return bq % bq_chunk != 0 or bkv % bkv_chunk != 0
+
+
+def with_given_block_sizes(case: Case) -> Case:
+    """The target's own block sizes, given (v3 validates them): 8 query rows, 2 pages per KV block."""
+    return dataclasses.replace(case, num_queries_per_block=v3.DEFAULT_QUERIES_PER_BLOCK)
+
+
 def _replay_v3_both_outputs(issue, target, backend, repro) -> None:
     """The v3 property: attention against the oracle under v3's contract, updated cache bit for bit."""
     verdict = v3.judge(repro.arrays, repro.options)
@@ -189,5 +213,15 @@ RPA_HARNESS_CATALOGUE = (
         v3_finite_mask_value_counts_keys_by_block,
         with_v3_default_mask_value,
         NUMERIC_MISMATCH,
+    ),
+    KnownIssue(
+        "default-blocks-break-v3s-own-rules",
+        "on TPU v5 and v6 v3's default mixed block sizes have a compute chunk that does not divide its block "
+        "(twice the query block for small token budgets): the kernel reads past its query buffer in VMEM",
+        FINDINGS / "default-blocks-break-v3s-own-rules" / "differential-checked_interpret-v6e.json",
+        v3_default_blocks_break_its_rules,
+        with_given_block_sizes,
+        r"Out-of-bounds read",
+        shows_on=(INTERPRET,),
     ),
 )

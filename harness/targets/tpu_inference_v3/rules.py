@@ -4,9 +4,9 @@ The rules are broken through the v3 target's upstream-style interface: the targe
 (new tokens split from the cache, a packed cache, flat page indices, distribution = (decodes, decodes,
 num_seqs), block sizes (bq, bkv, bq_chunk, bkv_chunk) from num_queries_per_block and num_kv_pages_per_block,
 the chunk half a block when that is whole) and v3's validators see the result. Base cases are drawn inside
-v3's capabilities (every live q_len > 0). Only four rules need a breaker of v3's own: the kv_lens shape (v3
-reads max_num_seqs from it), the page size of a packed cache, the sign-only block checks, and the page
-capacity of live sequences only.
+v3's capabilities (every live q_len > 0). Only five rules need a breaker of v3's own: the kv_lens shape (v3
+reads max_num_seqs from it), the page size of a packed cache, the sign-only block checks, the page
+capacity of live sequences only, and a page index out of range read by a sequence with a query row.
 """
 
 import dataclasses
@@ -48,6 +48,15 @@ def _page_size_packing(arrays, options, case, param):
     )
     arrays.update(dataclasses.replace(case, **layout).arrays())
     return dict(page_size=page_size, kv_packing=packing)
+
+
+def _page_index_of_a_sequence_with_a_query_row(arrays, options, case, param):
+    """The shared breaker; the sequence it makes live when none is gets a query row (v3 checks 0 < q_len
+    before the page table)."""
+    facts = shared.break_page_index(arrays, options, case, param)
+    if case.num_seqs == 0:
+        arrays["cu_q_lens"][1] = 1
+    return facts
 
 
 def _in_range_checked(breaks):
@@ -139,7 +148,7 @@ RULES: dict[str, Rule] = {
     ),
     "page index out of range": Rule(
         "dynamic",
-        shared.break_page_index,
+        _page_index_of_a_sequence_with_a_query_row,
         lambda seq, page, value, total_num_pages, kv_len, page_size: messages.page_out_of_range_message(
             value, total_num_pages, seq, kv_len, page_size
         ),
