@@ -4,7 +4,8 @@ Inputs are upcast exactly (ml_dtypes for bf16 and fp8). The one rounding the spe
 reproduced: with ``k_scale`` (``v_scale``) the keys (values) are multiplied by the scale in float32 and
 rounded to q's dtype before use; with ``q_scale`` (an extension: a quantised query) q is divided by it in
 q's dtype, clipped to the KV dtype's finite range and cast to the KV dtype, and the logits are multiplied
-by it. ``mask_value`` is added to a masked logit or replaces it, as ``mask_value_meaning`` says. Everything else (logits, soft cap, mask, softmax, P @ V) is float64, and
+by it (with IEEE division; where a compiler's quotient, one float32 ulp away, would quantise differently,
+the result says how far the logits may move: ``quantised_query_doubt``). ``mask_value`` is added to a masked logit or replaces it, as ``mask_value_meaning`` says. Everything else (logits, soft cap, mask, softmax, P @ V) is float64, and
 the output is not rounded: the tolerance model accounts for the rounding a kernel does.
 
 Only metadata of the first ``num_seqs`` sequences is read, and of those only the pages holding keys below
@@ -64,6 +65,10 @@ class OracleResult:
     rescale_excess: np.ndarray  # float64 [T, H, D]: sum_k p_k (a_k - 1) (|v_k| + |o|), a_k = 1 if n_k = 0,
     # else (1 + u)^(2 n_k) exp(u (m - r_k + u (|m| + |r_k|)))
     max_rises: np.ndarray  # float64 [T, H, D]: the row's number of rises, >= every n_k (constant along D)
+    # Where the quantised query is in doubt (``quantised_query_doubt``: delta_i per element), each logit is
+    # known only to Q_k = |scale| sum_i delta_i |k_i|:
+    query_doubt_sensitivity: np.ndarray  # float64 [T, H, D]: bound on sum_k p_k Q_k |v_k - o|
+    max_query_doubt: np.ndarray  # float64 [T, H, D]: max of Q_k over keys with p_k > 0 (constant along D)
 
     @property
     def owned_rows(self) -> np.ndarray:
@@ -113,18 +118,49 @@ def _check_live_metadata(num_tokens, page_size, pages_per_seq, total_num_pages, 
             )
 
 
+def _quantise(quotient, q_dtype, kv_dtype) -> np.ndarray:
+    """A float32 quotient q / q_scale as the query the logits use: rounded to q's dtype, clipped to the KV
+    dtype's finite range, cast to it (float64)."""
+    info = ml_dtypes.finfo(kv_dtype)
+    rounded = quotient.astype(q_dtype).astype(np.float64)
+    return np.clip(rounded, float(info.min), float(info.max)).astype(kv_dtype).astype(np.float64)
+
+
+def _float32_quotient(q, q_scale) -> np.ndarray:
+    scale = np.float32(np.asarray(q_scale, q.dtype))
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return q.astype(np.float32) / scale
+
+
 def quantised_query(q, q_scale, kv_dtype) -> np.ndarray:
     """q as the logits use it (float64): itself, or with ``q_scale`` divided by the scale in q's dtype (the
     scale rounded to q's dtype first, the quotient computed in float32 and rounded to q's dtype, as jax
-    does for a narrow float and a Python scalar), clipped to the KV dtype's finite range, cast to it."""
+    does for a narrow float and a Python scalar), clipped to the KV dtype's finite range, cast to it.
+
+    The quotient here is IEEE's. A compiler need not compute it so: XLA divides by a constant as a
+    multiplication by its reciprocal, one float32 ulp away in about a third of the quotients. Where that
+    ulp moves the quantised value, ``quantised_query_doubt`` says by how much."""
     q = np.asarray(q)
     if q_scale is None:
         return _as_float64(q)
-    scale = np.float32(np.asarray(q_scale, q.dtype))
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        quotient = (q.astype(np.float32) / scale).astype(q.dtype).astype(np.float64)
-    info = ml_dtypes.finfo(kv_dtype)
-    return np.clip(quotient, float(info.min), float(info.max)).astype(kv_dtype).astype(np.float64)
+    return _quantise(_float32_quotient(q, q_scale), q.dtype, kv_dtype)
+
+
+def quantised_query_doubt(q, q_scale, kv_dtype) -> np.ndarray | None:
+    """Per element of q, how far the quantised query may lie from ``quantised_query``'s when the float32
+    quotient is one ulp off IEEE's (either way): zero except where that ulp crosses a rounding boundary of
+    q's dtype or the KV dtype. None without ``q_scale`` or when no element is in doubt."""
+    q = np.asarray(q)
+    if q_scale is None:
+        return None
+    quotient = _float32_quotient(q, q_scale)
+    used = _quantise(quotient, q.dtype, kv_dtype)
+    doubt = np.zeros(used.shape)
+    with np.errstate(invalid="ignore"):
+        for direction in (-np.inf, np.inf):
+            moved = _quantise(np.nextafter(quotient, np.float32(direction)), q.dtype, kv_dtype)
+            doubt = np.maximum(doubt, np.nan_to_num(np.abs(moved - used), nan=0.0))
+    return doubt if doubt.any() else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,18 +174,21 @@ class _Scores:
     replaces: bool
 
 
-def _logits(q_rows, k, masked, semantics: _Scores):
+def _logits(q_rows, k, masked, semantics: _Scores, q_doubt=None):
     """The per-element math of one block of logits; every score semantic of the specification is here.
 
     ``q_rows`` [kv heads, rows, dim] and ``k`` [kv heads, keys, dim] are float64 (q as ``quantised_query``
     gives it, K as the specification reads it, see ``_scaled``), ``masked`` [rows, keys] is True where the
-    causal mask or the sliding window hides the key. Returns ``(raw, logits, dot_abs)``, each [kv heads,
-    rows, keys]: ``raw = scale * q.k`` before the soft cap; ``logits`` after the soft cap and the mask
-    (upstream adds ``mask_value`` to a masked logit, a replacing mask substitutes it); ``dot_abs = |scale| * sum_i |q_i k_i|``,
-    the dot product's condition, which the error bound needs.
+    causal mask or the sliding window hides the key. Returns ``(raw, logits, dot_abs, doubt)``, each [kv
+    heads, rows, keys]: ``raw = scale * q.k`` before the soft cap; ``logits`` after the soft cap and the mask
+    (upstream adds ``mask_value`` to a masked logit, a replacing mask substitutes it); ``dot_abs = |scale| *
+    sum_i |q_i k_i|``, the dot product's condition, which the error bound needs; ``doubt = |scale| * sum_i
+    delta_i |k_i|`` for ``q_doubt`` (delta, as ``q_rows``; the soft cap's slope is at most 1), else None.
     """
     raw = semantics.scale * (q_rows @ k.transpose(0, 2, 1))
-    dot_abs = abs(semantics.scale) * (np.abs(q_rows) @ np.abs(k).transpose(0, 2, 1))
+    abs_k = np.abs(k).transpose(0, 2, 1)
+    dot_abs = abs(semantics.scale) * (np.abs(q_rows) @ abs_k)
+    doubt = None if q_doubt is None else abs(semantics.scale) * (q_doubt @ abs_k)
     soft_cap = semantics.soft_cap
     logits = raw if soft_cap is None else soft_cap * np.tanh(raw / soft_cap)
     if semantics.replaces:  # a replaced logit is the constant itself: no product error is carried into it
@@ -157,8 +196,9 @@ def _logits(q_rows, k, masked, semantics: _Scores):
             np.where(masked, 0.0, raw),
             np.where(masked, semantics.mask_value, logits),
             np.where(masked, 0.0, dot_abs),
+            None if doubt is None else np.where(masked, 0.0, doubt),
         )
-    return raw, logits + np.where(masked, semantics.mask_value, 0.0), dot_abs
+    return raw, logits + np.where(masked, semantics.mask_value, 0.0), dot_abs, doubt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,10 +266,11 @@ def _attend(
     value_subnormal,
     page_size,
     rescale_unit,
+    q_doubt=None,
 ):
     """Float64 attention of a block of rows over a sequence's key chunks, with the bound ingredients.
 
-    ``q_rows`` [kv heads, rows, dim], ``query_positions`` [rows, 1]. Two passes over the chunks: the first
+    ``q_rows`` [kv heads, rows, dim] (``q_doubt`` as it, or None), ``query_positions`` [rows, 1]. Two passes over the chunks: the first
     finds each row's max logit and softmax denominator (online, exact to float64 rounding), the second
     accumulates every weighted sum the result needs, so no [rows, kv_len] array is ever whole. Returns the
     ``OracleResult`` quantities for these rows, each [kv heads, rows, dim].
@@ -241,7 +282,7 @@ def _attend(
         masked = keys > query_positions
         if options.sliding_window is not None:
             masked |= query_positions - options.sliding_window >= keys
-        return _logits(q_rows, chunk.k, masked, semantics)
+        return _logits(q_rows, chunk.k, masked, semantics, q_doubt)
 
     rows_shape = (*q_rows.shape[:2], 1)
     top = np.full(rows_shape, -np.inf)
@@ -269,8 +310,10 @@ def _attend(
     }
     totals = {name: np.zeros(rows_shape) for name in ("e", "a", "small", "rescale")}
     max_dot_abs = np.zeros(rows_shape)
+    doubt_sums = {name: np.zeros(out_shape) for name in ("vv", "v", "abs")}
+    doubt_total, max_doubt = np.zeros(rows_shape), np.zeros(rows_shape)
     for chunk in chunks:
-        raw, logits, dot_abs = single if single is not None else logits_of(chunk)
+        raw, logits, dot_abs, doubt = single if single is not None else logits_of(chunk)
         weights = np.exp(logits - top)
         probs = weights / denominator
         with np.errstate(invalid="ignore", over="ignore"):
@@ -312,6 +355,14 @@ def _attend(
         totals["small"] += small.sum(axis=-1, keepdims=True)
         totals["rescale"] += by_rescale.sum(axis=-1, keepdims=True)
         max_dot_abs = np.maximum(max_dot_abs, live_dot_abs.max(axis=-1, keepdims=True))
+        if doubt is not None:  # rare (a few elements of q in doubt): its own products
+            live_doubt = np.where(probs > 0, doubt, 0.0)
+            by_doubt = probs * live_doubt
+            doubt_sums["abs"] += by_doubt @ chunk.abs_v
+            doubt_sums["v"] += by_doubt @ chunk.v
+            doubt_sums["vv"] += by_doubt @ chunk.v_squared
+            doubt_total += by_doubt.sum(axis=-1, keepdims=True)
+            max_doubt = np.maximum(max_doubt, live_doubt.max(axis=-1, keepdims=True))
 
     o = pv
     return dict(
@@ -324,6 +375,10 @@ def _attend(
         value_underflow=sums["small_abs"] + np.abs(o) * totals["small"],
         rescale_excess=sums["rescale_abs"] + np.abs(o) * totals["rescale"],
         max_rises=np.broadcast_to(rises.astype(np.float64), out_shape),
+        query_doubt_sensitivity=_deviation_bound(
+            doubt_total, doubt_sums["vv"], doubt_sums["v"], doubt_sums["abs"], o
+        ),
+        max_query_doubt=np.broadcast_to(max_doubt, out_shape),
     )
 
 
@@ -355,6 +410,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
         replaces=options.mask_value_meaning == MASK_REPLACES,
     )
     q_used = quantised_query(q, options.q_scale, kv_pages.dtype)
+    q_doubt = quantised_query_doubt(q, options.q_scale, kv_pages.dtype)
     kv_lens = np.asarray(kv_lens).astype(np.int64)
     cu_q_lens = np.asarray(cu_q_lens).astype(np.int64)
     page_indices = np.asarray(page_indices).astype(np.int64)
@@ -370,7 +426,8 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
 
     shape = (num_tokens, num_q_heads, head_dim)
     quantities = ("out", "abs_pv", "flushable_pv", "logit_sensitivity", "dot_sensitivity", "max_dot_abs",
-                  "value_underflow", "rescale_excess", "max_rises")  # fmt: skip
+                  "value_underflow", "rescale_excess", "max_rises", "query_doubt_sensitivity",
+                  "max_query_doubt")  # fmt: skip
     results = {name: np.zeros(shape) for name in quantities}
     results["out"][:] = np.nan
     value_dtype = _value_dtype(kv_pages.dtype, options.v_scale, q.dtype)
@@ -403,6 +460,10 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
             q_block = q_used[rows].reshape(last - first, num_kv_heads, group, head_dim)
             q_block = q_block.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * (last - first), head_dim)
             positions = np.tile(kv_len - q_len + np.arange(first, last), group)[:, None]
+            doubt_block = None
+            if q_doubt is not None and q_doubt[rows].any():
+                doubt_block = q_doubt[rows].reshape(last - first, num_kv_heads, group, head_dim)
+                doubt_block = doubt_block.transpose(1, 2, 0, 3).reshape(q_block.shape)
             block_results = _attend(
                 q_block,
                 positions,
@@ -412,6 +473,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
                 value_subnormal,
                 page_size,
                 rescale_unit,
+                doubt_block,
             )
             to_rows = (num_kv_heads, group, last - first, head_dim)
             for name, value in block_results.items():

@@ -33,6 +33,17 @@ half_ulp_out(|o| + e32)       round-to-nearest into the output dtype (f32: 2**-2
 tiny_out                      a result flushed to zero (smallest normal of the output dtype)
 ============================  ===============================================================
 
+With ``q_scale`` (an extension) the query the kernel multiplies is q / q_scale rounded to q's dtype and
+cast to the KV dtype, and the oracle reproduces that with IEEE division. A compiler may compute the quotient
+otherwise (XLA divides by a constant as a multiplication by its reciprocal: one float32 ulp off in about a
+third of the quotients, in jitted code and inside an interpreted Pallas kernel alike), and where that ulp
+crosses a rounding boundary the quantised element moves by a whole ulp of the KV dtype, which a 1/q_scale
+of 1e4 turns into a logit error far past the float32 terms. So the oracle finds, per element, how far the
+quantised value may move when the quotient is one float32 ulp off either way (delta_i, almost always 0),
+and each logit is known only to ``Q_k = |scale| sum_i delta_i |k_i|``; the weights then move by factors
+within exp(+-Q_k), and the output by at most ``e^D (e^D - 1) / D * sum_k p_k Q_k |v_k - o|`` with D = max_k
+Q_k (the oracle's ``query_doubt_sensitivity`` and ``max_query_doubt``), a term under every contract.
+
 A relative error eps_k on the softmax weight of key k moves the output by sum_k p_k eps_k (v_k - o), which is
 why ``S`` weighs |v_k - o| (the oracle bounds it by the smaller of sum p eps (|v| + |o|) and the
 Cauchy-Schwarz bound sqrt(sum p eps * sum p eps (v - o)^2)). This is the ``float32`` precision contract, the default: float32 matrix products done at float32 precision
@@ -225,6 +236,15 @@ def _accumulator_error(result, out_dtype):
     return np.where(grow < 1.0, error, np.inf)
 
 
+def query_doubt_error(result):
+    """What a quantised query known only to an ulp (``q_scale``: see the module docstring) may move the
+    output by, under every contract."""
+    extent = result.max_query_doubt
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        growth = np.where(extent > 0, np.exp(extent) * np.expm1(extent) / extent, 1.0)
+    return growth * result.query_doubt_sensitivity
+
+
 def contract_error(result, precision=DEFAULT_PRECISION, out_dtype=None):
     """What the non-default contracts in ``precision`` add to e32, per element (0 for float32 alone)."""
     precision = parse_precision(precision)
@@ -251,7 +271,11 @@ def error_bound(result, out_dtype=None, precision=DEFAULT_PRECISION):
     out_dtype = np.dtype(result.out_dtype if out_dtype is None else out_dtype)
     magnitude = np.abs(result.out)
     accumulation = (3.0 * result.row_kv_len + 16.0)[:, None, None] * (result.abs_pv + magnitude)
-    e32 = U32 * (result.logit_sensitivity + accumulation) + contract_error(result, precision, out_dtype)
+    e32 = (
+        U32 * (result.logit_sensitivity + accumulation)
+        + query_doubt_error(result)
+        + contract_error(result, precision, out_dtype)
+    )
     underflow = result.flushable_pv + result.row_kv_len[:, None, None] * TINY32
     with np.errstate(invalid="ignore"):
         rounding = np.where(np.isfinite(e32), half_ulp(magnitude + e32, out_dtype), np.inf)

@@ -429,3 +429,47 @@ def test_oracle_in_key_chunks_equals_the_oracle_in_one_chunk(monkeypatch, extens
             getattr(chunked, name), getattr(whole, name), rtol=1e-12 if name == "out" else 1e-8, atol=1e-300,
             equal_nan=True, err_msg=name,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("q_scale", [1e-4, 0.3, 0.01])
+def test_the_quantised_query_doubt_covers_a_compilers_quotient(q_dtype, kv_dtype, q_scale):
+    """XLA divides by a constant as a multiplication by its reciprocal: wherever its quantised query differs
+    from the IEEE one the oracle uses, the difference is within the oracle's doubt, which is rare."""
+    import jax
+    import jax.numpy as jnp
+    from rpa_harness.reference.float64 import quantised_query, quantised_query_doubt
+
+    q = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32)
+    q = q.astype(getattr(ml_dtypes, q_dtype, q_dtype))
+    info = jnp.finfo(getattr(jnp, kv_dtype))
+    quotient = jax.jit(lambda x: x / q_scale)(q)
+    compiled = np.asarray(jnp.clip(quotient, float(info.min), float(info.max)).astype(info.dtype)).astype(
+        np.float64
+    )
+    ieee = quantised_query(q, q_scale, getattr(ml_dtypes, kv_dtype))
+    doubt = quantised_query_doubt(q, q_scale, getattr(ml_dtypes, kv_dtype))
+    doubt = np.zeros_like(ieee) if doubt is None else doubt
+    differ = compiled != ieee
+    assert np.all(np.abs(compiled - ieee)[differ] <= doubt[differ]), np.flatnonzero(differ)[:5]
+    # A bfloat16 q over a bfloat16-rounded scale often lands within an ulp of a bfloat16 midpoint.
+    assert np.count_nonzero(doubt) <= q.size // (100 if q_dtype == "float32" else 20)
+
+
+def test_a_query_in_doubt_widens_the_bound_of_its_rows_only():
+    """The case where a bfloat16 ulp of one quantised element moved a 1e4-scaled logit past the float32
+    bound: the compiler's quantisation (the jnp reference, jitted) is judged right, and only the rows that
+    read the doubted element get a wider bound."""
+    case = Case(
+        max_num_batched_tokens=32, max_num_seqs=4, pages_per_seq=49, total_num_pages=199, page_size=2,
+        num_q_heads=12, num_kv_heads=4, head_dim=256, q_dtype="float32", kv_dtype="bfloat16",
+        q_lens=(1, 1, 11), kv_lens=(19, 18, 34), q_scale=1e-4, mask_value_meaning="replaces", seed=158,
+    )  # fmt: skip
+    arrays, options = case.arrays(), case.options()
+    result = oracle(**arrays, **options)
+    assert compare(ragged_paged_attention(**arrays, **options), result).ok
+    doubted_rows = np.flatnonzero(result.max_query_doubt.max(axis=(1, 2)) > 0)
+    assert doubted_rows.size and set(doubted_rows) <= set(range(case.num_tokens))
+    widened = result.query_doubt_sensitivity.max(axis=(1, 2)) > 0
+    assert set(np.flatnonzero(widened)) <= set(doubted_rows)
