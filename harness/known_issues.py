@@ -57,9 +57,6 @@ class KnownIssue:
     # How the repro is replayed: None for the generic property it records (rpa_harness.checks.recheck),
     # else replay(issue, target, backend, repro) raising AssertionError while the issue is present.
     replay: Callable | None = None
-    # The backends on which the issue shows (None: every one); on the others its cases are still drawn, as
-    # for an out-of-bounds read only the checking interpreter detects.
-    shows_on: tuple[str, ...] | None = None
 
     def avoid(self, case: Case) -> Case:
         """The case itself, or the nearest case outside the issue (counted in the run log)."""
@@ -153,12 +150,6 @@ def parse_option(value: str, declared: tuple[KnownIssue, ...], catalogue) -> tup
         return ()
     names = [name.strip() for name in value.split(",") if name.strip()]
     return resolve(names, f"{OPTION}={value}", tuple(catalogue) + tuple(declared))
-
-
-def on_backend(issues: tuple[KnownIssue, ...], backend) -> tuple[KnownIssue, ...]:
-    """The ``issues`` that show on ``backend`` (``KnownIssue.shows_on``), seeing its TPU generation."""
-    showing = tuple(issue for issue in issues if issue.shows_on is None or backend.name in issue.shows_on)
-    return on_generation(showing, backend.generation)
 
 
 def on_generation(issues: tuple[KnownIssue, ...], generation: str) -> tuple[KnownIssue, ...]:

@@ -373,6 +373,8 @@ def test_v3_issue_matches_its_own_repro(issue):
 
 
 DEFAULT_BLOCKS = CATALOGUE["default-blocks-break-v3s-own-rules"]
+# Issues of code v3 runs on some TPU generations only (its own block sizes, its int16 positions).
+ON_A_GENERATION_ONLY = ("default-blocks-break-v3s-own-rules", "sliding-window-wraps-int16-positions")
 
 
 @settings(max_examples=60, deadline=None)
@@ -415,7 +417,7 @@ def test_v3_issues_are_narrow():
         share = sum(issue.matches(case) for case in cases) / len(cases)
         if issue.name == "q-len-zero-before-a-live-sequence-hangs":  # empty_sequences=False: never drawn
             assert share == 0, issue.name
-        elif issue is DEFAULT_BLOCKS:  # v3's defaults exist on a TPU generation only
+        elif issue.name in ON_A_GENERATION_ONLY:  # drawn here as on a CPU device
             assert share == 0, issue.name
         else:
             assert 0 < share <= 0.25, (issue.name, share)
@@ -427,3 +429,19 @@ def test_v3_issues_are_never_drawn(data):
     case = data.draw(valid_cases(CAPABILITIES, excluding=TARGET.known_issues))
     assert [issue.name for issue in TARGET.known_issues if issue.matches(case)] == []
     TARGET.validate(case.arrays(), case.options())
+
+
+def test_the_int16_window_finding_needs_v6_packed_queries_and_a_window_that_wraps():
+    case = repro_files.read(CATALOGUE["sliding-window-wraps-int16-positions"].repro).case
+    matches = {
+        generation: issue.matches(case)
+        for generation in ("v5e", "v6e", "7x")
+        for (issue,) in [
+            known_issues.on_generation((CATALOGUE["sliding-window-wraps-int16-positions"],), generation)
+        ]
+    }
+    assert matches == {"v5e": False, "v6e": True, "7x": True}
+    (on_v6e,) = known_issues.on_generation((CATALOGUE["sliding-window-wraps-int16-positions"],), "v6e")
+    assert not on_v6e.matches(dataclasses.replace(case, q_dtype="float32"))
+    assert not on_v6e.matches(dataclasses.replace(case, sliding_window=32767 - case.kv_capacity))
+    assert on_v6e.matches(dataclasses.replace(case, sliding_window=32768 - case.kv_capacity))

@@ -86,9 +86,9 @@ class Target:
         return self.capabilities
 
     def known_issues_on(self, backend) -> tuple:
-        """The known issues whose cases are not drawn on ``backend`` (those that show there), their
-        predicates seeing its emulated TPU generation (``known_issues.on_backend``)."""
-        return known_issues.on_backend(self.known_issues, backend)
+        """The known issues whose cases are not drawn on ``backend``, their predicates seeing its emulated
+        TPU generation (``known_issues.on_generation``)."""
+        return known_issues.on_generation(self.known_issues, backend.generation)
 
     def validate(self, arrays: dict, options: dict) -> None:
         self.module.dynamic_validate_inputs(**as_jax(arrays), **options)

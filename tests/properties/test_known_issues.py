@@ -1,8 +1,8 @@
 """Each known issue the target declares still reproduces: an expected failure until it is fixed.
 
 The strategies do not draw a declared issue's cases, so this property is what notices a fix: it replays
-the issue's repro pair against the target on every chosen backend it shows on, under the TPU generation
-the repro records. Still failing with the issue's symptom
+the issue's repro pair against the target on every chosen backend, under the TPU generation the repro
+records. Still failing with the issue's symptom
 is an expected failure (xfail); passing fails the run, as a strict xfail does, asking to remove the entry;
 failing in another way (e.g. a crash instead of a wrong value) fails the run too, since that is news.
 """
@@ -23,8 +23,6 @@ def pytest_generate_tests(metafunc):
 
 
 def test_known_issue_still_reproduces(target, replay_backend, known_issue):
-    if known_issue.shows_on is not None and replay_backend.name not in known_issue.shows_on:
-        pytest.skip(f"{known_issue.name} shows on {', '.join(known_issue.shows_on)} only")
     repro = repro_files.read(known_issue.repro)
     # On the chip the repro was recorded for: an issue of one generation's code does not show on another.
     replay_backend = dataclasses.replace(replay_backend, generation=repro.tpu_generation)
