@@ -591,7 +591,8 @@ def required_block_sizes(config: dict) -> dict:
 
 
 def pool(capabilities: Capabilities = WHOLE_SPACE) -> list[tuple[dict, dict]]:
-    """POOL moved inside a target's capabilities (nearest supported head_dim, page size, heads, dtypes)."""
+    """POOL moved inside a target's capabilities (nearest supported head_dim, page size, heads, dtypes); an
+    entry that exists only for an option the target does not take is left out."""
     entries = []
     for layout, opts in POOL:
         layout = dict(layout)
@@ -612,6 +613,8 @@ def pool(capabilities: Capabilities = WHOLE_SPACE) -> list[tuple[dict, dict]]:
         if capabilities.mask_value_meaning != MASK_ADDED:
             opts["mask_value_meaning"] = capabilities.mask_value_meaning
         if not capabilities.q_scale:
+            if set(opts) == {"q_scale"}:
+                continue  # an entry that exists for its quantised query
             opts.pop("q_scale", None)
         if capabilities.needs_block_sizes:
             opts = {**required_block_sizes(config), **opts}
