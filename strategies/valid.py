@@ -576,7 +576,7 @@ POOL = (
           kv_dtype="bfloat16"), dict(num_queries_per_block=1, sm_scale=0.05)),
     # A quantised query scaled up 10^4 into a bfloat16 cache: where a compiler's quotient rounds otherwise
     # than IEEE's, one element moves by a bfloat16 ulp of a value near 10^4 (the oracle's query doubt).
-    (dict(bucket="small", page_size=2, num_kv_heads=4, gqa_ratio=3, head_dim=256, q_dtype="float32",
+    (dict(bucket="tiny", page_size=16, num_kv_heads=2, gqa_ratio=3, head_dim=256, q_dtype="float32",
           kv_dtype="bfloat16"), dict(q_scale=1e-4)),
 )  # fmt: skip
 
