@@ -1,7 +1,7 @@
 """Broken targets fail the run with their own first line and exit code, and leave a repro that replays.
 
-Each broken target (``tests/broken/``) wraps the bundled kernel. The runs use the fast interpreter, the
-dev profile and ``-x``: each stops at its first failure, shrunk.
+Each broken target (``tests/broken/``) breaks one part of the kernel interface. The runs use the fast
+interpreter, the dev profile and ``-x``: each stops at its first failure, shrunk.
 """
 
 import json
@@ -43,7 +43,7 @@ BROKEN = {
 @pytest.fixture(autouse=True)
 def _bundled_kernel_only(pytestconfig):
     if pytestconfig.rpa_target.name != "rpa_harness.kernel":
-        pytest.skip("the broken targets wrap the bundled kernel")
+        pytest.skip("the broken targets' capabilities and replays assume the bundled kernel's")
 
 
 def run(*args, cwd, env=None):
