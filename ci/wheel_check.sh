@@ -51,7 +51,10 @@ if "$work/venv/bin/python" -c "import harness" 2>/dev/null || "$work/venv/bin/py
   exit 1
 fi
 echo "=== wheel check: rpa-harness run against my_rpa (must pass)"
-"$work/venv/bin/rpa-harness" run --profile dev --backend fast-interpret --target my_rpa -n 2 --repro-dir repros-ok
+# A few examples per property: the subject here is the package (every property module collected and run),
+# not the kernel, which the suite tests.
+RPA_MAX_EXAMPLES=3 "$work/venv/bin/rpa-harness" run --profile dev --backend fast-interpret --target my_rpa -n 2 \
+  --repro-dir repros-ok
 echo "=== wheel check: rpa-harness run against my_broken_rpa (must fail)"
 set +e
 "$work/venv/bin/rpa-harness" run --profile dev --backend fast-interpret --target my_broken_rpa -n 1 \

@@ -48,9 +48,11 @@ CAPABILITIES = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)
 TARGET = targets.load(targets.V3_TARGET)
 BACKEND = v3target.CHECKING
 CATALOGUE = {issue.name: issue for issue in v3target.RPA_HARNESS_CATALOGUE}
-# A warm v3 call on the TPU interpreter costs 0.1-4 s and each new configuration compiles for 3-10 s.
-POOLED_EXAMPLES = max(5, settings.default.max_examples // 4)
-ANY_CONFIG_EXAMPLES = max(3, settings.default.max_examples // 8)
+# A warm v3 call on the TPU interpreter costs 0.1-4 s and each new configuration compiles for 3-10 s (the
+# ci profile: 5 and 3 examples, about 45 s of a worker; the generation matrix adds v3 on the fast
+# interpreter, and the nightly profile 50 and 25).
+POOLED_EXAMPLES = max(5, settings.default.max_examples // 8)
+ANY_CONFIG_EXAMPLES = max(3, settings.default.max_examples // 16)
 PROPERTY = "v3-attention-and-cache"
 # v3's declared known issues are not drawn, except the sliding-window one: this property checks the cache,
 # and counts a mismatch that is exactly that finding's as the finding.
