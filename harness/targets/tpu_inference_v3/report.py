@@ -384,7 +384,7 @@ def cpu_launcher(script_path: str, backend_name: str, generation: str) -> str:
         [
             "import sys",
             "from jax.experimental.pallas import tpu as pltpu",
-            "from rpa_harness import generations, interpret_compat",
+            f"from rpa_harness import {'generations, ' if emulate else ''}interpret_compat",
             "from rpa_harness.interpret_compat.tpu import DEADLOCK_MESSAGE",
             "",
             "interpret_compat.install()  # patches jax's interpreters, never the kernel",
