@@ -293,7 +293,8 @@ def run_script(text: str, timeout: float = 900) -> tuple[int, str]:
 def render(path: Path, *, target_name=None, backend_name=None, with_script_output=False) -> str:
     """The Markdown report for the repro at ``path`` (re-running it on the target and backend)."""
     repro = repro_files.read(path)
-    if (target_name or repro.target) in (V3_TARGET, *(a for a, t in ALIASES.items() if t == V3_TARGET)):
+    if ALIASES.get(target_name or repro.target, target_name or repro.target) == V3_TARGET:
+        load(V3_TARGET)  # tpu-inference not installed: a TargetError naming the command that installs it
         from rpa_harness.targets.tpu_inference_v3 import report as v3_report
 
         backend = Backend(backend_name or repro.backend, generation=repro.tpu_generation)
