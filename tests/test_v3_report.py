@@ -1,8 +1,11 @@
 """`rpa-harness report` of tpu-inference v3's repros: every finding gets a report whose script runs v3
 against its own reference; a repro that does not reproduce gets none.
 
-One finding's report is rendered and its script run (the cache finding, on the TPU interpreter: the slot
-by slot comparison); every finding's script is built from its repro and checked to be standalone.
+The cache finding's report is rendered and its script run (on the TPU interpreter: the slot by slot
+comparison), the hang finding's script is run (the deadlock check standing for the watchdog), and every
+finding's script is built from its repro and checked to be standalone. ~38 s of one worker in all: the
+other findings' reports (docs/tpu-inference-v3-findings/*/report.md, each with its script's output) take
+40-95 s each on the fast interpreter.
 """
 
 import ast
@@ -79,3 +82,16 @@ def test_a_repro_that_does_not_reproduce_gets_no_report(monkeypatch):
     assert v3_report.reproduces(hang, repro, None)
     recorded = v3_report.Observation(inputs, error="ValueError: Out-of-bounds read of (0 0 vmem 110)")
     assert v3_report.reproduces(recorded, repro, FINDINGS["default-blocks-break-v3s-own-rules"])
+
+
+def test_the_hang_findings_script_reproduces_on_cpu_through_the_deadlock_check(tmp_path):
+    """On a TPU the script's watchdog takes the call for a hang; on CPU the launcher turns the TPU
+    interpreter's deadlock into the same verdict, in seconds."""
+    issue = FINDINGS["q-len-zero-before-a-live-sequence-hangs"]
+    program, _ = script_of(issue)
+    status, output = v3_report.run_script(program, INTERPRET, generations.NONE, tmp_path)
+    assert status == 1, output
+    assert "v3's reference rejects these inputs: Require 0 < q_len" in output
+    assert (
+        f"{v3_report.REPRODUCES}: on a TPU the kernel would never return" in output and "DEADLOCK" in output
+    )
