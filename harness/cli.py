@@ -489,8 +489,9 @@ def parser() -> argparse.ArgumentParser:
     run_parser.add_argument("pytest_args", nargs="*", help="passed to pytest after --")
     report_parser = commands.add_parser(
         "report", help="print an upstream-ready bug report for a repro",
-        description="Print a Markdown bug report for a differential repro: the case, the wrong elements and a "
-        "standalone script against the kernel's own reference. Exit 2 for a bad file.",
+        description="Print a Markdown bug report for a differential repro or any tpu-inference v3 repro: the "
+        "case, the wrong elements (for v3 also the returned cache, slot by slot) and a standalone script against "
+        "the kernel's own reference. Exit 2 for a bad file, 3 when the repro does not reproduce here.",
     )  # fmt: skip
     report_parser.add_argument("file", help="the repro's .json file")
     report_parser.add_argument("--target", help="module to report on (default: the one in the repro)")
