@@ -211,8 +211,9 @@ def cache_in_words(observation: Observation) -> list[str]:
         lines.append(f"| {page} | {slot} | {whose} | {role} | {held} |")
     if len(slots) > MAX_SLOT_ROWS:
         lines.append(f"| ... | | {len(slots) - MAX_SLOT_ROWS} more slots | | |")
-    if observation.own_reference_cache_matches:
-        lines += ["", f"v3's `{REFERENCE_FUNCTION}` returns the expected cache, bit for bit."]
+    if observation.own_reference_cache_matches is not None:
+        verdict = "returns" if observation.own_reference_cache_matches else "does not return either"
+        lines += ["", f"v3's `{REFERENCE_FUNCTION}` {verdict} the expected cache, bit for bit."]
     return lines
 
 
