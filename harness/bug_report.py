@@ -23,10 +23,15 @@ from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, TPU, Backend
 from rpa_harness.generations import NONE
 from rpa_harness.spec.interface import ARRAY_NAMES, EXTENSION_NAMES
-from rpa_harness.targets import Target, first_line_of_error, load, shipped_catalogue
+from rpa_harness.targets import ALIASES, V3_TARGET, Target, first_line_of_error, load, shipped_catalogue
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BLOCK_OPTIONS = ("num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes")
+
+
+class NothingToReport(Exception):
+    """The repro does not reproduce here (it passes now, or the call fails otherwise than recorded); the
+    message says what happened instead and how to replay it."""
 
 
 @dataclasses.dataclass
@@ -288,6 +293,15 @@ def run_script(text: str, timeout: float = 900) -> tuple[int, str]:
 def render(path: Path, *, target_name=None, backend_name=None, with_script_output=False) -> str:
     """The Markdown report for the repro at ``path`` (re-running it on the target and backend)."""
     repro = repro_files.read(path)
+    if ALIASES.get(target_name or repro.target, target_name or repro.target) == V3_TARGET:
+        load(V3_TARGET)  # tpu-inference not installed: a TargetError naming the command that installs it
+        from rpa_harness.targets.tpu_inference_v3 import report as v3_report
+
+        backend = Backend(backend_name or repro.backend, generation=repro.tpu_generation)
+        issue = known_issue_for(path)
+        return v3_report.render(
+            path, repro, backend, issue, _relative(path), with_script_output=with_script_output
+        )
     kind = repro.property.split("[", 1)[0]
     if not kind.startswith("differential"):
         raise repro_files.ReproError(

@@ -11,7 +11,8 @@ rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repr
     runs pytest on the properties and ends with a table: property, examples, result, repros, coverage,
     and the declared known issues (cases avoided, whether each still reproduces).
 rpa-harness report FILE [--target MODULE] [--backend NAME] [--run-script]
-    prints an upstream-ready bug report (Markdown) for a differential repro; exit 2 for a bad file.
+    prints an upstream-ready bug report (Markdown) for a differential repro or any tpu-inference v3 repro;
+    exit 2 for a bad file, 3 when the repro does not reproduce here (nothing to report).
 A usage error (an unknown option, or a bad value given on the command line) is one line and exit 4.
 """
 
@@ -399,7 +400,7 @@ def known_issues_summary(events: list[dict]) -> str:
 
 
 def report(args) -> int:
-    from rpa_harness.bug_report import render
+    from rpa_harness.bug_report import NothingToReport, render
 
     try:
         print(render(Path(args.file), target_name=args.target, backend_name=args.backend,
@@ -410,6 +411,9 @@ def report(args) -> int:
     except TargetError as error:
         print(f"rpa-harness report: {error}", file=sys.stderr)
         return USAGE if args.target else BAD_FILE
+    except NothingToReport as error:
+        print(f"rpa-harness report: {error}", file=sys.stderr)
+        return CANNOT_RUN
     return PASSES
 
 
@@ -485,8 +489,9 @@ def parser() -> argparse.ArgumentParser:
     run_parser.add_argument("pytest_args", nargs="*", help="passed to pytest after --")
     report_parser = commands.add_parser(
         "report", help="print an upstream-ready bug report for a repro",
-        description="Print a Markdown bug report for a differential repro: the case, the wrong elements and a "
-        "standalone script against the kernel's own reference. Exit 2 for a bad file.",
+        description="Print a Markdown bug report for a differential repro or any tpu-inference v3 repro: the "
+        "case, the wrong elements (for v3 also the returned cache, slot by slot) and a standalone script against "
+        "the kernel's own reference. Exit 2 for a bad file, 3 when the repro does not reproduce here.",
     )  # fmt: skip
     report_parser.add_argument("file", help="the repro's .json file")
     report_parser.add_argument("--target", help="module to report on (default: the one in the repro)")

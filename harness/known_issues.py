@@ -57,6 +57,9 @@ class KnownIssue:
     # How the repro is replayed: None for the generic property it records (rpa_harness.checks.recheck),
     # else replay(issue, target, backend, repro) raising AssertionError while the issue is present.
     replay: Callable | None = None
+    # For the upstream report (``rpa-harness report``): where in the kernel it goes wrong and why, in a
+    # maintainer's words (Markdown); empty where the report's facts speak for themselves.
+    explanation: str = ""
 
     def avoid(self, case: Case) -> Case:
         """The case itself, or the nearest case outside the issue (counted in the run log)."""

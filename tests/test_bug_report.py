@@ -42,14 +42,18 @@ def test_report_of_a_bad_file_is_one_error(tmp_path, pytestconfig):
 
 
 def test_a_repro_with_extension_semantics_gets_no_report_that_misstates_it(tmp_path, pytestconfig):
-    """v3's repros carry mask_value_meaning="replaces" (and may carry q_scale): upstream's API and the
-    script's reference cannot state them, so report refuses, naming the option and the replay."""
+    """v3's repros carry mask_value_meaning="replaces" (and may carry q_scale): reported against upstream's
+    kernel, whose API and the script's reference cannot state them, report refuses, naming the option and
+    the replay (v3's own report states them: tests/test_v3_report.py)."""
     path = (
         findings_dir("tpu-inference-v3-findings")
         / "rescale-in-output-dtype"
         / "differential_fast-interpret.json"
     )
-    result = run_python("-m", "rpa_harness.cli", "report", str(path), cwd=pytestconfig.rootpath)
+    upstream_kernel = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
+    result = run_python(
+        "-m", "rpa_harness.cli", "report", str(path), "--target", upstream_kernel, cwd=pytestconfig.rootpath
+    )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert (
         "extension option(s) q_scale, mask_value_meaning" in result.stderr

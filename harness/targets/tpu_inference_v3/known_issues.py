@@ -217,6 +217,16 @@ RPA_HARNESS_CATALOGUE = (
         one_query_block_per_sequence,
         r"updated cache differs from the expected cache",
         replay=_replay_v3_both_outputs,
+        explanation=(
+            "A KV block's new tokens are copied to the cache only while the sequence's last query block runs "
+            "(`update_cur_bkv_to_cache` under `bq_idx == num_bq - 1`), and with a sliding window each query "
+            "block starts its KV loop at block `max(first_query_position - sliding_window, 0) // bkv_sz`. The "
+            "KV blocks before the last query block's start are never visited then, so their new tokens are "
+            "never written: any prefill chunk longer than one query block with `sliding_window < q_len - "
+            "bq_sz` loses them. The sequence's own outputs are right; a reader of the cache that looks "
+            "further back (a prefix-cache hit inside the skipped range, a layer sharing the cache without "
+            "the window, a swap or copy of the pages) does not get those keys."
+        ),
     ),
     KnownIssue(
         "q-len-zero-before-a-live-sequence-hangs",
@@ -226,6 +236,13 @@ RPA_HARNESS_CATALOGUE = (
         drop_empty_sequences_before_live_ones,
         r"still hangs",
         replay=_replay_v3_hang,
+        explanation=(
+            "`dynamic_validate_inputs` rejects `q_len == 0`, but `ragged_paged_attention` does not run it, so "
+            "the input reaches the kernel. Likely cause (not verified on hardware): a sequence with no query "
+            "block runs no iteration of its loops, so the KV prefetch the previous sequence started for it "
+            "is never waited for, and the next sequence waits for a copy that was never started. A single "
+            "`(0, 5)` sequence, or an empty sequence in the last slot, returns with the right outputs."
+        ),
     ),
     KnownIssue(
         "finite-mask-value-counts-keys-by-block",
@@ -235,6 +252,18 @@ RPA_HARNESS_CATALOGUE = (
         v3_finite_mask_value_counts_keys_by_block,
         with_v3_default_mask_value,
         NUMERIC_MISMATCH,
+        explanation=(
+            "`flash_attention_step1_qk_softmax` masks `k_span < effective_kv_len` with the causal mask and "
+            "the window by `s = jnp.where(mask, s, mask_value)`, so an empty slot past `kv_len` in the last "
+            "compute chunk is one more masked key and gets the weight `exp(mask_value - max)`, and the keys "
+            "from a query block's effective kv length `min(kv_len, last position + 1)` on get it with their "
+            "values zeroed. The kernel computes no logit outside the KV blocks a query block visits (past "
+            "`min(kv_len, first position + bq_sz)`, before the window's first block), so those masked keys "
+            "get no weight. The reference gives every masked key in `[0, kv_len)` the weight `exp(mask_value "
+            "- max)` with its value, and no other key any. Both agree when that weight underflows (the "
+            "default `finfo(out_dtype).min`) or a query block visits exactly `[0, kv_len)`; otherwise the "
+            "output depends on the block sizes, which are tuning parameters."
+        ),
     ),
     KnownIssue(
         "default-blocks-break-v3s-own-rules",
@@ -244,6 +273,17 @@ RPA_HARNESS_CATALOGUE = (
         v3_default_blocks_break_its_rules,
         with_given_block_sizes,
         rf"Out-of-bounds read|{NUMERIC_MISMATCH}",
+        explanation=(
+            "On v5 and v6, `get_default_block_sizes` gives the mixed kernel `bq_sz = min(1024 // r, max_q // "
+            "2)` but `bq_csz = min(512 // r, max_q)` (r q heads per KV head, max_q the token budget rounded up "
+            "to a power of 2), so every budget below `1024 // r` gets a query chunk twice the block, and "
+            "`bkv_csz = min(512, max_kv // 2 aligned to a page)`, which need not divide `bkv_sz = min(1024, "
+            "max_kv)`. Given explicitly, such sizes are rejected by `static_validate_inputs` (`bq_sz % bq_csz "
+            "== 0`, `bkv_sz % bkv_csz == 0`); the defaults are never validated. The kernel then reads the "
+            "second KV chunk past the end of its KV scratch buffer: the Pallas TPU interpreter stops it "
+            "(out-of-bounds read), the generic interpreter returns wrong rows; what a TPU reads there has "
+            "not been run on hardware. On 7x the same case gets valid sizes and is right."
+        ),
     ),
     KnownIssue(
         "sliding-window-wraps-int16-positions",
@@ -253,5 +293,13 @@ RPA_HARNESS_CATALOGUE = (
         v3_sliding_window_wraps_int16_positions,
         with_a_window_within_int16,
         rf"non-finite values|{NUMERIC_MISMATCH}",
+        explanation=(
+            "With packed queries (`get_dtype_packing(q_dtype) != 1`) on `get_tpu_version() >= 6` and "
+            "`pages_per_seq * page_size <= 32767`, the kernel computes its query and key positions in int16 "
+            "(`int_ty = jnp.int16`), and the window test `q_span < k_span + sliding_window` adds the Python "
+            "int window to the int16 key positions: past 32,767 the sum wraps, the test fails for every key "
+            "and every logit is replaced by the mask value. Any window with `sliding_window + key position > "
+            "32767` does it; v5e, float32 queries and a window that stays within int16 are right."
+        ),
     ),
 )

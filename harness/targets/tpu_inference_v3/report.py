@@ -1,0 +1,522 @@
+"""An upstream-ready report of a tpu-inference v3 repro (``rpa-harness report REPRO.json``).
+
+v3's API is not upstream's: it takes the new tokens' keys and values and returns its packed cache with the
+attention, so its report is its own. It re-runs the repro on its backend (and emulated TPU generation),
+says what is wrong (the known issue's description when the repro is a finding's), the case in the
+upstream-style words the harness draws and as v3's call (distribution, block sizes, options), expected
+against actual for both outputs (the attention's worst element and the map of where it is wrong; the
+returned cache slot by slot), and a standalone script in v3's own layout that needs only jax, numpy and
+tpu-inference: it compares v3's kernel with v3's own ``ref_ragged_paged_attention`` (attention and cache)
+and exits 1 while the discrepancy reproduces.
+
+The script runs as written on a TPU (of the repro's generation, when the finding depends on the chip).
+jax's TPU interpreters cannot run v3 as it ships (its ``ref.bitcast``/``ref.reshape`` views), so on a CPU
+it runs only under rpa-harness's interpreter compatibility layer, which patches the interpreters, never
+the kernel: ``cpu_launcher`` is the program that does so, and the report prints it.
+
+A repro that does not reproduce (it passes now, or the call raises something other than what was
+recorded) gets no report: ``NothingToReport``.
+"""
+
+import dataclasses
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from rpa_harness import reference
+from rpa_harness import repro as repro_files
+from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend, Deadlock
+from rpa_harness.bug_report import NothingToReport, case_in_words
+from rpa_harness.generations import NONE
+from rpa_harness.targets import first_line_of_error
+from rpa_harness.targets import tpu_inference_v3 as v3
+
+KERNEL_FUNCTION = "tpu_inference.kernels.ragged_paged_attention.v3.kernel.ragged_paged_attention"
+REFERENCE_FUNCTION = "ref_ragged_paged_attention"
+# v3's options its reference does not take (tuning only).
+TUNING_OPTIONS = ("d_block_sizes", "p_block_sizes", "m_block_sizes", "vmem_limit_bytes")
+REPRODUCES = "REPRODUCES"  # the first word of the script's verdict line while the discrepancy shows
+HANG_SECONDS = 300  # how long the script waits for the kernel before it takes the call for a hang
+SCRIPT_TIMEOUT = 900  # seconds: a first call of v3 on the generic interpreter can take minutes
+MAX_SLOT_ROWS = 16  # differing cache slots listed one by one, then counted
+
+
+@dataclasses.dataclass
+class Observation:
+    """What v3 does on the repro's inputs now, on the repro's backend."""
+
+    inputs: v3.V3Inputs
+    hang: str | None = None  # the TPU interpreter's deadlock account
+    error: str | None = None  # the exception the call raised
+    comparison: reference.Comparison | None = None  # the attention against the float64 oracle
+    own_reference: np.ndarray | None = None  # v3's reference's attention (float64)
+    own_reference_cache_matches: bool | None = None  # its cache against the expected packed cache
+    reference_rejects: str | None = None  # v3's reference's validator rejected the inputs
+    cache_error: v3.CacheMismatch | None = None
+
+    @property
+    def wrong_output(self) -> bool:
+        return self.comparison is not None and (not self.comparison.ok or self.cache_error is not None)
+
+
+def observe(repro: repro_files.Repro, backend: Backend) -> Observation:
+    """Runs v3 once as the harness ran it (the inputs mapped inside the backend, which may emulate a chip),
+    then v3's own reference on the same inputs."""
+    mapped = []
+
+    def call():
+        mapped.append(v3.v3_inputs(**repro.arrays, **repro.options))
+        return v3.call_v3(mapped[0])
+
+    try:
+        out, cache = backend.run(call)
+    except Exception as error:  # the report says what the call raised (or refuses it as a crash)
+        if not mapped:
+            raise NothingToReport(
+                f"the repro's case cannot be mapped to v3's call: {first_line_of_error(error)}"
+            ) from None
+        observation = Observation(mapped[0])
+        if isinstance(error, Deadlock):
+            observation.hang = str(error)
+        else:
+            observation.error = first_line_of_error(error)
+    else:
+        observation = Observation(mapped[0])
+        observation.comparison = reference.compare(
+            out,
+            reference.oracle(**repro.arrays, **repro.options),
+            label="v3",
+            precision=v3.RPA_HARNESS_PRECISION,
+        )
+        try:
+            v3.check_updated_cache(observation.inputs, cache)
+        except v3.CacheMismatch as mismatch:
+            observation.cache_error = mismatch
+    inputs = observation.inputs
+    try:
+        own_out, own_cache = v3.v3.ref_ragged_paged_attention(
+            *map(jnp.asarray, inputs.args),
+            **{k: v for k, v in inputs.kwargs.items() if k not in TUNING_OPTIONS},
+        )
+    except ValueError as error:
+        observation.reference_rejects = str(error)
+    else:
+        observation.own_reference = np.asarray(own_out, np.float64)
+        expected = inputs.expected_cache
+        bits = f"u{expected.dtype.itemsize}"
+        observation.own_reference_cache_matches = bool(
+            np.array_equal(np.asarray(own_cache).view(bits), expected.view(bits))
+        )
+    return observation
+
+
+def reproduces(observation: Observation, repro: repro_files.Repro, issue) -> bool:
+    """A hang or a wrong output always; a raised error only when it is the one recorded or the finding's."""
+    if observation.hang is not None or observation.wrong_output:
+        return True
+    if observation.error is None:
+        return False
+    recorded = repro.error is not None and observation.error.startswith(f"{repro.error['type']}: ")
+    recorded = recorded and repro.error["message"].strip().splitlines()[-1].strip() in observation.error
+    return recorded or (issue is not None and issue.shows(observation.error))
+
+
+def chip_words(generation: str) -> str:
+    if generation == NONE:
+        return (
+            "no particular TPU: observed on a CPU device, where v3 sees no TPU generation (`get_tpu_version()` "
+            "is -1: none of its v6-and-later branches); the block sizes and VMEM limit are given, so the script "
+            "makes the same call on any TPU (from v6 on, packed queries take the int16-position branch)"
+        )
+    return (
+        f"TPU {generation}: v3 takes its default block sizes, VMEM limit and generation branches from the chip, "
+        f"and this finding depends on them; on a CPU, rpa-harness makes the device report a TPU {generation}"
+    )
+
+
+def call_in_words(inputs: v3.V3Inputs) -> list[str]:
+    """v3's side of the case: what the kernel is passed besides the arrays."""
+    _, keys, _, kv_cache, _, _, cu_q_lens, distribution = inputs.args
+    given = inputs.kwargs["m_block_sizes"] is not None
+    options = {k: v for k, v in inputs.kwargs.items() if v is not None and k not in TUNING_OPTIONS}
+    return [
+        f"- v3's call: `distribution = {distribution.tolist()}` (decode-only sequences first, then mixed), "
+        f"`kv_cache` of shape `{kv_cache.shape}` {kv_cache.dtype} (v3's packed layout), new tokens' "
+        f"`keys`/`values` of shape `{keys.shape}`, `cu_q_lens = {cu_q_lens.tolist()}`",
+        f"- block sizes `(bq, bkv, bq_chunk, bkv_chunk)`: decode `{inputs.decode_block_sizes}`, mixed "
+        f"`{inputs.mixed_block_sizes}`"
+        + (
+            " (given)"
+            if given
+            else " (v3's defaults for the chip: `d_block_sizes`/`m_block_sizes` not given)"
+        ),
+        f"- `vmem_limit_bytes={inputs.kwargs['vmem_limit_bytes']}`"
+        + ("" if inputs.kwargs["vmem_limit_bytes"] is not None else " (v3's default for the chip)"),
+        "- v3's options: " + (", ".join(f"`{k}={v!r}`" for k, v in options.items()) or "none (defaults)"),
+    ]
+
+
+def attention_in_words(observation: Observation) -> list[str]:
+    c = observation.comparison
+    if c.ok:
+        return [
+            f"Attention: right (max error/bound {c.max_ratio:.3g} against the float64 oracle under v3's "
+            "precision contract)."
+        ]
+    w = c.worst
+    lines = [
+        f"Attention: {c.num_over + c.nonfinite} of {c.num_checked} output elements of the live rows are "
+        f"wrong ({c.nonfinite} non-finite). Worst: sequence {w.sequence}, token {w.token} (row {w.row}), "
+        f"head {w.head}, dim {w.dim}.",
+        "",
+        "| | value |",
+        "|---|---|",
+        f"| expected (float64 oracle) | {w.expected:.9g} |",
+    ]
+    if observation.own_reference is not None:
+        lines.append(
+            f"| v3's `{REFERENCE_FUNCTION}` | {observation.own_reference[w.row, w.head, w.dim]:.9g} |"
+        )
+    lines += [
+        f"| actual (v3's kernel) | {w.actual:.9g} |",
+        f"| error | {w.error:.3g} (the harness's bound for this element: {w.bound:.3g}) |",
+    ]
+    if c.error_map is not None:
+        lines += ["", "```", c.error_map.render(indent=""), "```"]
+    return lines
+
+
+def cache_in_words(observation: Observation) -> list[str]:
+    inputs, mismatch = observation.inputs, observation.cache_error
+    if mismatch is None:
+        return ["Cache: right (bit for bit: every new token in its slot, nothing else changed)."]
+    slots = np.argwhere(mismatch.slots)
+    new = int((mismatch.slots & inputs.new_slots).sum())
+    lines = [
+        f"Cache: the returned cache differs from the expected one (the input cache with every new token "
+        f"written to its slot) in {len(slots)} slots, {new} of them new tokens' slots "
+        f"(of {int(inputs.new_slots.sum())}):",
+        "",
+        "| page | slot | sequence, key position | slot's role | returned slot |",
+        "|---|---|---|---|---|",
+    ]
+    for page, slot in slots[:MAX_SLOT_ROWS]:
+        owner, position = inputs.slot_owner[page, slot], inputs.slot_position[page, slot]
+        whose = f"{owner}, {position}" if owner >= 0 else "no live sequence"
+        role = "a new token's" if inputs.new_slots[page, slot] else "must stay unchanged"
+        held = "keeps its input contents (not written)" if mismatch.stale[page, slot] else "other values"
+        lines.append(f"| {page} | {slot} | {whose} | {role} | {held} |")
+    if len(slots) > MAX_SLOT_ROWS:
+        lines.append(f"| ... | | {len(slots) - MAX_SLOT_ROWS} more slots | | |")
+    if observation.own_reference_cache_matches is not None:
+        verdict = "returns" if observation.own_reference_cache_matches else "does not return either"
+        lines += ["", f"v3's `{REFERENCE_FUNCTION}` {verdict} the expected cache, bit for bit."]
+    return lines
+
+
+def expected_vs_actual(observation: Observation) -> list[str]:
+    rejects = (
+        f"v3's `{REFERENCE_FUNCTION}` rejects these inputs (its `dynamic_validate_inputs`: "
+        f"`{observation.reference_rejects}`), which the kernel does not run: the call must return or fail."
+    )
+    if observation.hang is not None:
+        return [
+            "Expected: the call returns." + (f" {rejects}" if observation.reference_rejects else ""),
+            "",
+            f"Actual: the call never returns: {observation.hang}.",
+        ]
+    if observation.error is not None:
+        return [
+            "Expected: the attention and the updated cache.",
+            "",
+            f"Actual: the call raises `{observation.error}`.",
+        ]
+    return [*attention_in_words(observation), "", *cache_in_words(observation)]
+
+
+SCRIPT = '''"""tpu-inference {version} RPA v3: {description}
+
+Runs as written on {where}: `python repro.py` exits 1 while the kernel disagrees with v3's own
+ref_ragged_paged_attention (or does not return), 0 otherwise. Random data (seed 0); the lengths, page
+table, block sizes and options are the failing case's.
+"""
+
+import importlib
+import importlib.util
+import os
+import sys
+import threading
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def load_v3():
+    """v3's kernel module, without tpu_inference/__init__.py (it imports vllm)."""
+    root = list(importlib.util.find_spec("tpu_inference").submodule_search_locations)[0]
+    parts = ("tpu_inference", "kernels", "ragged_paged_attention", "v3")
+    for depth in range(1, len(parts) + 1):
+        package = types.ModuleType(".".join(parts[:depth]))
+        package.__path__ = [os.path.join(root, *parts[1:depth])]
+        sys.modules.setdefault(package.__name__, package)
+    return importlib.import_module("tpu_inference.kernels.ragged_paged_attention.v3.kernel")
+
+
+v3 = load_v3()
+warnings.filterwarnings("ignore", "Some donated buffers were not usable")  # on CPU; v3 donates its inputs
+q_dtype, kv_dtype = jnp.{q_dtype}, jnp.{kv_dtype}
+tokens, q_heads, kv_heads, head_dim = {tokens}, {q_heads}, {kv_heads}, {head_dim}
+pages, page_size = {pages}, {page_size}
+kv_lens = np.array({kv_lens}, np.int32)
+page_indices = np.array({page_indices}, np.int32)  # flat: [max_num_seqs * pages_per_seq]
+cu_q_lens = np.array({cu_q_lens}, np.int32)
+distribution = np.array({distribution}, np.int32)  # decode-only sequences, then mixed; num_seqs
+options = {options}
+
+rng = np.random.default_rng(0)
+rows = int(cu_q_lens[distribution[2]])
+queries = (rng.standard_normal((tokens, q_heads, head_dim)) / head_dim**0.5).astype(q_dtype)  # unit-variance logits
+keys = rng.standard_normal((tokens, kv_heads, head_dim)).astype(kv_dtype)  # the new tokens
+values = rng.standard_normal((tokens, kv_heads, head_dim)).astype(kv_dtype)
+queries[rows:], keys[rows:], values[rows:] = 0, 0, 0
+cached_k = rng.standard_normal((pages * page_size, kv_heads, head_dim)).astype(kv_dtype)
+cached_v = rng.standard_normal((pages * page_size, kv_heads, head_dim)).astype(kv_dtype)
+cache_shape = v3.get_kv_cache_shape(pages, page_size, kv_heads, head_dim, kv_dtype)
+kv_cache = np.asarray(v3.merge_kv(jnp.asarray(cached_k), jnp.asarray(cached_v))).reshape(cache_shape)
+arrays = (queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution)
+
+tuning = {tuning!r}
+try:
+    expected_out, expected_cache = v3.ref_ragged_paged_attention(
+        *map(jnp.asarray, arrays), **{{k: v for k, v in options.items() if k not in tuning}}
+    )
+except ValueError as error:  # the kernel does not run this validator: it must still return
+    print("v3's reference rejects these inputs:", error)
+    expected_out = expected_cache = None
+
+returned = threading.Event()
+
+
+def watchdog():
+    if not returned.wait({hang_seconds}):
+        print("{reproduces}: the kernel did not return within {hang_seconds} s", flush=True)
+        os._exit(1)
+
+
+threading.Thread(target=watchdog, daemon=True).start()
+out, cache = jax.block_until_ready(v3.ragged_paged_attention(*map(jnp.asarray, arrays), **options))
+returned.set()
+if expected_out is None:
+    print("does not reproduce: the kernel returned")
+    sys.exit(0)
+
+got, want = np.asarray(out[:rows], np.float32), np.asarray(expected_out[:rows], np.float32)
+tolerance = 1e-4 if out.dtype == jnp.float32 else 5e-2
+wrong = ~np.isclose(got, want, rtol=tolerance, atol=tolerance)
+print(f"attention: {{int(wrong.sum())}} of {{wrong.size}} elements differ from the reference (tolerance {{tolerance}})")
+if wrong.any():
+    row, head, dim = np.argwhere(wrong)[0]
+    sequence = int(np.searchsorted(cu_q_lens[1:], row, side="right"))
+    print(f"  first at sequence {{sequence}}, token {{row - cu_q_lens[sequence]}}, head {{head}}, dim {{dim}}: "
+          f"kernel {{got[row, head, dim]}}, reference {{want[row, head, dim]}}")
+
+bits = f"u{{kv_cache.dtype.itemsize}}"
+returned_bits, expected_bits = np.asarray(cache).view(bits), np.asarray(expected_cache).view(bits)
+differs = (returned_bits != expected_bits).reshape(pages, page_size, -1).any(axis=-1)
+kept = (returned_bits == kv_cache.view(bits)).reshape(pages, page_size, -1).all(axis=-1)
+print(f"cache: {{int(differs.sum())}} of {{pages * page_size}} slots differ from the reference's")
+pages_per_seq = len(page_indices) // len(kv_lens)
+for i in range(int(distribution[2])):  # slot by slot: whose key each differing slot holds
+    q_len, kv_len = int(cu_q_lens[i + 1] - cu_q_lens[i]), int(kv_lens[i])
+    for position in range(kv_len):
+        page, slot = page_indices[i * pages_per_seq + position // page_size], position % page_size
+        if differs[page, slot]:
+            role = "a new token" if position >= kv_len - q_len else "a cached key"
+            held = "left its input contents there" if kept[page, slot] else "wrote other values"
+            print(f"  page {{page}}, slot {{slot}} (sequence {{i}}, key position {{position}}, {{role}}): the kernel {{held}}")
+
+if wrong.any() or differs.any():
+    print("{reproduces}: v3's kernel disagrees with its own reference")
+    sys.exit(1)
+print("does not reproduce: the kernel agrees with its reference")
+'''
+
+
+def script(repro: repro_files.Repro, inputs: v3.V3Inputs, description: str, generation: str) -> str:
+    """The standalone program (jax, numpy, tpu-inference) that makes the repro's v3 call on random data."""
+    q, keys, _, kv_cache, kv_lens, page_indices, cu_q_lens, distribution = inputs.args
+    pages, page_size = kv_cache.shape[:2]
+    where = f"a TPU {generation}" if generation != NONE else "a TPU"
+    return SCRIPT.format(
+        version=v3.RPA_HARNESS_VERSION.removeprefix("tpu-inference "),
+        description=description,
+        where=where,
+        q_dtype=q.dtype.name,
+        kv_dtype=keys.dtype.name,
+        tokens=q.shape[0],
+        q_heads=q.shape[1],
+        kv_heads=keys.shape[1],
+        head_dim=q.shape[2],
+        pages=pages,
+        page_size=page_size,
+        kv_lens=kv_lens.tolist(),
+        page_indices=page_indices.tolist(),
+        cu_q_lens=cu_q_lens.tolist(),
+        distribution=distribution.tolist(),
+        options=repr(inputs.kwargs),
+        tuning=TUNING_OPTIONS,
+        hang_seconds=HANG_SECONDS,
+        reproduces=REPRODUCES,
+    )
+
+
+def cpu_launcher(script_path: str, backend_name: str, generation: str) -> str:
+    """The program that runs a report's script on a CPU: rpa-harness's compat layer, the interpreter the
+    repro ran on, the chip it emulated. A deadlock the TPU interpreter finds is the hang, in seconds."""
+    params = "pltpu.InterpretParams()" if backend_name == INTERPRET else "True"
+    emulate = f", generations.emulated({generation!r})" if generation != NONE else ""
+    return "\n".join(
+        [
+            "import sys",
+            "from jax.experimental.pallas import tpu as pltpu",
+            f"from rpa_harness import {'generations, ' if emulate else ''}interpret_compat",
+            "from rpa_harness.interpret_compat.tpu import DEADLOCK_MESSAGE",
+            "",
+            "interpret_compat.install()  # patches jax's interpreters, never the kernel",
+            f"with pltpu.force_tpu_interpret_mode({params}){emulate}:",
+            "    try:",
+            f"        exec(compile(open({script_path!r}).read(), {script_path!r}, 'exec'), {{'__name__': '__main__'}})",
+            "    except Exception as error:",
+            "        found = [line for line in str(error).splitlines() if DEADLOCK_MESSAGE in line]",
+            "        if not found:",
+            "            raise",
+            f"        print('{REPRODUCES}: on a TPU the kernel would never return:', found[-1].strip())",
+            "        sys.exit(1)",
+        ]
+    )
+
+
+def run_script(program: str, backend_name: str, generation: str, directory) -> tuple[int, str]:
+    """Runs the script as the report says to (on CPU through ``cpu_launcher``, unless on a TPU); returns
+    (exit status, its output: what it printed, and the end of its error output when it printed no verdict)."""
+    path = Path(directory) / "repro.py"
+    path.write_text(program)
+    text = program if backend_name == TPU else cpu_launcher(str(path), backend_name, generation)
+    result = subprocess.run(
+        [sys.executable, "-c", text], capture_output=True, text=True, timeout=SCRIPT_TIMEOUT
+    )
+    output = result.stdout.rstrip()
+    if REPRODUCES not in output and "does not reproduce" not in output:
+        output += "\n" + "\n".join(result.stderr.strip().splitlines()[-12:])
+    return result.returncode, output.strip()
+
+
+def title(observation: Observation, issue) -> str:
+    if issue is not None:
+        return f"tpu-inference RPA v3: {issue.description}"
+    if observation.hang is not None:
+        return "tpu-inference RPA v3: the call never returns"
+    if observation.error is not None:
+        return f"tpu-inference RPA v3 raises on valid inputs: {observation.error[:100]}"
+    wrong = [name for name, bad in (("attention", not observation.comparison.ok),
+                                    ("cache", observation.cache_error is not None)) if bad]  # fmt: skip
+    return f"tpu-inference RPA v3 returns a wrong {' and '.join(wrong)}"
+
+
+def replay_command(path: str, repro: repro_files.Repro) -> str:
+    if repro.property.startswith("differential"):
+        return f"rpa-harness replay {path}"
+    return f"python -m rpa_harness.targets.tpu_inference_v3 {path}"
+
+
+def render(
+    path, repro: repro_files.Repro, backend: Backend, issue, shown_path: str, *, with_script_output=False
+):
+    """The Markdown report, or ``NothingToReport`` when the repro does not reproduce on ``backend``."""
+    observation = observe(repro, backend)
+    if not reproduces(observation, repro, issue):
+        what = (
+            f"the call raises `{observation.error}`, not what was recorded (a crash of the interpreter or "
+            "of the harness is not a reproduced bug)"
+            if observation.error is not None
+            else "v3's attention is within its precision contract and its returned cache is right"
+        )
+        raise NothingToReport(f"{path}: it does not reproduce on {backend.label}: {what}; nothing to report "
+                              f"(replay it with `{replay_command(shown_path, repro)}`)")  # fmt: skip
+    heading = title(observation, issue)
+    description = issue.description if issue is not None else heading.removeprefix("tpu-inference RPA v3 ")
+    program = script(repro, observation.inputs, description, backend.generation)
+    versions = repro_files.versions()
+    interpreter = {INTERPRET: "the Pallas TPU interpreter", FAST_INTERPRET: "the generic Pallas interpreter"}
+    sections = [
+        f"# {heading}",
+        "",
+        "## Environment",
+        "",
+        f"- {v3.RPA_HARNESS_VERSION} (`{KERNEL_FUNCTION}`, installed with `{v3.INSTALL_COMMAND}`)",
+        *(f"- {name} {version}" for name, version in versions.items() if name != "hypothesis"),
+        f"- chip: {chip_words(backend.generation)}",
+        f"- observed on: {interpreter.get(backend.name, 'a TPU')}"
+        + (
+            " on CPU, through rpa-harness's interpreter compatibility layer (jax's TPU interpreters cannot "
+            "run v3 as it ships: its `ref.bitcast`/`ref.reshape` views; the layer patches the interpreters, "
+            "never the kernel)"
+            if backend.name != TPU
+            else ""
+        ),
+        "",
+        "## The case",
+        "",
+        *case_in_words(repro),
+        *call_in_words(observation.inputs),
+        "",
+        "## Expected and actual",
+        "",
+        *expected_vs_actual(observation),
+        "",
+        *(["## Why", "", issue.explanation, ""] if issue is not None and issue.explanation else []),
+        "## Reproduce",
+        "",
+        f"The script needs only jax, numpy and tpu-inference. It runs as written on "
+        f"{'a TPU ' + backend.generation if backend.generation != NONE else 'a TPU'}"
+        " (`python repro.py`); its data is random (seed 0), its lengths, page table, block sizes and options "
+        "the case's. It compares v3's kernel with v3's own `ref_ragged_paged_attention`, the attention "
+        "within a tolerance and the returned cache slot by slot, and exits 1 while they disagree.",
+        "",
+        "```python",
+        program.rstrip(),
+        "```",
+        "",
+        "On a CPU, jax's interpreters cannot run v3 without rpa-harness's compatibility layer; with "
+        "rpa-harness installed, this runs the same script there, on the interpreter the case was observed on"
+        + (f", the CPU device reporting a TPU {backend.generation}" if backend.generation != NONE else "")
+        + ":",
+        "",
+        "```python",
+        cpu_launcher("repro.py", backend.name, backend.generation),
+        "```",
+    ]
+    if with_script_output:
+        with tempfile.TemporaryDirectory(prefix="rpa-v3-report-") as directory:
+            status, output = run_script(program, backend.name, backend.generation, directory)
+        verdict = "reproduces" if status != 0 and REPRODUCES in output else "does not reproduce"
+        sections += [
+            "",
+            f"Output of the script on this report's machine (exit status {status}: {verdict}):",
+            "",
+            "```",
+            output,
+            "```",
+        ]
+    sections += [
+        "",
+        "Found by rpa-harness (property-based differential testing of RPA kernels): "
+        f"`{replay_command(shown_path, repro)}` re-runs the exact failing inputs.",
+    ]
+    return "\n".join(sections) + "\n"

@@ -1,0 +1,97 @@
+"""`rpa-harness report` of tpu-inference v3's repros: every finding gets a report whose script runs v3
+against its own reference; a repro that does not reproduce gets none.
+
+The cache finding's report is rendered and its script run (on the TPU interpreter: the slot by slot
+comparison), the hang finding's script is run (the deadlock check standing for the watchdog), and every
+finding's script is built from its repro and checked to be standalone. ~38 s of one worker in all: the
+other findings' reports (docs/tpu-inference-v3-findings/*/report.md, each with its script's output) take
+40-95 s each on the fast interpreter.
+"""
+
+import ast
+
+import pytest
+
+v3_report = pytest.importorskip("rpa_harness.targets.tpu_inference_v3.report", exc_type=ImportError)
+
+from rpa_harness import bug_report, generations  # noqa: E402
+from rpa_harness import repro as repro_files  # noqa: E402
+from rpa_harness.backends import INTERPRET, Backend  # noqa: E402
+from rpa_harness.bug_report import NothingToReport  # noqa: E402
+from rpa_harness.targets import tpu_inference_v3 as v3  # noqa: E402
+
+FINDINGS = {issue.name: issue for issue in v3.RPA_HARNESS_CATALOGUE}
+STANDALONE_IMPORTS = {"importlib", "os", "sys", "threading", "types", "warnings", "jax", "numpy"}
+
+
+def script_of(issue) -> str:
+    repro = repro_files.read(issue.repro)
+    with generations.emulated(repro.tpu_generation):  # v3's block sizes are chosen for the chip
+        inputs = v3.v3_inputs(**repro.arrays, **repro.options)
+    return v3_report.script(repro, inputs, issue.description, repro.tpu_generation), inputs
+
+
+@pytest.mark.parametrize("name", sorted(FINDINGS))
+def test_every_findings_script_is_standalone_and_makes_the_repros_call(name):
+    """Only jax, numpy and tpu-inference (loaded from the installed folder), with v3's block sizes and
+    options of the repro: what a maintainer runs on the chip."""
+    program, inputs = script_of(FINDINGS[name])
+    tree = ast.parse(program)
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}  # fmt: skip
+    assert imported <= STANDALONE_IMPORTS and not any(isinstance(n, ast.ImportFrom) for n in ast.walk(tree))
+    assert "tpu_inference.kernels.ragged_paged_attention.v3.kernel" in program
+    assert f"options = {inputs.kwargs!r}" in program and "ref_ragged_paged_attention" in program
+    assert FINDINGS[name].explanation, f"{name}: the report's Why section is empty"
+
+
+def test_report_of_the_cache_finding_lists_the_slots_and_its_script_reproduces():
+    issue = FINDINGS["sliding-window-skips-cache-writes"]
+    report = bug_report.render(issue.repro, with_script_output=True)
+    assert report.splitlines()[0] == f"# tpu-inference RPA v3: {issue.description}"
+    expected = report.split("## Expected and actual", 1)[1].split("## Why", 1)[0]
+    assert "Attention: right" in expected
+    assert "| 2 | 0 | 0, 0 | a new token's | keeps its input contents (not written) |" in expected
+    assert "| 2 | 1 | 0, 1 | a new token's | keeps its input contents (not written) |" in expected
+    assert "v3's `ref_ragged_paged_attention` returns the expected cache, bit for bit." in expected
+    assert "- chip: no particular TPU" in report and "`(4, 2, 2, 2)` (given)" in report
+    output = report.split("Output of the script", 1)[1]
+    assert "exit status 1: reproduces" in output
+    assert (
+        "page 2, slot 0 (sequence 0, key position 0, a new token): the kernel left its input contents there"
+        in output
+    )
+    assert "attention: 0 of 640 elements differ" in output and v3_report.REPRODUCES in output
+
+
+def test_a_repro_that_does_not_reproduce_gets_no_report(monkeypatch):
+    """A v3 repro whose outputs are right now, or whose call crashes otherwise than recorded, is never
+    reported as a bug."""
+    repro = repro_files.read(FINDINGS["finite-mask-value-counts-keys-by-block"].repro)
+    inputs = v3.v3_inputs(**repro.arrays, **repro.options)
+    right = v3_report.Observation(inputs)
+    right.comparison = type("Right", (), {"ok": True})()
+    crash = v3_report.Observation(inputs, error="RuntimeError: the interpreter gave up")
+    for observation, says in ((right, "within its precision contract"), (crash, "not what was recorded")):
+        monkeypatch.setattr(v3_report, "observe", lambda repro, backend, o=observation: o)
+        with pytest.raises(
+            NothingToReport, match=f"does not reproduce on interpret: .*{says}.*replay it with"
+        ):
+            v3_report.render("x.json", repro, Backend(INTERPRET), None, "x.json")
+    hang = v3_report.Observation(inputs, hang="the TPU interpreter found a deadlock")
+    assert v3_report.reproduces(hang, repro, None)
+    recorded = v3_report.Observation(inputs, error="ValueError: Out-of-bounds read of (0 0 vmem 110)")
+    assert v3_report.reproduces(recorded, repro, FINDINGS["default-blocks-break-v3s-own-rules"])
+
+
+def test_the_hang_findings_script_reproduces_on_cpu_through_the_deadlock_check(tmp_path):
+    """On a TPU the script's watchdog takes the call for a hang; on CPU the launcher turns the TPU
+    interpreter's deadlock into the same verdict, in seconds."""
+    issue = FINDINGS["q-len-zero-before-a-live-sequence-hangs"]
+    program, _ = script_of(issue)
+    status, output = v3_report.run_script(program, INTERPRET, generations.NONE, tmp_path)
+    assert status == 1, output
+    assert "v3's reference rejects these inputs: Require 0 < q_len" in output
+    assert (
+        f"{v3_report.REPRODUCES}: on a TPU the kernel would never return" in output and "DEADLOCK" in output
+    )
