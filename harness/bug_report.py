@@ -23,7 +23,7 @@ from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, TPU, Backend
 from rpa_harness.generations import NONE
 from rpa_harness.spec.interface import ARRAY_NAMES, EXTENSION_NAMES
-from rpa_harness.targets import ALIASES, V3_TARGET, Target, first_line_of_error, load, shipped_catalogue
+from rpa_harness.targets import Target, first_line_of_error, load, shipped_catalogue
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BLOCK_OPTIONS = ("num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes")
@@ -293,14 +293,16 @@ def run_script(text: str, timeout: float = 900) -> tuple[int, str]:
 def render(path: Path, *, target_name=None, backend_name=None, with_script_output=False) -> str:
     """The Markdown report for the repro at ``path`` (re-running it on the target and backend)."""
     repro = repro_files.read(path)
-    if ALIASES.get(target_name or repro.target, target_name or repro.target) == V3_TARGET:
-        load(V3_TARGET)  # tpu-inference not installed: a TargetError naming the command that installs it
-        from rpa_harness.targets.tpu_inference_v3 import report as v3_report
-
+    target = load(target_name or repro.target)
+    if target.report is not None:  # a kernel with its own API renders its own report
         backend = Backend(backend_name or repro.backend, generation=repro.tpu_generation)
-        issue = known_issue_for(path)
-        return v3_report.render(
-            path, repro, backend, issue, _relative(path), with_script_output=with_script_output
+        return target.report(
+            path,
+            repro,
+            backend,
+            known_issue_for(path),
+            _relative(path),
+            with_script_output=with_script_output,
         )
     kind = repro.property.split("[", 1)[0]
     if not kind.startswith("differential"):
@@ -315,8 +317,6 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
             "upstream's signature, such as tpu-inference v3's); a report's script calls upstream's API and "
             f"reference, which cannot state it: replay it with `rpa-harness replay {path}`"
         )
-    # The repro's own questions first: a report it cannot have is refused before the target is imported.
-    target = load(target_name or repro.target)
     backend = Backend(backend_name or repro.backend, generation=repro.tpu_generation)
     issue = known_issue_for(path)
     observation = observe(target, backend, repro)

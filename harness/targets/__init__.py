@@ -16,6 +16,10 @@ Its profile is read from these module attributes, each optional:
 - ``RPA_HARNESS_VERSION``: the version the run header shows (default: the installed distribution's).
 - ``RPA_HARNESS_GENERATION_HOOK``: for a kernel that learns its TPU generation some way emulation does not
   cover, a function of the generation name returning a context manager (``rpa_harness.generations``).
+- ``RPA_HARNESS_REPORT``: for a kernel whose API is not upstream's, its own ``rpa-harness report``: a
+  function ``(path, repro, backend, known_issue, shown_path, *, with_script_output)`` returning the Markdown
+  report, raising ``rpa_harness.bug_report.NothingToReport`` when the repro does not reproduce (default: the
+  report for upstream's API, ``rpa_harness.bug_report``).
 
 A module that cannot declare them (jax's upstream kernel; the bundled kernel, which stays free of the
 harness) gets them from its profile module in this package (``PROFILES``). Each shipped target is one
@@ -72,6 +76,7 @@ class Target:
     catalogue: tuple = ()  # every KnownIssue of its kind (named when a failing case matches one)
     version: str | None = None
     generation_hook: Callable | None = None  # its own way of being told the emulated TPU generation
+    report: Callable | None = None  # its own upstream-ready report (None: upstream's API's)
 
     def attention(self, arrays: dict, options: dict):
         """Calls the target's kernel on NumPy inputs (converted to jax arrays, as users call it)."""
@@ -184,6 +189,7 @@ PROFILE_ATTRIBUTES = (
     "RPA_HARNESS_CATALOGUE",
     "RPA_HARNESS_VERSION",
     "RPA_HARNESS_GENERATION_HOOK",
+    "RPA_HARNESS_REPORT",
 )
 
 
@@ -252,8 +258,14 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
             f"--rpa-target={name}: RPA_HARNESS_GENERATION_HOOK is {hook!r}; declare a function of the "
             "generation name that returns a context manager"
         )
+    report = getattr(profile, "RPA_HARNESS_REPORT", None)
+    if report is not None and not callable(report):
+        raise TargetError(
+            f"--rpa-target={name}: RPA_HARNESS_REPORT is {report!r}; declare a function that renders the "
+            "report (rpa_harness.targets docstring), or leave it out for upstream's API's report"
+        )
     version = _version(name, module, profile)
-    return Target(name, module, capabilities, precision, issues, rules, catalogue, version, hook)
+    return Target(name, module, capabilities, precision, issues, rules, catalogue, version, hook, report)
 
 
 def first_line_of_error(error: BaseException) -> str:

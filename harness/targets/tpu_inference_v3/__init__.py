@@ -452,3 +452,10 @@ from rpa_harness.targets.tpu_inference_v3.rules import RULES as RPA_HARNESS_RULE
 RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
 RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
 RPA_HARNESS_VERSION = f"tpu-inference {_version('tpu-inference')}"
+
+
+def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
+    """v3's own report (``report.render``): imported when a report is asked for, not with the target."""
+    from rpa_harness.targets.tpu_inference_v3 import report
+
+    return report.render(*args, **kwargs)
