@@ -934,6 +934,8 @@ def coverage_labels(case: Case) -> list[str]:
         labels.append("multi-block sequence")
     if case.num_queries_per_block and any(a > case.num_queries_per_block for a in q):
         labels.append("sequence spans query blocks")
+    if case.num_kv_pages_per_block is None and case.num_queries_per_block is None:
+        labels.append("block sizes: the kernel's defaults")
     if case.sliding_window is not None and any(b > case.sliding_window for b in kv):
         labels.append("window active")
     if case.soft_cap is not None:

@@ -96,7 +96,7 @@ def test_every_coverage_label_occurs():
     draw()
     expected = {"batch: decode", "batch: prefill", "batch: mixed", "batch: empty", "partial last page",
                 "multi-block sequence", "sequence spans query blocks", "window active", "soft cap", "fp8 KV",
-                "fp8 KV scaled", "padding slots", "padding rows"}  # fmt: skip
+                "fp8 KV scaled", "padding slots", "padding rows", "block sizes: the kernel's defaults"}  # fmt: skip
     expected |= {f"GQA ratio {r}" for r in OUR_KERNEL.gqa_ratios}
     expected |= {f"values: {v}" for v in ("normal", "large", "ties", "tiny")}
     assert expected <= set(seen), expected - set(seen)
