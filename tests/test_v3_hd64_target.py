@@ -88,11 +88,12 @@ def test_hd64_attention_and_updated_cache_any_config(hd64_runs, repro_dir, data)
         judge(arrays, options, v3target.CHECKING)
 
 
-# One static configuration (bfloat16, 4 q heads per KV head: a multiple of the q packing), so that one
-# compilation serves every example: layouts, data and sink logits are run-time values.
+# One static configuration (bfloat16 where this jax runs it, 4 q heads per KV head: a multiple of the q
+# packing), so that one compilation serves every example: layouts, data and sink logits are run-time values.
+SINK_DTYPE = CAPABILITIES.q_dtypes[-1]
 SINK_CONFIG = dict(max_num_batched_tokens=32, max_num_seqs=4, pages_per_seq=13, total_num_pages=55,
-                   page_size=8, num_q_heads=8, num_kv_heads=2, head_dim=64, q_dtype="bfloat16",
-                   kv_dtype="bfloat16")  # fmt: skip
+                   page_size=8, num_q_heads=8, num_kv_heads=2, head_dim=64, q_dtype=SINK_DTYPE,
+                   kv_dtype=SINK_DTYPE)  # fmt: skip
 
 
 @settings(max_examples=SINK_EXAMPLES)
@@ -127,6 +128,17 @@ def test_a_dominating_sink_takes_every_weight_and_minus_inf_none(repro_dir):
     judged[:, 0::2] = without.out[:, 0::2].astype(out.dtype)  # only the -inf heads are judged
     comparison = reference.compare(judged, without, label="hd64, -inf sinks", precision=TARGET.precision)
     assert comparison.ok, str(comparison)
+
+
+def test_bfloat16_queries_need_a_jax_with_pltpu_reciprocal():
+    """Bfloat16 queries are drawn exactly where this jax has ``pltpu.reciprocal`` (jax 0.12; not 0.10.2),
+    and where it lacks it the kernel fails to trace for them with that reason."""
+    assert ("bfloat16" in CAPABILITIES.q_dtypes) == hd64target.HAS_TPU_RECIPROCAL
+    if hd64target.HAS_TPU_RECIPROCAL:
+        return
+    case = dataclasses.replace(BASE, q_dtype="bfloat16", kv_dtype="bfloat16")
+    with pytest.raises(AttributeError, match="has no attribute 'reciprocal'"):
+        v3target.CHECKING.run(TARGET.attention, case.arrays(), case.options())
 
 
 # ---- Its validators: its rules and messages (static_validate_inputs, dynamic_validate_inputs) ----
@@ -319,7 +331,10 @@ def test_hd64_issues_are_narrow():
     collect()
     for issue in hd64target.RPA_HARNESS_CATALOGUE:
         share = sum(issue.matches(case) for case in cases) / len(cases)
-        assert 0 < share <= 1 / 3, (issue.name, share)
+        if issue.name == "hd64-sink-on-padded-q-heads" and not hd64target.HAS_TPU_RECIPROCAL:
+            assert share == 0, issue.name  # bfloat16 queries only: not drawn on this jax
+        else:
+            assert 0 < share <= 1 / 3, (issue.name, share)
 
 
 @pytest.mark.xfail(

@@ -24,6 +24,7 @@ from importlib.metadata import version as _version
 
 import jax
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 from rpa_harness import generations
 from rpa_harness.spec.interface import MASK_ADDED
 from rpa_harness.targets import layouts
@@ -87,8 +88,13 @@ _stub_tuned_table_imports()
 hd64 = v3_target.load_kernel_module(_KERNEL_MODULE)
 
 HEAD_DIM = 64
+# The kernel normalises an output narrower than float32 with pltpu.reciprocal, which jax 0.10.2 lacks (it
+# has pl.reciprocal only): there it fails to trace for bfloat16 queries, on every backend, and only float32
+# queries are drawn.
+HAS_TPU_RECIPROCAL = hasattr(pltpu, "reciprocal")
 RPA_HARNESS_CAPABILITIES = dict(
     v3_target.RPA_HARNESS_CAPABILITIES,
+    q_dtypes=("float32", "bfloat16") if HAS_TPU_RECIPROCAL else ("float32",),
     head_dims=(HEAD_DIM,),  # its static validator: "Expected actual_head_dim=... to be 64."
     attention_sink=True,
     # Its only chip-dependent code is the tuned table and its fallback (get_tpu_version), v4 included.
@@ -266,4 +272,9 @@ RPA_HARNESS_VERSION = f"tpu-inference {_version('tpu-inference')} (kernel_hd64)"
 from rpa_harness.targets.tpu_inference_v3_hd64 import known_issues as _known_issues  # noqa: E402
 
 RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
-RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
+# Where bfloat16 queries cannot run (no pltpu.reciprocal), the sink finding, which needs them, is not declared.
+RPA_HARNESS_KNOWN_ISSUES = tuple(
+    issue.name
+    for issue in RPA_HARNESS_CATALOGUE
+    if HAS_TPU_RECIPROCAL or issue.name != "hd64-sink-on-padded-q-heads"
+)
