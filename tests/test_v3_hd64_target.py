@@ -238,17 +238,18 @@ def _table_entry(device, page_size, max_model_len):
     [
         ("v6e", 128, 8, _table_entry("TPU v6e", 128, 1024)),
         ("v5e", 256, 16, _table_entry("TPU v5e", 256, 4096)),
+        ("v4", 16, 300, (512 // 16, 32)),
         ("v5p", 16, 300, (2048 // 16, 32)),
         ("7x", 16, 300, (4096 // 16, 32)),
     ],
-    ids=["v6e tuned entry", "v5e tuned entry", "v5p fallback", "7x fallback"],
+    ids=["v6e tuned entry", "v5e tuned entry", "v4 fallback", "v5p fallback", "7x fallback"],
 )
 def test_block_sizes_left_to_the_kernel_come_from_its_tuned_table(
     generation, page_size, pages_per_seq, expected
 ):
     """Under emulation the kernel's own table answers, keyed by the chip's name: an entry of it, or its
-    per-chip fallback (2,048 keys a block, 4,096 on 7x; 32 query rows), clipped to the pages per sequence
-    and the token budget."""
+    per-chip fallback (2,048 keys a block, 512 on v4, 4,096 on 7x; 32 query rows), clipped to the pages per
+    sequence and the token budget."""
     case = Case(max_num_batched_tokens=64, max_num_seqs=1, pages_per_seq=pages_per_seq,
                 total_num_pages=pages_per_seq, page_size=page_size, num_q_heads=8, num_kv_heads=2,
                 head_dim=64, q_dtype="bfloat16", kv_dtype="bfloat16", q_lens=(1,), kv_lens=(3,),

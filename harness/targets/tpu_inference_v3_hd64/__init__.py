@@ -97,8 +97,9 @@ RPA_HARNESS_CAPABILITIES = dict(
     q_dtypes=("float32", "bfloat16") if HAS_TPU_RECIPROCAL else ("float32",),
     head_dims=(HEAD_DIM,),  # its static validator: "Expected actual_head_dim=... to be 64."
     attention_sink=True,
-    # Its only chip-dependent code is the tuned table and its fallback (get_tpu_version), v4 included.
-    tpu_generations=("v5e", "v5p", "v6e", "7x"),
+    # Its only chip-dependent code is the tuned table (keyed by the chip's name) and its fallback, which has
+    # an arm for v4 (512 keys a block) as well as v5/v6 (2,048) and 7x (4,096).
+    tpu_generations=("v4", "v5e", "v5p", "v6e", "7x"),
     # Its default KV block at long contexts is 2,048 keys (4,096 on 7x), copied page by page.
     min_page_size_for_long_default_blocks=64,
 )

@@ -67,11 +67,18 @@ def hd64_kv_block_not_whole_tiles(case: Case) -> bool:
 
 
 def with_whole_tile_kv_blocks(case: Case) -> Case:
-    """The smallest KV block of at least the case's pages that is whole tiles (a tuning change)."""
+    """The KV block nearest the case's, within the page table, that is whole tiles (a tuning change); the
+    case itself where there is none."""
     kv_pages, queries = _block_sizes_on(case, generations.current())
-    while kv_pages * case.page_size * _words_per_key(case) % SUBLANES:
-        kv_pages += 1
-    return dataclasses.replace(case, num_kv_pages_per_block=kv_pages, num_queries_per_block=queries)
+    whole = [
+        pages
+        for pages in range(1, case.pages_per_seq + 1)
+        if pages * case.page_size * _words_per_key(case) % SUBLANES == 0
+    ]
+    if not whole:
+        return case
+    nearest = min(whole, key=lambda pages: (abs(pages - kv_pages), pages))
+    return dataclasses.replace(case, num_kv_pages_per_block=nearest, num_queries_per_block=queries)
 
 
 def hd64_finite_mask_value_weights_keys_by_block(case: Case) -> bool:
