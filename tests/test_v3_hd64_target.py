@@ -49,20 +49,13 @@ BASE = Case(max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=3, total_num
             mask_value_meaning="replaces")  # fmt: skip
 
 
-def judge(arrays: dict, options: dict, backend: Backend):
+def judge(arrays: dict, options: dict, backend: Backend) -> None:
     """Both outputs of one call on ``backend``: raises PropertyFailure (the attention) or CacheMismatch."""
-    inputs = hd64target.hd64_inputs(**arrays, **options)
-    out, cache = backend.run(hd64target.call_hd64, inputs)
-    comparison = reference.compare(
-        out,
-        reference.oracle(**arrays, **options),
-        label=f"hd64 on {backend.label}",
-        precision=TARGET.precision,
-    )
-    if not comparison.ok:
-        raise PropertyFailure(str(comparison))
-    v3target.check_updated_cache(inputs, cache)
-    return comparison
+    verdict = hd64target.judge(arrays, options, backend)
+    if not verdict.comparison.ok:
+        raise PropertyFailure(str(verdict.comparison))
+    if verdict.cache_error is not None:
+        raise verdict.cache_error
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,8 @@ RPA_HARNESS_CAPABILITIES = dict(
     # Its only chip-dependent code is the tuned table (keyed by the chip's name) and its fallback, which has
     # an arm for v4 (512 keys a block) as well as v5/v6 (2,048) and 7x (4,096).
     tpu_generations=("v4", "v5e", "v5p", "v6e", "7x"),
-    # Its default KV block at long contexts is 2,048 keys (4,096 on 7x), copied page by page.
+    # Its default KV block at long contexts is 2,048 keys (4,096 on 7x), copied page by page in an unrolled
+    # loop: from 64-key pages on, at most 64 copies.
     min_page_size_for_long_default_blocks=64,
 )
 # Logits, the running max, sum and accumulator are float32 (m/l/acc scratch is float32; P is not rounded
@@ -239,17 +240,18 @@ def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     hd64.dynamic_validate_inputs(*arrays, **inputs.kwargs)
 
 
-def judge(
-    arrays: dict, options: dict, label: str = "tpu-inference v3 hd64 on interpret"
-) -> v3_target.Verdict:
-    """Runs the kernel once on the checking TPU interpreter and judges both outputs: the attention against
-    the float64 oracle under the declared contract, the updated cache bit for bit."""
+def judge(arrays: dict, options: dict, backend=v3_target.CHECKING) -> v3_target.Verdict:
+    """Runs the kernel once on ``backend`` (the checking TPU interpreter) and judges both outputs: the
+    attention against the float64 oracle under the declared contract, the updated cache bit for bit."""
     from rpa_harness import reference
 
     inputs = hd64_inputs(**arrays, **options)
-    out, cache = v3_target.CHECKING.run(call_hd64, inputs)
+    out, cache = backend.run(call_hd64, inputs)
     comparison = reference.compare(
-        out, reference.oracle(**arrays, **options), label=label, precision=RPA_HARNESS_PRECISION
+        out,
+        reference.oracle(**arrays, **options),
+        label=f"tpu-inference v3 hd64 on {backend.label}",
+        precision=RPA_HARNESS_PRECISION,
     )
     try:
         v3_target.check_updated_cache(inputs, cache)
