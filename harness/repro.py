@@ -155,6 +155,8 @@ def _json_default(value):
 def _option_from_json(value):
     if isinstance(value, dict) and "numpy_scalar" in value:
         return np.dtype(value["numpy_scalar"]).type(value["value"])
+    if isinstance(value, list):  # a tuple option (attention_sink): JSON has only lists
+        return tuple(value)
     return value
 
 

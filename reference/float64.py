@@ -5,8 +5,10 @@ reproduced: with ``k_scale`` (``v_scale``) the keys (values) are multiplied by t
 rounded to q's dtype before use; with ``q_scale`` (an extension: a quantised query) q is divided by it in
 q's dtype, clipped to the KV dtype's finite range and cast to the KV dtype, and the logits are multiplied
 by it (with IEEE division; where a compiler's quotient, one float32 ulp away, would quantise differently,
-the result says how far the logits may move: ``quantised_query_doubt``). ``mask_value`` is added to a masked logit or replaces it, as ``mask_value_meaning`` says. Everything else (logits, soft cap, mask, softmax, P @ V) is float64, and
-the output is not rounded: the tolerance model accounts for the rounding a kernel does.
+the result says how far the logits may move: ``quantised_query_doubt``). ``mask_value`` is added to a masked
+logit or replaces it, as ``mask_value_meaning`` says. An ``attention_sink`` logit joins its head's softmax
+denominator with no value. Everything else (logits, soft cap, mask, softmax, P @ V) is float64, and the
+output is not rounded: the tolerance model accounts for the rounding a kernel does.
 
 Only metadata of the first ``num_seqs`` sequences is read, and of those only the pages holding keys below
 kv_len, so garbage page indices and NaN in page tails, unused pages or unowned query rows never matter.
@@ -16,7 +18,7 @@ import dataclasses
 
 import ml_dtypes
 import numpy as np
-from rpa_harness.reference.tolerance import key_error_units, unit_roundoff
+from rpa_harness.reference.tolerance import key_error_units, sink_error_units, unit_roundoff
 from rpa_harness.spec.interface import (
     MASK_REPLACES,
     Options,
@@ -267,12 +269,15 @@ def _attend(
     page_size,
     rescale_unit,
     q_doubt=None,
+    sinks=None,
 ):
     """Float64 attention of a block of rows over a sequence's key chunks, with the bound ingredients.
 
-    ``q_rows`` [kv heads, rows, dim] (``q_doubt`` as it, or None), ``query_positions`` [rows, 1]. Two passes over the chunks: the first
+    ``q_rows`` [kv heads, rows, dim] (``q_doubt`` as it, or None), ``query_positions`` [rows, 1], ``sinks``
+    [kv heads, rows, 1] each row's sink logit (or None). Two passes over the chunks: the first
     finds each row's max logit and softmax denominator (online, exact to float64 rounding), the second
-    accumulates every weighted sum the result needs, so no [rows, kv_len] array is ever whole. Returns the
+    accumulates every weighted sum the result needs, so no [rows, kv_len] array is ever whole. A sink is a
+    key of value 0 before the first: it joins the max, the denominator and the weight errors. Returns the
     ``OracleResult`` quantities for these rows, each [kv heads, rows, dim].
     """
     head_dim = q_rows.shape[-1]
@@ -285,10 +290,10 @@ def _attend(
         return _logits(q_rows, chunk.k, masked, semantics, q_doubt)
 
     rows_shape = (*q_rows.shape[:2], 1)
-    top = np.full(rows_shape, -np.inf)
-    denominator = np.zeros(rows_shape)
+    top = np.full(rows_shape, -np.inf) if sinks is None else sinks
+    denominator = np.zeros(rows_shape) if sinks is None else np.where(np.isneginf(sinks), 0.0, 1.0)
     single = None
-    page_maxima = []
+    page_maxima = [] if sinks is None else [sinks]  # the sink: a page before the first
     for chunk in chunks:
         scores = logits_of(chunk)
         page_maxima.append(_page_maxima(scores[1], page_size))
@@ -300,6 +305,8 @@ def _attend(
         if len(chunks) == 1:
             single = scores
     page_exponents, rises = _rescale_exponents(np.concatenate(page_maxima, axis=-1), top, rescale_unit)
+    if sinks is not None:
+        page_exponents = page_exponents[..., 1:]
 
     out_shape = q_rows.shape
     pv, abs_pv, flushable_pv = np.zeros(out_shape), np.zeros(out_shape), np.zeros(out_shape)
@@ -312,6 +319,10 @@ def _attend(
     max_dot_abs = np.zeros(rows_shape)
     doubt_sums = {name: np.zeros(out_shape) for name in ("vv", "v", "abs")}
     doubt_total, max_doubt = np.zeros(rows_shape), np.zeros(rows_shape)
+    if sinks is not None:  # value 0: only the weight total of the logit deviation bound
+        with np.errstate(invalid="ignore"):
+            sink_probs = np.where(np.isneginf(sinks), 0.0, np.exp(sinks - top) / denominator)
+            totals["e"] += np.where(sink_probs > 0, sink_probs * sink_error_units(top - sinks), 0.0)
     for chunk in chunks:
         raw, logits, dot_abs, doubt = single if single is not None else logits_of(chunk)
         weights = np.exp(logits - top)
@@ -399,7 +410,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
     memory beyond the inputs and the result is bounded whatever kv_len is.
     """
     static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options.keywords())
-    check_extensions(options)
+    check_extensions(options, q.shape[1])
     options = options.semantics()
     q = np.asarray(q)
     kv_pages = np.asarray(kv_pages)
@@ -420,6 +431,12 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
     pages_per_seq = page_indices.shape[1]
     num_kv_heads = num_combined_kv_heads // 2
     group = num_q_heads // num_kv_heads
+    # [kv heads, group, 1]: head h = kv_head * group + g, as the query blocks below are laid out.
+    sinks = None
+    if options.attention_sink is not None:
+        sinks = (
+            np.asarray(options.attention_sink, np.float32).astype(np.float64).reshape(num_kv_heads, group, 1)
+        )
     _check_live_metadata(
         num_tokens, page_size, pages_per_seq, total_num_pages, kv_lens, cu_q_lens, page_indices, n
     )
@@ -464,6 +481,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
             if q_doubt is not None and q_doubt[rows].any():
                 doubt_block = q_doubt[rows].reshape(last - first, num_kv_heads, group, head_dim)
                 doubt_block = doubt_block.transpose(1, 2, 0, 3).reshape(q_block.shape)
+            block_sinks = None if sinks is None else np.repeat(sinks, last - first, axis=1)
             block_results = _attend(
                 q_block,
                 positions,
@@ -474,6 +492,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
                 page_size,
                 rescale_unit,
                 doubt_block,
+                block_sinks,
             )
             to_rows = (num_kv_heads, group, last - first, head_dim)
             for name, value in block_results.items():

@@ -11,7 +11,8 @@ The dtype path is the specification's: K (resp. V) is upcast to float32, multipl
 float32 (inputs are upcast exactly, probabilities are never rounded); the output is cast to q's dtype.
 With ``q_scale`` (an extension: a quantised query) q is divided by it in q's dtype, clipped to the KV
 dtype's range and cast to the KV dtype, and the logits are multiplied by it; ``mask_value_meaning`` says
-whether a masked logit gets ``mask_value`` added or is replaced by it. Keys at positions >= kv_len do not exist: they are zeroed before any product (so NaN poison in page tails
+whether a masked logit gets ``mask_value`` added or is replaced by it; an ``attention_sink`` logit joins
+its head's softmax denominator with no value. Keys at positions >= kv_len do not exist: they are zeroed before any product (so NaN poison in page tails
 cannot leak) and take no part in the softmax. Rows past ``cu_q_lens[num_seqs]`` come out as zeros.
 """
 
@@ -63,6 +64,11 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     k_scale, v_scale, q_scale = options.k_scale, options.v_scale, options.q_scale
     mask_value = options.mask_value_for(q.dtype)
     replaces = options.mask_value_meaning == MASK_REPLACES
+    sinks = None
+    if options.attention_sink is not None:  # [kv heads, group, 1], the logits' head layout
+        sinks = jnp.asarray(options.attention_sink, jnp.float32).reshape(
+            kv_pages.shape[2] // 2, q.shape[1] * 2 // kv_pages.shape[2], 1
+        )
     logit_scale = sm_scale * (1.0 if q_scale is None else q_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     total_num_pages, page_size, num_combined_kv_heads, _ = kv_pages.shape
@@ -111,9 +117,14 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
             else:
                 logits = logits + jnp.where(masked, mask_value, 0.0)[:, None, None, :]
             logits = jnp.where(key_valid, logits, -jnp.inf)
-            logits = logits - jnp.max(logits, axis=-1, keepdims=True)
-            weights = jnp.exp(logits)
-            probs = weights / jnp.sum(weights, axis=-1, keepdims=True)
+            top = jnp.max(logits, axis=-1, keepdims=True)
+            if sinks is not None:
+                top = jnp.maximum(top, sinks)
+            weights = jnp.exp(logits - top)
+            denominator = jnp.sum(weights, axis=-1, keepdims=True)
+            if sinks is not None:
+                denominator = denominator + jnp.exp(sinks - top)
+            probs = weights / denominator
             rows_out = jnp.einsum("bhgk,khd->bhgd", probs, v, precision=lax.Precision.HIGHEST)
             rows_out = rows_out.reshape(block, num_q_heads, head_dim)
             row_valid = first_row + jnp.arange(block) < q_end
@@ -139,7 +150,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     never read.
     """
     static_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options.keywords())
-    check_extensions(options)
+    check_extensions(options, q.shape[1])
     return _ragged_paged_attention(
         *(jnp.asarray(x) for x in (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)),
         options=options.semantics(),

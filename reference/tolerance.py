@@ -44,6 +44,12 @@ and each logit is known only to ``Q_k = |scale| sum_i delta_i |k_i|``; the weigh
 within exp(+-Q_k), and the output by at most ``e^D (e^D - 1) / D * sum_k p_k Q_k |v_k - o|`` with D = max_k
 Q_k (the oracle's ``query_doubt_sensitivity`` and ``max_query_doubt``), a term under every contract.
 
+An attention sink (an extension: a per-head logit in the denominator with no value) is a key of value 0
+whose logit is the sink itself: m includes it (every key's 2 (m - s_k) grows when it dominates), and its
+weight's error eps_s = 2 (m - sink) + 8 (``sink_error_units``: no product, the subtraction of the max and
+the exp) moves the output by p_s eps_s |0 - o|, which joins S. Its one more term in the denominator's sum
+is within the 3 n of the accumulation term (n >= 1 keys: 2 n + 1 <= 3 n additions).
+
 A relative error eps_k on the softmax weight of key k moves the output by sum_k p_k eps_k (v_k - o), which is
 why ``S`` weighs |v_k - o| (the oracle bounds it by the smaller of sum p eps (|v| + |o|) and the
 Cauchy-Schwarz bound sqrt(sum p eps * sum p eps (v - o)^2)). This is the ``float32`` precision contract, the default: float32 matrix products done at float32 precision
@@ -104,6 +110,10 @@ computed from the same float64 quantities; contracts combine by adding their ter
     ``pl.reciprocal(approx=True)`` (the EUP vrcp); 2**-8 is one bfloat16 rounding, which covers the CPU
     lowering (it computes the approximate reciprocal in bf16) and any hardware estimate with >= 8 correct
     bits (x86 rcpps documents 1.5 * 2**-12). A coarser estimate (a 7-bit table, 2**-7.3) is outside it.
+``approx-reciprocal-for-narrow-output``: the same approximate reciprocal where the output dtype is narrower
+    than float32, exact division for a float32 output (a kernel that divides for float32 queries and
+    multiplies by ``pltpu.reciprocal(approx=True)`` otherwise): ``2**-8 |o|`` for a narrow output, 0 for a
+    float32 one.
 
 All terms are first order in u_v, u_o and u_b except where a closed form is given; the float32 terms keep
 their margins (16 units per key in the accumulation) for the products of small errors.
@@ -133,6 +143,12 @@ def key_error_units(dot_abs, raw_logit, logit, gap, head_dim):
     return head_dim * dot_abs + 4.0 * np.abs(raw_logit) + 2.0 * np.abs(logit) + 2.0 * gap + 8.0
 
 
+def sink_error_units(gap):
+    """Relative error a float32 pipeline may put on an attention sink's weight exp(sink - m), in units of
+    u32: the sink is a float32 logit with no product, so only the subtraction of the max and the exp."""
+    return 2.0 * gap + 8.0
+
+
 def half_ulp(x, dtype):
     """Half a unit in the last place of |x| in ``dtype`` (subnormal spacing below the normal range)."""
     info = ml_dtypes.finfo(dtype)
@@ -148,6 +164,7 @@ ACCUMULATORS_IN_OUTPUT_DTYPE = "accumulators-in-output-dtype"
 BF16_MATMUL = "bf16-matmul"
 BF16X3_MATMUL = "bf16x3-matmul"
 APPROX_RECIPROCAL = "approx-reciprocal"
+APPROX_RECIPROCAL_FOR_NARROW_OUTPUT = "approx-reciprocal-for-narrow-output"
 CONTRACTS = {
     FLOAT32: "float32 logits, softmax, accumulation and matrix products, exact division (the default)",
     PROBABILITIES_IN_VALUE_DTYPE: "P rounded to V's dtype before P @ V",
@@ -155,6 +172,7 @@ CONTRACTS = {
     BF16_MATMUL: "float32 operands of both matrix products rounded to bfloat16, float32 accumulation",
     BF16X3_MATMUL: "float32 operands of both matrix products as bfloat16 hi + lo, three passes",
     APPROX_RECIPROCAL: "the normaliser's reciprocal with relative error <= 2**-8",
+    APPROX_RECIPROCAL_FOR_NARROW_OUTPUT: "approx-reciprocal where the output is narrower than float32",
 }
 DEFAULT_PRECISION = (FLOAT32,)
 APPROX_RECIPROCAL_ERROR = 2.0**-8
@@ -259,7 +277,9 @@ def contract_error(result, precision=DEFAULT_PRECISION, out_dtype=None):
         error = error + _matmul_error(result, three_pass=False)
     if BF16X3_MATMUL in precision:
         error = error + _matmul_error(result, three_pass=True)
-    if APPROX_RECIPROCAL in precision:
+    if APPROX_RECIPROCAL in precision or (
+        APPROX_RECIPROCAL_FOR_NARROW_OUTPUT in precision and out_dtype != F32
+    ):
         error = error + APPROX_RECIPROCAL_ERROR * np.abs(result.out)
     return error
 

@@ -14,9 +14,12 @@ contract in ``precision`` switches on the choice it names, the way production ke
 - bf16-matmul / bf16x3-matmul: float32 operands of both products rounded to bf16 / split into bf16 hi + lo
   (three products, lo * lo dropped), float32 accumulation;
 - approx-reciprocal: the output is acc * (1 / l) * (1 + rho) with |rho| = the stated maximum (sign drawn per
-  row), the worst an approximate reciprocal may do.
+  row), the worst an approximate reciprocal may do;
+- approx-reciprocal-for-narrow-output: that choice for an output narrower than float32 only.
 
-The options are the specification's, its extensions included (``q_scale``, ``mask_value_meaning``). Keys past
+The options are the specification's, its extensions included (``q_scale``, ``mask_value_meaning``,
+``attention_sink``: the running max starts at the sink and the running sum at its weight 1, as kernels
+with sinks initialise them). Keys past
 kv_len never enter; rows past cu_q_lens[num_seqs] are zeros. ``kv_pages_per_block`` (default 1,
 the most roundings per key) sets the KV block.
 """
@@ -28,6 +31,7 @@ from rpa_harness.reference.tolerance import (
     ACCUMULATORS_IN_OUTPUT_DTYPE,
     APPROX_RECIPROCAL,
     APPROX_RECIPROCAL_ERROR,
+    APPROX_RECIPROCAL_FOR_NARROW_OUTPUT,
     BF16_MATMUL,
     BF16X3_MATMUL,
     PROBABILITIES_IN_VALUE_DTYPE,
@@ -84,6 +88,7 @@ def contract_attention(
     v_scale=None,
     q_scale=None,
     mask_value_meaning=Options.mask_value_meaning,
+    attention_sink=None,
     **unused_block_options,
 ):
     """Ragged paged attention in float32 NumPy with the choices of ``precision``; returns q's dtype."""
@@ -115,6 +120,9 @@ def contract_attention(
         positions = kv_len - (end - start) + np.arange(end - start)
         m = np.full((num_q_heads, end - start, 1), -np.inf, np.float32)
         total = np.zeros((num_q_heads, end - start, 1), np.float32)
+        if attention_sink is not None:
+            m[...] = np.asarray(attention_sink, np.float32)[:, None, None]
+            total[...] = np.where(np.isneginf(m), np.float32(0.0), np.float32(1.0))
         acc = np.zeros((num_q_heads, end - start, head_dim), np.float32)
         for first in range(0, kv_len, block_keys):
             keys = np.arange(first, min(kv_len, first + block_keys))
@@ -146,7 +154,9 @@ def contract_attention(
                 total = rescale * total + row_sum
                 acc = rescale * acc + block_pv
             m = m_new
-        if APPROX_RECIPROCAL in precision:
+        if APPROX_RECIPROCAL in precision or (
+            APPROX_RECIPROCAL_FOR_NARROW_OUTPUT in precision and out_dtype != F32
+        ):
             sign = rng.choice(np.array([-1.0, 1.0], np.float32), size=total.shape)
             rows_out = acc * (
                 (np.float32(1.0) / total) * (np.float32(1.0) + sign * np.float32(APPROX_RECIPROCAL_ERROR))

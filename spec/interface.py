@@ -60,6 +60,11 @@ class Options:
     q_scale: float | None = dataclasses.field(default=None, metadata=EXTENSION)
     # MASK_ADDED (upstream's) or MASK_REPLACES; see MASK_VALUE_MEANINGS.
     mask_value_meaning: str = dataclasses.field(default=MASK_ADDED, metadata=EXTENSION)
+    # Attention sinks: one float32 logit per q head (a tuple, so that options stay hashable and static).
+    # Head h's sink joins the softmax denominator of every row of head h and contributes no value:
+    # o = sum_k exp(s_k - m) v_k / (exp(sink_h - m) + sum_k exp(s_k - m)), m = max(sink_h, max_k s_k).
+    # A sink of -inf is no sink; a large one takes the weight from every key. None: no sinks.
+    attention_sink: tuple[float, ...] | None = dataclasses.field(default=None, metadata=EXTENSION)
 
     def keywords(self) -> dict:
         """Upstream's options as keyword arguments (what upstream's signature takes)."""
@@ -292,11 +297,32 @@ def mask_value_meaning_message(meaning) -> str:
     return f"mask_value_meaning={meaning!r} must be one of {MASK_VALUE_MEANINGS}."
 
 
-def check_extensions(options: Options) -> None:
-    """The extension options' own rules (a scale must be a float or None)."""
+def attention_sink_type_message(attention_sink) -> str:
+    return (
+        f"attention_sink={attention_sink!r} ({type(attention_sink).__name__}) must be None or a tuple of "
+        "Python floats, one logit per q head; pass tuple(float(x) for x in sinks)."
+    )
+
+
+def attention_sink_length_message(length, num_q_heads) -> str:
+    return (
+        f"attention_sink has {length} logits but q has num_q_heads={num_q_heads}; pass one logit per q head."
+    )
+
+
+def check_extensions(options: Options, num_q_heads: int) -> None:
+    """The extension options' own rules: a known mask meaning, a float (or None) q_scale, one float sink
+    logit per q head (``num_q_heads``, q.shape[1])."""
     if options.mask_value_meaning not in MASK_VALUE_MEANINGS:
         raise ValueError(mask_value_meaning_message(options.mask_value_meaning))
     _check_scale("q_scale", options.q_scale)
+    sink = options.attention_sink
+    if sink is None:
+        return
+    if not isinstance(sink, tuple) or not all(isinstance(x, float) for x in sink):
+        raise ValueError(attention_sink_type_message(sink))
+    if len(sink) != num_q_heads:
+        raise ValueError(attention_sink_length_message(len(sink), num_q_heads))
 
 
 def _check_scale(name, value):

@@ -212,6 +212,8 @@ class Case(Options):
         fields["q_lens"] = tuple(fields["q_lens"])
         fields["kv_lens"] = tuple(fields["kv_lens"])
         fields["garbage_values"] = tuple(fields.get("garbage_values", ()))
+        if fields.get("attention_sink") is not None:
+            fields["attention_sink"] = tuple(float(x) for x in fields["attention_sink"])
         return cls(**fields)
 
     def describe(self) -> str:

@@ -182,6 +182,9 @@ class Capabilities:
     mask_value_meaning: str = MASK_ADDED
     # Whether the target takes q_scale (an extension option: a quantised query).
     q_scale: bool = False
+    # Whether the target takes attention_sink (an extension option: one logit per q head that joins the
+    # softmax denominator with no value).
+    attention_sink: bool = False
     # Whether a K/V scale has upstream's meaning: the scaled cache is rounded to q's dtype. If not
     # (a kernel may fold k_scale into the score scale and apply v_scale after P @ V, unrounded), no
     # scale is drawn where that rounding is lossy, i.e. where the KV dtype is wider than q's.
@@ -254,6 +257,10 @@ KV_SCALES = (0.5, 2.0, 0.0625)
 # q / q_scale is clipped to the KV dtype's range: 0.01 clips |q| > 4.48 for fp8 e4m3fn (max 448), 1e-4 clips
 # most of q for e4m3fn and |q| > 5.7 for e5m2 (max 57344); 0.3 is inexact in every dtype.
 Q_SCALES = (0.5, 2.0, 0.3, 0.01, 1e-4)
+# Attention sink logits, drawn per q head: from no weight at all (-inf, -1e30, a large finite negative)
+# through the range of the rows' logits to dominating every row (100 leaves the keys weights below
+# float32's normal range, 1e4 leaves them none).
+SINK_LOGITS = (0.0, float("-inf"), -1e30, -1e4, -3.0, 1.0, 5.0, 30.0, 100.0, 1e4)
 QUERY_BLOCKS = (8, 1, 3, 16, 32)
 VMEM_LIMITS = (32 * 2**20, 64 * 2**20)
 # What options() draws each option's value from when it is set (None, the default mask, is a value too).
@@ -578,6 +585,10 @@ POOL = (
     # than IEEE's, one element moves by a bfloat16 ulp of a value near 10^4 (the oracle's query doubt).
     (dict(bucket="tiny", page_size=16, num_kv_heads=2, gqa_ratio=3, head_dim=256, q_dtype="float32",
           kv_dtype="bfloat16"), dict(q_scale=1e-4)),
+    # Attention sinks from no weight to dominating the row, cycled over the q heads (pool() fits them).
+    (dict(bucket="small", page_size=8, num_kv_heads=2, gqa_ratio=4, head_dim=64, q_dtype="bfloat16",
+          kv_dtype="bfloat16"), dict(attention_sink=(1.0, -1e30, 5.0, 100.0, float("-inf"), -3.0, 0.0, 30.0),
+                                     sliding_window=16)),
 )  # fmt: skip
 
 
@@ -616,6 +627,10 @@ def pool(capabilities: Capabilities = WHOLE_SPACE) -> list[tuple[dict, dict]]:
             if set(opts) == {"q_scale"}:
                 continue  # an entry that exists for its quantised query
             opts.pop("q_scale", None)
+        if "attention_sink" in opts:
+            if not capabilities.attention_sink:
+                continue  # an entry that exists for its sinks
+            opts["attention_sink"] = _sinks_for(opts["attention_sink"], config["num_q_heads"])
         if capabilities.needs_block_sizes:
             opts = {**required_block_sizes(config), **opts}
         if "num_kv_pages_per_block" in opts:
@@ -628,6 +643,11 @@ def pool(capabilities: Capabilities = WHOLE_SPACE) -> list[tuple[dict, dict]]:
             opts.pop("v_scale", None)
         entries.append((config, opts))
     return entries
+
+
+def _sinks_for(logits: tuple[float, ...], num_q_heads: int) -> tuple[float, ...]:
+    """One sink logit per q head, cycling through ``logits``."""
+    return tuple(logits[h % len(logits)] for h in range(num_q_heads))
 
 
 def _kv_scales_paired(capabilities: Capabilities, config: dict) -> bool:
@@ -656,6 +676,9 @@ def options(draw, config: dict, capabilities: Capabilities = WHOLE_SPACE) -> dic
         drawn["mask_value_meaning"] = capabilities.mask_value_meaning
     if capabilities.q_scale:
         drawn["q_scale"] = draw(optional(Q_SCALES))
+    if capabilities.attention_sink and draw(st.booleans()):
+        sink = st.sampled_from(SINK_LOGITS)
+        drawn["attention_sink"] = tuple(draw(sink) for _ in range(config["num_q_heads"]))
     if _kv_scales_paired(capabilities, config) and (drawn["k_scale"] is None) != (drawn["v_scale"] is None):
         drawn["k_scale"] = drawn["v_scale"] = None
     if _kv_scales_unspecified(capabilities, config):
@@ -944,6 +967,8 @@ def coverage_labels(case: Case) -> list[str]:
         labels.append("fp8 KV" + (" scaled" if case.k_scale or case.v_scale else ""))
     if case.q_scale is not None:
         labels.append("q_scale")
+    if case.attention_sink is not None:
+        labels.append("attention sink")
     if case.mask_value not in (None, DEFAULT_MASK_VALUE):
         labels.append(f"mask_value {case.mask_value_meaning}")
     labels.append(f"GQA ratio {case.num_q_heads // case.num_kv_heads}")

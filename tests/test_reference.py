@@ -408,8 +408,12 @@ ORACLE_QUANTITIES = ("out", "abs_pv", "flushable_pv", "logit_sensitivity", "dot_
 
 @pytest.mark.parametrize(
     "extensions",
-    [{}, dict(mask_value=-2.0, mask_value_meaning="replaces", q_scale=0.3)],
-    ids=["upstream's semantics", "v3's: replaced mask, q_scale"],
+    [
+        {},
+        dict(mask_value=-2.0, mask_value_meaning="replaces", q_scale=0.3),
+        dict(attention_sink=(30.0, float("-inf"), -1.0, 2.0)),
+    ],
+    ids=["upstream's semantics", "v3's: replaced mask, q_scale", "attention sinks"],
 )
 def test_oracle_in_key_chunks_equals_the_oracle_in_one_chunk(monkeypatch, extensions):
     """Long sequences are streamed in key chunks (production shapes); small cases never are, so force it."""

@@ -1,5 +1,5 @@
-"""The extension options (rpa_harness.spec.interface.EXTENSION_NAMES: q_scale, mask_value_meaning) stay out of
-upstream's interface and are computed by both judges.
+"""The extension options (rpa_harness.spec.interface.EXTENSION_NAMES: q_scale, mask_value_meaning,
+attention_sink) stay out of upstream's interface and are computed by both judges.
 
 Upstream's kernel and ours keep upstream's signature: neither takes an extension keyword, and the
 strategies draw one only for a target whose capabilities declare it.
@@ -12,15 +12,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from rpa_harness import kernel, reference
-from rpa_harness.spec.interface import EXTENSION_NAMES, MASK_REPLACES, OPTION_NAMES, Options
+from rpa_harness.reference.variants import contract_attention
+from rpa_harness.spec.interface import EXTENSION_NAMES, MASK_REPLACES, OPTION_NAMES, Options, check_extensions
 from rpa_harness.strategies.case import Case
-from rpa_harness.strategies.valid import Capabilities, valid_cases
+from rpa_harness.strategies.valid import SINK_LOGITS, Capabilities, valid_cases
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
 
-# What tpu-inference v3 declares (harness/tpu_inference_v3.py), without importing it.
-EXTENDED = Capabilities(mask_value_meaning=MASK_REPLACES, q_scale=True, page_size_multiple_of_kv_packing=True)
+# What tpu-inference v3's head_dim-64 kernel declares (harness/targets/tpu_inference_v3_hd64/), without
+# importing it, for every head_dim.
+EXTENDED = Capabilities(
+    mask_value_meaning=MASK_REPLACES, q_scale=True, page_size_multiple_of_kv_packing=True, attention_sink=True
+)
 TINY = Case(max_num_batched_tokens=8, max_num_seqs=1, pages_per_seq=3, total_num_pages=4, page_size=4,
             num_q_heads=1, num_kv_heads=1, head_dim=64, q_lens=(2,), kv_lens=(3,), poison=False)  # fmt: skip
 
@@ -46,14 +51,16 @@ def test_extensions_are_drawn_only_when_declared(capabilities, data):
 @settings(max_examples=40, deadline=None)
 @given(case=valid_cases(EXTENDED))
 def test_reference_matches_oracle_with_extensions(case):
-    """The jnp reference and the float64 oracle agree on the extension semantics too."""
+    """The jnp reference and the float32 calibration variant agree with the float64 oracle on the extension
+    semantics too, within the float32 contract."""
     arrays, options = case.arrays(), case.options()
-    comparison = reference.compare(
-        reference.ragged_paged_attention(**arrays, **options),
-        reference.oracle(**arrays, **options),
-        label="reference",
-    )
-    assert comparison.ok, f"{case.describe()}\n{comparison}"
+    expected = reference.oracle(**arrays, **options)
+    for label, actual in (
+        ("reference", reference.ragged_paged_attention(**arrays, **options)),
+        ("float32 variant", contract_attention(**arrays, **options)),
+    ):
+        comparison = reference.compare(actual, expected, label=label)
+        assert comparison.ok, f"{case.describe()}\n{comparison}"
 
 
 def test_replacing_mask_value_weights_masked_keys():
@@ -80,3 +87,83 @@ def test_q_scale_clips_to_the_kv_range_and_casts():
     expected = np.array([100.0, -448.0, 30.0], np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
     np.testing.assert_array_equal(got, expected)
     assert Options(q_scale=0.5).extension_keywords() == {"q_scale": 0.5}
+
+
+# Two KV heads of two q heads, a prefill of 3 rows over 6 keys: every row sees a different key count.
+SINKS = Case(max_num_batched_tokens=8, max_num_seqs=1, pages_per_seq=3, total_num_pages=4, page_size=4,
+             num_q_heads=4, num_kv_heads=2, head_dim=64, q_lens=(3,), kv_lens=(6,), sm_scale=0.125,
+             attention_sink=(-1.0, 0.5, 3.0, float("-inf")), poison=False)  # fmt: skip
+
+
+def _softmax_with_a_zero_value_column(case: Case) -> np.ndarray:
+    """[q_len, heads, dim]: each head's softmax over [sink, logits] applied to [0, values], in float64."""
+    arrays = case.arrays()
+    q = arrays["q"][: case.num_tokens].astype(np.float64)
+    kv = (
+        arrays["kv_pages"][arrays["page_indices"][0]].reshape(-1, 4, 64)[: case.kv_lens[0]].astype(np.float64)
+    )
+    group = case.num_q_heads // case.num_kv_heads
+    k, v = np.repeat(kv[:, 0::2], group, axis=1), np.repeat(kv[:, 1::2], group, axis=1)
+    logits = np.einsum("qhd,khd->hqk", q, k) * case.sm_scale
+    positions = case.kv_lens[0] - case.q_lens[0] + np.arange(case.q_lens[0])
+    logits = np.where(np.arange(case.kv_lens[0])[None, None, :] > positions[None, :, None], -np.inf, logits)
+    sinks = np.broadcast_to(np.asarray(case.attention_sink)[:, None, None], (*logits.shape[:2], 1))
+    with_sink = np.concatenate([sinks, logits], axis=-1)
+    weights = np.exp(with_sink - with_sink.max(axis=-1, keepdims=True))
+    probs = weights / weights.sum(axis=-1, keepdims=True)
+    values = np.concatenate([np.zeros((1, *v.shape[1:])), v])
+    return np.einsum("hqk,khd->qhd", probs, values)
+
+
+def test_a_sink_is_a_softmax_column_whose_value_is_zero():
+    """The oracle's sinks against an independent statement of them: one more logit per head in the softmax,
+    with a value of 0."""
+    out = reference.oracle(**SINKS.arrays(), **SINKS.options()).out[: SINKS.num_tokens]
+    np.testing.assert_allclose(out, _softmax_with_a_zero_value_column(SINKS), rtol=1e-12, atol=1e-15)
+    without = reference.oracle(**SINKS.arrays(), **dataclasses.replace(SINKS, attention_sink=None).options())
+    assert not np.allclose(out[:, :3], without.out[: SINKS.num_tokens, :3], rtol=1e-3)  # the sinks weigh
+
+
+def test_a_sink_of_minus_inf_is_no_sink_and_a_dominating_one_takes_every_weight():
+    case = dataclasses.replace(SINKS, attention_sink=(float("-inf"), -1e30, 1e4, float("-inf")))
+    arrays = case.arrays()
+    out = reference.oracle(**arrays, **case.options()).out
+    without = reference.oracle(**arrays, **dataclasses.replace(case, attention_sink=None).options()).out
+    np.testing.assert_array_equal(out[:3, [0, 1, 3]], without[:3, [0, 1, 3]])
+    assert not out[:3, 2].any()  # exp(s - 1e4) is 0 in float64: no key keeps a weight
+    jnp_out = np.asarray(reference.ragged_paged_attention(**arrays, **case.options()))
+    jnp_without = np.asarray(
+        reference.ragged_paged_attention(**arrays, **dataclasses.replace(case, attention_sink=None).options())
+    )
+    np.testing.assert_array_equal(jnp_out[:3, [0, 1, 3]], jnp_without[:3, [0, 1, 3]])
+    assert not jnp_out[:3, 2].any()
+
+
+@pytest.mark.parametrize(
+    ("sinks", "message"),
+    [
+        ((0.0, 1.0), "attention_sink has 2 logits but q has num_q_heads=4; pass one logit per q head."),
+        ([0.0] * 4, "attention_sink=[0.0, 0.0, 0.0, 0.0] (list) must be None or a tuple of Python floats"),
+        (
+            (0.0, 1, 2.0, 3.0),
+            "attention_sink=(0.0, 1, 2.0, 3.0) (tuple) must be None or a tuple of Python floats",
+        ),
+    ],
+    ids=["too few", "a list", "an int"],
+)
+def test_sink_rules_name_the_value_and_the_fix(sinks, message):
+    with pytest.raises(ValueError) as raised:
+        check_extensions(Options(attention_sink=sinks), 4)
+    assert str(raised.value).startswith(message)
+    with pytest.raises(ValueError):
+        reference.oracle(**SINKS.arrays(), **dataclasses.replace(SINKS, attention_sink=sinks).options())
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_sinks_are_drawn_per_q_head_for_a_target_that_declares_them(data):
+    case = data.draw(valid_cases(EXTENDED, pooled=data.draw(st.booleans())))
+    if case.attention_sink is not None:
+        assert len(case.attention_sink) == case.num_q_heads
+        assert set(case.attention_sink) <= set(SINK_LOGITS)
+        assert Case.from_json(case.to_json()) == case  # a tuple again, hashable

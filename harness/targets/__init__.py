@@ -23,7 +23,7 @@ Its profile is read from these module attributes, each optional:
 
 A module that cannot declare them (jax's upstream kernel; the bundled kernel, which stays free of the
 harness) gets them from its profile module in this package (``PROFILES``). Each shipped target is one
-module here: ``bundled``, ``upstream``, ``tpu_inference_v3``.
+module here: ``bundled``, ``upstream``, ``tpu_inference_v3``, ``tpu_inference_v3_hd64``.
 """
 
 import dataclasses
@@ -47,6 +47,7 @@ DEFAULT_TARGET = "rpa_harness.kernel"  # the bundled kernel
 LEGACY_DEFAULT_TARGET = "kernel"  # its folder's name, which a checkout can still pass
 UPSTREAM_TARGET = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
 V3_TARGET = "rpa_harness.targets.tpu_inference_v3"
+V3_HD64_TARGET = "rpa_harness.targets.tpu_inference_v3_hd64"
 REQUIRED_FUNCTIONS = ("ragged_paged_attention", "dynamic_validate_inputs")
 # Profile modules of targets that do not declare their own (module attributes as above).
 PROFILES = {
@@ -55,10 +56,10 @@ PROFILES = {
     f"{UPSTREAM_TARGET}.kernel": "rpa_harness.targets.upstream",
 }
 # Shorter names a shipped target is also known by on the command line and in repros.
-ALIASES = {"rpa_harness.tpu_inference_v3": V3_TARGET}
+ALIASES = {"rpa_harness.tpu_inference_v3": V3_TARGET, "rpa_harness.tpu_inference_v3_hd64": V3_HD64_TARGET}
 # The modules holding shipped targets' catalogues (RPA_HARNESS_CATALOGUE): their issues can be named by
 # --rpa-known-issues for any target whose kernel is installed.
-SHIPPED_CATALOGUES = ("rpa_harness.targets.upstream", V3_TARGET)
+SHIPPED_CATALOGUES = ("rpa_harness.targets.upstream", V3_TARGET, V3_HD64_TARGET)
 
 
 class TargetError(Exception):

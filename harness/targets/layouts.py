@@ -10,6 +10,7 @@ ways, each converted here both ways, so that their adapter is a signature mappin
 - a flat page list instead of a table (per-sequence page offsets, or page-aligned cumulative kv lengths):
   ``flat_page_list`` / ``page_table_from_flat``;
 - tpu-inference v3's cache packed into 32-bit words: ``values_per_word``, ``pack_cache`` / ``unpack_cache``;
+  its head_dim-64 kernel's, each head's K and V side by side in one 128-lane row: ``pack_cache_side_by_side``;
 - the new tokens' keys and values as separate inputs that the kernel writes into the cache:
   ``split_new_tokens`` (and ``NewTokens.poisoned_cache``).
 
@@ -278,6 +279,24 @@ def pack_cache(kv_pages) -> np.ndarray:
     padded = np.zeros((pages, page_size, _align(heads_x2, packing), _align(head_dim, LANES)), kv_pages.dtype)
     padded[:, :, :heads_x2, :head_dim] = kv_pages
     return padded.reshape(pages, page_size, padded.shape[2] // packing, packing, padded.shape[3])
+
+
+def pack_cache_side_by_side(kv_pages) -> np.ndarray:
+    """Upstream's cache in the layout of tpu-inference v3's head_dim-64 kernel: ``[pages, page_size,
+    align(kv_heads, packing) // packing, packing, 2 * head_dim]``, each head's K in ``[..., :head_dim]`` and
+    its V in ``[..., head_dim:]``, zero in the padded heads.
+
+    An odd count of combined heads is packed too (K one head more than V, V's missing head zero): the
+    kernel's validators must see K and V head counts that differ (``split_new_tokens``).
+    """
+    kv_pages = _array("pack_cache_side_by_side", "kv_pages", kv_pages, 4, UPSTREAM_CACHE)
+    packing = values_per_word(kv_pages.dtype)
+    pages, page_size, heads_x2, head_dim = kv_pages.shape
+    heads = -(-heads_x2 // 2)
+    rows = np.zeros((pages, page_size, _align(heads, packing), 2 * head_dim), kv_pages.dtype)
+    rows[:, :, :heads, :head_dim] = kv_pages[:, :, 0::2]
+    rows[:, :, : heads_x2 // 2, head_dim:] = kv_pages[:, :, 1::2]
+    return rows.reshape(pages, page_size, rows.shape[2] // packing, packing, rows.shape[3])
 
 
 def unpack_cache(packed, *, num_kv_heads: int, head_dim: int) -> np.ndarray:

@@ -42,8 +42,9 @@ DEFAULT_QUERIES_PER_BLOCK = 8
 DEFAULT_KV_PAGES_PER_BLOCK = 2
 
 
-def _load_kernel_module() -> types.ModuleType:
-    """Imports v3's kernel module without running ``tpu_inference/__init__.py`` (it imports vllm).
+def load_kernel_module(name: str) -> types.ModuleType:
+    """Imports a module of tpu-inference's v3 kernels (``name``) without running ``tpu_inference/__init__.py``
+    (it imports vllm).
 
     The package entries are stubs whose ``__path__`` is the installed folder, so the kernel's absolute
     imports of its siblings (``...v3.util``) resolve to the installed files.
@@ -55,16 +56,16 @@ def _load_kernel_module() -> types.ModuleType:
                 f"tpu-inference is not installed; install its RPA v3 kernel with `{INSTALL_COMMAND}` "
                 "(--no-deps: the kernel needs only jax, and the package's own dependencies include vllm)"
             )
-        name, path = "", list(spec.submodule_search_locations)[0]
+        package, path = "", list(spec.submodule_search_locations)[0]
         for part in ("tpu_inference", "kernels", "ragged_paged_attention", "v3"):
-            name, path = (f"{name}.{part}", os.path.join(path, part)) if name else (part, path)
-            stub = types.ModuleType(name)
+            package, path = (f"{package}.{part}", os.path.join(path, part)) if package else (part, path)
+            stub = types.ModuleType(package)
             stub.__path__ = [path]
-            sys.modules.setdefault(name, stub)
-    return importlib.import_module(_KERNEL_MODULE)
+            sys.modules.setdefault(package, stub)
+    return importlib.import_module(name)
 
 
-v3 = _load_kernel_module()
+v3 = load_kernel_module(_KERNEL_MODULE)
 
 # What the strategies draw for v3 (fields of rpa_harness.strategies.valid.Capabilities). Outside of it: q_len == 0 (v3
 # forbids it and hangs on it: tests/test_v3_target.py) and page sizes v3 rejects for a KV dtype.
@@ -157,6 +158,20 @@ def _vmem_limit(vmem_limit_bytes: int | None) -> int | None:
     return vmem_limit_bytes
 
 
+def replacing_mask_value(mask_value: float | None, mask_value_meaning: str) -> float | None:
+    """The ``mask_value`` to pass to a v3 kernel, which replaces a masked logit with it (None: its default,
+    which masks fully). With upstream's meaning (added) only its defaults have a v3 counterpart."""
+    if mask_value_meaning == MASK_REPLACES:
+        return mask_value
+    if mask_value in (None, UPSTREAM_DEFAULT_MASK_VALUE):
+        return None
+    raise ValueError(
+        f"mask_value={mask_value!r} with mask_value_meaning={mask_value_meaning!r}: v3 replaces a masked "
+        f"logit with mask_value, so an added mask has no v3 counterpart; pass "
+        f"mask_value_meaning={MASK_REPLACES!r} (or the default mask_value)"
+    )
+
+
 def v3_inputs(
     q,
     kv_pages,
@@ -188,16 +203,7 @@ def v3_inputs(
     tokens returns NaN, and the cache it must return is the case's cache, packed. Padding rows of the new
     keys/values are NaN where q's padding row is NaN (poisoned cases), zero otherwise.
     """
-    if mask_value_meaning == MASK_REPLACES:
-        v3_mask_value = mask_value
-    elif mask_value in (None, UPSTREAM_DEFAULT_MASK_VALUE):
-        v3_mask_value = None
-    else:
-        raise ValueError(
-            f"mask_value={mask_value!r} with mask_value_meaning={mask_value_meaning!r}: v3 replaces a masked "
-            f"logit with mask_value, so an added mask has no v3 counterpart; pass "
-            f"mask_value_meaning={MASK_REPLACES!r} (or the default mask_value)"
-        )
+    v3_mask_value = replacing_mask_value(mask_value, mask_value_meaning)
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
     # v3 receives the metadata as given (its validators judge dtypes and shapes); the split reads only the
     # entries that exist: invalid metadata is v3's validators' business.
@@ -268,20 +274,22 @@ def v3_inputs(
 _JITTED: dict = {}
 
 
-def _jitted(kwargs: dict):
-    """v3 under jit, one per option set: v3 donates its inputs to its outputs (jit keeps the caller's
-    arrays), and each static configuration compiles once. Keyed by each value's type and repr, so that
-    options that compare equal but render differently (``-0.0`` and ``0.0``, ``1`` and ``1.0``) keep
-    their own compilation, and v3's messages, which render them, stay theirs."""
-    key = tuple(sorted((name, type(value).__name__, repr(value)) for name, value in kwargs.items()))
+def jitted(kernel, kwargs: dict):
+    """``kernel`` (a v3 kernel function) under jit, one per option set: v3's kernels donate their inputs to
+    their outputs (jit keeps the caller's arrays), and each static configuration compiles once. Keyed by
+    each value's type and repr, so that options that compare equal but render differently (``-0.0`` and
+    ``0.0``, ``1`` and ``1.0``) keep their own compilation, and the kernel's messages, which render them,
+    stay theirs."""
+    key = (kernel, *sorted((name, type(value).__name__, repr(value)) for name, value in kwargs.items()))
     if key not in _JITTED:
-        _JITTED[key] = jax.jit(lambda *arrays: v3.ragged_paged_attention(*arrays, **kwargs))
+        _JITTED[key] = jax.jit(lambda *arrays: kernel(*arrays, **kwargs))
     return _JITTED[key]
 
 
 def call_v3(inputs: V3Inputs):
     """Runs v3 (on whatever backend the caller's context selects): ``(attention, updated packed cache)``."""
-    return _jitted(inputs.kwargs)(*map(jax.device_put, inputs.args))  # no per-shape compile (targets.as_jax)
+    arrays = map(jax.device_put, inputs.args)  # no per-shape compile (targets.as_jax)
+    return jitted(v3.ragged_paged_attention, inputs.kwargs)(*arrays)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
@@ -411,15 +419,14 @@ def judge(arrays: dict, options: dict, label: str = "tpu-inference v3 on interpr
     return Verdict(comparison, None, None)
 
 
-def main(argv=None) -> int:
-    """``python -m rpa_harness.targets.tpu_inference_v3 REPRO.json``: re-runs a v3 repro (attention and updated cache)
-    on the TPU interpreter; exit 1 while it fails (a deadlock the interpreter finds prints ``hangs: ...``),
-    0 once it passes, 2 for an unreadable repro."""
+def replay(argv, program: str, judge_repro) -> int:
+    """``python -m PROGRAM REPRO.json``: re-runs a repro with ``judge_repro(arrays, options)`` (a
+    ``Verdict``) on the TPU interpreter; exit 1 while it fails (a deadlock the interpreter finds prints
+    ``hangs: ...``), 0 once it passes, 2 for an unreadable repro, 4 for a usage error."""
     from rpa_harness import repro
 
-    argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m rpa_harness.targets.tpu_inference_v3 REPRO.json", file=sys.stderr)
+        print(f"usage: python -m {program} REPRO.json", file=sys.stderr)
         return 4
     try:
         pair = repro.read(argv[0])
@@ -429,7 +436,7 @@ def main(argv=None) -> int:
     if pair.case is not None:
         print(pair.case.describe())
     try:
-        verdict = judge(pair.arrays, pair.options)
+        verdict = judge_repro(pair.arrays, pair.options)
     except Deadlock as deadlock:  # the hang, found by the TPU interpreter's deadlock check
         print(f"hangs: {deadlock}")
         return 1
@@ -441,6 +448,11 @@ def main(argv=None) -> int:
         if verdict.known_finding:
             print(f"  (exactly the slots of docs/tpu-inference-v3-findings/{verdict.known_finding})")
     return 0 if verdict.comparison.ok and verdict.cache_error is None else 1
+
+
+def main(argv=None) -> int:
+    """``python -m rpa_harness.targets.tpu_inference_v3 REPRO.json``: replays a v3 repro, both outputs."""
+    return replay(sys.argv[1:] if argv is None else argv, "rpa_harness.targets.tpu_inference_v3", judge)
 
 
 # The rest of the profile: v3's validators' rule table, and its known issues (docs/tpu-inference-v3-findings/:

@@ -86,7 +86,7 @@ def drop_empty_sequences_before_live_ones(case: Case) -> Case:
     return keep_sequences(case, [not (q[i] == 0 and any(q[i + 1 :])) for i in range(case.num_seqs)])
 
 
-def _v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
+def v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
     """[q_len, num_q_heads] largest logit over keys [0, kv_len), v3's semantics: q quantised with q_scale,
     k_scale and q_scale folded into the score scale, soft cap, masked logits replaced by mask_value."""
     q, k = sequence_queries_and_keys(case, arrays, seq)
@@ -119,7 +119,7 @@ def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
         if start == 0 and effective == end == case.kv_lens[seq]:
             continue
         arrays = arrays or case_arrays(case)
-        row_max = _v3_row_max_logits(case, arrays, seq, case.mask_value)[first : first + rows]
+        row_max = v3_row_max_logits(case, arrays, seq, case.mask_value)[first : first + rows]
         if (case.mask_value - row_max > FLOAT32_EXP_UNDERFLOW).any():
             return True
     return False
