@@ -12,6 +12,7 @@ MODULES = (
     "tests/test_error_map.py",
     "tests/test_generation_matrix.py",
     "tests/test_generations.py",
+    "tests/test_v3_hd64_target.py",
     "tests/test_v3_report.py",
     "tests/test_v3_target.py",
 )
