@@ -132,6 +132,38 @@ def block_sizes(tokens_per_block: int, chunk_unit: int) -> tuple[int, int]:
     return tokens_per_block, (units // 2 if units > 0 and units % 2 == 0 else units) * chunk_unit
 
 
+def given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq: int):
+    """``(query rows, KV pages)`` per block to pass to a v3 kernel, or None where it chooses its own: on a
+    TPU generation (real or emulated) with neither given. Off one, the target's defaults fill what is not
+    given (8 rows, 2 pages): the kernels' tuned tables need a chip."""
+    if num_queries_per_block is None and num_kv_pages_per_block is None and generations.on_a_tpu_generation():
+        return None
+    return (
+        DEFAULT_QUERIES_PER_BLOCK if num_queries_per_block is None else num_queries_per_block,
+        min(DEFAULT_KV_PAGES_PER_BLOCK, pages_per_seq)
+        if num_kv_pages_per_block is None
+        else num_kv_pages_per_block,
+    )
+
+
+def kernel_arguments(q, tokens, cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> tuple:
+    """The positional arguments both v3 kernels take: q, the new tokens' keys and values, the packed cache
+    (their slots poisoned), the metadata as given with the page table flat, and the distribution (the
+    leading decodes run by the decode kernel)."""
+    decodes = decode_prefix(tokens.q_lens)
+    num_live = int(np.asarray(num_seqs).reshape(-1)[0])
+    return (
+        q,
+        tokens.keys,
+        tokens.values,
+        cache,
+        np.asarray(kv_lens),
+        np.asarray(page_indices).reshape(-1),
+        np.asarray(cu_q_lens),
+        np.array([decodes, decodes, num_live], np.int32),
+    )
+
+
 def v3_default_block_sizes(q, kv_cache, num_kv_heads: int, max_num_seqs: int, pages_per_seq: int, case):
     """(bq, bkv, bq_chunk, bkv_chunk) that v3 chooses for its ``case`` kernel (``RpaCase.DECODE`` or
     ``MIXED``) on the chip it sees (its ``get_default_block_sizes``, called with the arguments v3 passes)."""
@@ -208,23 +240,14 @@ def v3_inputs(
     # v3 receives the metadata as given (its validators judge dtypes and shapes); the split reads only the
     # entries that exist: invalid metadata is v3's validators' business.
     tokens = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    page_table_given = np.asarray(page_indices)
-    n = int(np.asarray(num_seqs).reshape(-1)[0])
-    page_size, pages_per_seq = kv_pages.shape[1], page_table_given.shape[1]
-    decodes = decode_prefix(tokens.q_lens)
+    page_size, pages_per_seq = kv_pages.shape[1], np.asarray(page_indices).shape[1]
     packed_cache = layouts.pack_cache(tokens.poisoned_cache(kv_pages))
-    own_defaults = (
-        num_queries_per_block is None and num_kv_pages_per_block is None and generations.on_a_tpu_generation()
-    )
+    given = given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
+    own_defaults = given is None
     if own_defaults:
         passed = decode_sizes = mixed_sizes = None  # v3's defaults for the chip, known once it validated
     else:
-        bq = DEFAULT_QUERIES_PER_BLOCK if num_queries_per_block is None else num_queries_per_block
-        bkv_pages = (
-            min(DEFAULT_KV_PAGES_PER_BLOCK, pages_per_seq)
-            if num_kv_pages_per_block is None
-            else num_kv_pages_per_block
-        )
+        bq, bkv_pages = given
         bq, bq_chunk = block_sizes(bq, 1)
         bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
         passed = decode_sizes = mixed_sizes = (bq, bkv, bq_chunk, bkv_chunk)
@@ -240,16 +263,7 @@ def v3_inputs(
         m_block_sizes=passed,
         vmem_limit_bytes=_vmem_limit(vmem_limit_bytes),
     )
-    args = (
-        q,
-        tokens.keys,
-        tokens.values,
-        packed_cache,
-        np.asarray(kv_lens),
-        page_table_given.reshape(-1),
-        np.asarray(cu_q_lens),
-        np.array([decodes, decodes, n], np.int32),
-    )
+    args = kernel_arguments(q, tokens, packed_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     if own_defaults:
         # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,
         # not an assertion of the sizing helpers.

@@ -25,7 +25,6 @@ from importlib.metadata import version as _version
 import jax
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
-from rpa_harness import generations
 from rpa_harness.spec.interface import MASK_ADDED
 from rpa_harness.targets import layouts
 from rpa_harness.targets import tpu_inference_v3 as v3_target
@@ -158,15 +157,10 @@ def hd64_inputs(
     replacing mask value (None) is the kernel's default (-0.7 * float32 max, replaced): both mask fully."""
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
     tokens = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    page_table = np.asarray(page_indices)
-    n = int(np.asarray(num_seqs).reshape(-1)[0])
-    decodes = v3_target.decode_prefix(tokens.q_lens)
-    tuned = num_queries_per_block is None and num_kv_pages_per_block is None
-    if not (tuned and generations.on_a_tpu_generation()):
-        if num_queries_per_block is None:
-            num_queries_per_block = v3_target.DEFAULT_QUERIES_PER_BLOCK
-        if num_kv_pages_per_block is None:
-            num_kv_pages_per_block = min(v3_target.DEFAULT_KV_PAGES_PER_BLOCK, page_table.shape[1])
+    pages_per_seq = np.asarray(page_indices).shape[1]
+    given = v3_target.given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
+    if given is not None:
+        num_queries_per_block, num_kv_pages_per_block = given
     kwargs = dict(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
@@ -181,15 +175,9 @@ def hd64_inputs(
     replacing = v3_target.replacing_mask_value(mask_value, mask_value_meaning)
     if replacing is not None:  # None: the kernel's default (passed as None, it fails to trace: a finding)
         kwargs["mask_value"] = replacing
+    cache = layouts.pack_cache_side_by_side(tokens.poisoned_cache(kv_pages))
     args = (
-        q,
-        tokens.keys,
-        tokens.values,
-        layouts.pack_cache_side_by_side(tokens.poisoned_cache(kv_pages)),
-        np.asarray(kv_lens),
-        page_table.reshape(-1),
-        np.asarray(cu_q_lens),
-        np.array([decodes, decodes, n], np.int32),
+        *v3_target.kernel_arguments(q, tokens, cache, kv_lens, page_indices, cu_q_lens, num_seqs),
         sink_array(attention_sink),
     )
     block_sizes = (num_kv_pages_per_block, num_queries_per_block)
@@ -197,7 +185,7 @@ def hd64_inputs(
         # It validates its inputs before it looks its block sizes up: an invalid input raises its message.
         hd64.static_validate_inputs(*args, **kwargs)
         block_sizes = tuned_block_sizes(
-            q, kv_pages.dtype, tokens.keys.shape[1], kv_pages.shape[1], page_table.shape[1], sliding_window
+            q, kv_pages.dtype, tokens.keys.shape[1], kv_pages.shape[1], pages_per_seq, sliding_window
         )
     return Hd64Inputs(
         args,
@@ -220,10 +208,14 @@ def tuned_block_sizes(q, kv_dtype, num_kv_heads: int, page_size: int, pages_per_
     )  # fmt: skip
 
 
+def _device_arrays(inputs: Hd64Inputs) -> list:
+    """The kernel's positional arguments as jax arrays (no sinks stays None)."""
+    return [None if a is None else jax.device_put(a) for a in inputs.args]
+
+
 def call_hd64(inputs: Hd64Inputs):
     """Runs the kernel (on whatever backend the caller's context selects): ``(attention, updated cache)``."""
-    arrays = [None if a is None else jax.device_put(a) for a in inputs.args]
-    return v3_target.jitted(hd64.ragged_paged_attention_hd64, inputs.kwargs)(*arrays)
+    return v3_target.jitted(hd64.ragged_paged_attention_hd64, inputs.kwargs)(*_device_arrays(inputs))
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
@@ -236,8 +228,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
 def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
     """The kernel's own ``dynamic_validate_inputs`` (its rules, its messages) on the mapped inputs."""
     inputs = hd64_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
-    arrays = [None if a is None else jax.device_put(a) for a in inputs.args]
-    hd64.dynamic_validate_inputs(*arrays, **inputs.kwargs)
+    hd64.dynamic_validate_inputs(*_device_arrays(inputs), **inputs.kwargs)
 
 
 def judge(arrays: dict, options: dict, backend=v3_target.CHECKING) -> v3_target.Verdict:
