@@ -116,27 +116,42 @@ def expected_vs_actual(observation: Observation) -> list[str]:
     if c.ok:
         return ["The kernel now agrees with the float64 reference on this case: the repro passes."]
     w = c.worst
-    lines = [
+    own = observation.module_reference
+    return [
         f"Worst element: sequence {w.sequence}, token {w.token} (output row {w.row}), head {w.head}, dim {w.dim}.",
         "",
-        "| | value |",
-        "|---|---|",
-        f"| expected (float64 reference) | {w.expected:.9g} |",
-    ]
-    if observation.module_reference is not None:
-        lines.append(
-            f"| the module's own `ref_ragged_paged_attention` | {observation.module_reference:.9g} |"
-        )
-    lines += [
-        f"| actual (kernel) | {w.actual:.9g} |",
-        f"| error | {w.error:.3g} (the harness's bound for this element: {w.bound:.3g}) |",
+        *worst_element_table(
+            c,
+            expected="expected (float64 reference)",
+            own_reference=None if own is None else ("the module's own `ref_ragged_paged_attention`", own),
+            actual="actual (kernel)",
+        ),
         "",
         f"{c.num_over} of {c.num_checked} output elements of the live rows are off "
         f"({c.nonfinite} non-finite).",
+        *error_map_block(c),
     ]
-    if c.error_map is not None:
-        lines += ["", "```", c.error_map.render(indent=""), "```"]
-    return lines
+
+
+def worst_element_table(comparison, *, expected: str, own_reference, actual: str) -> list[str]:
+    """The worst element as a Markdown table: the oracle's value, the kernel's own reference's (a
+    ``(label, value)`` pair, or None), the kernel's, and the error against the harness's bound."""
+    w = comparison.worst
+    lines = ["| | value |", "|---|---|", f"| {expected} | {w.expected:.9g} |"]
+    if own_reference is not None:
+        label, value = own_reference
+        lines.append(f"| {label} | {value:.9g} |")
+    return lines + [
+        f"| {actual} | {w.actual:.9g} |",
+        f"| error | {w.error:.3g} (the harness's bound for this element: {w.bound:.3g}) |",
+    ]
+
+
+def error_map_block(comparison) -> list[str]:
+    """The map of where the output is wrong, as a Markdown code block (none for a non-numeric failure)."""
+    if comparison.error_map is None:
+        return []
+    return ["", "```", comparison.error_map.render(indent=""), "```"]
 
 
 SCRIPT_REFERENCE = '''

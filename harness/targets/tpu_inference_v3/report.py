@@ -29,7 +29,7 @@ import numpy as np
 from rpa_harness import reference
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend, Deadlock
-from rpa_harness.bug_report import NothingToReport, case_in_words
+from rpa_harness.bug_report import NothingToReport, case_in_words, error_map_block, worst_element_table
 from rpa_harness.generations import NONE
 from rpa_harness.targets import first_line_of_error
 from rpa_harness.targets import tpu_inference_v3 as v3
@@ -167,26 +167,22 @@ def attention_in_words(observation: Observation) -> list[str]:
             "precision contract)."
         ]
     w = c.worst
-    lines = [
+    own = observation.own_reference
+    return [
         f"Attention: {c.num_over + c.nonfinite} of {c.num_checked} output elements of the live rows are "
         f"wrong ({c.nonfinite} non-finite). Worst: sequence {w.sequence}, token {w.token} (row {w.row}), "
         f"head {w.head}, dim {w.dim}.",
         "",
-        "| | value |",
-        "|---|---|",
-        f"| expected (float64 oracle) | {w.expected:.9g} |",
+        *worst_element_table(
+            c,
+            expected="expected (float64 oracle)",
+            own_reference=None
+            if own is None
+            else (f"v3's `{REFERENCE_FUNCTION}`", own[w.row, w.head, w.dim]),
+            actual="actual (v3's kernel)",
+        ),
+        *error_map_block(c),
     ]
-    if observation.own_reference is not None:
-        lines.append(
-            f"| v3's `{REFERENCE_FUNCTION}` | {observation.own_reference[w.row, w.head, w.dim]:.9g} |"
-        )
-    lines += [
-        f"| actual (v3's kernel) | {w.actual:.9g} |",
-        f"| error | {w.error:.3g} (the harness's bound for this element: {w.bound:.3g}) |",
-    ]
-    if c.error_map is not None:
-        lines += ["", "```", c.error_map.render(indent=""), "```"]
-    return lines
 
 
 def cache_in_words(observation: Observation) -> list[str]:
