@@ -64,17 +64,15 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     k_scale, v_scale, q_scale = options.k_scale, options.v_scale, options.q_scale
     mask_value = options.mask_value_for(q.dtype)
     replaces = options.mask_value_meaning == MASK_REPLACES
-    sinks = None
-    if options.attention_sink is not None:  # [kv heads, group, 1], the logits' head layout
-        sinks = jnp.asarray(options.attention_sink, jnp.float32).reshape(
-            kv_pages.shape[2] // 2, q.shape[1] * 2 // kv_pages.shape[2], 1
-        )
     logit_scale = sm_scale * (1.0 if q_scale is None else q_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     total_num_pages, page_size, num_combined_kv_heads, _ = kv_pages.shape
     max_num_seqs, pages_per_seq = page_indices.shape
     num_kv_heads = num_combined_kv_heads // 2
     group = num_q_heads // num_kv_heads
+    sinks = None
+    if options.attention_sink is not None:  # [kv heads, group, 1], the logits' head layout
+        sinks = jnp.asarray(options.attention_sink, jnp.float32).reshape(num_kv_heads, group, 1)
     max_kv_len = pages_per_seq * page_size
     block = _query_block_rows(num_tokens, max_num_seqs, num_q_heads, max_kv_len)
 
