@@ -97,6 +97,15 @@ def v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> 
     return np.where(masked[:, None, :], mask_value, logits).max(axis=-1)
 
 
+def finite_replacing_mask_value(case: Case) -> bool:
+    """A finite mask_value that replaces the masked logits: the mask value that gives masked keys weight."""
+    return (
+        case.mask_value_meaning == MASK_REPLACES
+        and case.mask_value is not None
+        and math.isfinite(case.mask_value)
+    )
+
+
 def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
     """A finite replacing mask_value with a weight exp(mask_value - row max) that does not underflow, in a
     query block whose visited keys are not exactly [0, kv_len) with every value kept.
@@ -108,11 +117,7 @@ def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
     0. The masked keys that get weight, and with what value, are set by the block sizes. Its reference
     gives every masked key in [0, kv_len) the weight with its value, and no other key.
     """
-    if (
-        case.mask_value_meaning != MASK_REPLACES
-        or case.mask_value is None
-        or not math.isfinite(case.mask_value)
-    ):
+    if not finite_replacing_mask_value(case):
         return False
     arrays = None
     for seq, first, rows, start, effective, end in _v3_query_blocks(case):

@@ -12,7 +12,6 @@ mapping of the case (``hd64_inputs``): the case's, or the tuned table's for the 
 
 import dataclasses
 import functools
-import math
 
 import numpy as np
 from rpa_harness import generations
@@ -23,10 +22,14 @@ from rpa_harness.known_issues import (
     case_arrays,
     findings_dir,
 )
-from rpa_harness.spec.interface import MASK_REPLACES, values_per_word
+from rpa_harness.spec.interface import values_per_word
 from rpa_harness.strategies.case import Case
 from rpa_harness.targets import tpu_inference_v3_hd64 as hd64
-from rpa_harness.targets.tpu_inference_v3.known_issues import v3_row_max_logits, with_v3_default_mask_value
+from rpa_harness.targets.tpu_inference_v3.known_issues import (
+    finite_replacing_mask_value,
+    v3_row_max_logits,
+    with_v3_default_mask_value,
+)
 
 FINDINGS = findings_dir("tpu-inference-v3-findings")
 
@@ -90,11 +93,7 @@ def hd64_finite_mask_value_weights_keys_by_block(case: Case) -> bool:
     a sliding window skips. Its reference gives every masked key in [0, kv_len) the weight with its value,
     and no other key.
     """
-    if (
-        case.mask_value_meaning != MASK_REPLACES
-        or case.mask_value is None
-        or not math.isfinite(case.mask_value)
-    ):
+    if not finite_replacing_mask_value(case):
         return False
     kv_pages, _ = _block_sizes_on(case, generations.current())
     block = kv_pages * case.page_size
