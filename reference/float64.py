@@ -41,6 +41,8 @@ class OracleResult:
 
     out: np.ndarray  # float64 [T, num_q_heads, head_dim]; NaN in rows no sequence owns
     out_dtype: np.dtype  # the dtype the specification returns (q's)
+    accumulator_dtype: np.dtype  # the dtype of the softmax statistics and the result before the output
+    # dtype (the ``out_dtype`` option, else q's)
     q_dtype: np.dtype
     kv_dtype: np.dtype
     row_sequence: np.ndarray  # int [T]: owning sequence, -1 past cu_q_lens[num_seqs]
@@ -60,7 +62,7 @@ class OracleResult:
     value_underflow: (
         np.ndarray
     )  # float64 [T, H, D]: sum_k min(p_k, half the value dtype's smallest subnormal) (|v_k| + |o|)
-    # For a running max stored and rescaled in the output dtype (unit roundoff u = ``rescale_unit``, q's):
+    # For a running max stored and rescaled in the accumulator dtype (unit roundoff u = ``rescale_unit``):
     # with r_k the row's running max over whole pages through key k's page, m = max_k s_k, and n_k the
     # number of pages after k's where the running max rises (a KV block of whole pages rises at most as often):
     rescale_unit: float
@@ -284,7 +286,7 @@ def _attend(
 
     def logits_of(chunk):
         keys = chunk.positions[None, :]
-        masked = keys > query_positions
+        masked = (keys > query_positions) & options.use_causal_mask
         if options.sliding_window is not None:
             masked |= query_positions - options.sliding_window >= keys
         return _logits(q_rows, chunk.k, masked, semantics, q_doubt)
@@ -449,7 +451,8 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
     results["out"][:] = np.nan
     value_dtype = _value_dtype(kv_pages.dtype, options.v_scale, q.dtype)
     value_subnormal = _half_smallest_subnormal(value_dtype)
-    rescale_unit = unit_roundoff(q.dtype)
+    accumulator_dtype = options.accumulator_dtype(q.dtype)
+    rescale_unit = unit_roundoff(accumulator_dtype)
     row_sequence = np.full(num_tokens, -1)
     row_token = np.full(num_tokens, -1)
     row_kv_len = np.zeros(num_tokens, np.int64)
@@ -502,6 +505,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
 
     return OracleResult(
         out_dtype=q.dtype,
+        accumulator_dtype=accumulator_dtype,
         q_dtype=q.dtype,
         kv_dtype=kv_pages.dtype,
         row_sequence=row_sequence,

@@ -107,7 +107,7 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
             positions = kv_len - q_len + block_idx * block + jnp.arange(block, dtype=jnp.int32)
-            masked = key_ids[None, :] > positions[:, None]
+            masked = (key_ids[None, :] > positions[:, None]) & options.use_causal_mask
             if sliding_window is not None:
                 masked |= positions[:, None] - sliding_window >= key_ids[None, :]
             if replaces:
@@ -136,6 +136,9 @@ def _ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
 
     live_seqs = jnp.clip(num_seqs[0], 0, max_num_seqs)
     out = lax.fori_loop(0, live_seqs, attend_sequence, out)
+    accumulator_dtype = options.accumulator_dtype(q.dtype)
+    if jnp.dtype(accumulator_dtype).itemsize < jnp.dtype(q.dtype).itemsize:
+        out = out.astype(accumulator_dtype)  # the result is rounded to it before it is stored in q's
     return out[:num_tokens].astype(q.dtype)
 
 

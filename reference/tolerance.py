@@ -29,7 +29,8 @@ d * A_k                       q.k: d products and d-1 additions (bf16/fp8 produc
 flush + n * 2**-126            weights exp(s_k - m) < 2**-125 and products p_k v_k below float32's
                               normal range may be flushed to zero (``flush`` = sum p_k |v_k| over
                               those keys, the oracle's ``flushable_pv``): absolute, ~1e-38
-half_ulp_out(|o| + e32)       round-to-nearest into the output dtype (f32: 2**-24, bf16: 2**-8 rel.)
+half_ulp_out(|o| + e32)       round-to-nearest into the output dtype (f32: 2**-24, bf16: 2**-8 rel.),
+                              or into the accumulator dtype (``out_dtype``) where that is narrower
 tiny_out                      a result flushed to zero (smallest normal of the output dtype)
 ============================  ===============================================================
 
@@ -69,7 +70,8 @@ computed from the same float64 quantities; contracts combine by adding their ter
     for e4m3): ``u_v (sum p|v| + |o|) + sum_k min(p_k, zeta_v) (|v_k| + |o|)`` (the |o| parts cover a
     normaliser summed from the rounded weights).
 ``accumulators-in-output-dtype``: the running max m, the running sum l and the unnormalised output acc are
-    stored in the output dtype (q's), and the per-block updates are done in it:
+    stored in the accumulator dtype (the ``out_dtype`` option, else q's), and the per-block updates are
+    done in it:
     the block's row max is rounded before m = max(m, row max), the weights exp(s - m) are float32, the
     block's row sum and its P @ V are rounded to the output dtype, the rescale factor alpha = exp(m_prev -
     m) is computed from the two stored maxima in the output dtype, and l = alpha l + row sum, acc = alpha
@@ -234,15 +236,16 @@ def _matmul_error(result, three_pass):
     return logits + products
 
 
-def _accumulator_error(result, out_dtype):
-    """What storing m, l and acc in the output dtype adds: see the module docstring."""
-    if out_dtype == F32:
+def _accumulator_error(result, accumulator_dtype):
+    """What storing m, l and acc in the accumulator dtype adds: see the module docstring."""
+    if accumulator_dtype == F32:
         return 0.0
-    u_out = unit_roundoff(out_dtype)
+    u_out = unit_roundoff(accumulator_dtype)
     if u_out > result.rescale_unit:
         raise ValueError(
-            f"the oracle tempered its rescale weights for unit roundoff {result.rescale_unit:g} (q's dtype "
-            f"{result.q_dtype}), less than {out_dtype}'s {u_out:g}; judge an output in q's dtype"
+            f"the oracle tempered its rescale weights for unit roundoff {result.rescale_unit:g} (the "
+            f"accumulator dtype {result.accumulator_dtype}), less than {accumulator_dtype}'s {u_out:g}; judge "
+            "an output accumulated in that dtype"
         )
     blocks = -(-result.row_kv_len // result.page_size)[:, None, None]
     # Roundings on a key's path through l or acc: its block's row sum or P @ V, its block's sum, then a sum
@@ -272,7 +275,7 @@ def contract_error(result, precision=DEFAULT_PRECISION, out_dtype=None):
         u_value = unit_roundoff(result.value_dtype)
         error = error + u_value * (result.abs_pv + np.abs(result.out)) + result.value_underflow
     if ACCUMULATORS_IN_OUTPUT_DTYPE in precision:
-        error = error + _accumulator_error(result, out_dtype)
+        error = error + _accumulator_error(result, np.dtype(result.accumulator_dtype))
     if BF16_MATMUL in precision:
         error = error + _matmul_error(result, three_pass=False)
     if BF16X3_MATMUL in precision:
@@ -297,9 +300,11 @@ def error_bound(result, out_dtype=None, precision=DEFAULT_PRECISION):
         + contract_error(result, precision, out_dtype)
     )
     underflow = result.flushable_pv + result.row_kv_len[:, None, None] * TINY32
+    # The result is rounded to the accumulator dtype, then stored in the output dtype: the narrower rounds.
+    rounded_to = min(out_dtype, np.dtype(result.accumulator_dtype), key=lambda dtype: dtype.itemsize)
     with np.errstate(invalid="ignore"):
-        rounding = np.where(np.isfinite(e32), half_ulp(magnitude + e32, out_dtype), np.inf)
-    return e32 + underflow + rounding + float(ml_dtypes.finfo(out_dtype).tiny)
+        rounding = np.where(np.isfinite(e32), half_ulp(magnitude + e32, rounded_to), np.inf)
+    return e32 + underflow + rounding + float(ml_dtypes.finfo(rounded_to).tiny)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,6 +65,25 @@ class Options:
     # o = sum_k exp(s_k - m) v_k / (exp(sink_h - m) + sum_k exp(s_k - m)), m = max(sink_h, max_k s_k).
     # A sink of -inf is no sink; a large one takes the weight from every key. None: no sinks.
     attention_sink: tuple[float, ...] | None = dataclasses.field(default=None, metadata=EXTENSION)
+    # Causal attention (True): query t of a sequence sees keys [0, kv_len - q_len + t]. False: every query
+    # of a sequence sees all its keys, [0, kv_len) (an encoder, or a multimodal prefix); a sliding window
+    # still hides the keys at or before position - sliding_window.
+    use_causal_mask: bool = dataclasses.field(default=True, metadata=EXTENSION)
+    # The dtype a kernel keeps its softmax statistics and accumulator in, and rounds the result to before
+    # it is stored in q's dtype (the output's dtype whatever this is): "float32" or "bfloat16". A precision
+    # choice: the exact result is the same, the bound follows the declared precision contract. None: q's.
+    out_dtype: str | None = dataclasses.field(default=None, metadata=EXTENSION)
+    # The rest only choose how a kernel runs (TUNING: the output is the same).
+    # The caller's promise that no key past kv_len needs masking: attention is not causal and every live
+    # kv_len is a whole number of the kernel's KV blocks (num_kv_pages_per_block pages).
+    skip_kv_mask: bool = dataclasses.field(default=False, metadata={**EXTENSION, **TUNING})
+    # The sequences after the leading decodes whose q_len equals it run in a kernel compiled for that
+    # q_len (a chunked prefill); None: no such kernel.
+    chunk_prefill_size: int | None = dataclasses.field(default=None, metadata={**EXTENSION, **TUNING})
+    # Whether the kernel writes the new tokens' keys and values into the cache it returns (an API with
+    # that write: tpu-inference's). False (a KV-shared layer): the cache already holds them, every key is
+    # read from it, and the returned cache is the input, bit for bit.
+    update_kv_cache: bool = dataclasses.field(default=True, metadata={**EXTENSION, **TUNING})
 
     def keywords(self) -> dict:
         """Upstream's options as keyword arguments (what upstream's signature takes)."""
@@ -90,16 +109,24 @@ class Options:
             mask_value = DEFAULT_MASK_VALUE
         return dataclasses.replace(self, mask_value=mask_value, **tuning)
 
-    def mask_value_for(self, out_dtype) -> float:
-        """The mask value a call uses: ``None`` resolved per meaning (a replacing mask's default depends on
-        the output dtype, so it is resolved here rather than in ``semantics()``)."""
+    def mask_value_for(self, q_dtype) -> float:
+        """The mask value a call uses: ``None`` resolved per meaning (a replacing mask's default is the
+        lowest value of the accumulator dtype, so it is resolved here rather than in ``semantics()``)."""
         if self.mask_value is not None:
             return self.mask_value
         if self.mask_value_meaning == MASK_REPLACES:
             import ml_dtypes  # numpy's finfo does not know bfloat16
 
-            return float(ml_dtypes.finfo(out_dtype).min)
+            return float(ml_dtypes.finfo(self.accumulator_dtype(q_dtype)).min)
         return DEFAULT_MASK_VALUE
+
+    def accumulator_dtype(self, q_dtype):
+        """The dtype the softmax statistics and the accumulator are kept in: ``out_dtype``, else q's."""
+        if self.out_dtype is None:
+            return q_dtype
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, self.out_dtype, None) or self.out_dtype)
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options) if not f.metadata.get("extension"))
@@ -310,12 +337,45 @@ def attention_sink_length_message(length, num_q_heads) -> str:
     )
 
 
+OUT_DTYPES = ("float32", "bfloat16")
+
+
+def flag_not_bool_message(name, value) -> str:
+    return f"{name}={value!r} ({type(value).__name__}) must be True or False."
+
+
+def skip_kv_mask_causal_message() -> str:
+    return (
+        "skip_kv_mask=True with use_causal_mask=True: a causal mask must mask keys; skip the KV mask only "
+        "for non-causal attention (use_causal_mask=False) whose kv_lens are whole KV blocks."
+    )
+
+
+def chunk_prefill_size_message(chunk_prefill_size) -> str:
+    return f"chunk_prefill_size={chunk_prefill_size!r} must be None or a positive int: a prefill chunk's q_len."
+
+
+def out_dtype_message(out_dtype) -> str:
+    return f"out_dtype={out_dtype!r} must be None or one of {OUT_DTYPES}."
+
+
 def check_extensions(options: Options, num_q_heads: int) -> None:
     """The extension options' own rules: a known mask meaning, a float (or None) q_scale, one float sink
-    logit per q head (``num_q_heads``, q.shape[1])."""
+    logit per q head (``num_q_heads``, q.shape[1]), bool flags (the KV mask skipped only without the
+    causal one), a positive chunk size and a known accumulator dtype."""
     if options.mask_value_meaning not in MASK_VALUE_MEANINGS:
         raise ValueError(mask_value_meaning_message(options.mask_value_meaning))
     _check_scale("q_scale", options.q_scale)
+    for name in ("use_causal_mask", "skip_kv_mask", "update_kv_cache"):
+        if not isinstance(getattr(options, name), bool):
+            raise ValueError(flag_not_bool_message(name, getattr(options, name)))
+    if options.skip_kv_mask and options.use_causal_mask:
+        raise ValueError(skip_kv_mask_causal_message())
+    size = options.chunk_prefill_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
+        raise ValueError(chunk_prefill_size_message(size))
+    if options.out_dtype is not None and options.out_dtype not in OUT_DTYPES:
+        raise ValueError(out_dtype_message(options.out_dtype))
     sink = options.attention_sink
     if sink is None:
         return

@@ -13,7 +13,13 @@ import math
 import numpy as np
 from hypothesis import event, reject
 from hypothesis import strategies as st
-from rpa_harness.spec.interface import DEFAULT_MASK_VALUE, MASK_ADDED, MASK_VALUE_MEANINGS, values_per_word
+from rpa_harness.spec.interface import (
+    DEFAULT_MASK_VALUE,
+    MASK_ADDED,
+    MASK_VALUE_MEANINGS,
+    OUT_DTYPES,
+    values_per_word,
+)
 from rpa_harness.strategies.case import DTYPES, Case
 
 
@@ -185,6 +191,16 @@ class Capabilities:
     # Whether the target takes attention_sink (an extension option: one logit per q head that joins the
     # softmax denominator with no value).
     attention_sink: bool = False
+    # Whether the target takes each of these extension options (rpa_harness.spec.interface.Options says what
+    # each means): non-causal attention (use_causal_mask=False), an accumulator dtype (out_dtype), the KV
+    # mask skipped (skip_kv_mask, drawn with non-causal attention and whole-KV-block kv_lens), a chunked
+    # prefill kernel (chunk_prefill_size, drawn as the q_len of the first sequence after the decodes) and
+    # a cache that is read, not written (update_kv_cache=False).
+    non_causal: bool = False
+    out_dtype: bool = False
+    skip_kv_mask: bool = False
+    chunk_prefill_size: bool = False
+    update_kv_cache: bool = False
     # Whether a K/V scale has upstream's meaning: the scaled cache is rounded to q's dtype. If not
     # (a kernel may fold k_scale into the score scale and apply v_scale after P @ V, unrounded), no
     # scale is drawn where that rounding is lossy, i.e. where the KV dtype is wider than q's.
@@ -262,6 +278,7 @@ Q_SCALES = (0.5, 2.0, 0.3, 0.01, 1e-4)
 # float32's normal range, 1e4 leaves them none).
 SINK_LOGITS = (0.0, float("-inf"), -1e30, -1e4, -3.0, 1.0, 5.0, 30.0, 100.0, 1e4)
 QUERY_BLOCKS = (8, 1, 3, 16, 32)
+CHUNK_PREFILL_SIZES = (8, 2, 16)  # replaced by a layout's prefill q_len where it has one
 VMEM_LIMITS = (32 * 2**20, 64 * 2**20)
 # What options() draws each option's value from when it is set (None, the default mask, is a value too).
 _RUNTIME_OPTION_VALUES = dict(
@@ -679,6 +696,14 @@ def options(draw, config: dict, capabilities: Capabilities = WHOLE_SPACE) -> dic
     if capabilities.attention_sink and draw(st.booleans()):
         sink = st.sampled_from(SINK_LOGITS)
         drawn["attention_sink"] = tuple(draw(sink) for _ in range(config["num_q_heads"]))
+    if capabilities.non_causal:
+        drawn["use_causal_mask"] = draw(st.sampled_from((True, False)))
+    if capabilities.out_dtype:
+        drawn["out_dtype"] = draw(optional(OUT_DTYPES))
+    if capabilities.update_kv_cache:
+        drawn["update_kv_cache"] = draw(st.sampled_from((True, False)))
+    if capabilities.chunk_prefill_size and draw(st.booleans()):
+        drawn["chunk_prefill_size"] = draw(st.sampled_from(CHUNK_PREFILL_SIZES))  # fit_options_to_layout
     if _kv_scales_paired(capabilities, config) and (drawn["k_scale"] is None) != (drawn["v_scale"] is None):
         drawn["k_scale"] = drawn["v_scale"] = None
     if _kv_scales_unspecified(capabilities, config):
@@ -691,7 +716,51 @@ def options(draw, config: dict, capabilities: Capabilities = WHOLE_SPACE) -> dic
     else:
         drawn["num_kv_pages_per_block"] = draw(st.none() | kv_blocks)
         drawn["num_queries_per_block"] = draw(st.none() | query_blocks)
+    if capabilities.skip_kv_mask and drawn.get("use_causal_mask") is False:
+        drawn["skip_kv_mask"] = draw(st.booleans())  # kept only with a KV block: fit_options_to_layout
     return drawn
+
+
+def whole_kv_blocks(q_lens, kv_lens, *, block_keys: int, capacity: int, page_size: int, total_pages: int):
+    """The layout with every kv_len a whole number of ``block_keys`` (rounded up where the page table holds
+    it, else down, never below one block) and each q_len within its kv_len; trailing sequences are dropped
+    while the cache's ``total_pages`` cannot hold them."""
+    fitted = []
+    for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
+        up = -(-kv_len // block_keys) * block_keys
+        kv_len = max(up if up <= capacity else kv_len // block_keys * block_keys, block_keys)
+        fitted.append((min(q_len, kv_len), kv_len))
+    while fitted and sum(-(-kv // page_size) for _, kv in fitted) > total_pages:
+        fitted.pop()
+    return tuple(q for q, _ in fitted), tuple(kv for _, kv in fitted)
+
+
+def fit_options_to_layout(case: Case, chunk_from_layout: bool = False) -> Case:
+    """``case`` made valid for the options whose meaning depends on its layout.
+
+    ``skip_kv_mask`` promises whole KV blocks: it is dropped without an explicit KV block, else the
+    kv_lens are rounded to whole blocks. With ``chunk_from_layout``, a drawn ``chunk_prefill_size`` becomes
+    the q_len of the first sequence after the leading decodes, so that the chunked-prefill kernel has a
+    sequence to run (a batch of decodes keeps the drawn size: that kernel then runs no sequence).
+    """
+    if case.skip_kv_mask:
+        if case.num_kv_pages_per_block is None:
+            case = dataclasses.replace(case, skip_kv_mask=False)
+        else:
+            q_lens, kv_lens = whole_kv_blocks(
+                case.q_lens,
+                case.kv_lens,
+                block_keys=case.num_kv_pages_per_block * case.page_size,
+                capacity=case.kv_capacity,
+                page_size=case.page_size,
+                total_pages=case.total_num_pages,
+            )
+            case = dataclasses.replace(case, q_lens=q_lens, kv_lens=kv_lens)
+    if chunk_from_layout and case.chunk_prefill_size is not None:
+        decodes = next((i for i, q_len in enumerate(case.q_lens) if q_len != 1), len(case.q_lens))
+        if decodes < len(case.q_lens) and case.q_lens[decodes] > 0:
+            case = dataclasses.replace(case, chunk_prefill_size=case.q_lens[decodes])
+    return case
 
 
 def kv_lengths(capacity: int, boundaries: tuple[int, ...], shortest: int = 0) -> st.SearchStrategy[int]:
@@ -906,6 +975,7 @@ def valid_cases(
         poison=draw(st.booleans()),
         garbage=draw(st.booleans()),
     )
+    case = fit_options_to_layout(case, chunk_from_layout=not pooled)
     case = outside_known_issues(case, excluding)
     label_coverage(case)
     return case
@@ -969,6 +1039,16 @@ def coverage_labels(case: Case) -> list[str]:
         labels.append("q_scale")
     if case.attention_sink is not None:
         labels.append("attention sink")
+    if not case.use_causal_mask:
+        labels.append("non-causal" + (", KV mask skipped" if case.skip_kv_mask else ""))
+    if case.out_dtype is not None:
+        labels.append(f"out_dtype {case.out_dtype} for {case.q_dtype} queries")
+    if case.chunk_prefill_size is not None:
+        decodes = next((i for i, q_len in enumerate(q) if q_len != 1), len(q))
+        chunked = decodes < len(q) and q[decodes] == case.chunk_prefill_size
+        labels.append("chunked prefill" + ("" if chunked else ": no sequence of its size"))
+    if not case.update_kv_cache:
+        labels.append("cache read, not written")
     if case.mask_value not in (None, DEFAULT_MASK_VALUE):
         labels.append(f"mask_value {case.mask_value_meaning}")
     labels.append(f"GQA ratio {case.num_q_heads // case.num_kv_heads}")
@@ -1050,7 +1130,7 @@ def _case_groups(draw, capabilities: Capabilities, max_cases: int, excluding) ->
     )
     cases = [first]
     for case in draw(st.lists(sharing, max_size=max_cases - 1)):
-        case = outside_known_issues(case, excluding)
+        case = outside_known_issues(fit_options_to_layout(case), excluding)
         label_coverage(case)
         cases.append(case)
     return cases

@@ -27,6 +27,7 @@ import types
 from importlib.metadata import version as _version
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from rpa_harness import generations
 from rpa_harness.backends import INTERPRET, Backend, Deadlock
@@ -87,6 +88,13 @@ RPA_HARNESS_CAPABILITIES = dict(
     # limit, its position integers (int16 for packed queries from v6 on) and its output memory space (v7).
     # v4 has no default block sizes in v3 (NotImplementedError).
     tpu_generations=("v5e", "v5p", "v6e", "7x"),
+    # v3's options beyond upstream's, as the specification's extensions: use_causal_mask, out_dtype (the
+    # accumulators' dtype; the output stays q's), skip_kv_mask, chunk_prefill_size, update_kv_cache.
+    non_causal=True,
+    out_dtype=True,
+    skip_kv_mask=True,
+    chunk_prefill_size=True,
+    update_kv_cache=True,
     buckets=("tiny", "small", "long"),
     # At long contexts v3's default decode block is 16,384 keys for a bfloat16 cache (32,768 for fp8),
     # copied page by page, each copy unrolled. With 16-key pages (1,024 copies) one call with 65,536 keys
@@ -146,11 +154,26 @@ def given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per
     )
 
 
-def kernel_arguments(q, tokens, cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> tuple:
+def chunked_prefills(q_lens: np.ndarray, decodes: int, chunk_prefill_size: int | None) -> int:
+    """How many sequences after the leading decodes have q_len == ``chunk_prefill_size``: v3's prefill
+    kernel, compiled for that q_len, runs those."""
+    count = 0
+    if chunk_prefill_size is not None:
+        for q_len in q_lens[decodes:]:
+            if q_len != chunk_prefill_size:
+                break
+            count += 1
+    return count
+
+
+def kernel_arguments(
+    q, tokens, cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, chunk_prefill_size=None
+) -> tuple:
     """The positional arguments both v3 kernels take: q, the new tokens' keys and values, the packed cache
     (their slots poisoned), the metadata as given with the page table flat, and the distribution (the
-    leading decodes run by the decode kernel)."""
+    leading decodes run by the decode kernel, then the chunked prefills of ``chunk_prefill_size`` rows)."""
     decodes = decode_prefix(tokens.q_lens)
+    prefills_end = decodes + chunked_prefills(tokens.q_lens, decodes, chunk_prefill_size)
     num_live = int(np.asarray(num_seqs).reshape(-1)[0])
     return (
         q,
@@ -160,8 +183,21 @@ def kernel_arguments(q, tokens, cache, kv_lens, page_indices, cu_q_lens, num_seq
         np.asarray(kv_lens),
         np.asarray(page_indices).reshape(-1),
         np.asarray(cu_q_lens),
-        np.array([decodes, decodes, num_live], np.int32),
+        np.array([decodes, prefills_end, num_live], np.int32),
     )
+
+
+def shared_kv_inputs(tokens, kv_pages):
+    """For ``update_kv_cache=False`` (a KV-shared layer): the cache to pass is the whole cache, new tokens
+    included, and the new tokens' keys and values are NaN, so that a kernel that reads them instead of the
+    cache returns NaN; it must return the cache unchanged."""
+    unused = dataclasses.replace(
+        tokens,
+        keys=np.full_like(tokens.keys, np.nan),
+        values=np.full_like(tokens.values, np.nan),
+        new_slots=np.zeros_like(tokens.new_slots),
+    )
+    return unused, kv_pages
 
 
 def v3_default_block_sizes(q, kv_cache, num_kv_heads: int, max_num_seqs: int, pages_per_seq: int, case):
@@ -223,6 +259,11 @@ def v3_inputs(
     vmem_limit_bytes: int | None = None,
     q_scale: float | None = None,
     mask_value_meaning: str = MASK_ADDED,
+    use_causal_mask: bool = True,
+    out_dtype: str | None = None,
+    skip_kv_mask: bool = False,
+    chunk_prefill_size: int | None = None,
+    update_kv_cache: bool = True,
 ) -> V3Inputs:
     """Maps an upstream-style call to v3's.
 
@@ -233,7 +274,9 @@ def v3_inputs(
     taken from the case's pages into ``keys``/``values`` rows ``cu_q_lens[i]..``; their cache slots are set
     to NaN in the cache v3 receives, so a kernel that reads them from the cache instead of from the new
     tokens returns NaN, and the cache it must return is the case's cache, packed. Padding rows of the new
-    keys/values are NaN where q's padding row is NaN (poisoned cases), zero otherwise.
+    keys/values are NaN where q's padding row is NaN (poisoned cases), zero otherwise. With
+    ``update_kv_cache=False`` the cache holds every key and the new tokens are NaN (``shared_kv_inputs``).
+    v3's prefill kernel (``chunk_prefill_size``) gets the block sizes its decode and mixed kernels get.
     """
     v3_mask_value = replacing_mask_value(mask_value, mask_value_meaning)
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
@@ -241,7 +284,11 @@ def v3_inputs(
     # entries that exist: invalid metadata is v3's validators' business.
     tokens = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     page_size, pages_per_seq = kv_pages.shape[1], np.asarray(page_indices).shape[1]
-    packed_cache = layouts.pack_cache(tokens.poisoned_cache(kv_pages))
+    if update_kv_cache:
+        packed_cache = layouts.pack_cache(tokens.poisoned_cache(kv_pages))
+    else:
+        tokens, cache = shared_kv_inputs(tokens, kv_pages)
+        packed_cache = layouts.pack_cache(cache)
     given = given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
     own_defaults = given is None
     if own_defaults:
@@ -260,14 +307,23 @@ def v3_inputs(
         k_scale=k_scale,
         v_scale=v_scale,
         d_block_sizes=passed,
+        p_block_sizes=passed,
         m_block_sizes=passed,
         vmem_limit_bytes=_vmem_limit(vmem_limit_bytes),
+        use_causal_mask=use_causal_mask,
+        skip_kv_mask=skip_kv_mask,
+        out_dtype=None if out_dtype is None else jnp.dtype(out_dtype),
+        chunk_prefill_size=chunk_prefill_size,
+        update_kv_cache=update_kv_cache,
     )
-    args = kernel_arguments(q, tokens, packed_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    args = kernel_arguments(
+        q, tokens, packed_cache, kv_lens, page_indices, cu_q_lens, num_seqs, chunk_prefill_size=chunk_prefill_size
+    )
     if own_defaults:
         # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,
-        # not an assertion of the sizing helpers.
-        v3.static_validate_inputs(*args, **kwargs)
+        # not an assertion of the sizing helpers. (Its prefill kernel's defaults are its mixed kernel's:
+        # get_default_block_sizes tells only the decode case apart.)
+        v3.static_validate_inputs(*args, **validator_options(kwargs))
         decode_sizes, mixed_sizes = (
             v3_default_block_sizes(q, packed_cache, tokens.keys.shape[1], len(kv_lens), pages_per_seq, case)
             for case in (v3.RpaCase.DECODE, v3.RpaCase.MIXED)
@@ -283,6 +339,11 @@ def v3_inputs(
         decode_sizes,
         mixed_sizes,
     )
+
+
+def validator_options(kwargs: dict) -> dict:
+    """The keyword options v3's validators and reference take: the kernel's, less ``update_kv_cache``."""
+    return {name: value for name, value in kwargs.items() if name != "update_kv_cache"}
 
 
 _JITTED: dict = {}
@@ -315,7 +376,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
 def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
     """v3's own ``dynamic_validate_inputs`` (its rules, its messages) on the mapped inputs."""
     inputs = v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
-    v3.dynamic_validate_inputs(*map(jax.device_put, inputs.args), **inputs.kwargs)
+    v3.dynamic_validate_inputs(*map(jax.device_put, inputs.args), **validator_options(inputs.kwargs))
 
 
 def unwritten_by_sliding_window(inputs: V3Inputs) -> np.ndarray:
@@ -329,7 +390,7 @@ def unwritten_by_sliding_window(inputs: V3Inputs) -> np.ndarray:
     """
     window = inputs.kwargs["sliding_window"]
     unwritten = np.zeros_like(inputs.new_slots)
-    if window is None:
+    if window is None or not inputs.kwargs["update_kv_cache"]:
         return unwritten
     _, _, _, _, kv_lens, page_indices, cu_q_lens, distribution = inputs.args
     page_size = inputs.new_slots.shape[1]

@@ -58,7 +58,7 @@ def _v3_query_blocks(case: Case):
         for first in range(0, q_len, block_rows):
             position = kv_len - q_len + first
             start = max(position - window, 0) // bkv * bkv if window is not None else 0
-            effective = min(kv_len, position + block_rows)
+            effective = min(kv_len, position + block_rows) if case.use_causal_mask else kv_len
             last_block = (-(-effective // bkv) - 1) * bkv
             end = last_block + -(-(effective - last_block) // bkv_chunk) * bkv_chunk
             yield i, first, min(block_rows, q_len - first), start, effective, end
@@ -128,6 +128,17 @@ def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
         if (case.mask_value - row_max > FLOAT32_EXP_UNDERFLOW).any():
             return True
     return False
+
+
+def v3_out_dtype_not_q_dtype(case: Case) -> bool:
+    """An ``out_dtype`` (the accumulators' dtype) other than q's: the kernel stores its result by bitcasting
+    it into q's packed layout, which holds a value of q's width only."""
+    return case.out_dtype is not None and case.out_dtype != case.q_dtype
+
+
+def with_q_dtype_accumulators(case: Case) -> Case:
+    """v3's default ``out_dtype``: q's (float32 for float32 queries, else bfloat16)."""
+    return dataclasses.replace(case, out_dtype=None)
 
 
 def with_v3_default_mask_value(case: Case) -> Case:
@@ -288,6 +299,24 @@ RPA_HARNESS_CATALOGUE = (
             "second KV chunk past the end of its KV scratch buffer: the Pallas TPU interpreter stops it "
             "(out-of-bounds read), the generic interpreter returns wrong rows; what a TPU reads there has "
             "not been run on hardware. On 7x the same case gets valid sizes and is right."
+        ),
+    ),
+    KnownIssue(
+        "out-dtype-other-than-q-dtype-fails-to-trace",
+        "an out_dtype other than q's (float32 accumulators for bfloat16 queries, or bfloat16 for float32): "
+        "the kernel raises a reshape TypeError while it traces; its validators accept the option",
+        FINDINGS / "out-dtype-other-than-q-dtype-fails-to-trace" / "differential-checked_interpret.json",
+        v3_out_dtype_not_q_dtype,
+        with_q_dtype_accumulators,
+        r"cannot reshape array",
+        explanation=(
+            "`out_dtype` sets the dtype of `l_ref`, `m_ref` and `acc_ref`, and the final `out = (acc / "
+            "l).astype(out_dtype)` is stored with `pltpu.bitcast(out, jnp.int32).reshape(out_ref.shape)`, "
+            "where `out_ref` is the output buffer, of q's dtype, viewed as int32 rows: a float32 `out` for "
+            "bfloat16 queries has twice the rows that view holds, a bfloat16 one for float32 queries half. "
+            "The shapes are fixed while the kernel traces, so the call fails on every backend; "
+            "`static_validate_inputs` deletes `out_dtype` unchecked, and the reference "
+            "(`ref_ragged_paged_attention`) accepts it and returns its output in `out_dtype`."
         ),
     ),
     KnownIssue(

@@ -60,7 +60,7 @@ def page_size_packing_message(page_size, kv_packing) -> str:
 
 
 def not_positive_message(name, value) -> str:
-    """sliding_window and vmem_limit_bytes (the same wording as upstream's)."""
+    """sliding_window, chunk_prefill_size and vmem_limit_bytes (the same wording as upstream's)."""
     return f"{name}={value!r} must be positive."
 
 
@@ -109,3 +109,7 @@ def page_out_of_range_message(page_idx, total_num_pages, seq, kv_len, page_size)
         f"Require 0 <= page_idx={JaxInt(page_idx)!r} < total_num_pages={total_num_pages} at sequence"
         f" {seq} where kv_len={JaxInt(kv_len)!r} and page_size={page_size}."
     )
+
+
+def skip_kv_mask_causal_message() -> str:
+    return "Can not skip kv mask when using causal mask."

@@ -37,7 +37,14 @@ from rpa_harness.targets import tpu_inference_v3 as v3
 KERNEL_FUNCTION = "tpu_inference.kernels.ragged_paged_attention.v3.kernel.ragged_paged_attention"
 REFERENCE_FUNCTION = "ref_ragged_paged_attention"
 # v3's options its reference does not take (tuning only).
-TUNING_OPTIONS = ("d_block_sizes", "p_block_sizes", "m_block_sizes", "vmem_limit_bytes")
+TUNING_OPTIONS = (
+    "d_block_sizes",
+    "p_block_sizes",
+    "m_block_sizes",
+    "vmem_limit_bytes",
+    "chunk_prefill_size",
+    "update_kv_cache",
+)
 REPRODUCES = "REPRODUCES"  # the first word of the script's verdict line while the discrepancy shows
 HANG_SECONDS = 300  # how long the script waits for the kernel before it takes the call for a hang
 SCRIPT_TIMEOUT = 900  # seconds: a first call of v3 on the generic interpreter can take minutes

@@ -50,6 +50,17 @@ def _page_size_packing(arrays, options, case, param):
     return dict(page_size=page_size, kv_packing=packing)
 
 
+def _skip_kv_mask_with_causal_mask(arrays, options, case, param):
+    """The KV mask skipped under the causal mask (v3's first check)."""
+    options.update(use_causal_mask=True, skip_kv_mask=True)
+    return {}
+
+
+def _break_chunk_prefill_size(arrays, options, case, param):
+    options["chunk_prefill_size"] = (0, -1, -8)[param % 3]
+    return dict(value=options["chunk_prefill_size"])
+
+
 def _page_index_of_a_sequence_with_a_query_row(arrays, options, case, param):
     """The shared breaker; the sequence it makes live when none is gets a query row (v3 checks 0 < q_len
     before the page table)."""
@@ -82,6 +93,9 @@ def _range_message(q_len, kv_len, seq):
 
 RULES: dict[str, Rule] = {
     # v3's static checks, in v3's order.
+    "skip_kv_mask with the causal mask": Rule(
+        "static", _skip_kv_mask_with_causal_mask, messages.skip_kv_mask_causal_message
+    ),
     "k and v shapes differ": Rule("static", shared.break_combined_kv_heads, _kv_shapes_message),
     "head_dim mismatch": Rule(
         "static",
@@ -104,6 +118,11 @@ RULES: dict[str, Rule] = {
     ),
     "soft_cap zero": Rule(
         "static", shared.break_soft_cap, lambda value: messages.soft_cap_zero_message(value)
+    ),
+    "chunk_prefill_size not positive": Rule(
+        "static",
+        _break_chunk_prefill_size,
+        lambda value: messages.not_positive_message("chunk_prefill_size", value),
     ),
     "num_queries_per_block not positive": Rule(
         "static", shared.break_query_block, lambda value: messages.query_block_message("decode", value, value)

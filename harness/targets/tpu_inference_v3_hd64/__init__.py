@@ -96,6 +96,12 @@ RPA_HARNESS_CAPABILITIES = dict(
     q_dtypes=("float32", "bfloat16") if HAS_TPU_RECIPROCAL else ("float32",),
     head_dims=(HEAD_DIM,),  # its static validator: "Expected actual_head_dim=... to be 64."
     attention_sink=True,
+    # Of v3's options it takes chunk_prefill_size only: it is always causal, accumulates in float32 and
+    # writes the new tokens to the cache.
+    non_causal=False,
+    out_dtype=False,
+    skip_kv_mask=False,
+    update_kv_cache=False,
     # Its only chip-dependent code is the tuned table (keyed by the chip's name) and its fallback, which has
     # an arm for v4 (512 keys a block) as well as v5/v6 (2,048) and 7x (4,096).
     tpu_generations=("v4", "v5e", "v5p", "v6e", "7x"),
@@ -149,6 +155,7 @@ def hd64_inputs(
     q_scale: float | None = None,
     mask_value_meaning: str = MASK_ADDED,
     attention_sink: tuple[float, ...] | None = None,
+    chunk_prefill_size: int | None = None,
 ) -> Hd64Inputs:
     """Maps an upstream-style call to the hd64 kernel's, as ``tpu_inference_v3.v3_inputs`` does for v3
     (the new tokens, their poisoned slots, the distribution, the mask value), with the cache packed side by
@@ -171,13 +178,16 @@ def hd64_inputs(
         num_kv_pages_per_block=num_kv_pages_per_block,
         num_queries_per_block=num_queries_per_block,
         vmem_limit_bytes=vmem_limit_bytes,
+        chunk_prefill_size=chunk_prefill_size,
     )
     replacing = v3_target.replacing_mask_value(mask_value, mask_value_meaning)
     if replacing is not None:  # None: the kernel's default (passed as None, it fails to trace: a finding)
         kwargs["mask_value"] = replacing
     cache = layouts.pack_cache_side_by_side(tokens.poisoned_cache(kv_pages))
     args = (
-        *v3_target.kernel_arguments(q, tokens, cache, kv_lens, page_indices, cu_q_lens, num_seqs),
+        *v3_target.kernel_arguments(
+            q, tokens, cache, kv_lens, page_indices, cu_q_lens, num_seqs, chunk_prefill_size=chunk_prefill_size
+        ),
         sink_array(attention_sink),
     )
     block_sizes = (num_kv_pages_per_block, num_queries_per_block)

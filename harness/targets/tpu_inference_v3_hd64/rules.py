@@ -50,7 +50,7 @@ _ORDER = (
     "k and v shapes differ", "head_dim mismatch", "attention_sink length", "head_dim not 64",
     "heads not divisible", "index dtype", "kv_lens shape", "cu_q_lens shape",
     "page_size not a multiple of the KV packing", "sliding_window not positive", "soft_cap zero",
-    "num_kv_pages_per_block not positive", "num_queries_per_block not positive",
+    "chunk_prefill_size not positive", "num_kv_pages_per_block not positive", "num_queries_per_block not positive",
     "vmem_limit_bytes not positive", "negative num_seqs", "num_seqs over max_num_seqs", "too many q tokens",
     "q_len over kv_len", "q_len zero", "decreasing cu_q_lens", "too few pages per sequence",
     "page index out of range",
