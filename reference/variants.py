@@ -89,15 +89,20 @@ def contract_attention(
     q_scale=None,
     mask_value_meaning=Options.mask_value_meaning,
     attention_sink=None,
-    **unused_block_options,
+    use_causal_mask=True,
+    out_dtype=None,
+    **unused_block_and_tuning_options,
 ):
-    """Ragged paged attention in float32 NumPy with the choices of ``precision``; returns q's dtype."""
+    """Ragged paged attention in float32 NumPy with the choices of ``precision``; returns q's dtype (the
+    result rounded to ``out_dtype`` first where that is narrower)."""
     precision = parse_precision(precision)
     q = np.asarray(q)
-    mask_value = Options(mask_value=mask_value, mask_value_meaning=mask_value_meaning).mask_value_for(q.dtype)
+    semantics = Options(mask_value=mask_value, mask_value_meaning=mask_value_meaning, out_dtype=out_dtype)
+    mask_value = semantics.mask_value_for(q.dtype)
+    accumulator_dtype = semantics.accumulator_dtype(q.dtype)
     score_scale = np.float32(sm_scale * (1.0 if q_scale is None else q_scale))
     kv_pages = np.asarray(kv_pages)
-    out_dtype = q.dtype
+    out_dtype = accumulator_dtype  # what the accumulators are kept in and the result is rounded to
     value_dtype = q.dtype if v_scale is not None else kv_pages.dtype
     passes = 3 if BF16X3_MATMUL in precision else 1 if BF16_MATMUL in precision else 0
     keep_out_dtype = ACCUMULATORS_IN_OUTPUT_DTYPE in precision
@@ -129,7 +134,7 @@ def contract_attention(
             logits = _product(rows, k[keys], "qhd,khd->hqk", passes) * score_scale
             if soft_cap is not None:
                 logits = np.float32(soft_cap) * np.tanh(logits / np.float32(soft_cap))
-            masked = keys[None, :] > positions[:, None]
+            masked = (keys[None, :] > positions[:, None]) & use_causal_mask
             if sliding_window is not None:
                 masked |= positions[:, None] - sliding_window >= keys[None, :]
             if mask_value_meaning == MASK_REPLACES:
@@ -164,4 +169,4 @@ def contract_attention(
         else:
             rows_out = acc / total
         out[start:end] = rows_out.transpose(1, 0, 2)
-    return out.astype(out_dtype)
+    return out.astype(out_dtype).astype(q.dtype)

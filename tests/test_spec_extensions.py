@@ -167,3 +167,111 @@ def test_sinks_are_drawn_per_q_head_for_a_target_that_declares_them(data):
         assert len(case.attention_sink) == case.num_q_heads
         assert set(case.attention_sink) <= set(SINK_LOGITS)
         assert Case.from_json(case.to_json()) == case  # a tuple again, hashable
+
+
+# ---- tpu-inference v3's options: non-causal attention, the accumulator dtype, and the tuning ones ----
+
+V3_OPTIONS = Capabilities(
+    mask_value_meaning=MASK_REPLACES,
+    page_size_multiple_of_kv_packing=True,
+    empty_sequences=False,
+    non_causal=True,
+    out_dtype=True,
+    skip_kv_mask=True,
+    chunk_prefill_size=True,
+    update_kv_cache=True,
+)
+
+
+def _softmax_over_every_key(case: Case, arrays: dict) -> np.ndarray:
+    """Float64 attention in which each query of a sequence sees all its keys, straight from the arrays."""
+    q = arrays["q"].astype(np.float64)
+    kv = arrays["kv_pages"].astype(np.float64)
+    out = np.zeros(q.shape)
+    group = case.num_q_heads // case.num_kv_heads
+    start = 0
+    for i, (q_len, kv_len) in enumerate(zip(case.q_lens, case.kv_lens, strict=True)):
+        pages = arrays["page_indices"][i, : -(-kv_len // case.page_size)]
+        keys = kv[pages].reshape(-1, 2 * case.num_kv_heads, case.head_dim)[:kv_len]
+        for h in range(case.num_q_heads):
+            k, v = keys[:, 2 * (h // group)], keys[:, 2 * (h // group) + 1]
+            logits = case.sm_scale * q[start : start + q_len, h] @ k.T
+            weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            out[start : start + q_len, h] = (weights / weights.sum(axis=-1, keepdims=True)) @ v
+        start += q_len
+    return out
+
+
+def test_non_causal_attention_sees_every_key_of_its_sequence():
+    case = dataclasses.replace(TINY, q_lens=(3,), kv_lens=(5,), use_causal_mask=False)
+    arrays = case.arrays()
+    expected = _softmax_over_every_key(case, arrays)
+    result = reference.oracle(**arrays, **case.options())
+    assert np.allclose(result.out[:3], expected[:3], rtol=1e-12, atol=1e-12)
+    causal = reference.oracle(**arrays, **dataclasses.replace(case, use_causal_mask=True).options())
+    assert not np.allclose(causal.out[:2], expected[:2])  # the first two queries see fewer keys causally
+    jnp_out = reference.ragged_paged_attention(**arrays, **case.options())
+    assert reference.compare(jnp_out, result, label="reference").ok
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=valid_cases(V3_OPTIONS))
+def test_v3_options_are_judged_within_their_contracts(case):
+    """With the v3 options drawn: the jnp reference is within the float32 contract, and the float32
+    variant that keeps its accumulators in ``out_dtype`` (rounding its result to it) is within the
+    accumulator contract, whose bound follows ``out_dtype``."""
+    arrays, options = case.arrays(), case.options()
+    expected = reference.oracle(**arrays, **options)
+    jnp_out = reference.ragged_paged_attention(**arrays, **options)
+    assert reference.compare(jnp_out, expected, label="reference").ok
+    variant = contract_attention(**arrays, precision=("accumulators-in-output-dtype",), **options)
+    comparison = reference.compare(
+        variant, expected, label="accumulator variant", precision=("accumulators-in-output-dtype",)
+    )
+    assert comparison.ok, f"{case.describe()}\n{comparison}"
+
+
+def test_out_dtype_widens_the_bound_to_its_rounding():
+    """bfloat16 accumulators for float32 queries: the result is rounded to bfloat16 before it is stored,
+    so the bound is at least half a bfloat16 ulp, where float32 accumulators give float32's."""
+    case = dataclasses.replace(TINY, mask_value_meaning=MASK_REPLACES, mask_value=None)
+    arrays = case.arrays()
+    narrow = reference.oracle(**arrays, **dataclasses.replace(case, out_dtype="bfloat16").options())
+    wide = reference.oracle(**arrays, **case.options())
+    owned = narrow.owned_rows
+    half_bf16_ulp = reference.tolerance.half_ulp(narrow.out[owned], ml_dtypes.bfloat16)
+    narrow_bound = reference.tolerance.error_bound(narrow)[owned]
+    assert (narrow_bound >= half_bf16_ulp).all()
+    assert (narrow_bound > reference.tolerance.error_bound(wide)[owned]).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=valid_cases(V3_OPTIONS))
+def test_v3_options_are_drawn_within_their_preconditions(case):
+    """skip_kv_mask comes with non-causal attention, an explicit KV block and kv_lens of whole blocks; a
+    chunk size is the q_len of the first sequence after the decodes where there is one."""
+    if case.skip_kv_mask:
+        assert not case.use_causal_mask and case.num_kv_pages_per_block is not None
+        block = case.num_kv_pages_per_block * case.page_size
+        assert all(kv % block == 0 for kv in case.kv_lens)
+        assert all(0 < q <= kv for q, kv in zip(case.q_lens, case.kv_lens, strict=True))
+    if case.chunk_prefill_size is not None:
+        decodes = next((i for i, q in enumerate(case.q_lens) if q != 1), case.num_seqs)
+        if decodes < case.num_seqs:
+            assert case.q_lens[decodes] == case.chunk_prefill_size
+    case.arrays()  # the layout fits its cache
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(skip_kv_mask=True), "skip_kv_mask=True with use_causal_mask=True"),
+        (dict(chunk_prefill_size=0), "chunk_prefill_size=0 must be None or a positive int"),
+        (dict(chunk_prefill_size=2.0), "chunk_prefill_size=2.0 must be None or a positive int"),
+        (dict(out_dtype="float16"), "out_dtype='float16' must be None or one of"),
+        (dict(use_causal_mask=0), "use_causal_mask=0 (int) must be True or False"),
+    ],
+)
+def test_v3_option_rules(changes, message):
+    with pytest.raises(ValueError, match=__import__("re").escape(message)):
+        check_extensions(Options(**changes), 1)
