@@ -352,7 +352,9 @@ def skip_kv_mask_causal_message() -> str:
 
 
 def chunk_prefill_size_message(chunk_prefill_size) -> str:
-    return f"chunk_prefill_size={chunk_prefill_size!r} must be None or a positive int: a prefill chunk's q_len."
+    return (
+        f"chunk_prefill_size={chunk_prefill_size!r} must be None or a positive int: a prefill chunk's q_len."
+    )
 
 
 def out_dtype_message(out_dtype) -> str:

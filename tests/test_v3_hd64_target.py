@@ -275,7 +275,8 @@ def test_oracle_agrees_with_the_kernels_reference(case):
     semantic = {
         k: v
         for k, v in inputs.kwargs.items()
-        if k not in ("num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes", "chunk_prefill_size")
+        if k
+        not in ("num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes", "chunk_prefill_size")
     }
     sinks = inputs.args[8]
     tensors = inputs.args[:4] if sinks is None else (*inputs.args[:4], sinks)  # the sinks traced too

@@ -316,7 +316,9 @@ def test_cache_check_reports_a_changed_slot_outside_the_new_tokens():
 
 # out_dtype is left out: other than q's it fails to trace in the kernel (a finding), and the reference
 # computes its logits in it.
-F32_QUERIES = dataclasses.replace(CAPABILITIES, q_dtypes=("float32",), kv_dtypes=("float32",), out_dtype=False)
+F32_QUERIES = dataclasses.replace(
+    CAPABILITIES, q_dtypes=("float32",), kv_dtypes=("float32",), out_dtype=False
+)
 
 
 @settings(max_examples=max(10, settings.default.max_examples // 2))

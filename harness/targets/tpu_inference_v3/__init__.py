@@ -317,7 +317,14 @@ def v3_inputs(
         update_kv_cache=update_kv_cache,
     )
     args = kernel_arguments(
-        q, tokens, packed_cache, kv_lens, page_indices, cu_q_lens, num_seqs, chunk_prefill_size=chunk_prefill_size
+        q,
+        tokens,
+        packed_cache,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        chunk_prefill_size=chunk_prefill_size,
     )
     if own_defaults:
         # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,

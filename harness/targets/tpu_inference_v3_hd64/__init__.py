@@ -186,7 +186,14 @@ def hd64_inputs(
     cache = layouts.pack_cache_side_by_side(tokens.poisoned_cache(kv_pages))
     args = (
         *v3_target.kernel_arguments(
-            q, tokens, cache, kv_lens, page_indices, cu_q_lens, num_seqs, chunk_prefill_size=chunk_prefill_size
+            q,
+            tokens,
+            cache,
+            kv_lens,
+            page_indices,
+            cu_q_lens,
+            num_seqs,
+            chunk_prefill_size=chunk_prefill_size,
         ),
         sink_array(attention_sink),
     )
