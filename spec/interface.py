@@ -80,8 +80,8 @@ class Options:
     # The sequences after the leading decodes whose q_len equals it run in a kernel compiled for that
     # q_len (a chunked prefill); None: no such kernel.
     chunk_prefill_size: int | None = dataclasses.field(default=None, metadata={**EXTENSION, **TUNING})
-    # Whether the kernel writes the new tokens' keys and values into the cache it returns (an API with
-    # that write: tpu-inference's). False (a KV-shared layer): the cache already holds them, every key is
+    # Whether the kernel writes the new tokens' keys and values into the cache it returns (for an API
+    # that takes them apart from the cache). False (a KV-shared layer): the cache already holds them, every key is
     # read from it, and the returned cache is the input, bit for bit.
     update_kv_cache: bool = dataclasses.field(default=True, metadata={**EXTENSION, **TUNING})
 
