@@ -346,7 +346,10 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
     repros = collections.defaultdict(set)
     labels = collections.Counter()
     largest = {}
+    ratios = collections.defaultdict(list)
     for e in examples:
+        if "max_ratio" in e and e["max_ratio"] is not None:
+            ratios[e["test"]].append(e)
         if "size" in e and e["size"] >= largest.get(e["test"], {}).get("size", -1):
             largest[e["test"]] = e
         if e.get("repro"):
@@ -369,10 +372,22 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
         lines.extend(f"{'':<{width}}  {'':>8}  repro: {path}" for path in sorted(repros.get(test, ())))
         if test in largest:
             lines.append(f"{'':<{width}}  {'':>8}  largest case: {largest[test]['shape']}")
+        if test in ratios:
+            lines.append(f"{'':<{width}}  {'':>8}  {closeness_to_bound(ratios[test])}")
     lines.append(
         f"coverage labels seen ({len(labels)}): " + ", ".join(f"{k} x{v}" for k, v in sorted(labels.items()))
     )
     return "\n".join(lines)
+
+
+def closeness_to_bound(examples: list[dict]) -> str:
+    """How close the property's comparisons came to the tolerance: the largest and median of each example's
+    worst element's error/bound, and the dtype pair of the largest (a kernel's margin under its contract)."""
+    values = sorted(e["max_ratio"] for e in examples)
+    worst = max(examples, key=lambda e: e["max_ratio"])
+    pair = f" (q {worst['q_dtype']}, kv {worst['kv_dtype']})" if "q_dtype" in worst else ""
+    median = values[len(values) // 2]
+    return f"error/bound: max {worst['max_ratio']:.3g}{pair}, median {median:.3g} of {len(values)} cases"
 
 
 def known_issues_summary(events: list[dict]) -> str:

@@ -232,3 +232,19 @@ def test_a_bad_target_on_the_command_line_is_a_usage_error_and_in_the_file_a_bad
     (tmp_path / meta["arrays"]).write_bytes(path.with_suffix(".npz").read_bytes())
     assert cli.main(["replay", str(moved)]) == cli.BAD_FILE
     assert "cannot import it" in capsys.readouterr().err
+
+
+def test_the_summary_says_how_close_each_property_came_to_its_bound(tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuite><testcase classname="tests.properties.test_differential" name="test_kernel_matches_oracle"/>'
+        "</testsuite>"
+    )
+    test = "tests/properties/test_differential.py::test_kernel_matches_oracle"
+    examples = [
+        {"test": test, "max_ratio": ratio, "q_dtype": q, "kv_dtype": "bfloat16"}
+        for ratio, q in ((0.02, "float32"), (0.9, "bfloat16"), (0.1, "float32"))
+    ]
+    text = cli.summary(junit, examples + [{"test": test, "labels": []}])
+    assert "error/bound: max 0.9 (q bfloat16, kv bfloat16), median 0.1 of 3 cases" in text, text
+    assert "error/bound" not in cli.summary(junit, [{"test": test, "labels": []}])
