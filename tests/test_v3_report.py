@@ -1,15 +1,19 @@
-"""`rpa-harness report` of tpu-inference v3's repros: every finding gets a report whose script runs v3
-against its own reference; a repro that does not reproduce gets none.
+"""`rpa-harness report` of the repros of tpu-inference's v3 kernels: every finding of v3's and of the
+head_dim-64 kernel's gets a report whose script runs the kernel against its own reference; a repro that
+does not reproduce gets none.
 
 The cache finding's report is rendered and its script run (on the TPU interpreter: the slot by slot
-comparison), the hang finding's script is run (the deadlock check standing for the watchdog), and every
-finding's script is built from its repro and checked to be standalone. ~38 s of one worker in all: the
+comparison), the hang finding's script is run (the deadlock check standing for the watchdog), an hd64
+finding's report is rendered and its script run (its loader without vllm, its sinks and cache layout), and
+every finding's script is built from its repro and checked to be standalone. ~38 s of one worker in all: the
 other findings' reports (docs/tpu-inference-v3-findings/*/report.md, each with its script's output) take
 40-95 s each on the fast interpreter.
 """
 
 import ast
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 v3_report = pytest.importorskip("rpa_harness.targets.tpu_inference_v3.report", exc_type=ImportError)
@@ -19,30 +23,58 @@ from rpa_harness import repro as repro_files  # noqa: E402
 from rpa_harness.backends import INTERPRET, Backend  # noqa: E402
 from rpa_harness.bug_report import NothingToReport  # noqa: E402
 from rpa_harness.targets import tpu_inference_v3 as v3  # noqa: E402
+from rpa_harness.targets import tpu_inference_v3_hd64 as hd64  # noqa: E402
+from rpa_harness.targets.tpu_inference_v3_hd64.report import HD64  # noqa: E402
 
 FINDINGS = {issue.name: issue for issue in v3.RPA_HARNESS_CATALOGUE}
+HD64_FINDINGS = {issue.name: issue for issue in hd64.RPA_HARNESS_CATALOGUE}
+KERNELS = {**dict.fromkeys(FINDINGS, v3_report.V3), **dict.fromkeys(HD64_FINDINGS, HD64)}
 STANDALONE_IMPORTS = {"importlib", "os", "sys", "threading", "types", "warnings", "jax", "numpy"}
 
 
-def script_of(issue) -> str:
+def script_of(issue, kernel=v3_report.V3) -> str:
     repro = repro_files.read(issue.repro)
-    with generations.emulated(repro.tpu_generation):  # v3's block sizes are chosen for the chip
-        inputs = v3.v3_inputs(**repro.arrays, **repro.options)
-    return v3_report.script(repro, inputs, issue.description, repro.tpu_generation), inputs
+    with generations.emulated(repro.tpu_generation):  # the block sizes are chosen for the chip
+        inputs = kernel.inputs(**repro.arrays, **repro.options)
+    return v3_report.script(kernel, inputs, issue.description, repro.tpu_generation), inputs
 
 
-@pytest.mark.parametrize("name", sorted(FINDINGS))
+def options_of(program: str) -> dict:
+    """The keyword options a script passes, evaluated as the script evaluates them."""
+    line = next(line for line in program.splitlines() if line.startswith("options = "))
+    return eval(line.removeprefix("options = "), {"jnp": jnp, "np": np})
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
 def test_every_findings_script_is_standalone_and_makes_the_repros_call(name):
-    """Only jax, numpy and tpu-inference (loaded from the installed folder), with v3's block sizes and
+    """Only jax, numpy and tpu-inference (loaded from the installed folder), with the block sizes and
     options of the repro: what a maintainer runs on the chip."""
-    program, inputs = script_of(FINDINGS[name])
+    kernel = KERNELS[name]
+    issue = {**FINDINGS, **HD64_FINDINGS}[name]
+    program, inputs = script_of(issue, kernel)
     tree = ast.parse(program)
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}  # fmt: skip
     assert imported <= STANDALONE_IMPORTS and not any(isinstance(n, ast.ImportFrom) for n in ast.walk(tree))
-    assert "tpu_inference.kernels.ragged_paged_attention.v3.kernel" in program
-    assert f"options = {inputs.kwargs!r}" in program and "ref_ragged_paged_attention" in program
-    assert FINDINGS[name].explanation, f"{name}: the report's Why section is empty"
+    assert f'importlib.import_module("{kernel.module.__name__}")' in program
+    assert f"kernel.{kernel.reference}(" in program and f"kernel.{kernel.function}(" in program
+    assert options_of(program) == kernel.script_options(inputs)
+    sinks = inputs.args[8] if len(inputs.args) > 8 else None
+    assert ("attention_sink = np.array(" in program) == (sinks is not None)
+    assert issue.explanation, f"{name}: the report's Why section is empty"
+
+
+def test_an_hd64_findings_report_runs_its_script_without_vllm():
+    """The hd64 kernel's report: its function and reference, its cache layout, the block sizes given to
+    the script, and the script (its loader stubbing what the tuned table imports from vllm) reproducing."""
+    issue = HD64_FINDINGS["hd64-finite-mask-value-weights-keys-by-block"]
+    report = bug_report.render(issue.repro, with_script_output=True)
+    assert report.splitlines()[0] == f"# tpu-inference RPA v3 hd64: {issue.description}"
+    assert "kernel_hd64.ragged_paged_attention_hd64`" in report and "side by side" in report
+    assert "`num_kv_pages_per_block=2`, `num_queries_per_block=8` (given)" in report
+    assert "| its own `ref_ragged_paged_attention_hd64` |" in report
+    output = report.split("Output of the script", 1)[1]
+    assert "(exit status 1: reproduces)" in output and "attention: 64 of 64 elements differ" in output
 
 
 def test_report_of_the_cache_finding_lists_the_slots_and_its_script_reproduces():
@@ -53,7 +85,7 @@ def test_report_of_the_cache_finding_lists_the_slots_and_its_script_reproduces()
     assert "Attention: right" in expected
     assert "| 2 | 0 | 0, 0 | a new token's | keeps its input contents (not written) |" in expected
     assert "| 2 | 1 | 0, 1 | a new token's | keeps its input contents (not written) |" in expected
-    assert "v3's `ref_ragged_paged_attention` returns the expected cache, bit for bit." in expected
+    assert "Its own `ref_ragged_paged_attention` returns the expected cache, bit for bit." in expected
     assert "- chip: no particular TPU" in report and "`(4, 2, 2, 2)` (given)" in report
     output = report.split("Output of the script", 1)[1]
     assert "exit status 1: reproduces" in output
@@ -72,12 +104,15 @@ def test_a_repro_that_does_not_reproduce_gets_no_report(monkeypatch):
     right = v3_report.Observation(inputs)
     right.comparison = type("Right", (), {"ok": True})()
     crash = v3_report.Observation(inputs, error="RuntimeError: the interpreter gave up")
-    for observation, says in ((right, "within its precision contract"), (crash, "not what was recorded")):
-        monkeypatch.setattr(v3_report, "observe", lambda repro, backend, o=observation: o)
+    for observation, says in (
+        (right, "within the kernel.s precision contract"),
+        (crash, "not what was recorded"),
+    ):
+        monkeypatch.setattr(v3_report, "observe", lambda kernel, repro, backend, o=observation: o)
         with pytest.raises(
             NothingToReport, match=f"does not reproduce on interpret: .*{says}.*replay it with"
         ):
-            v3_report.render("x.json", repro, Backend(INTERPRET), None, "x.json")
+            v3_report.render(v3_report.V3, "x.json", repro, Backend(INTERPRET), None, "x.json")
     hang = v3_report.Observation(inputs, hang="the TPU interpreter found a deadlock")
     assert v3_report.reproduces(hang, repro, None)
     recorded = v3_report.Observation(inputs, error="ValueError: Out-of-bounds read of (0 0 vmem 110)")
@@ -91,7 +126,7 @@ def test_the_hang_findings_script_reproduces_on_cpu_through_the_deadlock_check(t
     program, _ = script_of(issue)
     status, output = v3_report.run_script(program, INTERPRET, generations.NONE, tmp_path)
     assert status == 1, output
-    assert "v3's reference rejects these inputs: Require 0 < q_len" in output
+    assert "the reference rejects these inputs: Require 0 < q_len" in output
     assert (
         f"{v3_report.REPRODUCES}: on a TPU the kernel would never return" in output and "DEADLOCK" in output
     )

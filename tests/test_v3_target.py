@@ -331,14 +331,14 @@ def test_oracle_agrees_with_v3_reference(case):
     applies a sliding window only with the causal mask, where the kernel and the specification apply it
     either way (docs/tpu-inference-v3.md), so a non-causal case is given no window here."""
     from rpa_harness import reference
-    from rpa_harness.targets.tpu_inference_v3.report import TUNING_OPTIONS
+    from rpa_harness.targets.tpu_inference_v3.report import V3
 
     assume(case.num_seqs > 0)  # v3's reference concatenates the sequences' outputs: it needs one
     if not case.use_causal_mask:
         case = dataclasses.replace(case, sliding_window=None)
     arrays, options = case.arrays(), case.options()
     inputs = v3target.v3_inputs(**arrays, **{**options, "update_kv_cache": True})
-    semantic = {k: v for k, v in inputs.kwargs.items() if k not in TUNING_OPTIONS}
+    semantic = {k: v for k, v in inputs.kwargs.items() if k not in V3.tuning_options}
     tensors, metadata = inputs.args[:4], inputs.args[4:]  # q, k, v, cache; kv_lens ... distribution
     ref_out, _ = as_one_program(v3target.v3.ref_ragged_paged_attention, tensors, metadata, **semantic)
     rows = case.num_tokens

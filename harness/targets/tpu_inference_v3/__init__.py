@@ -552,4 +552,4 @@ def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, na
     """v3's own report (``report.render``): imported when a report is asked for, not with the target."""
     from rpa_harness.targets.tpu_inference_v3 import report
 
-    return report.render(*args, **kwargs)
+    return report.render(report.V3, *args, **kwargs)

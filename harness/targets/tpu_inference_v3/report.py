@@ -1,16 +1,17 @@
-"""An upstream-ready report of a tpu-inference v3 repro (``rpa-harness report REPRO.json``).
+"""An upstream-ready report of a repro of one of tpu-inference's v3 kernels (``rpa-harness report REPRO.json``).
 
-v3's API is not upstream's: it takes the new tokens' keys and values and returns its packed cache with the
-attention, so its report is its own. It re-runs the repro on its backend (and emulated TPU generation),
+Their API is not upstream's: they take the new tokens' keys and values and return the cache with the
+attention, so their report is their own; ``ReportedKernel`` holds what differs between v3's kernel
+(``V3``) and the head_dim-64 one (the hd64 target's ``report.HD64``). The report re-runs the repro on its backend (and emulated TPU generation),
 says what is wrong (the known issue's description when the repro is a finding's), the case in the
 upstream-style words the harness draws and as v3's call (distribution, block sizes, options), expected
 against actual for both outputs (the attention's worst element and the map of where it is wrong; the
 returned cache slot by slot), and a standalone script in v3's own layout that needs only jax, numpy and
-tpu-inference: it compares v3's kernel with v3's own ``ref_ragged_paged_attention`` (attention and cache)
-and exits 1 while the discrepancy reproduces.
+tpu-inference: it compares the kernel with its own reference (``ref_ragged_paged_attention``, attention and
+cache) and exits 1 while the discrepancy reproduces.
 
 The script runs as written on a TPU (of the repro's generation, when the finding depends on the chip).
-jax's TPU interpreters cannot run v3 as it ships (its ``ref.bitcast``/``ref.reshape`` views), so on a CPU
+jax's TPU interpreters cannot run these kernels as they ship (their ``ref.bitcast``/``ref.reshape`` views), so on a CPU
 it runs only under rpa-harness's interpreter compatibility layer, which patches the interpreters, never
 the kernel: ``cpu_launcher`` is the program that does so, and the report prints it.
 
@@ -22,6 +23,7 @@ import dataclasses
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -34,34 +36,49 @@ from rpa_harness.generations import NONE
 from rpa_harness.targets import first_line_of_error
 from rpa_harness.targets import tpu_inference_v3 as v3
 
-KERNEL_FUNCTION = "tpu_inference.kernels.ragged_paged_attention.v3.kernel.ragged_paged_attention"
-REFERENCE_FUNCTION = "ref_ragged_paged_attention"
-# v3's options its reference does not take (tuning only).
-TUNING_OPTIONS = (
-    "d_block_sizes",
-    "p_block_sizes",
-    "m_block_sizes",
-    "vmem_limit_bytes",
-    "chunk_prefill_size",
-    "update_kv_cache",
-)
 REPRODUCES = "REPRODUCES"  # the first word of the script's verdict line while the discrepancy shows
 HANG_SECONDS = 300  # how long the script waits for the kernel before it takes the call for a hang
 SCRIPT_TIMEOUT = 900  # seconds: a first call of v3 on the generic interpreter can take minutes
 MAX_SLOT_ROWS = 16  # differing cache slots listed one by one, then counted
 
 
+@dataclasses.dataclass(frozen=True)
+class ReportedKernel:
+    """What a report runs and says of one of tpu-inference's v3 kernels."""
+
+    name: str  # as the report's title names it
+    module: object  # the kernel's module (loaded without tpu_inference/__init__.py)
+    function: str  # the kernel's function in ``module``
+    reference: str  # its reference's function in ``module``
+    tuning_options: tuple[str, ...]  # its options that its reference does not take
+    cache_layout: str  # the cache's layout, in words
+    inputs: Callable  # (arrays, options of a repro) -> the target's inputs (``args``, ``kwargs``, ...)
+    call: Callable  # inputs -> (attention, updated cache), on the caller's backend
+    precision: tuple[str, ...]  # the target's precision contract
+    version: str  # the target's RPA_HARNESS_VERSION
+    replay_program: str  # ``python -m PROGRAM REPRO.json`` replays its non-differential repros
+    block_sizes_in_words: Callable  # inputs -> the report's line on the block sizes
+    script_options: Callable  # inputs -> the keyword options the standalone script passes
+    off_a_tpu: str  # what the chip line says of a case observed on a CPU device
+    on_a_generation: str  # ... and of one observed on an emulated generation ({generation})
+    script_stubs: str = ""  # Python lines the script's loader runs before it imports the kernel
+
+    @property
+    def qualified_function(self) -> str:
+        return f"{self.module.__name__}.{self.function}"
+
+
 @dataclasses.dataclass
 class Observation:
     """What v3 does on the repro's inputs now, on the repro's backend."""
 
-    inputs: v3.V3Inputs
+    inputs: object  # the target's inputs (v3.V3Inputs, or the hd64 target's)
     hang: str | None = None  # the TPU interpreter's deadlock account
     error: str | None = None  # the exception the call raised
     comparison: reference.Comparison | None = None  # the attention against the float64 oracle
-    own_reference: np.ndarray | None = None  # v3's reference's attention (float64)
+    own_reference: np.ndarray | None = None  # the kernel's reference's attention (float64)
     own_reference_cache_matches: bool | None = None  # its cache against the expected packed cache
-    reference_rejects: str | None = None  # v3's reference's validator rejected the inputs
+    reference_rejects: str | None = None  # the reference's validator rejected the inputs
     cache_error: v3.CacheMismatch | None = None
 
     @property
@@ -69,21 +86,26 @@ class Observation:
         return self.comparison is not None and (not self.comparison.ok or self.cache_error is not None)
 
 
-def observe(repro: repro_files.Repro, backend: Backend) -> Observation:
-    """Runs v3 once as the harness ran it (the inputs mapped inside the backend, which may emulate a chip),
-    then v3's own reference on the same inputs."""
+def device_arrays(args) -> list:
+    """A kernel's positional arguments as jax arrays (an absent optional one, such as no sinks, stays None)."""
+    return [None if a is None else jnp.asarray(a) for a in args]
+
+
+def observe(kernel: ReportedKernel, repro: repro_files.Repro, backend: Backend) -> Observation:
+    """Runs the kernel once as the harness ran it (the inputs mapped inside the backend, which may emulate a
+    chip), then the kernel's own reference on the same inputs."""
     mapped = []
 
     def call():
-        mapped.append(v3.v3_inputs(**repro.arrays, **repro.options))
-        return v3.call_v3(mapped[0])
+        mapped.append(kernel.inputs(**repro.arrays, **repro.options))
+        return kernel.call(mapped[0])
 
     try:
         out, cache = backend.run(call)
     except Exception as error:  # the report says what the call raised (or refuses it as a crash)
         if not mapped:
             raise NothingToReport(
-                f"the repro's case cannot be mapped to v3's call: {first_line_of_error(error)}"
+                f"the repro's case cannot be mapped to the kernel's call: {first_line_of_error(error)}"
             ) from None
         observation = Observation(mapped[0])
         if isinstance(error, Deadlock):
@@ -95,8 +117,8 @@ def observe(repro: repro_files.Repro, backend: Backend) -> Observation:
         observation.comparison = reference.compare(
             out,
             reference.oracle(**repro.arrays, **repro.options),
-            label="v3",
-            precision=v3.RPA_HARNESS_PRECISION,
+            label="kernel",
+            precision=kernel.precision,
         )
         try:
             v3.check_updated_cache(observation.inputs, cache)
@@ -104,9 +126,9 @@ def observe(repro: repro_files.Repro, backend: Backend) -> Observation:
             observation.cache_error = mismatch
     inputs = observation.inputs
     try:
-        own_out, own_cache = v3.v3.ref_ragged_paged_attention(
-            *map(jnp.asarray, inputs.args),
-            **{k: v for k, v in inputs.kwargs.items() if k not in TUNING_OPTIONS},
+        own_out, own_cache = getattr(kernel.module, kernel.reference)(
+            *device_arrays(inputs.args),
+            **{k: v for k, v in inputs.kwargs.items() if k not in kernel.tuning_options},
         )
     except ValueError as error:
         observation.reference_rejects = str(error)
@@ -131,47 +153,44 @@ def reproduces(observation: Observation, repro: repro_files.Repro, issue) -> boo
     return recorded or (issue is not None and issue.shows(observation.error))
 
 
-def chip_words(generation: str) -> str:
-    if generation == NONE:
-        return (
-            "no particular TPU: observed on a CPU device, where v3 sees no TPU generation (`get_tpu_version()` "
-            "is -1: none of its v6-and-later branches); the block sizes and VMEM limit are given, so the script "
-            "makes the same call on any TPU (from v6 on, packed queries take the int16-position branch)"
-        )
-    return (
-        f"TPU {generation}: v3 takes its default block sizes, VMEM limit and generation branches from the chip, "
-        f"and this finding depends on them; on a CPU, rpa-harness makes the device report a TPU {generation}"
-    )
+def chip_words(kernel: ReportedKernel, generation: str) -> str:
+    return kernel.off_a_tpu if generation == NONE else kernel.on_a_generation.format(generation=generation)
 
 
-def call_in_words(inputs: v3.V3Inputs) -> list[str]:
-    """v3's side of the case: what the kernel is passed besides the arrays."""
-    _, keys, _, kv_cache, _, _, cu_q_lens, distribution = inputs.args
+def v3_block_sizes_in_words(inputs: v3.V3Inputs) -> str:
     given = inputs.kwargs["m_block_sizes"] is not None
-    options = {k: v for k, v in inputs.kwargs.items() if v is not None and k not in TUNING_OPTIONS}
-    return [
-        f"- v3's call: `distribution = {distribution.tolist()}` (decode-only sequences first, then mixed), "
-        f"`kv_cache` of shape `{kv_cache.shape}` {kv_cache.dtype} (v3's packed layout), new tokens' "
-        f"`keys`/`values` of shape `{keys.shape}`, `cu_q_lens = {cu_q_lens.tolist()}`",
+    return (
         f"- block sizes `(bq, bkv, bq_chunk, bkv_chunk)`: decode `{inputs.decode_block_sizes}`, mixed "
         f"`{inputs.mixed_block_sizes}`"
         + (
             " (given)"
             if given
             else " (v3's defaults for the chip: `d_block_sizes`/`m_block_sizes` not given)"
-        ),
+        )
+    )
+
+
+def call_in_words(kernel: ReportedKernel, inputs) -> list[str]:
+    """The kernel's side of the case: what it is passed besides the arrays."""
+    _, keys, _, kv_cache, _, _, cu_q_lens, distribution = inputs.args[:8]
+    options = {k: v for k, v in inputs.kwargs.items() if v is not None and k not in kernel.tuning_options}
+    return [
+        f"- the kernel's call: `distribution = {distribution.tolist()}` (decode-only sequences first, then "
+        f"mixed), `kv_cache` of shape `{kv_cache.shape}` {kv_cache.dtype} ({kernel.cache_layout}), new "
+        f"tokens' `keys`/`values` of shape `{keys.shape}`, `cu_q_lens = {cu_q_lens.tolist()}`",
+        kernel.block_sizes_in_words(inputs),
         f"- `vmem_limit_bytes={inputs.kwargs['vmem_limit_bytes']}`"
-        + ("" if inputs.kwargs["vmem_limit_bytes"] is not None else " (v3's default for the chip)"),
-        "- v3's options: " + (", ".join(f"`{k}={v!r}`" for k, v in options.items()) or "none (defaults)"),
+        + ("" if inputs.kwargs["vmem_limit_bytes"] is not None else " (the kernel's default)"),
+        "- its options: " + (", ".join(f"`{k}={v!r}`" for k, v in options.items()) or "none (defaults)"),
     ]
 
 
-def attention_in_words(observation: Observation) -> list[str]:
+def attention_in_words(kernel: ReportedKernel, observation: Observation) -> list[str]:
     c = observation.comparison
     if c.ok:
         return [
-            f"Attention: right (max error/bound {c.max_ratio:.3g} against the float64 oracle under v3's "
-            "precision contract)."
+            f"Attention: right (max error/bound {c.max_ratio:.3g} against the float64 oracle under the "
+            "kernel's precision contract)."
         ]
     w = c.worst
     own = observation.own_reference
@@ -185,14 +204,14 @@ def attention_in_words(observation: Observation) -> list[str]:
             expected="expected (float64 oracle)",
             own_reference=None
             if own is None
-            else (f"v3's `{REFERENCE_FUNCTION}`", own[w.row, w.head, w.dim]),
-            actual="actual (v3's kernel)",
+            else (f"its own `{kernel.reference}`", own[w.row, w.head, w.dim]),
+            actual="actual (the kernel)",
         ),
         *error_map_block(c),
     ]
 
 
-def cache_in_words(observation: Observation) -> list[str]:
+def cache_in_words(kernel: ReportedKernel, observation: Observation) -> list[str]:
     inputs, mismatch = observation.inputs, observation.cache_error
     if mismatch is None:
         return ["Cache: right (bit for bit: every new token in its slot, nothing else changed)."]
@@ -216,13 +235,13 @@ def cache_in_words(observation: Observation) -> list[str]:
         lines.append(f"| ... | | {len(slots) - MAX_SLOT_ROWS} more slots | | |")
     if observation.own_reference_cache_matches is not None:
         verdict = "returns" if observation.own_reference_cache_matches else "does not return either"
-        lines += ["", f"v3's `{REFERENCE_FUNCTION}` {verdict} the expected cache, bit for bit."]
+        lines += ["", f"Its own `{kernel.reference}` {verdict} the expected cache, bit for bit."]
     return lines
 
 
-def expected_vs_actual(observation: Observation) -> list[str]:
+def expected_vs_actual(kernel: ReportedKernel, observation: Observation) -> list[str]:
     rejects = (
-        f"v3's `{REFERENCE_FUNCTION}` rejects these inputs (its `dynamic_validate_inputs`: "
+        f"Its own `{kernel.reference}` rejects these inputs (its `dynamic_validate_inputs`: "
         f"`{observation.reference_rejects}`), which the kernel does not run: the call must return or fail."
     )
     if observation.hang is not None:
@@ -237,13 +256,13 @@ def expected_vs_actual(observation: Observation) -> list[str]:
             "",
             f"Actual: the call raises `{observation.error}`.",
         ]
-    return [*attention_in_words(observation), "", *cache_in_words(observation)]
+    return [*attention_in_words(kernel, observation), "", *cache_in_words(kernel, observation)]
 
 
-SCRIPT = '''"""tpu-inference {version} RPA v3: {description}
+SCRIPT = '''"""{name}: {description}
 
-Runs as written on {where}: `python repro.py` exits 1 while the kernel disagrees with v3's own
-ref_ragged_paged_attention (or does not return), 0 otherwise. Random data (seed 0); the lengths, page
+Runs as written on {where}: `python repro.py` exits 1 while the kernel disagrees with its own
+{reference} (or does not return), 0 otherwise. Random data (seed 0); the lengths, page
 table, block sizes and options are the failing case's.
 """
 
@@ -260,19 +279,19 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def load_v3():
-    """v3's kernel module, without tpu_inference/__init__.py (it imports vllm)."""
+def load_kernel():
+    """The kernel's module, without tpu_inference/__init__.py (it imports vllm)."""
     root = list(importlib.util.find_spec("tpu_inference").submodule_search_locations)[0]
     parts = ("tpu_inference", "kernels", "ragged_paged_attention", "v3")
     for depth in range(1, len(parts) + 1):
         package = types.ModuleType(".".join(parts[:depth]))
         package.__path__ = [os.path.join(root, *parts[1:depth])]
         sys.modules.setdefault(package.__name__, package)
-    return importlib.import_module("tpu_inference.kernels.ragged_paged_attention.v3.kernel")
+{stubs}    return importlib.import_module("{module}")
 
 
-v3 = load_v3()
-warnings.filterwarnings("ignore", "Some donated buffers were not usable")  # on CPU; v3 donates its inputs
+kernel = load_kernel()
+warnings.filterwarnings("ignore", "Some donated buffers were not usable")  # on CPU; the kernel donates its inputs
 q_dtype, kv_dtype = jnp.{q_dtype}, jnp.{kv_dtype}
 tokens, q_heads, kv_heads, head_dim = {tokens}, {q_heads}, {kv_heads}, {head_dim}
 pages, page_size = {pages}, {page_size}
@@ -281,7 +300,7 @@ page_indices = np.array({page_indices}, np.int32)  # flat: [max_num_seqs * pages
 cu_q_lens = np.array({cu_q_lens}, np.int32)
 distribution = np.array({distribution}, np.int32)  # decode-only sequences, then mixed; num_seqs
 options = {options}
-
+{sink_lines}
 rng = np.random.default_rng(0)
 rows = int(cu_q_lens[distribution[2]])
 queries = (rng.standard_normal((tokens, q_heads, head_dim)) / head_dim**0.5).astype(q_dtype)  # unit-variance logits
@@ -290,17 +309,17 @@ values = rng.standard_normal((tokens, kv_heads, head_dim)).astype(kv_dtype)
 queries[rows:], keys[rows:], values[rows:] = 0, 0, 0
 cached_k = rng.standard_normal((pages * page_size, kv_heads, head_dim)).astype(kv_dtype)
 cached_v = rng.standard_normal((pages * page_size, kv_heads, head_dim)).astype(kv_dtype)
-cache_shape = v3.get_kv_cache_shape(pages, page_size, kv_heads, head_dim, kv_dtype)
-kv_cache = np.asarray(v3.merge_kv(jnp.asarray(cached_k), jnp.asarray(cached_v))).reshape(cache_shape)
-arrays = (queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution)
+cache_shape = kernel.get_kv_cache_shape(pages, page_size, kv_heads, head_dim, kv_dtype)
+kv_cache = np.asarray(kernel.merge_kv(jnp.asarray(cached_k), jnp.asarray(cached_v))).reshape(cache_shape)
+arrays = (queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution{sink_arg})
 
 tuning = {tuning!r}
 try:
-    expected_out, expected_cache = v3.ref_ragged_paged_attention(
+    expected_out, expected_cache = kernel.{reference}(
         *map(jnp.asarray, arrays), **{{k: v for k, v in options.items() if k not in tuning}}
     )
 except ValueError as error:  # the kernel does not run this validator: it must still return
-    print("v3's reference rejects these inputs:", error)
+    print("the reference rejects these inputs:", error)
     expected_out = expected_cache = None
 
 returned = threading.Event()
@@ -313,7 +332,16 @@ def watchdog():
 
 
 threading.Thread(target=watchdog, daemon=True).start()
-out, cache = jax.block_until_ready(v3.ragged_paged_attention(*map(jnp.asarray, arrays), **options))
+try:
+    out, cache = jax.block_until_ready(kernel.{function}(*map(jnp.asarray, arrays), **options))
+except Exception as error:
+    if expected_out is None:  # inputs the reference rejects: only a call that never returns is a finding
+        raise
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+    raised = [line for line in lines if line.split(": ", 1)[0].endswith(("Error", "Exception"))]
+    said = raised[-1] if raised else lines[0]  # the innermost exception's line, else the message's first
+    print(f"{reproduces}: the kernel raises on inputs its reference accepts: {{type(error).__name__}}: {{said}}")
+    sys.exit(1)
 returned.set()
 if expected_out is None:
     print("does not reproduce: the kernel returned")
@@ -345,19 +373,43 @@ for i in range(int(distribution[2])):  # slot by slot: whose key each differing 
             print(f"  page {{page}}, slot {{slot}} (sequence {{i}}, key position {{position}}, {{role}}): the kernel {{held}}")
 
 if wrong.any() or differs.any():
-    print("{reproduces}: v3's kernel disagrees with its own reference")
+    print("{reproduces}: the kernel disagrees with its own reference")
     sys.exit(1)
 print("does not reproduce: the kernel agrees with its reference")
 '''
 
 
-def script(repro: repro_files.Repro, inputs: v3.V3Inputs, description: str, generation: str) -> str:
-    """The standalone program (jax, numpy, tpu-inference) that makes the repro's v3 call on random data."""
-    q, keys, _, kv_cache, kv_lens, page_indices, cu_q_lens, distribution = inputs.args
+def value_source(value) -> str:
+    """``value`` as the script's Python source: dtypes as jnp's names, non-finite floats spelled out."""
+    if isinstance(value, np.dtype):
+        return f"jnp.{value.name}"
+    if isinstance(value, float) and not np.isfinite(value):
+        return f"float({str(value)!r})"
+    return repr(value)
+
+
+def options_source(options: dict) -> str:
+    return "{" + ", ".join(f"{name!r}: {value_source(value)}" for name, value in options.items()) + "}"
+
+
+def script(kernel: ReportedKernel, inputs, description: str, generation: str) -> str:
+    """The standalone program (jax, numpy, tpu-inference) that makes the repro's call on random data (the
+    attention sinks, when given, are the repro's: they are options, not data)."""
+    q, keys, _, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *sinks = inputs.args
     pages, page_size = kv_cache.shape[:2]
     where = f"a TPU {generation}" if generation != NONE else "a TPU"
+    given_sinks = bool(sinks) and sinks[0] is not None
+    sink_values = ", ".join(value_source(float(x)) for x in sinks[0]) if given_sinks else ""
     return SCRIPT.format(
-        version=v3.RPA_HARNESS_VERSION.removeprefix("tpu-inference "),
+        name=kernel.name.replace("tpu-inference", v3.RPA_HARNESS_VERSION, 1),
+        module=kernel.module.__name__,
+        function=kernel.function,
+        reference=kernel.reference,
+        stubs=kernel.script_stubs,
+        sink_lines=f"attention_sink = np.array([{sink_values}], np.float32)  # one logit per q head\n"
+        if given_sinks
+        else "",
+        sink_arg=", attention_sink" if given_sinks else "",
         description=description,
         where=where,
         q_dtype=q.dtype.name,
@@ -372,8 +424,8 @@ def script(repro: repro_files.Repro, inputs: v3.V3Inputs, description: str, gene
         page_indices=page_indices.tolist(),
         cu_q_lens=cu_q_lens.tolist(),
         distribution=distribution.tolist(),
-        options=repr(inputs.kwargs),
-        tuning=TUNING_OPTIONS,
+        options=options_source(kernel.script_options(inputs)),
+        tuning=kernel.tuning_options,
         hang_seconds=HANG_SECONDS,
         reproduces=REPRODUCES,
     )
@@ -420,41 +472,48 @@ def run_script(program: str, backend_name: str, generation: str, directory) -> t
     return result.returncode, output.strip()
 
 
-def title(observation: Observation, issue) -> str:
+def title(kernel: ReportedKernel, observation: Observation, issue) -> str:
     if issue is not None:
-        return f"tpu-inference RPA v3: {issue.description}"
+        return f"{kernel.name}: {issue.description}"
     if observation.hang is not None:
-        return "tpu-inference RPA v3: the call never returns"
+        return f"{kernel.name}: the call never returns"
     if observation.error is not None:
-        return f"tpu-inference RPA v3 raises on valid inputs: {observation.error[:100]}"
+        return f"{kernel.name} raises on valid inputs: {observation.error[:100]}"
     wrong = [name for name, bad in (("attention", not observation.comparison.ok),
                                     ("cache", observation.cache_error is not None)) if bad]  # fmt: skip
-    return f"tpu-inference RPA v3 returns a wrong {' and '.join(wrong)}"
+    return f"{kernel.name} returns a wrong {' and '.join(wrong)}"
 
 
-def replay_command(path: str, repro: repro_files.Repro) -> str:
+def replay_command(kernel: ReportedKernel, path: str, repro: repro_files.Repro) -> str:
     if repro.property.startswith("differential"):
         return f"rpa-harness replay {path}"
-    return f"python -m rpa_harness.targets.tpu_inference_v3 {path}"
+    return f"python -m {kernel.replay_program} {path}"
 
 
 def render(
-    path, repro: repro_files.Repro, backend: Backend, issue, shown_path: str, *, with_script_output=False
+    kernel: ReportedKernel,
+    path,
+    repro: repro_files.Repro,
+    backend: Backend,
+    issue,
+    shown_path: str,
+    *,
+    with_script_output=False,
 ):
     """The Markdown report, or ``NothingToReport`` when the repro does not reproduce on ``backend``."""
-    observation = observe(repro, backend)
+    observation = observe(kernel, repro, backend)
     if not reproduces(observation, repro, issue):
         what = (
             f"the call raises `{observation.error}`, not what was recorded (a crash of the interpreter or "
             "of the harness is not a reproduced bug)"
             if observation.error is not None
-            else "v3's attention is within its precision contract and its returned cache is right"
+            else "the attention is within the kernel's precision contract and its returned cache is right"
         )
         raise NothingToReport(f"{path}: it does not reproduce on {backend.label}: {what}; nothing to report "
-                              f"(replay it with `{replay_command(shown_path, repro)}`)")  # fmt: skip
-    heading = title(observation, issue)
-    description = issue.description if issue is not None else heading.removeprefix("tpu-inference RPA v3 ")
-    program = script(repro, observation.inputs, description, backend.generation)
+                              f"(replay it with `{replay_command(kernel, shown_path, repro)}`)")  # fmt: skip
+    heading = title(kernel, observation, issue)
+    description = issue.description if issue is not None else heading.removeprefix(f"{kernel.name} ")
+    program = script(kernel, observation.inputs, description, backend.generation)
     versions = repro_files.versions()
     interpreter = {INTERPRET: "the Pallas TPU interpreter", FAST_INTERPRET: "the generic Pallas interpreter"}
     sections = [
@@ -462,14 +521,14 @@ def render(
         "",
         "## Environment",
         "",
-        f"- {v3.RPA_HARNESS_VERSION} (`{KERNEL_FUNCTION}`, installed with `{v3.INSTALL_COMMAND}`)",
+        f"- {v3.RPA_HARNESS_VERSION} (`{kernel.qualified_function}`, installed with `{v3.INSTALL_COMMAND}`)",
         *(f"- {name} {version}" for name, version in versions.items() if name != "hypothesis"),
-        f"- chip: {chip_words(backend.generation)}",
+        f"- chip: {chip_words(kernel, backend.generation)}",
         f"- observed on: {interpreter.get(backend.name, 'a TPU')}"
         + (
             " on CPU, through rpa-harness's interpreter compatibility layer (jax's TPU interpreters cannot "
-            "run v3 as it ships: its `ref.bitcast`/`ref.reshape` views; the layer patches the interpreters, "
-            "never the kernel)"
+            "run the kernel as it ships: its `ref.bitcast`/`ref.reshape` views; the layer patches the "
+            "interpreters, never the kernel)"
             if backend.name != TPU
             else ""
         ),
@@ -477,11 +536,11 @@ def render(
         "## The case",
         "",
         *case_in_words(repro),
-        *call_in_words(observation.inputs),
+        *call_in_words(kernel, observation.inputs),
         "",
         "## Expected and actual",
         "",
-        *expected_vs_actual(observation),
+        *expected_vs_actual(kernel, observation),
         "",
         *(["## Why", "", issue.explanation, ""] if issue is not None and issue.explanation else []),
         "## Reproduce",
@@ -489,14 +548,14 @@ def render(
         f"The script needs only jax, numpy and tpu-inference. It runs as written on "
         f"{'a TPU ' + backend.generation if backend.generation != NONE else 'a TPU'}"
         " (`python repro.py`); its data is random (seed 0), its lengths, page table, block sizes and options "
-        "the case's. It compares v3's kernel with v3's own `ref_ragged_paged_attention`, the attention "
+        f"the case's. It compares the kernel with its own `{kernel.reference}`, the attention "
         "within a tolerance and the returned cache slot by slot, and exits 1 while they disagree.",
         "",
         "```python",
         program.rstrip(),
         "```",
         "",
-        "On a CPU, jax's interpreters cannot run v3 without rpa-harness's compatibility layer; with "
+        "On a CPU, jax's interpreters cannot run the kernel without rpa-harness's compatibility layer; with "
         "rpa-harness installed, this runs the same script there, on the interpreter the case was observed on"
         + (f", the CPU device reporting a TPU {backend.generation}" if backend.generation != NONE else "")
         + ":",
@@ -506,7 +565,7 @@ def render(
         "```",
     ]
     if with_script_output:
-        with tempfile.TemporaryDirectory(prefix="rpa-v3-report-") as directory:
+        with tempfile.TemporaryDirectory(prefix="rpa-tpu-inference-report-") as directory:
             status, output = run_script(program, backend.name, backend.generation, directory)
         verdict = "reproduces" if status != 0 and REPRODUCES in output else "does not reproduce"
         sections += [
@@ -520,6 +579,40 @@ def render(
     sections += [
         "",
         "Found by rpa-harness (property-based differential testing of RPA kernels): "
-        f"`{replay_command(shown_path, repro)}` re-runs the exact failing inputs.",
+        f"`{replay_command(kernel, shown_path, repro)}` re-runs the exact failing inputs.",
     ]
     return "\n".join(sections) + "\n"
+
+
+V3 = ReportedKernel(
+    name="tpu-inference RPA v3",
+    module=v3.v3,
+    function="ragged_paged_attention",
+    reference="ref_ragged_paged_attention",
+    tuning_options=(
+        "d_block_sizes",
+        "p_block_sizes",
+        "m_block_sizes",
+        "vmem_limit_bytes",
+        "chunk_prefill_size",
+        "update_kv_cache",
+    ),
+    cache_layout="v3's packed layout",
+    inputs=v3.v3_inputs,
+    call=v3.call_v3,
+    precision=v3.RPA_HARNESS_PRECISION,
+    version=v3.RPA_HARNESS_VERSION,
+    replay_program="rpa_harness.targets.tpu_inference_v3",
+    block_sizes_in_words=v3_block_sizes_in_words,
+    script_options=lambda inputs: inputs.kwargs,  # block sizes and VMEM limit as passed: None is v3's default
+    off_a_tpu=(
+        "no particular TPU: observed on a CPU device, where v3 sees no TPU generation (`get_tpu_version()` "
+        "is -1: none of its v6-and-later branches); the block sizes and VMEM limit are given, so the script "
+        "makes the same call on any TPU (from v6 on, packed queries take the int16-position branch)"
+    ),
+    on_a_generation=(
+        "TPU {generation}: v3 takes its default block sizes, VMEM limit and generation branches from the "
+        "chip, and this finding depends on them; on a CPU, rpa-harness makes the device report a TPU "
+        "{generation}"
+    ),
+)

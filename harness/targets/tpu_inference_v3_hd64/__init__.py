@@ -289,3 +289,11 @@ RPA_HARNESS_KNOWN_ISSUES = tuple(
     for issue in RPA_HARNESS_CATALOGUE
     if HAS_TPU_RECIPROCAL or issue.name != "hd64-sink-on-padded-q-heads"
 )
+
+
+def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
+    """v3's report with this kernel's calls (``report.HD64``): imported when a report is asked for."""
+    from rpa_harness.targets.tpu_inference_v3 import report as v3_report
+    from rpa_harness.targets.tpu_inference_v3_hd64.report import HD64
+
+    return v3_report.render(HD64, *args, **kwargs)

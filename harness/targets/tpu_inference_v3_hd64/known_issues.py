@@ -119,6 +119,16 @@ RPA_HARNESS_CATALOGUE = (
         hd64_sink_on_padded_q_heads,
         without_sinks,
         rf"cannot reshape|Out-of-bounds read|{NUMERIC_MISMATCH}",
+        explanation=(
+            "`prepare_inputs` pads the queries per KV head to a whole number of q's packing (2 for bfloat16) "
+            "but reshapes the sinks unpadded, `attention_sink.reshape((-1, num_q_heads_per_kv_head, 1))` with "
+            "the padded count. So KV head i takes the sinks of q heads `2i, 2i+1` (its one real head gets q "
+            "head 2i's), and the KV heads past half read past the `[num_q_heads / 2, 2, 128]` sink buffer (on "
+            "a TPU, VMEM beyond it: bounds checks are off); where the count does not divide, the reshape "
+            "raises while the kernel traces. `ref_ragged_paged_attention_hd64` reshapes to the real head "
+            "count and is right. Float32 queries (packing 1) and an even number of q heads per KV head "
+            "(gpt-oss: 64 over 8) are not affected."
+        ),
     ),
     KnownIssue(
         "hd64-kv-block-not-whole-tiles-fails-to-trace",
@@ -128,6 +138,13 @@ RPA_HARNESS_CATALOGUE = (
         hd64_kv_block_not_whole_tiles,
         with_whole_tile_kv_blocks,
         r"do not evenly divide the size of the ref",
+        explanation=(
+            "The prologue zeroes the KV double buffer as int32 tiles, `bkv_x2_ref.bitcast(jnp.int32).reshape("
+            "(2, -1, 8, 128))`, which needs the block's rows (keys times `ceil(num_kv_heads / packing)` rows of "
+            "128 words per key) to be a multiple of 8. `static_validate_inputs` accepts any positive "
+            "`num_kv_pages_per_block`, so a caller learns the rule from a reshape error. The tuned table's "
+            "blocks are whole tiles; given ones need not be."
+        ),
     ),
     KnownIssue(
         "hd64-finite-mask-value-weights-keys-by-block",
@@ -137,5 +154,15 @@ RPA_HARNESS_CATALOGUE = (
         hd64_finite_mask_value_weights_keys_by_block,
         with_v3_default_mask_value,
         NUMERIC_MISMATCH,
+        explanation=(
+            "Every query block computes its logits for whole KV blocks, from `max(kv_len - q_len - "
+            "sliding_window, 0) // bkv` through the block holding key `kv_len - 1`, and replaces each masked "
+            "one with `mask_value`: the empty slots past `kv_len` in the last block get the weight "
+            "`exp(mask_value - m)` with whatever the KV buffer holds there (zeros, or stale keys of an earlier "
+            "block or sequence), and with a sliding window the masked keys of the blocks before that start get "
+            "none. `ref_ragged_paged_attention_hd64` gives the weight to exactly the masked keys in "
+            "`[0, kv_len)`. With `kv_len` a multiple of the block and no window skip the two agree; the default "
+            "mask value masks fully and is not affected."
+        ),
     ),
 )
