@@ -571,6 +571,46 @@ def test_dynamic_size_dma_copies_exactly_its_rows(interpreter, source_rows, out_
             assert (got[row] == -1).all(), f"row {row} is outside the copy but changed: {got[row][:4]}"
 
 
+def copy_rows_then_none_from(copy_ref, x_hbm, o_ref, semaphore):
+    """Rows 0-3 of ``x`` by one DMA and zero rows from row ``copy_ref[0]`` by another on the same semaphore,
+    then one wait for the four rows. The interpreter's wait runs the latest DMA first, so the empty one is
+    read: v3's fetch of a KV block with ``update_kv_cache=False`` (its new tokens, none, from the row where
+    the sequence's queries end, the end of the token buffer for the last sequence of a full batch)."""
+    o_ref[...] = jnp.full(o_ref.shape, -1, o_ref.dtype)
+    rows = pltpu.make_async_copy(x_hbm.at[pl.ds(0, 4)], o_ref.at[pl.ds(0, 4)], semaphore)
+    rows.start()
+    start, none = copy_ref[0], copy_ref[1]
+    pltpu.make_async_copy(x_hbm.at[pl.ds(start, none)], o_ref.at[pl.ds(4, none)], semaphore).start()
+    rows.wait()
+
+
+def copy_of_no_rows_after_four(start: int) -> np.ndarray:
+    """``copy_rows_then_none_from`` on the 8 rows of ``PAGES[:8]``, on the TPU interpreter."""
+
+    def call(copy, x):
+        return pl.pallas_call(
+            copy_rows_then_none_from,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+        )(copy, x)
+
+    try:
+        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+            return np.asarray(jax.jit(call)(jnp.array([start, 0], jnp.int32), PAGES[:8]))
+    except Exception:
+        pltpu.reset_tpu_interpret_mode_state()
+        raise
+
+
+def test_a_copy_of_no_rows_from_the_end_of_its_source_is_in_bounds_and_one_past_it_is_not():
+    got = copy_of_no_rows_after_four(8)
+    np.testing.assert_array_equal(got[:4], np.asarray(PAGES)[:4])
+    assert (got[4:] == -1).all()
+    with pytest.raises(Exception, match="Out-of-bounds read"):
+        copy_of_no_rows_after_four(9)
+
+
 def copy_columns_and_count(copy_ref, x_hbm, o_ref, count_ref, buffer, semaphore):
     """v3's query fetch: two DMAs of data-dependent sizes into columns of one buffer (axis 1, like
     ``q_hbm_ref.at[:, pl.ds(start, size)]``), the semaphore's count after both starts, then one wait on a
@@ -825,6 +865,10 @@ def test_gap_masked_swap_still_in_tpu_interpreter():
         lambda: run(kernel, jax.ShapeDtypeStruct(Y3.shape, Y3.dtype), Y3, interpreter="tpu"),
         "Out-of-bounds masked swap",
     )
+
+
+def test_gap_empty_copy_at_end_still_in_tpu_interpreter():
+    assert_gap("tpu-empty-copy-at-end", lambda: copy_of_no_rows_after_four(8), "Out-of-bounds read")
 
 
 def test_gap_literal_index_still_in_generic_interpreter():

@@ -26,6 +26,14 @@ will signal it loops forever (sleeping 0.1 s per turn), so a kernel that waits f
 stops the process until a watchdog kills it. With one core nothing else can ever signal that semaphore: the
 patch raises ``DEADLOCK:`` at once, naming the kernel line that waits, the count it needs and the count it has.
 
+Gap ``tpu-empty-copy-at-end``: a DMA of no elements whose source slice starts exactly at the end of its
+buffer (``pl.ds(size, 0)``) is reported as an out-of-bounds read when a wait executes it: the
+interpreter's reads clip their range with ``clip_range_to_shape``, which takes any slice starting at or
+past a dimension's end for a range entirely out of bounds, the empty one included, while its writes
+(``is_range_out_of_bounds_for_shape``) take the same empty slice as in bounds. The patch gives reads the
+writes' rule: an empty slice starting at the end reads nothing (NumPy's ``x[n:n]``); one starting past the
+end is still out of bounds.
+
 Race detection and views: an access through a reshape/bitcast view is reported to the race detector as an
 access to the smallest box of the region the view was taken of (the ref before its first reshape/bitcast)
 that holds every element it touches (``views.touched_box``): taking one slot of a bitcast double buffer
@@ -922,4 +930,46 @@ DEADLOCK = Gap(
     patches=_deadlock_patches,
 )
 
-GAPS = (REF_VIEWS, MASKED_SWAP, RACE_HISTORY, CALLBACK_ARGUMENTS, CLOCK_ORDER, DEADLOCK)
+# ---------------------------------------------------------------------------------------------------------
+# Gap tpu-empty-copy-at-end (a false out-of-bounds read).
+
+
+def _empty_copy_probe() -> bool:
+    """Whether the unpatched clip takes an empty slice at a dimension's end for out of bounds."""
+    return _internals().utils.clip_range_to_shape((slice(4, 4, 1),), (4,)) is None
+
+
+def _empty_copy_internals() -> None:
+    internals = _internals()
+    require_parameters(internals.utils.clip_range_to_shape, ["rnge", "shape"], "clip_range_to_shape")
+    require(
+        getattr(internals.shared_memory, "interpret_utils", None) is internals.utils,
+        "shared_memory does not reach clip_range_to_shape through module interpret_utils",
+    )
+
+
+def _empty_copy_patches() -> list[Patch]:
+    utils = _internals().utils
+    original = utils.clip_range_to_shape
+
+    def clip_range_to_shape(rnge, shape):
+        """jax's clip, with an empty slice that starts at its dimension's end taken as in bounds."""
+        rnge = tuple(
+            slice(0, 0, r.step) if isinstance(r, slice) and r.start == size and r.stop <= r.start else r
+            for r, size in zip(rnge, shape, strict=True)
+        )
+        return original(rnge, shape)
+
+    return [Patch(utils, "clip_range_to_shape", clip_range_to_shape)]
+
+
+EMPTY_COPY_AT_END = Gap(
+    name="tpu-empty-copy-at-end",
+    interpreter="tpu",
+    symptom="a DMA of no elements from the end of its source is reported as an out-of-bounds read",
+    probe=_empty_copy_probe,
+    check_internals=_empty_copy_internals,
+    patches=_empty_copy_patches,
+)
+
+GAPS = (REF_VIEWS, MASKED_SWAP, RACE_HISTORY, CALLBACK_ARGUMENTS, CLOCK_ORDER, DEADLOCK, EMPTY_COPY_AT_END)
