@@ -146,22 +146,40 @@ def with_v3_default_mask_value(case: Case) -> Case:
     return dataclasses.replace(case, mask_value=None)
 
 
+def chunk_overruns_block(sizes: tuple[int, int, int, int], q_len: int, kv_len: int) -> bool:
+    """Whether a v3 kernel with block sizes ``(bq, bkv, bq_chunk, bkv_chunk)`` computes a chunk past its
+    block for a sequence of ``q_len`` rows and ``kv_len`` keys. Its KV loop takes ``cdiv(keys in the
+    block, bkv_chunk)`` chunks of ``bkv_chunk`` keys (kernel.py:1008-1016) and its query loop chunks of
+    ``min(bq_chunk, rows in the block)`` rows (895, 1018): a chunk that does not divide its block runs past
+    it once a block holds more than the whole chunks that fit in it; a query chunk larger than its block is
+    clamped to the block's rows."""
+    bq, bkv, bq_chunk, bkv_chunk = sizes
+    whole_keys = bkv // bkv_chunk * bkv_chunk
+    whole_rows = bq if bq_chunk > bq else bq // bq_chunk * bq_chunk
+    return min(kv_len, bkv) > whole_keys or min(q_len, bq) > whole_rows
+
+
 def v3_default_blocks_break_its_rules(case: Case) -> bool:
-    """v3 chooses its block sizes for the chip (a generation, none given) and its mixed kernel's compute
-    chunk does not divide its block: ``bq_sz % bq_csz`` or ``bkv_sz % bkv_csz`` is not 0, which v3's
-    validator rejects when the same sizes are given.
+    """v3 chooses its block sizes for the chip (a generation, none given), and for a sequence the kernel
+    that runs it (the decode kernel for the leading decodes, else the mixed one, whose sizes v3's prefill
+    kernel shares) computes a chunk past its block (``chunk_overruns_block``).
 
     ``get_default_block_sizes`` on TPU v5 and v6 (0.32.0) takes ``bq_sz = min(1024 // r, max_q // 2)`` but
     ``bq_csz = min(512 // r, max_q)`` (r q heads per KV head, max_q the token budget rounded up to a power of
-    2), so for a budget below 1024 // r the chunk is twice the block, and ``bkv_csz = min(512, max_kv // 2
-    aligned to a page)`` need not divide ``bkv_sz = min(1024, max_kv)``. v3 validates given block sizes
-    only; its own go to the kernel unchecked.
+    2), and ``bkv_csz = min(512, max_kv // 2 aligned to a page)``, which need not divide ``bkv_sz =
+    min(1024, max_kv)``. v3 validates given block sizes only; its own go to the kernel unchecked. A query
+    chunk twice its block, which its validator also rejects, is clamped by the kernel and does no harm.
     """
     inputs = _v3_inputs(case)
     if inputs.kwargs["m_block_sizes"] is not None:
         return False
-    bq, bkv, bq_chunk, bkv_chunk = inputs.mixed_block_sizes
-    return bq % bq_chunk != 0 or bkv % bkv_chunk != 0
+    decodes = int(inputs.args[7][0])  # the distribution: the leading decodes run in the decode kernel
+    return any(
+        chunk_overruns_block(
+            inputs.decode_block_sizes if seq < decodes else inputs.mixed_block_sizes, q_len, kv_len
+        )
+        for seq, (q_len, kv_len) in enumerate(zip(case.q_lens, case.kv_lens, strict=True))
+    )
 
 
 def with_given_block_sizes(case: Case) -> Case:
@@ -284,7 +302,8 @@ RPA_HARNESS_CATALOGUE = (
     KnownIssue(
         "default-blocks-break-v3s-own-rules",
         "on TPU v5 and v6 v3's default mixed block sizes have a compute chunk that does not divide its block: "
-        "the kernel reads past its KV buffer in VMEM (the TPU interpreter stops it) and returns wrong rows",
+        "for a sequence with more keys than the whole chunks in a block, the kernel reads past its KV buffer "
+        "in VMEM (the TPU interpreter stops it) and returns wrong rows",
         FINDINGS / "default-blocks-break-v3s-own-rules" / "differential-any-config_fast-interpret-v6e.json",
         v3_default_blocks_break_its_rules,
         with_given_block_sizes,
@@ -296,9 +315,11 @@ RPA_HARNESS_CATALOGUE = (
             "`bkv_csz = min(512, max_kv // 2 aligned to a page)`, which need not divide `bkv_sz = min(1024, "
             "max_kv)`. Given explicitly, such sizes are rejected by `static_validate_inputs` (`bq_sz % bq_csz "
             "== 0`, `bkv_sz % bkv_csz == 0`); the defaults are never validated. The kernel then reads the "
-            "second KV chunk past the end of its KV scratch buffer: the Pallas TPU interpreter stops it "
-            "(out-of-bounds read), the generic interpreter returns wrong rows; what a TPU reads there has "
-            "not been run on hardware. On 7x the same case gets valid sizes and is right."
+            "second KV chunk past the end of its KV scratch buffer once a block holds more keys than the "
+            "whole chunks that fit in it: the Pallas TPU interpreter stops it (out-of-bounds read), the "
+            "generic interpreter returns wrong rows; what a TPU reads there has not been run on hardware. "
+            "Sequences with fewer keys, and the query chunk twice the block (the kernel clamps a query chunk "
+            "to the rows of its block), come out right. On 7x the same case gets valid sizes and is right."
         ),
     ),
     KnownIssue(
