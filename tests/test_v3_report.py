@@ -5,7 +5,7 @@ does not reproduce gets none.
 The cache finding's report is rendered and its script run (on the TPU interpreter: the slot by slot
 comparison), the hang finding's script is run (the deadlock check standing for the watchdog), an hd64
 finding's report is rendered and its script run (its loader without vllm, its sinks and cache layout), and
-every finding's script is built from its repro and checked to be standalone. ~38 s of one worker in all: the
+every finding's script is built from its repro and checked to be standalone. ~50 s of one worker in all: the
 other findings' reports (docs/tpu-inference-v3-findings/*/report.md, each with its script's output) take
 40-95 s each on the fast interpreter.
 """
@@ -28,11 +28,12 @@ from rpa_harness.targets.tpu_inference_v3_hd64.report import HD64  # noqa: E402
 
 FINDINGS = {issue.name: issue for issue in v3.RPA_HARNESS_CATALOGUE}
 HD64_FINDINGS = {issue.name: issue for issue in hd64.RPA_HARNESS_CATALOGUE}
+ISSUES = {**FINDINGS, **HD64_FINDINGS}
 KERNELS = {**dict.fromkeys(FINDINGS, v3_report.V3), **dict.fromkeys(HD64_FINDINGS, HD64)}
 STANDALONE_IMPORTS = {"importlib", "os", "sys", "threading", "types", "warnings", "jax", "numpy"}
 
 
-def script_of(issue, kernel=v3_report.V3) -> str:
+def script_of(issue, kernel=v3_report.V3) -> tuple[str, object]:
     repro = repro_files.read(issue.repro)
     with generations.emulated(repro.tpu_generation):  # the block sizes are chosen for the chip
         inputs = kernel.inputs(**repro.arrays, **repro.options)
@@ -49,8 +50,7 @@ def options_of(program: str) -> dict:
 def test_every_findings_script_is_standalone_and_makes_the_repros_call(name):
     """Only jax, numpy and tpu-inference (loaded from the installed folder), with the block sizes and
     options of the repro: what a maintainer runs on the chip."""
-    kernel = KERNELS[name]
-    issue = {**FINDINGS, **HD64_FINDINGS}[name]
+    kernel, issue = KERNELS[name], ISSUES[name]
     program, inputs = script_of(issue, kernel)
     tree = ast.parse(program)
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)

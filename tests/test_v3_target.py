@@ -412,10 +412,11 @@ def test_the_default_blocks_finding_holds_only_where_v3s_validator_rejects_v3s_d
 
 def test_v3s_rejected_defaults_are_right_where_no_chunk_runs_past_its_block():
     """On v5e v3 chooses ``(16, 104, 32, 56)`` for its mixed kernel here, sizes its validator rejects (a
-    KV chunk that does not divide the block, a query chunk twice the block). With every sequence's keys
-    within the block's whole KV chunks, both outputs are right, and the finding's predicate does not hold:
-    it moves out only the cases the kernel gets wrong (its repro, with 100 keys in the mixed kernel, is
-    replayed by the known-issue property)."""
+    KV chunk that does not divide the block, a query chunk twice the block). The mixed kernel runs only the
+    last sequence, whose 30 keys lie within the block's whole KV chunk (the decodes run in the decode
+    kernel): both outputs are right, and the finding's predicate does not hold. It moves out only the
+    cases the kernel gets wrong (its repro, a sequence of 61 keys in the mixed kernel, is replayed by the
+    known-issue property)."""
     case = Case(max_num_batched_tokens=32, max_num_seqs=4, pages_per_seq=13, total_num_pages=60,
                 page_size=8, num_q_heads=8, num_kv_heads=2, head_dim=128, q_dtype="bfloat16",
                 kv_dtype="bfloat16", q_lens=(1, 1, 7), kv_lens=(17, 100, 30), mask_value_meaning="replaces",

@@ -368,10 +368,15 @@ def jitted(kernel, kwargs: dict):
     return _JITTED[key]
 
 
+def device_arrays(args) -> list:
+    """A v3 kernel's positional arguments as jax arrays, put on the device without a per-shape compile
+    (``targets.as_jax``); an absent optional one (the hd64 kernel without sinks) stays None."""
+    return [None if a is None else jax.device_put(a) for a in args]
+
+
 def call_v3(inputs: V3Inputs):
     """Runs v3 (on whatever backend the caller's context selects): ``(attention, updated packed cache)``."""
-    arrays = map(jax.device_put, inputs.args)  # no per-shape compile (targets.as_jax)
-    return jitted(v3.ragged_paged_attention, inputs.kwargs)(*arrays)
+    return jitted(v3.ragged_paged_attention, inputs.kwargs)(*device_arrays(inputs.args))
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

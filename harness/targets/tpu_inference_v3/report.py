@@ -1,19 +1,19 @@
-"""An upstream-ready report of a repro of one of tpu-inference's v3 kernels (``rpa-harness report REPRO.json``).
+"""An upstream-ready report of a repro of one of tpu-inference's v3 kernels (``rpa-harness report``).
 
 Their API is not upstream's: they take the new tokens' keys and values and return the cache with the
 attention, so their report is their own; ``ReportedKernel`` holds what differs between v3's kernel
-(``V3``) and the head_dim-64 one (the hd64 target's ``report.HD64``). The report re-runs the repro on its backend (and emulated TPU generation),
-says what is wrong (the known issue's description when the repro is a finding's), the case in the
-upstream-style words the harness draws and as v3's call (distribution, block sizes, options), expected
-against actual for both outputs (the attention's worst element and the map of where it is wrong; the
-returned cache slot by slot), and a standalone script in v3's own layout that needs only jax, numpy and
-tpu-inference: it compares the kernel with its own reference (``ref_ragged_paged_attention``, attention and
-cache) and exits 1 while the discrepancy reproduces.
+(``V3``) and the head_dim-64 one (the hd64 target's ``report.HD64``). The report re-runs the repro on its
+backend (and emulated TPU generation), says what is wrong (the known issue's description when the repro
+is a finding's), the case in the upstream-style words the harness draws and as the kernel's call
+(distribution, block sizes, options), expected against actual for both outputs (the attention's worst
+element and the map of where it is wrong; the returned cache slot by slot), and a standalone script in the
+kernel's own layout that needs only jax, numpy and tpu-inference: it compares the kernel with its own
+reference (attention and cache) and exits 1 while the discrepancy reproduces.
 
 The script runs as written on a TPU (of the repro's generation, when the finding depends on the chip).
-jax's TPU interpreters cannot run these kernels as they ship (their ``ref.bitcast``/``ref.reshape`` views), so on a CPU
-it runs only under rpa-harness's interpreter compatibility layer, which patches the interpreters, never
-the kernel: ``cpu_launcher`` is the program that does so, and the report prints it.
+jax's TPU interpreters cannot run these kernels as they ship (their ``ref.bitcast``/``ref.reshape``
+views), so on a CPU it runs only under rpa-harness's interpreter compatibility layer, which patches the
+interpreters, never the kernel: ``cpu_launcher`` is the program that does so, and the report prints it.
 
 A repro that does not reproduce (it passes now, or the call raises something other than what was
 recorded) gets no report: ``NothingToReport``.
@@ -26,7 +26,6 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 from rpa_harness import reference
 from rpa_harness import repro as repro_files
@@ -55,7 +54,6 @@ class ReportedKernel:
     inputs: Callable  # (arrays, options of a repro) -> the target's inputs (``args``, ``kwargs``, ...)
     call: Callable  # inputs -> (attention, updated cache), on the caller's backend
     precision: tuple[str, ...]  # the target's precision contract
-    version: str  # the target's RPA_HARNESS_VERSION
     replay_program: str  # ``python -m PROGRAM REPRO.json`` replays its non-differential repros
     block_sizes_in_words: Callable  # inputs -> the report's line on the block sizes
     script_options: Callable  # inputs -> the keyword options the standalone script passes
@@ -70,7 +68,7 @@ class ReportedKernel:
 
 @dataclasses.dataclass
 class Observation:
-    """What v3 does on the repro's inputs now, on the repro's backend."""
+    """What the kernel does on the repro's inputs now, on the repro's backend."""
 
     inputs: object  # the target's inputs (v3.V3Inputs, or the hd64 target's)
     hang: str | None = None  # the TPU interpreter's deadlock account
@@ -84,11 +82,6 @@ class Observation:
     @property
     def wrong_output(self) -> bool:
         return self.comparison is not None and (not self.comparison.ok or self.cache_error is not None)
-
-
-def device_arrays(args) -> list:
-    """A kernel's positional arguments as jax arrays (an absent optional one, such as no sinks, stays None)."""
-    return [None if a is None else jnp.asarray(a) for a in args]
 
 
 def observe(kernel: ReportedKernel, repro: repro_files.Repro, backend: Backend) -> Observation:
@@ -127,7 +120,7 @@ def observe(kernel: ReportedKernel, repro: repro_files.Repro, backend: Backend) 
     inputs = observation.inputs
     try:
         own_out, own_cache = getattr(kernel.module, kernel.reference)(
-            *device_arrays(inputs.args),
+            *v3.device_arrays(inputs.args),
             **{k: v for k, v in inputs.kwargs.items() if k not in kernel.tuning_options},
         )
     except ValueError as error:
@@ -601,7 +594,6 @@ V3 = ReportedKernel(
     inputs=v3.v3_inputs,
     call=v3.call_v3,
     precision=v3.RPA_HARNESS_PRECISION,
-    version=v3.RPA_HARNESS_VERSION,
     replay_program="rpa_harness.targets.tpu_inference_v3",
     block_sizes_in_words=v3_block_sizes_in_words,
     script_options=lambda inputs: inputs.kwargs,  # block sizes and VMEM limit as passed: None is v3's default

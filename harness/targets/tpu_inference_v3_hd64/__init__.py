@@ -225,14 +225,11 @@ def tuned_block_sizes(q, kv_dtype, num_kv_heads: int, page_size: int, pages_per_
     )  # fmt: skip
 
 
-def _device_arrays(inputs: Hd64Inputs) -> list:
-    """The kernel's positional arguments as jax arrays (no sinks stays None)."""
-    return [None if a is None else jax.device_put(a) for a in inputs.args]
-
-
 def call_hd64(inputs: Hd64Inputs):
     """Runs the kernel (on whatever backend the caller's context selects): ``(attention, updated cache)``."""
-    return v3_target.jitted(hd64.ragged_paged_attention_hd64, inputs.kwargs)(*_device_arrays(inputs))
+    return v3_target.jitted(hd64.ragged_paged_attention_hd64, inputs.kwargs)(
+        *v3_target.device_arrays(inputs.args)
+    )
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
@@ -245,7 +242,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
 def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
     """The kernel's own ``dynamic_validate_inputs`` (its rules, its messages) on the mapped inputs."""
     inputs = hd64_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
-    hd64.dynamic_validate_inputs(*_device_arrays(inputs), **inputs.kwargs)
+    hd64.dynamic_validate_inputs(*v3_target.device_arrays(inputs.args), **inputs.kwargs)
 
 
 def judge(arrays: dict, options: dict, backend=v3_target.CHECKING) -> v3_target.Verdict:
