@@ -22,6 +22,7 @@ from rpa_harness import bug_report, generations  # noqa: E402
 from rpa_harness import repro as repro_files  # noqa: E402
 from rpa_harness.backends import INTERPRET, Backend  # noqa: E402
 from rpa_harness.bug_report import NothingToReport  # noqa: E402
+from rpa_harness.strategies.case import Case  # noqa: E402
 from rpa_harness.targets import tpu_inference_v3 as v3  # noqa: E402
 from rpa_harness.targets import tpu_inference_v3_hd64 as hd64  # noqa: E402
 from rpa_harness.targets.tpu_inference_v3_hd64.report import HD64  # noqa: E402
@@ -30,7 +31,7 @@ FINDINGS = {issue.name: issue for issue in v3.RPA_HARNESS_CATALOGUE}
 HD64_FINDINGS = {issue.name: issue for issue in hd64.RPA_HARNESS_CATALOGUE}
 ISSUES = {**FINDINGS, **HD64_FINDINGS}
 KERNELS = {**dict.fromkeys(FINDINGS, v3_report.V3), **dict.fromkeys(HD64_FINDINGS, HD64)}
-STANDALONE_IMPORTS = {"importlib", "os", "sys", "threading", "types", "warnings", "jax", "numpy"}
+STANDALONE_IMPORTS = {"base64", "importlib", "io", "os", "sys", "threading", "types", "warnings", "jax", "numpy"}
 
 
 def script_of(issue, kernel=v3_report.V3) -> tuple[str, object]:
@@ -62,6 +63,24 @@ def test_every_findings_script_is_standalone_and_makes_the_repros_call(name):
     sinks = inputs.args[8] if len(inputs.args) > 8 else None
     assert ("attention_sink = np.array(" in program) == (sinks is not None)
     assert issue.explanation, f"{name}: the report's Why section is empty"
+
+
+def test_a_small_repros_script_carries_its_own_inputs():
+    """A case whose inputs compress to a few KiB is run on its own data (a finding of the values, such as
+    the bfloat16 row sum's, shows on no random data); a larger one on random data of its shapes."""
+    issue = FINDINGS["row-sum-accumulated-in-bfloat16"]
+    dominant = issue.repro.with_name("dominant-key_fast-interpret-v6e.json")
+    program, inputs = script_of(type("Issue", (), {"repro": dominant, "description": issue.description}))
+    namespace = {"jnp": jnp, "np": np, "q_dtype": inputs.args[0].dtype, "kv_dtype": inputs.args[3].dtype}
+    data = program[program.index("# The failing case's own inputs") : program.index("arrays = (")]
+    exec("import base64, io\n" + data, namespace)
+    for name, expected in zip(("queries", "keys", "values", "kv_cache"), inputs.args[:4], strict=True):
+        np.testing.assert_array_equal(namespace[name].view(np.uint8), np.asarray(expected).view(np.uint8), name)
+    large = Case(max_num_batched_tokens=8, max_num_seqs=1, pages_per_seq=63, total_num_pages=64, page_size=16,
+                 num_q_heads=1, num_kv_heads=1, head_dim=128, q_dtype="float32", kv_dtype="float32",
+                 q_lens=(1,), kv_lens=(1000,))  # fmt: skip
+    inputs = v3.v3_inputs(**large.arrays(), **large.options())
+    assert "rng = np.random.default_rng(0)" in v3_report.script(v3_report.V3, inputs, "d", generations.NONE)
 
 
 def test_an_hd64_findings_report_runs_its_script_without_vllm():

@@ -369,6 +369,35 @@ def test_the_finite_mask_value_finding_covers_values_zeroed_past_a_query_blocks_
     assert not finding.matches(dataclasses.replace(case, num_queries_per_block=32))  # one block, values kept
 
 
+ROW_SUM = CATALOGUE["row-sum-accumulated-in-bfloat16"]
+
+
+def test_v3_sums_a_chunks_weights_in_bfloat16(v3_runs):
+    """The finding's hand-made case: every value 1, so the output is exactly 1 whatever the weights; one
+    key of weight 1 and 63 of weight 0.0035 (below half a bfloat16 ulp of 1) in one compute chunk. v3's
+    denominator drops the small weights; the same case with float32 queries (float32 accumulators) is
+    right."""
+    recorded = repro_files.read(ROW_SUM.repro.with_name("dominant-key_fast-interpret-v6e.json"))
+    backend = Backend(FAST_INTERPRET, generation=recorded.tpu_generation)
+    out = np.asarray(backend.run(TARGET.attention, recorded.arrays, {}), np.float64)[0]
+    assert np.all(out > 1.05), out.min()
+    arrays = dict(recorded.arrays, q=recorded.arrays["q"].astype(np.float32))
+    out32 = np.asarray(backend.run(TARGET.attention, arrays, {}), np.float64)[0]
+    np.testing.assert_allclose(out32, 1.0, rtol=1e-6)
+
+
+def test_the_row_sum_finding_matches_bfloat16_accumulators_with_weights_a_bfloat16_sum_drops():
+    """The false alarm's case matches on v6e; float32 queries, a nearly uniform softmax, or the one key that
+    a decode of one key sums do not."""
+    case = repro_files.read(ROW_SUM.repro).case
+    (issue,) = known_issues.on_generation((ROW_SUM,), "v6e")
+    assert issue.matches(case)
+    assert not issue.matches(dataclasses.replace(case, q_dtype="float32"))
+    assert not issue.matches(dataclasses.replace(case, values="tiny"))
+    assert not issue.matches(dataclasses.replace(case, q_lens=(1,), kv_lens=(1,)))
+    assert issue.nearest_outside(case) == dataclasses.replace(case, values="tiny")
+
+
 @pytest.mark.parametrize("issue", v3target.RPA_HARNESS_CATALOGUE, ids=lambda issue: issue.name)
 def test_v3_issue_matches_its_own_repro(issue):
     """On the chip the repro was recorded for (its predicate may read the block sizes v3 chooses there)."""

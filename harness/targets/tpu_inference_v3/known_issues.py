@@ -14,7 +14,9 @@ import math
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 from rpa_harness import generations
 from rpa_harness.known_issues import (
@@ -29,8 +31,9 @@ from rpa_harness.known_issues import (
     soft_capped_logits,
 )
 from rpa_harness.reference.float64 import quantised_query
+from rpa_harness.reference.tolerance import half_ulp
 from rpa_harness.spec.interface import MASK_REPLACES
-from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.case import DTYPES, Case
 from rpa_harness.targets import tpu_inference_v3 as v3
 
 FINDINGS = findings_dir("tpu-inference-v3-findings")
@@ -46,9 +49,30 @@ def _v3_inputs_on(case: Case, generation: str) -> v3.V3Inputs:
     return v3.v3_inputs(**case_arrays(case), **case.options())
 
 
+class QueryBlock(NamedTuple):
+    """One query block of one live sequence, as v3's kernel walks it."""
+
+    seq: int
+    first: int  # its first query row in the sequence
+    rows: int
+    start: int  # the first key it visits (the window's first KV block)
+    effective: int  # its effective kv length: keys from here on are masked and their values zeroed
+    end: int  # the end of the keys it visits (its last compute chunk's end)
+    bkv: int  # keys per KV block
+    bkv_chunk: int  # keys per compute chunk (one online-softmax step)
+
+    def chunks(self):
+        """The key ranges ``[a, b)`` of its compute chunks, clipped to the effective kv length (the keys past
+        it get no weight under v3's default mask value)."""
+        for block in range(self.start, self.end, self.bkv):
+            for a in range(block, min(block + self.bkv, self.end), self.bkv_chunk):
+                b = min(a + self.bkv_chunk, block + self.bkv, self.effective)
+                if a < b:
+                    yield a, b
+
+
 def _v3_query_blocks(case: Case):
-    """Per live sequence and query block: (sequence, first row, rows, first key visited, the block's
-    effective kv length (keys from it on have their values zeroed), end of the keys visited)."""
+    """Per live sequence and query block, a ``QueryBlock``: its rows, the keys it visits and its blocking."""
     inputs = _v3_inputs(case)
     decodes = int(inputs.args[-1][0])
     window = case.sliding_window
@@ -61,7 +85,7 @@ def _v3_query_blocks(case: Case):
             effective = min(kv_len, position + block_rows) if case.use_causal_mask else kv_len
             last_block = (-(-effective // bkv) - 1) * bkv
             end = last_block + -(-(effective - last_block) // bkv_chunk) * bkv_chunk
-            yield i, first, min(block_rows, q_len - first), start, effective, end
+            yield QueryBlock(i, first, min(block_rows, q_len - first), start, effective, end, bkv, bkv_chunk)
 
 
 def v3_sliding_window_skips_cache_writes(case: Case) -> bool:
@@ -86,15 +110,23 @@ def drop_empty_sequences_before_live_ones(case: Case) -> Case:
     return keep_sequences(case, [not (q[i] == 0 and any(q[i + 1 :])) for i in range(case.num_seqs)])
 
 
-def v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
-    """[q_len, num_q_heads] largest logit over keys [0, kv_len), v3's semantics: q quantised with q_scale,
-    k_scale and q_scale folded into the score scale, soft cap, masked logits replaced by mask_value."""
-    q, k = sequence_queries_and_keys(case, arrays, seq)
-    q = quantised_query(q, case.q_scale, arrays["kv_pages"].dtype)
+def v3_logits(
+    case: Case, q: np.ndarray, k: np.ndarray, seq: int, mask_value: float, rows=slice(None), keys=slice(None)
+):
+    """[rows, num_q_heads, keys] logits of sequence ``seq`` (its queries ``q`` and keys ``k`` as
+    ``sequence_queries_and_keys`` reads them), v3's semantics: q quantised with q_scale, k_scale and q_scale
+    folded into the score scale, soft cap, masked logits replaced by mask_value."""
+    q = quantised_query(q[rows], case.q_scale, k.dtype)
     scale = case.sm_scale * (case.k_scale or 1.0) * (case.q_scale or 1.0)
-    logits = soft_capped_logits(case, q, k, scale)
-    masked = hidden_keys(case, case.q_lens[seq], case.kv_lens[seq])
-    return np.where(masked[:, None, :], mask_value, logits).max(axis=-1)
+    logits = soft_capped_logits(case, q, k[keys], scale)
+    masked = hidden_keys(case, case.q_lens[seq], case.kv_lens[seq])[rows, keys]
+    return np.where(masked[:, None, :], mask_value, logits)
+
+
+def v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
+    """[q_len, num_q_heads] largest logit over keys [0, kv_len), v3's semantics (``v3_logits``)."""
+    q, k = sequence_queries_and_keys(case, arrays, seq)
+    return v3_logits(case, q, k, seq, mask_value).max(axis=-1)
 
 
 def finite_replacing_mask_value(case: Case) -> bool:
@@ -120,11 +152,13 @@ def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
     if not finite_replacing_mask_value(case):
         return False
     arrays = None
-    for seq, first, rows, start, effective, end in _v3_query_blocks(case):
-        if start == 0 and effective == end == case.kv_lens[seq]:
+    for block in _v3_query_blocks(case):
+        if block.start == 0 and block.effective == block.end == case.kv_lens[block.seq]:
             continue
         arrays = arrays or case_arrays(case)
-        row_max = v3_row_max_logits(case, arrays, seq, case.mask_value)[first : first + rows]
+        row_max = v3_row_max_logits(case, arrays, block.seq, case.mask_value)[
+            block.first : block.first + block.rows
+        ]
         if (case.mask_value - row_max > FLOAT32_EXP_UNDERFLOW).any():
             return True
     return False
@@ -139,6 +173,60 @@ def v3_out_dtype_not_q_dtype(case: Case) -> bool:
 def with_q_dtype_accumulators(case: Case) -> Case:
     """v3's default ``out_dtype``: q's (float32 for float32 queries, else bfloat16)."""
     return dataclasses.replace(case, out_dtype=None)
+
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def v3_accumulator_dtype(case: Case) -> np.dtype:
+    """The dtype of v3's running max, sum and accumulator: ``out_dtype``, else float32 for float32 queries
+    and bfloat16 for the others (kernel.py: ``out_dtype = jnp.float32 if q.dtype == jnp.float32 else
+    jnp.bfloat16``)."""
+    if case.out_dtype is not None:
+        return np.dtype(DTYPES[case.out_dtype])
+    return np.dtype(np.float32) if case.q_dtype == "float32" else BFLOAT16
+
+
+def v3_row_sum_rounds_away_weights(case: Case) -> bool:
+    """bfloat16 accumulators, and a query row with a compute chunk whose weights a bfloat16 running sum can
+    round away: each below half a bfloat16 ulp of the chunk's sum, together more than half an ulp of it
+    (more than the one rounding of the row sum the declared contract allows).
+
+    v3 sums a chunk's weights with ``jnp.sum(p, axis=1, keepdims=True, dtype=out_dtype)``, which casts the
+    float32 weights to bfloat16 and reduces them in bfloat16: whatever the order of the additions, a weight
+    below half an ulp of the partial sum it is added to is lost. A chunk's weights are taken against its own
+    largest logit (the running max scales them and their sum alike). With a finite mask value the masked
+    keys' weights count too."""
+    if v3_accumulator_dtype(case) != BFLOAT16:
+        return False
+    arrays = case_arrays(case)
+    mask_value = case.mask_value if finite_replacing_mask_value(case) else -np.inf
+    sequences = {}
+    for block in _v3_query_blocks(case):
+        if block.seq not in sequences:
+            sequences[block.seq] = sequence_queries_and_keys(case, arrays, block.seq)
+        q, k = sequences[block.seq]
+        for a, b in block.chunks():
+            logits = v3_logits(
+                case, q, k, block.seq, mask_value, slice(block.first, block.first + block.rows), slice(a, b)
+            )
+            with np.errstate(invalid="ignore"):
+                weights = np.nan_to_num(np.exp(logits - logits.max(axis=-1, keepdims=True)))
+            total = weights.sum(axis=-1, keepdims=True)
+            unit = half_ulp(total, BFLOAT16)
+            lost = np.where(weights < unit, weights, 0.0).sum(axis=-1, keepdims=True)
+            if (lost > unit).any():
+                return True
+    return False
+
+
+def with_weights_a_bfloat16_sum_keeps(case: Case) -> Case:
+    """Values of the ``tiny`` profile (a nearly uniform softmax: no weight is small against the sum) where
+    that is enough, else float32 queries (float32 accumulators)."""
+    uniform = dataclasses.replace(case, values="tiny")
+    if not v3_row_sum_rounds_away_weights(uniform):
+        return uniform
+    return dataclasses.replace(case, q_dtype="float32", out_dtype=None)
 
 
 def with_v3_default_mask_value(case: Case) -> Case:
@@ -297,6 +385,30 @@ RPA_HARNESS_CATALOGUE = (
             "- max)` with its value, and no other key any. Both agree when that weight underflows (the "
             "default `finfo(out_dtype).min`) or a query block visits exactly `[0, kv_len)`; otherwise the "
             "output depends on the block sizes, which are tuning parameters."
+        ),
+    ),
+    KnownIssue(
+        "row-sum-accumulated-in-bfloat16",
+        "with bfloat16 accumulators (bfloat16 queries) v3 sums each chunk's softmax weights in bfloat16: "
+        "weights below half an ulp of the running sum are lost and the denominator comes out short",
+        FINDINGS / "row-sum-accumulated-in-bfloat16" / "differential-any-config_fast-interpret-v6e.json",
+        v3_row_sum_rounds_away_weights,
+        with_weights_a_bfloat16_sum_keeps,
+        NUMERIC_MISMATCH,
+        explanation=(
+            "`flash_attention_step1_qk_softmax` computes the weights `p = exp(s - m_curr)` in float32 and their "
+            "row sum with `jnp.sum(p, axis=1, keepdims=True, dtype=out_dtype)`. With `dtype=bfloat16`, jax "
+            "casts `p` to bfloat16 and reduces in bfloat16 (the traced program is `convert_element_type` to "
+            "bf16, then `reduce_sum` of bf16), so every addition rounds to 8 bits of the partial sum: a weight "
+            "below half an ulp of it is dropped, the others are rounded, and over a chunk of `bkv_csz` keys "
+            'the sum can lose up to `bkv_csz - 1` roundings. The comment above it ("if converting the type '
+            'too early, there will be accuracy issue") and the `P @ V` beside it (`preferred_element_type='
+            "jnp.float32`, then cast) suggest the intent was to sum in float32 and round once: "
+            "`jnp.sum(p, axis=1, keepdims=True).astype(out_dtype)`. In the repro every value is 1, so the "
+            "output must be exactly 1; one key has weight 1 and 63 have weight 0.0035 each (below 2^-8, half "
+            "an ulp of 1): the denominator is 1.22, the kernel's about 1.11, and the output 1.10. On the CPU "
+            "interpreters XLA adds a short row in order and a long one in several partial sums; the order a "
+            "TPU's reduction takes has not been checked on hardware."
         ),
     ),
     KnownIssue(

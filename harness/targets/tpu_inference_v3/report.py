@@ -19,7 +19,9 @@ A repro that does not reproduce (it passes now, or the call raises something oth
 recorded) gets no report: ``NothingToReport``.
 """
 
+import base64
 import dataclasses
+import io
 import subprocess
 import sys
 import tempfile
@@ -255,12 +257,14 @@ def expected_vs_actual(kernel: ReportedKernel, observation: Observation) -> list
 SCRIPT = '''"""{name}: {description}
 
 Runs as written on {where}: `python repro.py` exits 1 while the kernel disagrees with its own
-{reference} (or does not return), 0 otherwise. Random data (seed 0); the lengths, page
+{reference} (or does not return), 0 otherwise. {data_words}; the lengths, page
 table, block sizes and options are the failing case's.
 """
 
+import base64
 import importlib
 import importlib.util
+import io
 import os
 import sys
 import threading
@@ -294,17 +298,8 @@ cu_q_lens = np.array({cu_q_lens}, np.int32)
 distribution = np.array({distribution}, np.int32)  # decode-only sequences, then mixed; num_seqs
 options = {options}
 {sink_lines}
-rng = np.random.default_rng(0)
 rows = int(cu_q_lens[distribution[2]])
-queries = (rng.standard_normal((tokens, q_heads, head_dim)) / head_dim**0.5).astype(q_dtype)  # unit-variance logits
-keys = rng.standard_normal((tokens, kv_heads, head_dim)).astype(kv_dtype)  # the new tokens
-values = rng.standard_normal((tokens, kv_heads, head_dim)).astype(kv_dtype)
-queries[rows:], keys[rows:], values[rows:] = 0, 0, 0
-cached_k = rng.standard_normal((pages * page_size, kv_heads, head_dim)).astype(kv_dtype)
-cached_v = rng.standard_normal((pages * page_size, kv_heads, head_dim)).astype(kv_dtype)
-cache_shape = kernel.get_kv_cache_shape(pages, page_size, kv_heads, head_dim, kv_dtype)
-kv_cache = np.asarray(kernel.merge_kv(jnp.asarray(cached_k), jnp.asarray(cached_v))).reshape(cache_shape)
-arrays = (queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution{sink_arg})
+{data_lines}arrays = (queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution{sink_arg})
 
 tuning = {tuning!r}
 try:
@@ -372,6 +367,41 @@ print("does not reproduce: the kernel agrees with its reference")
 '''
 
 
+RANDOM_DATA = """\
+rng = np.random.default_rng(0)
+queries = (rng.standard_normal((tokens, q_heads, head_dim)) / head_dim**0.5).astype(q_dtype)  # unit-variance logits
+keys = rng.standard_normal((tokens, kv_heads, head_dim)).astype(kv_dtype)  # the new tokens
+values = rng.standard_normal((tokens, kv_heads, head_dim)).astype(kv_dtype)
+queries[rows:], keys[rows:], values[rows:] = 0, 0, 0
+cached_k = rng.standard_normal((pages * page_size, kv_heads, head_dim)).astype(kv_dtype)
+cached_v = rng.standard_normal((pages * page_size, kv_heads, head_dim)).astype(kv_dtype)
+cache_shape = kernel.get_kv_cache_shape(pages, page_size, kv_heads, head_dim, kv_dtype)
+kv_cache = np.asarray(kernel.merge_kv(jnp.asarray(cached_k), jnp.asarray(cached_v))).reshape(cache_shape)
+"""
+EXACT_DATA = """\
+# The failing case's own inputs (raw bits of numpy arrays, compressed): queries, new keys and values, cache.
+stored = np.load(io.BytesIO(base64.b64decode({encoded!r})))
+queries = stored["queries"].view(q_dtype)
+keys, values, kv_cache = (stored[name].view(kv_dtype) for name in ("keys", "values", "kv_cache"))
+"""
+# The largest compressed inputs a script embeds; larger cases get random data of the case's shapes.
+MAX_EMBEDDED_BYTES = 16 * 2**10
+
+
+def embedded_inputs(inputs) -> str | None:
+    """The call's queries, new keys and values and cache as base64 of a compressed NPZ of their bits, or
+    None when that exceeds ``MAX_EMBEDDED_BYTES``."""
+    q, keys, values, kv_cache = inputs.args[:4]
+    buffer = io.BytesIO()
+    named = dict(queries=q, keys=keys, values=values, kv_cache=kv_cache)
+    np.savez_compressed(
+        buffer, **{name: np.asarray(a).view(f"u{np.asarray(a).dtype.itemsize}") for name, a in named.items()}
+    )
+    if buffer.tell() > MAX_EMBEDDED_BYTES:
+        return None
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
 def value_source(value) -> str:
     """``value`` as the script's Python source: dtypes as jnp's names, non-finite floats spelled out."""
     if isinstance(value, np.dtype):
@@ -386,15 +416,19 @@ def options_source(options: dict) -> str:
 
 
 def script(kernel: ReportedKernel, inputs, description: str, generation: str) -> str:
-    """The standalone program (jax, numpy, tpu-inference) that makes the repro's call on random data (the
-    attention sinks, when given, are the repro's: they are options, not data)."""
+    """The standalone program (jax, numpy, tpu-inference) that makes the repro's call on its own inputs
+    where they are small (``embedded_inputs``), else on random data of their shapes (the attention sinks,
+    when given, are the repro's: they are options, not data)."""
     q, keys, _, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *sinks = inputs.args
     pages, page_size = kv_cache.shape[:2]
     where = f"a TPU {generation}" if generation != NONE else "a TPU"
     given_sinks = bool(sinks) and sinks[0] is not None
     sink_values = ", ".join(value_source(float(x)) for x in sinks[0]) if given_sinks else ""
+    encoded = embedded_inputs(inputs)
     return SCRIPT.format(
         name=kernel.name.replace("tpu-inference", v3.RPA_HARNESS_VERSION, 1),
+        data_words="Random data (seed 0)" if encoded is None else "The failing case's own data",
+        data_lines=RANDOM_DATA if encoded is None else EXACT_DATA.format(encoded=encoded),
         module=kernel.module.__name__,
         function=kernel.function,
         reference=kernel.reference,
@@ -507,6 +541,7 @@ def render(
     heading = title(kernel, observation, issue)
     description = issue.description if issue is not None else heading.removeprefix(f"{kernel.name} ")
     program = script(kernel, observation.inputs, description, backend.generation)
+    data = "random (seed 0)" if embedded_inputs(observation.inputs) is None else "the case's own"
     versions = repro_files.versions()
     interpreter = {INTERPRET: "the Pallas TPU interpreter", FAST_INTERPRET: "the generic Pallas interpreter"}
     sections = [
@@ -540,7 +575,7 @@ def render(
         "",
         f"The script needs only jax, numpy and tpu-inference. It runs as written on "
         f"{'a TPU ' + backend.generation if backend.generation != NONE else 'a TPU'}"
-        " (`python repro.py`); its data is random (seed 0), its lengths, page table, block sizes and options "
+        f" (`python repro.py`); its data is {data}, its lengths, page table, block sizes and options "
         f"the case's. It compares the kernel with its own `{kernel.reference}`, the attention "
         "within a tolerance and the returned cache slot by slot, and exits 1 while they disagree.",
         "",
