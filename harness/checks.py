@@ -5,6 +5,7 @@ raises ``PropertyFailure`` with the report a kernel developer reads; it returns 
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 from rpa_harness import reference
@@ -19,15 +20,86 @@ DETERMINISM = "determinism"
 
 
 class PropertyFailure(AssertionError):
-    """A property does not hold; ``str()`` is the report."""
+    """A property does not hold; ``str()`` is the report.
+
+    Its class is its identity: Hypothesis tells failures apart by exception type (and raise site), shrinks
+    each apart and reports each, so every kind of failure has a class of its own (``kind`` says it in
+    words), and a numeric failure's class also says past which of ``CONTEXT_BOUNDARIES`` the longest
+    context it shows in lies (``located``): a long-context failure neither shrinks into, nor hides behind,
+    a short-context failure of the same kind."""
+
+    kind = "the property does not hold"
+
+
+class OverTheBound(PropertyFailure):
+    """Finite outputs off the float64 oracle by more than the tolerance model allows."""
+
+    kind = "outputs over the bound"
+
+
+class NonFiniteOutput(PropertyFailure):
+    """NaN or Inf in rows some sequence owns."""
+
+    kind = "non-finite outputs"
+
+
+class WrongOutputLayout(PropertyFailure):
+    """An output of another shape or dtype than the specification's."""
+
+    kind = "wrong output shape or dtype"
 
 
 class RaisedOnValidInput(PropertyFailure):
     """The target raised on valid input: a failure like any other, with the exception kept for replay."""
 
+    kind = "raised on valid input"
+
     def __init__(self, report: str, error_type: str = "", error_message: str = ""):
         super().__init__(report)
         self.error_type, self.error_message = error_type, error_message
+
+
+class WrongRejection(PropertyFailure):
+    """An invalid input accepted, or rejected with another exception or message than the specified one."""
+
+    kind = "invalid input not rejected as specified"
+
+
+class OutputsDiffer(PropertyFailure):
+    """Two runs that must agree bit for bit (padding isolation, determinism) do not."""
+
+    kind = "outputs differ bit for bit"
+
+
+# Context lengths past which narrow integer arithmetic (int16, uint16 positions) breaks.
+CONTEXT_BOUNDARIES = (1 << 15, 1 << 16)
+
+
+@functools.cache
+def _past(kind: type, boundary: int) -> type:
+    name = f"{kind.__name__}Past2To{boundary.bit_length() - 1}Keys"
+    words = f"{kind.kind}, in a context past 2^{boundary.bit_length() - 1} keys"
+    return type(name, (kind,), {"kind": words, "__module__": __name__, "__qualname__": name})
+
+
+def located(kind: type, kv_lens) -> type:
+    """``kind`` for a failure that shows in sequences of these ``kv_lens``: a subclass per boundary of
+    ``CONTEXT_BOUNDARIES`` the longest of them passes (made once per kind and boundary), else ``kind``."""
+    longest = max((int(kv) for kv in kv_lens), default=0)
+    passed = [boundary for boundary in CONTEXT_BOUNDARIES if longest > boundary]
+    return _past(kind, passed[-1]) if passed else kind
+
+
+def numeric_failure(comparison, arrays: dict) -> PropertyFailure:
+    """The failure a numeric ``Comparison`` that does not hold raises: its kind (non-finite values, else
+    values over the bound), located by the longest context among the sequences it shows in."""
+    kv_lens = np.asarray(arrays["kv_lens"])
+    shown = comparison.error_map
+    failing = [] if shown is None else np.unique(shown.sequence[(shown.ratio > 1.0).any(axis=1)])
+    kind = (
+        NonFiniteOutput if comparison.nonfinite else OverTheBound if shown is not None else WrongOutputLayout
+    )
+    return located(kind, kv_lens[failing])(str(comparison))
 
 
 class CannotRun(Exception):
@@ -53,7 +125,7 @@ def check_differential(target: Target, backend: Backend, arrays: dict, options: 
         actual, expected, label=f"{target.name} on {backend.label}", precision=target.precision
     )
     if not comparison.ok:
-        raise PropertyFailure(str(comparison))
+        raise numeric_failure(comparison, arrays)
     return comparison
 
 
@@ -72,7 +144,8 @@ def run_valid(target: Target, backend: Backend, arrays: dict, options: dict) -> 
         if reason is not None:
             raise CannotRun(f"{reason} (recognised: {message})") from None
         error_type = type(error).__name__
-        raise RaisedOnValidInput(
+        live_kv_lens = np.asarray(arrays["kv_lens"])[: int(np.asarray(arrays["num_seqs"])[0])]
+        raise located(RaisedOnValidInput, live_kv_lens)(
             f"{label} raised on valid inputs: {message}", error_type, message.removeprefix(f"{error_type}: ")
         ) from None
     check_contract(out, arrays, label)
@@ -83,12 +156,14 @@ def check_contract(out: np.ndarray, arrays: dict, label: str) -> None:
     """The output has q's shape and dtype, and no NaN or Inf in a row some sequence owns."""
     q = np.asarray(arrays["q"])
     if out.shape != q.shape:
-        raise PropertyFailure(
+        raise WrongOutputLayout(
             f"{label}: output shape {out.shape}; the specification is q's shape {q.shape} "
             "([max_num_batched_tokens, num_q_heads, head_dim])"
         )
     if out.dtype != q.dtype:
-        raise PropertyFailure(f"{label}: output dtype {out.dtype}; the specification is q's dtype {q.dtype}")
+        raise WrongOutputLayout(
+            f"{label}: output dtype {out.dtype}; the specification is q's dtype {q.dtype}"
+        )
     rows = valid_rows(arrays)
     finite = np.isfinite(out[rows].astype(np.float64))
     if not finite.all():
@@ -97,7 +172,8 @@ def check_contract(out: np.ndarray, arrays: dict, label: str) -> None:
         cu_q_lens = np.asarray(arrays["cu_q_lens"])
         num_seqs = int(np.asarray(arrays["num_seqs"])[0])
         sequence = int(np.searchsorted(cu_q_lens[1 : num_seqs + 1], row, side="right"))
-        raise PropertyFailure(
+        owners = np.searchsorted(cu_q_lens[1 : num_seqs + 1], rows[~finite.all(axis=(1, 2))], side="right")
+        raise located(NonFiniteOutput, np.asarray(arrays["kv_lens"])[owners])(
             f"{label}: {int((~finite).sum())} non-finite values in live rows (of {finite.size}); first at "
             f"sequence {sequence}, token {row - int(cu_q_lens[sequence])} (row {row}), head {head}, dim {dim}: "
             f"{out[row, head, dim]!r}"
@@ -118,15 +194,15 @@ def check_validation(
         call()
     except ValueError as error:
         if str(error) != expected:
-            raise PropertyFailure(
+            raise WrongRejection(
                 f"{where} raised ValueError with the wrong message.\n  expected: {expected}\n  got:      {error}"
             ) from None
         return
     except Exception as error:
-        raise PropertyFailure(
+        raise WrongRejection(
             f"{where} raised {first_line_of_error(error)}\n  expected: ValueError: {expected}"
         ) from None
-    raise PropertyFailure(f"{where} accepted the input.\n  expected: ValueError: {expected}")
+    raise WrongRejection(f"{where} accepted the input.\n  expected: ValueError: {expected}")
 
 
 def valid_rows(arrays: dict) -> np.ndarray:
@@ -141,7 +217,7 @@ def check_same_bits(first: np.ndarray, second: np.ndarray, rows: np.ndarray, wha
     same = (a.view(f"u{a.dtype.itemsize}") == b.view(f"u{b.dtype.itemsize}")) if a.size else np.ones(0, bool)
     if not same.all():
         token, head, dim = np.argwhere(~same)[0]
-        raise PropertyFailure(
+        raise OutputsDiffer(
             f"{what}: {int((~same).sum())} of {same.size} valid output elements differ; first at row "
             f"{int(rows[token])}, head {head}, dim {dim}: {a[token, head, dim]!r} vs {b[token, head, dim]!r}"
         )

@@ -7,8 +7,9 @@ whose validator is ours; a validation patch gives a module whose validator (and 
 kernel runs) is buggy and whose kernel computes correctly. Every module is registered in ``sys.modules``
 as ``mutants.NAME`` and declares the capabilities of our kernel.
 
-Public API: ``MUTANTS`` (the catalogue), ``BY_NAME``, ``patched_source(mutant)``, ``build(mutant)``,
-``PatchError``; and one attribute per mutant name (its module).
+Public API: ``MUTANTS`` (the catalogue), ``TWO_BUGS`` (a kernel with two bugs), ``BY_NAME``,
+``patched_source(mutant)``, ``build(mutant)``, ``PatchError``; and one attribute per mutant name (its
+module).
 """
 
 import linecache
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from rpa_harness.targets import bundled
 
-from mutants.catalogue import KERNEL_FILE, MUTANTS, VALIDATION_FILE, Mutant
+from mutants.catalogue import KERNEL_FILE, MUTANTS, TWO_BUGS, VALIDATION_FILE, Mutant
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BY_NAME = {mutant.name: mutant for mutant in MUTANTS}
@@ -29,16 +30,18 @@ class PatchError(Exception):
 
 
 def patched_source(mutant: Mutant) -> str:
-    """The source of ``mutant.file`` with the patch applied; its original text must occur exactly once."""
+    """The source of ``mutant.file`` with its patches applied; each original text must occur exactly once."""
     source = (REPO_ROOT / mutant.file).read_text()
-    count = source.count(mutant.original)
-    if count != 1:
-        raise PatchError(
-            f"mutant {mutant.name}: its original text occurs {count} times in {mutant.file} (expected "
-            f"exactly once): {mutant.original!r}. The kernel source changed; update the patch in "
-            "mutants/catalogue.py to the new code."
-        )
-    return source.replace(mutant.original, mutant.replacement)
+    for original, replacement in mutant.patches:
+        count = source.count(original)
+        if count != 1:
+            raise PatchError(
+                f"mutant {mutant.name}: its original text occurs {count} times in {mutant.file} (expected "
+                f"exactly once): {original!r}. The kernel source changed; update the patch in "
+                "mutants/catalogue.py to the new code."
+            )
+        source = source.replace(original, replacement)
+    return source
 
 
 def _exec_module(module_name: str, source: str, label: str) -> types.ModuleType:
@@ -78,7 +81,7 @@ def build(mutant: Mutant) -> types.ModuleType:
 
 
 def _register_all() -> None:
-    for mutant in MUTANTS:
+    for mutant in (*MUTANTS, TWO_BUGS):
         module = build(mutant)
         sys.modules[module.__name__] = module
         globals()[mutant.name] = module

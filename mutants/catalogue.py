@@ -18,6 +18,11 @@ class Mutant:
     file: str  # KERNEL_FILE or VALIDATION_FILE
     original: str  # exact source text, present exactly once in ``file``
     replacement: str
+    also: tuple[tuple[str, str], ...] = ()  # further (original, replacement) patches of ``file``: more bugs
+
+    @property
+    def patches(self) -> tuple[tuple[str, str], ...]:
+        return ((self.original, self.replacement), *self.also)
 
     @property
     def numeric(self) -> bool:
@@ -268,5 +273,23 @@ MUTANTS = (
         VALIDATION_FILE,
         "not 0 < num_kv_pages_per_block <= pages_per_seq",
         "not 0 < num_kv_pages_per_block < pages_per_seq",
+    ),
+)
+
+# Two bugs in one kernel, for the meta-test that distinct failures are reported apart
+# (tests/test_failure_identity.py): one in every single-page sequence (tiny cases), one only for query
+# positions past 32,767 (int16 positions: long contexts). Not in MUTANTS: the kill rate counts one bug each.
+TWO_BUGS = Mutant(
+    "single_page_and_int16_positions",
+    "a single-page sequence drops its last key, and query positions wrap in int16 past 32,767",
+    KERNEL_FILE,
+    "num_valid_keys = jnp.minimum(kv_len, layout.num_pages * page_size) - first_key\n",
+    "num_valid_keys = jnp.minimum(kv_len, layout.num_pages * page_size) - first_key - "
+    "(layout.num_pages == 1).astype(jnp.int32)\n",
+    also=(
+        (
+            "query_pos = kv_len - (q_end - q_start) + (row_token - q_start)  # [rows, 1]",
+            "query_pos = (kv_len - (q_end - q_start) + (row_token - q_start)).astype(jnp.int16).astype(jnp.int32)",
+        ),
     ),
 )

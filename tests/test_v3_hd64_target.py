@@ -26,7 +26,7 @@ except ImportError as error:
 from rpa_harness import generations, known_issues, reference, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
-from rpa_harness.checks import PropertyFailure
+from rpa_harness.checks import numeric_failure
 from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.case import Case
@@ -53,7 +53,7 @@ def judge(arrays: dict, options: dict, backend: Backend) -> None:
     """Both outputs of one call on ``backend``: raises PropertyFailure (the attention) or CacheMismatch."""
     verdict = hd64target.judge(arrays, options, backend)
     if not verdict.comparison.ok:
-        raise PropertyFailure(str(verdict.comparison))
+        raise numeric_failure(verdict.comparison, arrays)
     if verdict.cache_error is not None:
         raise verdict.cache_error
 

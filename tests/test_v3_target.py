@@ -33,7 +33,7 @@ except ImportError as error:
 from rpa_harness import generations, known_issues, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
-from rpa_harness.checks import PropertyFailure
+from rpa_harness.checks import numeric_failure
 from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.recording import recorded
 from rpa_harness.reference import compare, oracle
@@ -85,7 +85,7 @@ def draw_and_check(data, repro_dir, *, pooled: bool, variant: str = ""):
         elif verdict.cache_error is not None:
             raise verdict.cache_error
         if not verdict.comparison.ok:  # judged under v3's declared precision contract
-            raise PropertyFailure(str(verdict.comparison))
+            raise numeric_failure(verdict.comparison, arrays)
 
 
 @settings(max_examples=POOLED_EXAMPLES)
