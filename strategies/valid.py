@@ -79,6 +79,55 @@ class LongBucket:
     boundaries: tuple[int, ...] = (1 << 15, 1 << 16)
 
 
+@dataclasses.dataclass(frozen=True)
+class LongCorner:
+    """A corner of the long bucket, where narrow integer arithmetic breaks: queries packed into 32-bit words
+    (narrower than float32) or not, the longest context just up to or just past one of the bucket's
+    boundaries (every query position below it, or the last one at or past it), block sizes left to the
+    kernel or given. ``long_corners`` lists a target's; each ci run draws every one of them."""
+
+    packed_queries: bool
+    boundary: int
+    past: bool
+    kernel_block_sizes: bool
+
+    @property
+    def label(self) -> str:
+        queries = "packed" if self.packed_queries else "float32"
+        side = "just past" if self.past else "up to"
+        blocks = "the kernel's" if self.kernel_block_sizes else "given"
+        return (
+            f"{queries} queries, context {side} 2^{self.boundary.bit_length() - 1} keys, {blocks} block sizes"
+        )
+
+    @property
+    def name(self) -> str:
+        """The corner in a file name: ``packed-past-2to15-own-blocks``."""
+        queries = "packed" if self.packed_queries else "float32"
+        side = "past" if self.past else "upto"
+        blocks = "own" if self.kernel_block_sizes else "given"
+        return f"{queries}-{side}-2to{self.boundary.bit_length() - 1}-{blocks}-blocks"
+
+
+def is_packed(dtype_name: str) -> bool:
+    """Whether values of this dtype are packed several to a 32-bit word (narrower than float32)."""
+    return DTYPES[dtype_name].itemsize < 4
+
+
+def long_corners(capabilities: "Capabilities", bucket: LongBucket = LongBucket()) -> tuple[LongCorner, ...]:
+    """The long bucket's corners for a target: each kind of q dtype it takes (float32, packed) x each
+    boundary x each side of it, with block sizes alternating between the kernel's own (where it chooses
+    them) and given ones, so that each kind of q dtype meets both."""
+    kinds = [packed for packed in (False, True) if any(is_packed(d) == packed for d in capabilities.q_dtypes)]
+    corners = []
+    for packed in kinds:
+        for boundary in bucket.boundaries:
+            for past in (False, True):
+                own = not capabilities.needs_block_sizes and len(corners) % 2 == 1
+                corners.append(LongCorner(packed, boundary, past, kernel_block_sizes=own))
+    return tuple(corners)
+
+
 BUCKETS = {
     "tiny": Bucket(max_num_batched_tokens=8, max_num_seqs=2, max_kv_len=32),
     "small": Bucket(max_num_batched_tokens=32, max_num_seqs=4, max_kv_len=96),
@@ -475,22 +524,32 @@ def check_long_space(capabilities: Capabilities, bucket: LongBucket) -> None:
 
 
 @st.composite
-def long_configs(draw, capabilities: Capabilities, bucket: LongBucket) -> dict:
+def long_configs(
+    draw, capabilities: Capabilities, bucket: LongBucket, corner: LongCorner | None = None
+) -> dict:
     """A long-context static config within the bucket's budgets (see ``LongBucket``), shrinking toward
-    float32, fewest q heads, the smallest head_dim, page size, slot count and token budget."""
+    float32, fewest q heads, the smallest head_dim, page size, slot count and token budget. In a ``corner``:
+    its kind of q dtype, and page sizes at which the kernel may choose its block sizes if it is to."""
     check_long_space(capabilities, bucket)
+    smallest_page = (
+        capabilities.min_page_size_for_long_default_blocks if corner and corner.kernel_block_sizes else 0
+    )
+
+    def page_sizes(kv_dtype):
+        return [
+            p
+            for p in _page_sizes_for(capabilities, kv_dtype)
+            if p in bucket.page_sizes and p >= smallest_page
+        ]
+
     kv_dtypes = [
-        d
-        for d in capabilities.kv_dtypes
-        if long_layouts_of(capabilities, bucket, d)
-        and set(_page_sizes_for(capabilities, d)) & set(bucket.page_sizes)
+        d for d in capabilities.kv_dtypes if long_layouts_of(capabilities, bucket, d) and page_sizes(d)
     ]
     kv_dtype = draw(st.sampled_from(kv_dtypes))
-    q_dtype = draw(st.sampled_from(capabilities.q_dtypes))
+    q_dtypes = [d for d in capabilities.q_dtypes if corner is None or is_packed(d) == corner.packed_queries]
+    q_dtype = draw(st.sampled_from(q_dtypes))
     num_kv_heads, ratio, head_dim = draw(st.sampled_from(long_layouts_of(capabilities, bucket, kv_dtype)))
-    page_size = draw(
-        st.sampled_from([p for p in _page_sizes_for(capabilities, kv_dtype) if p in bucket.page_sizes])
-    )
+    page_size = draw(st.sampled_from(page_sizes(kv_dtype)))
     max_num_seqs = draw(st.sampled_from(bucket.seq_slots))
     pages_per_seq = bucket.max_model_len // page_size
     cache_pages = bucket.kv_cache_bytes // page_bytes(page_size, num_kv_heads, head_dim, kv_dtype)
@@ -509,12 +568,16 @@ def long_configs(draw, capabilities: Capabilities, bucket: LongBucket) -> dict:
 
 
 @st.composite
-def long_layouts(draw, config: dict, bucket: LongBucket) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def long_layouts(
+    draw, config: dict, bucket: LongBucket, corner: LongCorner | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Decodes and short prefill chunks, each against a short context or one a few keys from 2^15, 2^16
     or the model length (``bucket.boundaries``): its query positions ``[kv_len - q_len, kv_len)`` lie
     below the boundary, across it or past it. Sequences are fitted in order to the rows, pages and work
     left (a chunk gets fewer rows, a context fewer keys); shrinking makes every context short, then one
-    decode."""
+    decode. In a ``corner`` the first sequence's context is the longest: within two keys up to its
+    boundary, or past it with its last query position at or past it (shrinking toward one key past); the
+    others are short."""
     capacity = config["pages_per_seq"] * config["page_size"]
     rows_left, pages_left = config["max_num_batched_tokens"], config["total_num_pages"]
     work_left = bucket.max_work // config["num_q_heads"]  # sum of q_len * kv_len
@@ -525,9 +588,12 @@ def long_layouts(draw, config: dict, bucket: LongBucket) -> tuple[tuple[int, ...
         if rows_left == 0 or longest == 0 or work_left == 0:
             break
         q_len = draw(st.integers(2, rows_left)) if rows_left > 1 and draw(st.booleans()) else 1
-        target = draw(near)
+        target = None if corner and q_lens else corner.boundary if corner else draw(near)
         if target is None:
             kv_len = draw(st.integers(0, min(capacity, 1024)))
+        elif corner:
+            q_len = max(1, min(q_len, work_left // target))
+            kv_len = target + (draw(st.integers(1, q_len + 1)) if corner.past else -draw(st.integers(0, 2)))
         else:
             q_len = max(1, min(q_len, work_left // target))
             kv_len = target + draw(st.integers(-2, q_len + 1))
@@ -923,14 +989,18 @@ def valid_cases(
     with_options: bool = True,
     values=("normal", "large", "ties", "tiny"),
     excluding=(),
+    long_corner: LongCorner | None = None,
 ) -> Case:
     """A valid case: from the whole static space, or (``pooled``) from the few configurations of POOL.
 
     ``large``: from the selected large buckets (``drawn_buckets(capabilities, large=True)``; a bucket name:
     that one; an error if it is not selected) with their layouts (``production_layouts``, ``long_layouts``)
-    and block sizes left to the kernel or tuned (``production_block_sizes``). ``excluding``: known issues of
-    the target (see ``outside_known_issues``) whose cases are not drawn.
+    and block sizes left to the kernel or tuned (``production_block_sizes``). ``long_corner``: a long case in
+    that corner of the long bucket (``long_corners``). ``excluding``: known issues of the target (see
+    ``outside_known_issues``) whose cases are not drawn.
     """
+    if long_corner is not None and large != "long":
+        raise ValueError(f"valid_cases(long_corner={long_corner!r}) draws long cases: pass large='long'")
     if large and pooled:
         raise ValueError("valid_cases(pooled=True, large=True): the pool holds small configurations only")
     large_buckets = drawn_buckets(capabilities, large=True) if large else ()
@@ -946,10 +1016,17 @@ def valid_cases(
         config, opts = draw(st.sampled_from(pool(capabilities)))
         bucket = None
     else:
-        name, config = draw(bucketed_configs(capabilities, buckets=large_buckets or None))
+        if long_corner is None:
+            name, config = draw(bucketed_configs(capabilities, buckets=large_buckets or None))
+        else:
+            name, config = "long", draw(long_configs(capabilities, BUCKETS["long"], long_corner))
         bucket = BUCKETS[name]
         opts = draw(options(config, capabilities)) if with_options else {}
-        if isinstance(bucket, ProductionBucket | LongBucket):
+        if long_corner is not None and long_corner.kernel_block_sizes:
+            opts = {**opts, "num_kv_pages_per_block": None, "num_queries_per_block": None}
+        elif long_corner is not None:
+            opts = {**opts, **draw(tuned_block_sizes(config))}
+        elif isinstance(bucket, ProductionBucket | LongBucket):
             defaults = (
                 not isinstance(bucket, LongBucket)
                 or config["page_size"] >= capabilities.min_page_size_for_long_default_blocks
@@ -960,7 +1037,7 @@ def valid_cases(
     if isinstance(bucket, ProductionBucket):
         q_lens, kv_lens = draw(production_layouts(config, bucket))
     elif isinstance(bucket, LongBucket):
-        q_lens, kv_lens = draw(long_layouts(config, bucket))
+        q_lens, kv_lens = draw(long_layouts(config, bucket, long_corner))
     else:
         q_lens, kv_lens = draw(
             layouts(config, opts.get("num_kv_pages_per_block"), empty_sequences=capabilities.empty_sequences)
@@ -1065,12 +1142,25 @@ def coverage_labels(case: Case) -> list[str]:
             f"page={case.page_size} pages={sum(-(-kv // case.page_size) for kv in case.kv_lens)}/"
             f"{case.total_num_pages} max kv_len={max(case.kv_lens, default=0)} {case.q_dtype}/{case.kv_dtype}"
         )
+    if (corner := long_corner_of(case)) is not None:
+        labels.append(f"long corner: {corner.label}")
     for boundary in BUCKETS["long"].boundaries:
         if any(kv > boundary for kv in case.kv_lens):
             labels.append(f"context past 2^{boundary.bit_length() - 1} keys")
         if any(kv - q < boundary < kv for q, kv in zip(q, kv, strict=True)):
             labels.append(f"query positions across 2^{boundary.bit_length() - 1}")
     return labels
+
+
+def long_corner_of(case: Case) -> LongCorner | None:
+    """The long-bucket corner ``case`` lies in (its longest context within two keys up to a boundary, or
+    past it by at most the token budget plus one), or None."""
+    longest = max(case.kv_lens, default=0)
+    for boundary in BUCKETS["long"].boundaries:
+        if boundary - 2 <= longest <= boundary + case.max_num_batched_tokens + 1:
+            own = case.num_kv_pages_per_block is None and case.num_queries_per_block is None
+            return LongCorner(is_packed(case.q_dtype), boundary, longest > boundary, own)
+    return None
 
 
 def label_coverage(case: Case) -> None:

@@ -19,5 +19,7 @@ EXAMPLES_PER_RULE = max(
 # Serving-scale examples (tests/properties/test_production.py): tens of seconds each on the fast interpreter, so a
 # handful per run (the nightly profile: 5), never more.
 PRODUCTION_EXAMPLES = max(1, min(5, _BASE // 80))
-# Long-context examples (the same module): seconds each on the fast interpreter; ci 4, nightly 20.
+# Long-context examples (the same module): seconds each on the fast interpreter. Every run draws each corner
+# of the long bucket (ci 1 each, nightly 2); the nightly profile adds 20 random ones (ci draws none).
+LONG_CORNER_EXAMPLES = max(1, _BASE // 200)
 LONG_EXAMPLES = max(1, min(20, _BASE // 10))

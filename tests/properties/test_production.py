@@ -8,7 +8,10 @@ left to the kernel or taken from upstream's tuned values (``rpa_harness.strategi
 
 The long cases have few query rows (decodes and short prefill chunks, up to 256 rows) against contexts up to
 131,072 keys, with lengths and query positions on both sides of 2^15 and 2^16
-(``rpa_harness.strategies.valid.LongBucket``).
+(``rpa_harness.strategies.valid.LongBucket``). Where narrow integer arithmetic breaks is known in advance,
+so every run draws each corner of the bucket for the target (``long_corners``: float32 and packed queries,
+the longest context just up to and just past 2^15 and 2^16, block sizes the kernel's and given), each its
+own parametrisation, shrinking within its corner; the nightly profile adds random long examples.
 
 Each is drawn only when its bucket is selected (``--rpa-buckets=long,production``; by default the ci
 profile selects long, the nightly profile both); production examples never run under the ci profile. On
@@ -22,26 +25,41 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from rpa_harness.checks import DIFFERENTIAL, check_differential
-from rpa_harness.properties.budget import LONG_EXAMPLES, PRODUCTION_EXAMPLES
+from rpa_harness.properties.budget import LONG_CORNER_EXAMPLES, LONG_EXAMPLES, PRODUCTION_EXAMPLES
 from rpa_harness.recording import recorded
-from rpa_harness.strategies.valid import drawn_buckets, valid_cases
+from rpa_harness.strategies.valid import drawn_buckets, is_packed, long_corners, valid_cases
 
 
-def large_target(target, pytestconfig, bucket: str):
+def pytest_generate_tests(metafunc):
+    if "long_corner" in metafunc.fixturenames:
+        corners = long_corners(metafunc.config.rpa_target.capabilities)
+        metafunc.parametrize("long_corner", corners, ids=[corner.name for corner in corners])
+
+
+def large_target(target, pytestconfig, bucket: str, *, random: bool = True):
     """The target, when examples of the large ``bucket`` are to be drawn in this run (else the test is
-    skipped)."""
+    skipped); ``random``: examples anywhere in the bucket, not in a corner."""
     if bucket == "production" and pytestconfig.rpa_profile == "ci":
         pytest.skip("production examples never run under the ci profile (tens of seconds each)")
+    if bucket == "long" and random and pytestconfig.rpa_profile == "ci":
+        pytest.skip(
+            "the ci profile draws the long bucket's corners only (..._long_corner); nightly adds these"
+        )
     if bucket not in drawn_buckets(target.capabilities, large=True):
         pytest.skip(f"the {bucket} bucket is not selected (--rpa-buckets={bucket}, or a profile's default)")
     return target
 
 
-def draw_and_compare(target, backend, repro_dir, data, bucket: str):
+def draw_and_compare(target, backend, repro_dir, data, bucket: str, corner=None):
     capabilities, issues = target.capabilities_on(backend), target.known_issues_on(backend)
-    case = data.draw(valid_cases(capabilities, large=bucket, excluding=issues), label="case")
+    if corner and not any(is_packed(d) == corner.packed_queries for d in capabilities.q_dtypes):
+        pytest.skip(
+            f"{corner.label}: the target takes no such q dtype on {backend.label}: {capabilities.q_dtypes}"
+        )
+    drawn = valid_cases(capabilities, large=bucket, excluding=issues, long_corner=corner)
+    case = data.draw(drawn, label="case")
     arrays, options = case.arrays(), case.options()
-    name = f"{DIFFERENTIAL}-{bucket}[{backend.label}]"
+    name = f"{DIFFERENTIAL}-{bucket}{'-' + corner.name if corner else ''}[{backend.label}]"
     with recorded(repro_dir, name, target, backend, arrays, options, case=case) as notes:
         comparison = check_differential(target, backend, arrays, options)
         notes.update(max_ratio=comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
@@ -59,3 +77,14 @@ def test_kernel_matches_oracle_production(target, pytestconfig, volume_backend, 
 def test_kernel_matches_oracle_long(target, pytestconfig, volume_backend, repro_dir, data):
     target = large_target(target, pytestconfig, "long")
     draw_and_compare(target, volume_backend, repro_dir, data, "long")
+
+
+@settings(
+    max_examples=LONG_CORNER_EXAMPLES, phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink]
+)
+@given(data=st.data())
+def test_kernel_matches_oracle_long_corner(
+    target, pytestconfig, volume_backend, repro_dir, long_corner, data
+):
+    target = large_target(target, pytestconfig, "long", random=False)
+    draw_and_compare(target, volume_backend, repro_dir, data, "long", long_corner)
