@@ -274,6 +274,13 @@ MUTANTS = (
         "not 0 < num_kv_pages_per_block <= pages_per_seq",
         "not 0 < num_kv_pages_per_block < pages_per_seq",
     ),
+    Mutant(
+        "kv_block_one_past_accepted",
+        "num_kv_pages_per_block == pages_per_seq + 1 is accepted (the range check is off by one past the end)",
+        VALIDATION_FILE,
+        "not 0 < num_kv_pages_per_block <= pages_per_seq",
+        "not 0 < num_kv_pages_per_block <= pages_per_seq + 1",
+    ),
 )
 
 # Two bugs in one kernel, for the meta-test that distinct failures are reported apart

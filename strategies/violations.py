@@ -34,8 +34,9 @@ UPSTREAM_ACCEPTS = "accepts it (the kernel then reads out of bounds or runs on g
 class Rule:
     """One validation rule: where it fires, how to break it, and the message expected for it.
 
-    ``breaks(arrays, options, case, param)`` mutates copies of the inputs (``param`` picks a variant) and
-    returns the violation's facts as a dict; ``message(**facts)`` is the error the validator must raise.
+    ``breaks(arrays, options, case, param)`` mutates copies of the inputs (``param % variants`` picks the
+    variant, ``param // variants`` any other choice, such as which sequence) and returns the violation's
+    facts as a dict; ``message(**facts)`` is the error the validator must raise.
     ``upstream`` says what upstream's validator does with the input (the specification's table only; None
     in a target's own table, which is not compared with upstream).
     """
@@ -44,10 +45,15 @@ class Rule:
     breaks: Callable[[dict, dict, Case, int], dict]
     message: Callable[..., str]
     upstream: str | None = None
+    # How many distinct violations the breaker makes (``param % variants`` picks one; 0: what the breaker
+    # declares with ``@variants``, else 1). The validation property draws every one on every run.
+    variants: int = 0
 
     def __post_init__(self):
         if self.stage not in STAGES:
             raise ValueError(f"Rule(stage={self.stage!r}): choose one of {STAGES}.")
+        if not self.variants:
+            object.__setattr__(self, "variants", getattr(self.breaks, "variants", 1))
 
     def apply(self, arrays: dict, options: dict, case: Case, param: int) -> str:
         """Breaks the rule on ``arrays``/``options`` in place; returns the expected message."""
@@ -89,6 +95,20 @@ def first_q_len_range_violation(arrays) -> dict:
 # --- Shared breakers: each returns the facts of its violation ---------------------------------------------
 
 
+def variants(count: int):
+    """Declares a breaker's variants: ``param % count`` picks one of ``count`` distinct violations (the one
+    at the boundary of the rule first), ``param // count`` the breaker's other choices (which sequence,
+    which page), which need not each be drawn."""
+
+    def declare(breaks):
+        breaks.variants = count
+        return breaks
+
+    return declare
+
+
+
+@variants(3)
 def break_num_seqs_shape(arrays, options, case, param):
     shape = [(2,), (), (1, 1)][param % 3]
     arrays["num_seqs"] = np.full(shape, case.num_seqs, np.int32)
@@ -102,25 +122,29 @@ def break_head_dim(arrays, options, case, param):
     return dict(q_head_dim=head_dim, kv_head_dim=case.head_dim)
 
 
+@variants(2)
 def break_kv_lens_shape(arrays, options, case, param):
     length = case.max_num_seqs + (1 if param % 2 else -1)
     arrays["kv_lens"] = np.resize(arrays["kv_lens"], length)
     return dict(shape=(length,), max_num_seqs=case.max_num_seqs)
 
 
+@variants(2)
 def break_cu_q_lens_shape(arrays, options, case, param):
     length = case.max_num_seqs + (2 if param % 2 else 0)
     arrays["cu_q_lens"] = np.resize(arrays["cu_q_lens"], length)
     return dict(shape=(length,), max_num_seqs=case.max_num_seqs)
 
 
+@variants(9)
 def break_index_dtype(arrays, options, case, param):
-    name = ("kv_lens", "page_indices", "cu_q_lens")[param % 3]
-    dtype = np.dtype((np.int16, np.uint32, np.float32)[param // 3 % 3])
+    name = ("kv_lens", "page_indices", "cu_q_lens")[param % 9 % 3]
+    dtype = np.dtype((np.int16, np.uint32, np.float32)[param % 9 // 3])
     arrays[name] = arrays[name].astype(dtype)
     return {f"{n}_dtype": arrays[n].dtype for n in ("kv_lens", "page_indices", "cu_q_lens")}
 
 
+@variants(2)
 def break_head_divisibility(arrays, options, case, param):
     num_kv_heads = case.num_kv_heads
     if num_kv_heads == 1:  # every head count divides by 1: use two kv heads
@@ -149,6 +173,7 @@ def _option_breaker(name, values):
         return dict(value=options[name])
 
     breaks.__name__ = f"break_{name}"
+    breaks.variants = len(values)
     return breaks
 
 
@@ -159,6 +184,7 @@ break_vmem_limit = _option_breaker("vmem_limit_bytes", (0, -1, -(2**20)))
 break_kv_block_sign = _option_breaker("num_kv_pages_per_block", (0, -1))
 
 
+@variants(3)
 def break_kv_block_range(arrays, options, case, param):
     """num_kv_pages_per_block non-positive or past pages_per_seq."""
     options["num_kv_pages_per_block"] = (0, -1, case.pages_per_seq + 1)[param % 3]
@@ -171,15 +197,18 @@ def break_scale_type(name):
         return dict(name=name, value=options[name])
 
     breaks.__name__ = f"break_{name}_type"
+    breaks.variants = 3
     return breaks
 
 
+@variants(3)
 def break_num_seqs_over_max(arrays, options, case, param):
     num_seqs = case.max_num_seqs + 1 + param % 3
     arrays["num_seqs"] = np.array([num_seqs], np.int32)
     return dict(num_seqs=num_seqs, max_num_seqs=case.max_num_seqs)
 
 
+@variants(2)
 def break_negative_num_seqs(arrays, options, case, param):
     num_seqs = -1 - param % 2
     arrays["num_seqs"][0] = num_seqs
@@ -192,11 +221,14 @@ def break_negative_num_seqs(arrays, options, case, param):
     return dict(num_seqs=num_seqs)
 
 
+@variants(4)
 def break_page_capacity_any_slot(arrays, options, case, param):
     """A kv_len past the page table's capacity in a live sequence or a padding slot (upstream checks the
-    largest kv_len of every slot)."""
-    slot = param % case.max_num_seqs
-    arrays["kv_lens"][slot] = case.kv_capacity + 1 + param % case.page_size
+    largest kv_len of every slot): one key past the capacity or a whole page past it, in the first slot or
+    the last."""
+    variant = param % 4
+    slot = (0, case.max_num_seqs - 1)[variant // 2]
+    arrays["kv_lens"][slot] = case.kv_capacity + (1, case.page_size)[variant % 2]
     max_kv_len = int(arrays["kv_lens"].max())
     return dict(
         pages_per_seq=case.pages_per_seq,
@@ -206,11 +238,12 @@ def break_page_capacity_any_slot(arrays, options, case, param):
     )
 
 
+@variants(2)
 def break_page_capacity_live(arrays, options, case, param):
-    """A kv_len past the page table's capacity in a live sequence."""
+    """A kv_len past the page table's capacity in a live sequence: one key past it, or a whole page."""
     num_seqs = live_sequence(arrays, case, q_len=1, kv_len=1)
-    seq = param % num_seqs
-    kv_len = case.kv_capacity + 1 + param % case.page_size
+    seq = param // 2 % num_seqs
+    kv_len = case.kv_capacity + (1, case.page_size)[param % 2]
     arrays["kv_lens"][seq] = kv_len
     return dict(
         pages=math.ceil(kv_len / case.page_size),
@@ -221,6 +254,7 @@ def break_page_capacity_live(arrays, options, case, param):
     )
 
 
+@variants(3)
 def break_too_many_tokens(arrays, options, case, param):
     num_seqs = live_sequence(arrays, case)
     last = num_seqs - 1
@@ -231,6 +265,7 @@ def break_too_many_tokens(arrays, options, case, param):
     return dict(total=total, max_num_batched_tokens=case.max_num_batched_tokens)
 
 
+@variants(2)
 def break_q_len_over_kv_len(arrays, options, case, param):
     num_seqs = live_sequence(arrays, case, q_len=1, kv_len=1)
     cu = arrays["cu_q_lens"]
@@ -239,9 +274,9 @@ def break_q_len_over_kv_len(arrays, options, case, param):
         cu[1 : num_seqs + 1] += 1
         set_kv_len(arrays, case, 0, max(1, int(arrays["kv_lens"][0])))
         with_queries = [0]
-    seq = with_queries[param % len(with_queries)]
+    seq = with_queries[param // 2 % len(with_queries)]
     q_len = int(cu[seq + 1] - cu[seq])
-    kv_len = q_len - 1 - param // len(with_queries) % q_len
+    kv_len = q_len - 1 if param % 2 == 0 else param // 2 % q_len  # one key short, or any number short
     arrays["kv_lens"][seq] = kv_len
     return dict(q_len=q_len, kv_len=kv_len, seq=seq)
 
@@ -255,6 +290,7 @@ def break_q_len_zero(arrays, options, case, param):
     return dict(q_len=0, kv_len=int(arrays["kv_lens"][seq]), seq=seq)
 
 
+@variants(3)
 def break_cu_q_lens_order(arrays, options, case, param):
     """The last live sequence's cu_q_lens entry below the one before it: a negative q_len."""
     num_seqs = live_sequence(arrays, case, q_len=1, kv_len=1)
@@ -264,6 +300,7 @@ def break_cu_q_lens_order(arrays, options, case, param):
     return dict(q_len=q_len, kv_len=int(arrays["kv_lens"][last]), seq=last)
 
 
+@variants(3)
 def break_page_index(arrays, options, case, param):
     """A page a live sequence reads, out of [0, total_num_pages)."""
     num_seqs = live_sequence(arrays, case, q_len=0, kv_len=1)
@@ -271,9 +308,9 @@ def break_page_index(arrays, options, case, param):
     if not readers:
         set_kv_len(arrays, case, 0, 1)
         readers = [0]
-    seq = readers[param % len(readers)]
+    seq = readers[param // 3 % len(readers)]
     kv_len = int(arrays["kv_lens"][seq])
-    page = param // len(readers) % math.ceil(kv_len / case.page_size)
+    page = param // 3 // len(readers) % math.ceil(kv_len / case.page_size)
     value = (case.total_num_pages, -1, case.total_num_pages + 1000)[param % 3]
     arrays["page_indices"][seq, page] = value
     return dict(
@@ -407,11 +444,18 @@ class InvalidCase:
 
 
 @st.composite
-def invalid_cases(draw, capabilities: Capabilities | None = None, *, table=None, rules=None) -> InvalidCase:
+def invalid_cases(
+    draw, capabilities: Capabilities | None = None, *, table=None, rules=None, variant: int | None = None
+) -> InvalidCase:
     """An input that breaks exactly one of ``rules`` (default: every rule of ``table``, the specification's
-    ``RULES`` unless given); the base case is drawn inside ``capabilities`` without options."""
+    ``RULES`` unless given); the base case is drawn inside ``capabilities`` without options. ``variant``:
+    that variant of the rule (``Rule.variants``), its other choices drawn."""
     table = RULES if table is None else table
     rule = draw(st.sampled_from(tuple(table) if rules is None else rules))
+    count = table[rule].variants
+    if variant is not None and not 0 <= variant < count:
+        raise ValueError(f"invalid_cases(variant={variant}): rule {rule!r} has variants 0..{count - 1}")
     case = draw(valid_cases(Capabilities() if capabilities is None else capabilities, with_options=False))
     # small: every variant of a rule comes up often
-    return InvalidCase(case, rule, draw(st.integers(0, 63)), table)
+    param = draw(st.integers(0, 63)) if variant is None else variant + count * draw(st.integers(0, 15))
+    return InvalidCase(case, rule, param, table)

@@ -97,6 +97,7 @@ VALIDATION_WITNESSES = {
         None,
         None,
     ),
+    "kv_block_one_past_accepted": (VALIDATION_BASE, "num_kv_pages_per_block out of range", 2),
 }
 
 

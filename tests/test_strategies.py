@@ -3,6 +3,8 @@ ones break exactly their rule, shrinking reaches the simplest case, and the cove
 
 import collections
 import dataclasses
+import importlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,10 +12,15 @@ from hypothesis import find, given, settings
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 from rpa_harness.kernel import dynamic_validate_inputs
 from rpa_harness.spec.interface import DEFAULT_MASK_VALUE
+from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import Capabilities, coverage_labels, valid_cases
-from rpa_harness.strategies.violations import RULES, UPSTREAM_RULES, invalid_cases
+from rpa_harness.strategies.violations import RULES, UPSTREAM_RULES, InvalidCase, invalid_cases
 from rpa_harness.targets import as_jax
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
+
+from tests.processes import run_python
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def live_keys(arrays, page_size) -> np.ndarray:
@@ -118,3 +125,68 @@ def test_capabilities_outside_the_specified_space_are_one_clear_error(fields, me
     with pytest.raises(ValueError, match=message):
         Capabilities(**fields)
     Capabilities(head_dims=(128,), kv_dtypes=("bfloat16",), buckets=("medium",))  # a subset is fine
+
+
+RULE_TABLES = {"specification": RULES}
+for _name in ("tpu_inference_v3", "tpu_inference_v3_hd64"):
+    try:
+        RULE_TABLES[_name] = importlib.import_module(f"rpa_harness.targets.{_name}.rules").RULES
+    except ImportError:  # tpu-inference not installed: its tables are not built
+        pass
+
+
+def _digest(inputs) -> tuple:
+    arrays, options, message = inputs
+    return (
+        tuple((name, a.dtype.str, a.shape, a.tobytes()) for name, a in sorted(arrays.items())),
+        repr(options),
+        message,
+    )
+
+
+@pytest.mark.parametrize("table", RULE_TABLES, ids=str)
+def test_each_variant_of_each_rule_is_its_own_violation(table):
+    """A rule's variants break it in distinct ways (distinct inputs), the one at the rule's boundary among
+    them."""
+    base = dataclasses.replace(
+        Case(max_num_batched_tokens=8, max_num_seqs=4, pages_per_seq=3, total_num_pages=13, page_size=4,
+             num_q_heads=2, num_kv_heads=1, head_dim=64, q_lens=(2, 3), kv_lens=(5, 9)),
+        mask_value_meaning="replaces" if table != "specification" else "added",
+    )  # fmt: skip
+    for rule, spec in RULE_TABLES[table].items():
+        broken = {
+            _digest(InvalidCase(base, rule, variant, RULE_TABLES[table]).inputs())
+            for variant in range(spec.variants)
+        }
+        assert len(broken) == spec.variants, rule
+    if table == "specification":
+        one_past = InvalidCase(base, "num_kv_pages_per_block out of range", 2).inputs()[2]
+        assert f"num_kv_pages_per_block={base.pages_per_seq + 1}" in one_past
+
+
+def test_every_variant_of_every_rule_is_a_parametrisation_of_the_validation_property(tmp_path):
+    """What a ci run draws: the validation property has one test per (rule, variant) of the target's table,
+    so a validator wrong on exactly one variant (the boundary one, say) cannot pass a run."""
+    run = run_python(
+        "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "--rpa-target=rpa_harness.kernel",
+        f"--rpa-repro-dir={tmp_path}", "--pyargs", "rpa_harness.properties.test_validation",
+        "-k", "invalid_input_raises_specified_error", cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    collected = {line.split("[", 1)[1].rsplit("-", 2)[0] + "-" + line.rsplit("-", 1)[1].rstrip("]")
+                 for line in run.stdout.splitlines() if "[" in line}  # fmt: skip
+    expected = {f"{rule}-{variant}" for rule, spec in RULES.items() for variant in range(spec.variants)}
+    assert collected == expected, sorted(expected ^ collected)
+
+
+def test_a_validator_wrong_at_the_boundary_variant_fails_the_ci_profile(tmp_path):
+    """The seeded bug the ci profile missed while variants were drawn at random: a validator accepting
+    exactly num_kv_pages_per_block == pages_per_seq + 1."""
+    run = run_python(
+        "-m", "pytest", "-q", "-p", "no:cacheprovider", "--hypothesis-profile=ci", "--rpa-backend=fast-interpret",
+        "--rpa-target=mutants.kv_block_one_past_accepted", f"--rpa-repro-dir={tmp_path}",
+        "tests/properties/test_validation.py", "-k", "invalid_input and num_kv_pages_per_block and range",
+        cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert run.returncode == 1 and "1 failed, 2 passed" in run.stdout, run.stdout[-3000:]
+    assert "out of range-2" in run.stdout, run.stdout[-3000:]

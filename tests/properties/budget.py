@@ -13,9 +13,9 @@ POOLED_EXAMPLES = _BASE * 5  # fast interpreter, a few compiled kernels, ragged 
 ANY_CONFIG_EXAMPLES = max(5, _BASE // 2)  # fast interpreter, nearly every example compiles
 CHECKING_EXAMPLES = _BASE  # TPU interpreter, pooled: 50-200x the fast one per warm call
 CHECKING_ANY_CONFIG_EXAMPLES = max(5, _BASE // 4)  # TPU interpreter, nearly every example compiles (~2 s)
-EXAMPLES_PER_RULE = max(
-    5, _BASE // 4
-)  # each invalid-input rule on its own: cheap, nothing runs past validation
+# Each variant of each invalid-input rule on its own (every one drawn on every run): cheap, nothing runs
+# past validation.
+EXAMPLES_PER_VARIANT = max(3, _BASE // 10)
 # Serving-scale examples (tests/properties/test_production.py): tens of seconds each on the fast interpreter, so a
 # handful per run (the nightly profile: 5), never more.
 PRODUCTION_EXAMPLES = max(1, min(5, _BASE // 80))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 from rpa_harness import runlog
 from rpa_harness.checks import VALIDATION, check_validation
-from rpa_harness.properties.budget import EXAMPLES_PER_RULE
+from rpa_harness.properties.budget import EXAMPLES_PER_VARIANT
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.strategies.violations import RULES, UPSTREAM_ACCEPTS, UPSTREAM_ASSERTS, invalid_cases
@@ -20,30 +20,31 @@ from rpa_harness.targets import as_jax
 
 
 def _rule_params(table):
-    """Every rule of the target's table; in the specification's, our stricter ones (upstream asserts or
-    accepts) need the strict_validation opt-in."""
+    """Every variant of every rule of the target's table; in the specification's, our stricter rules
+    (upstream asserts or accepts) need the strict_validation opt-in."""
     for rule, spec in table.items():
+        marks = ()
         if spec.upstream in (UPSTREAM_ASSERTS, UPSTREAM_ACCEPTS):
             reason = f"{rule!r} is our stricter rule; upstream {spec.upstream}"
-            yield pytest.param(rule, marks=pytest.mark.rpa_requires("strict_validation", reason=reason))
-        else:
-            yield rule
+            marks = pytest.mark.rpa_requires("strict_validation", reason=reason)
+        for variant in range(spec.variants):
+            yield pytest.param(rule, variant, marks=marks, id=f"{rule}-{variant}")
 
 
 def pytest_generate_tests(metafunc):
     if "rule" in metafunc.fixturenames:
-        metafunc.parametrize("rule", list(_rule_params(metafunc.config.rpa_target.rules)))
+        metafunc.parametrize(("rule", "variant"), list(_rule_params(metafunc.config.rpa_target.rules)))
 
 
-@settings(max_examples=EXAMPLES_PER_RULE)
+@settings(max_examples=EXAMPLES_PER_VARIANT)
 @given(data=st.data())
-def test_invalid_input_raises_specified_error(target, backend, repro_dir, rule, data):
-    invalid = data.draw(
-        invalid_cases(target.capabilities, table=target.rules, rules=(rule,)), label="invalid case"
-    )
+def test_invalid_input_raises_specified_error(target, backend, repro_dir, rule, variant, data):
+    drawn = invalid_cases(target.capabilities, table=target.rules, rules=(rule,), variant=variant)
+    invalid = data.draw(drawn, label="invalid case")
     arrays, options, message = invalid.inputs()
     fields = dict(case=invalid.case, expected_error=message, stage=invalid.stage)
-    with recorded(repro_dir, f"{VALIDATION}[{rule}]", target, backend, arrays, options, **fields):
+    name = f"{VALIDATION}[{rule} #{variant}]"
+    with recorded(repro_dir, name, target, backend, arrays, options, **fields):
         check_validation(target, backend, arrays, options, invalid.stage, message)
 
 

@@ -19,6 +19,7 @@ from rpa_harness.strategies.violations import Rule
 from rpa_harness.targets.tpu_inference_v3 import messages
 
 
+@shared.variants(2)
 def _kv_lens_shape(arrays, options, case, param):
     length = case.max_num_seqs + (1 if param % 2 or case.max_num_seqs == 1 else -1)
     arrays["kv_lens"] = np.resize(arrays["kv_lens"], length)
@@ -34,6 +35,7 @@ def _kv_lens_shape_message(length, max_num_seqs, num_page_indices):
     return messages.cu_q_lens_shape_message((max_num_seqs + 1,), length)
 
 
+@shared.variants(2)
 def _page_size_packing(arrays, options, case, param):
     """The same layout in a packed KV dtype with a page size that is not a multiple of its packing."""
     kv_dtype, page_size, packing = (("bfloat16", 1, 2), ("float8_e4m3fn", 2, 4))[param % 2]
@@ -56,11 +58,13 @@ def _skip_kv_mask_with_causal_mask(arrays, options, case, param):
     return {}
 
 
+@shared.variants(3)
 def _break_chunk_prefill_size(arrays, options, case, param):
     options["chunk_prefill_size"] = (0, -1, -8)[param % 3]
     return dict(value=options["chunk_prefill_size"])
 
 
+@shared.variants(3)
 def _page_index_of_a_sequence_with_a_query_row(arrays, options, case, param):
     """The shared breaker; the sequence it makes live when none is gets a query row (v3 checks 0 < q_len
     before the page table)."""
@@ -73,6 +77,7 @@ def _page_index_of_a_sequence_with_a_query_row(arrays, options, case, param):
 def _in_range_checked(breaks):
     """v3 checks ``0 < q_len <= kv_len`` sequence by sequence: the facts of the first that breaks it."""
 
+    @shared.variants(getattr(breaks, "variants", 1))
     def checked(arrays, options, case, param):
         breaks(arrays, options, case, param)
         return shared.first_q_len_range_violation(arrays)
@@ -133,6 +138,7 @@ RULES: dict[str, Rule] = {
             shared.break_kv_block_sign(arrays, options, case, param), page_size=case.page_size
         ),
         lambda value, page_size: messages.kv_block_message("decode", value * page_size, value * page_size),
+        variants=shared.break_kv_block_sign.variants,
     ),
     "vmem_limit_bytes not positive": Rule(
         "static",

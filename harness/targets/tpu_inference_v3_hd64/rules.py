@@ -17,6 +17,7 @@ from rpa_harness.targets.tpu_inference_v3_hd64 import messages
 WIDER_HEAD_DIM = 128
 
 
+@shared.variants(2)
 def _break_sink_length(arrays, options, case, param):
     """One sink logit more than q heads, or one fewer."""
     length = case.num_q_heads + 1 if param % 2 or case.num_q_heads == 1 else case.num_q_heads - 1
