@@ -72,8 +72,9 @@ def recorded(directory, property_name: str, target, backend, arrays: dict, optio
         numeric = case is not None and fields.get("expected_error") is None
         catalogue = known_issues.on_generation(getattr(target, "catalogue", ()), backend.generation)
         known = known_issues.describe_matches(case, catalogue) if numeric else ""
+        kind = getattr(type(failure), "kind", type(failure).__name__)
         raise type(failure)(
-            f"{failure}\n  repro: {path}\n  replay: rpa-harness replay {path}{known}"
+            f"{failure}\n  failure kind: {kind}\n  repro: {path}\n  replay: rpa-harness replay {path}{known}"
         ) from None
     finally:
         repro.discard_pending(pending)

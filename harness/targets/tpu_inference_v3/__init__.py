@@ -424,6 +424,8 @@ class CacheMismatch(AssertionError):
     """v3's updated cache is not the expected one; ``str()`` says which slots and whose. ``slots`` is the
     bool [pages, page_size] map of the slots that differ, ``stale`` whether each holds its input value."""
 
+    kind = "returned cache differs from the expected one"
+
     def __init__(self, message: str, slots: np.ndarray | None = None, stale: np.ndarray | None = None):
         super().__init__(message)
         self.slots, self.stale = slots, stale
