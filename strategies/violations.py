@@ -107,7 +107,6 @@ def variants(count: int):
     return declare
 
 
-
 @variants(3)
 def break_num_seqs_shape(arrays, options, case, param):
     shape = [(2,), (), (1, 1)][param % 3]

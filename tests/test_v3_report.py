@@ -31,7 +31,10 @@ FINDINGS = {issue.name: issue for issue in v3.RPA_HARNESS_CATALOGUE}
 HD64_FINDINGS = {issue.name: issue for issue in hd64.RPA_HARNESS_CATALOGUE}
 ISSUES = {**FINDINGS, **HD64_FINDINGS}
 KERNELS = {**dict.fromkeys(FINDINGS, v3_report.V3), **dict.fromkeys(HD64_FINDINGS, HD64)}
-STANDALONE_IMPORTS = {"base64", "importlib", "io", "os", "sys", "threading", "types", "warnings", "jax", "numpy"}
+STANDALONE_IMPORTS = {"base64", "importlib", "io", "os", "sys", "threading", "types", "warnings"} | {
+    "jax",
+    "numpy",
+}
 
 
 def script_of(issue, kernel=v3_report.V3) -> tuple[str, object]:
@@ -75,7 +78,9 @@ def test_a_small_repros_script_carries_its_own_inputs():
     data = program[program.index("# The failing case's own inputs") : program.index("arrays = (")]
     exec("import base64, io\n" + data, namespace)
     for name, expected in zip(("queries", "keys", "values", "kv_cache"), inputs.args[:4], strict=True):
-        np.testing.assert_array_equal(namespace[name].view(np.uint8), np.asarray(expected).view(np.uint8), name)
+        np.testing.assert_array_equal(
+            namespace[name].view(np.uint8), np.asarray(expected).view(np.uint8), name
+        )
     large = Case(max_num_batched_tokens=8, max_num_seqs=1, pages_per_seq=63, total_num_pages=64, page_size=16,
                  num_q_heads=1, num_kv_heads=1, head_dim=128, q_dtype="float32", kv_dtype="float32",
                  q_lens=(1,), kv_lens=(1000,))  # fmt: skip
