@@ -196,7 +196,11 @@ def v3_row_sum_rounds_away_weights(case: Case) -> bool:
     float32 weights to bfloat16 and reduces them in bfloat16: whatever the order of the additions, a weight
     below half an ulp of the partial sum it is added to is lost. A chunk's weights are taken against its own
     largest logit (the running max scales them and their sum alike). With a finite mask value the masked
-    keys' weights count too."""
+    keys' weights count too.
+
+    It matches the loss that is systematic (dropped weights all err one way); the roundings of the weights
+    a bfloat16 sum keeps err both ways, and a case with only those is left to the contract's margin, which
+    the calibration measures (docs/measurements.md#calibration-at-nightly-scale)."""
     if v3_accumulator_dtype(case) != BFLOAT16:
         return False
     arrays = case_arrays(case)
