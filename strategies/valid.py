@@ -116,15 +116,15 @@ def is_packed(dtype_name: str) -> bool:
 
 def long_corners(capabilities: "Capabilities", bucket: LongBucket = LongBucket()) -> tuple[LongCorner, ...]:
     """The long bucket's corners for a target: each kind of q dtype it takes (float32, packed) x each
-    boundary x each side of it, with block sizes alternating between the kernel's own (where it chooses
-    them) and given ones, so that each kind of q dtype meets both."""
+    boundary x each side of it, with block sizes alternating between the kernel's own and given ones, so
+    that each kind of q dtype meets both (the kernel's own where it chooses them on the backend: a kernel
+    that needs block sizes off a TPU generation gets given ones there)."""
     kinds = [packed for packed in (False, True) if any(is_packed(d) == packed for d in capabilities.q_dtypes)]
     corners = []
     for packed in kinds:
         for boundary in bucket.boundaries:
             for past in (False, True):
-                own = not capabilities.needs_block_sizes and len(corners) % 2 == 1
-                corners.append(LongCorner(packed, boundary, past, kernel_block_sizes=own))
+                corners.append(LongCorner(packed, boundary, past, kernel_block_sizes=len(corners) % 2 == 1))
     return tuple(corners)
 
 
@@ -531,9 +531,8 @@ def long_configs(
     float32, fewest q heads, the smallest head_dim, page size, slot count and token budget. In a ``corner``:
     its kind of q dtype, and page sizes at which the kernel may choose its block sizes if it is to."""
     check_long_space(capabilities, bucket)
-    smallest_page = (
-        capabilities.min_page_size_for_long_default_blocks if corner and corner.kernel_block_sizes else 0
-    )
+    own_blocks = corner is not None and corner.kernel_block_sizes and not capabilities.needs_block_sizes
+    smallest_page = capabilities.min_page_size_for_long_default_blocks if own_blocks else 0
 
     def page_sizes(kv_dtype):
         return [
@@ -1022,7 +1021,7 @@ def valid_cases(
             name, config = "long", draw(long_configs(capabilities, BUCKETS["long"], long_corner))
         bucket = BUCKETS[name]
         opts = draw(options(config, capabilities)) if with_options else {}
-        if long_corner is not None and long_corner.kernel_block_sizes:
+        if long_corner is not None and long_corner.kernel_block_sizes and not capabilities.needs_block_sizes:
             opts = {**opts, "num_kv_pages_per_block": None, "num_queries_per_block": None}
         elif long_corner is not None:
             opts = {**opts, **draw(tuned_block_sizes(config))}
