@@ -100,6 +100,11 @@ class LongCorner:
             f"{queries} queries, context {side} 2^{self.boundary.bit_length() - 1} keys, {blocks} block sizes"
         )
 
+    def leaves_blocks_to_the_kernel(self, capabilities: "Capabilities") -> bool:
+        """Whether its cases leave the block sizes to the kernel: a kernel that needs them given (off a TPU
+        generation, ``Capabilities.needs_block_sizes``) gets given ones."""
+        return self.kernel_block_sizes and not capabilities.needs_block_sizes
+
     @property
     def name(self) -> str:
         """The corner in a file name: ``packed-past-2to15-own-blocks``."""
@@ -531,7 +536,7 @@ def long_configs(
     float32, fewest q heads, the smallest head_dim, page size, slot count and token budget. In a ``corner``:
     its kind of q dtype, and page sizes at which the kernel may choose its block sizes if it is to."""
     check_long_space(capabilities, bucket)
-    own_blocks = corner is not None and corner.kernel_block_sizes and not capabilities.needs_block_sizes
+    own_blocks = corner is not None and corner.leaves_blocks_to_the_kernel(capabilities)
     smallest_page = capabilities.min_page_size_for_long_default_blocks if own_blocks else 0
 
     def page_sizes(kv_dtype):
@@ -587,7 +592,10 @@ def long_layouts(
         if rows_left == 0 or longest == 0 or work_left == 0:
             break
         q_len = draw(st.integers(2, rows_left)) if rows_left > 1 and draw(st.booleans()) else 1
-        target = None if corner and q_lens else corner.boundary if corner else draw(near)
+        if corner is None:
+            target = draw(near)
+        else:  # the corner's context first, then short ones
+            target = None if q_lens else corner.boundary
         if target is None:
             kv_len = draw(st.integers(0, min(capacity, 1024)))
         elif corner:
@@ -1021,7 +1029,7 @@ def valid_cases(
             name, config = "long", draw(long_configs(capabilities, BUCKETS["long"], long_corner))
         bucket = BUCKETS[name]
         opts = draw(options(config, capabilities)) if with_options else {}
-        if long_corner is not None and long_corner.kernel_block_sizes and not capabilities.needs_block_sizes:
+        if long_corner is not None and long_corner.leaves_blocks_to_the_kernel(capabilities):
             opts = {**opts, "num_kv_pages_per_block": None, "num_queries_per_block": None}
         elif long_corner is not None:
             opts = {**opts, **draw(tuned_block_sizes(config))}
