@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import hypothesis  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from rpa_harness import generations, targets  # noqa: E402
@@ -81,8 +82,7 @@ def sweep(
         row.judged += 1
         row.ratios.append(comparison.max_ratio)
 
-    judge._hypothesis_internal_use_seed = seed
-    judge()
+    hypothesis.seed(seed)(judge)()
     return row
 
 
