@@ -127,3 +127,18 @@ def test_unknown_known_issue_is_one_usage_error(pytestconfig):
     )  # fmt: skip
     assert result.returncode == 4, result.stdout + result.stderr
     assert "unknown known issue 'no-such-issue'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_one_block_size_given_is_the_tuned_tables_pair():
+    """Found by a nightly run on emulated v6e: one decode of one key, pages of one key, a KV block of one
+    page given and the query block left to the table. Upstream then takes both sizes from its tuned table
+    (a KV block of many pages), whose empty slots the finite mask value weights: the finding, though the
+    given KV block alone has no empty slot. With both sizes given it is not the finding."""
+    case = Case(max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=33, total_num_pages=69, page_size=1,
+                num_q_heads=1, num_kv_heads=1, head_dim=128, q_lens=(1,), kv_lens=(1,), mask_value=-2.0,
+                num_kv_pages_per_block=1)  # fmt: skip
+    finding = {issue.name: issue for issue in upstream.RPA_HARNESS_CATALOGUE}[
+        "finite-mask-value-weights-keys-past-kv-len"
+    ]
+    assert finding.matches(case)
+    assert not finding.matches(dataclasses.replace(case, num_queries_per_block=8))

@@ -116,10 +116,19 @@ def without_kv_scales(case: Case) -> Case:
 _DEFAULT_MASK_VALUE = {f.name: f.default for f in dataclasses.fields(Case)}["mask_value"]
 
 
+def _block_sizes_used(case: Case) -> tuple[int, int] | None:
+    """(num_kv_pages_per_block, num_queries_per_block) upstream runs the case with: both given, else None.
+    Upstream's kernel takes both from its tuned table when either is None (kernel.py: ``if num_q_per_blk is
+    None or num_kv_pages_per_blk is None``), the given one included: sizes unknown here."""
+    if case.num_kv_pages_per_block is None or case.num_queries_per_block is None:
+        return None
+    return case.num_kv_pages_per_block, case.num_queries_per_block
+
+
 def _partial_last_block(case: Case, kv_len: int) -> bool:
-    if case.num_kv_pages_per_block is None:  # the tuned block size is unknown off TPU: any block may be
+    if (sizes := _block_sizes_used(case)) is None:  # the tuned KV block is unknown: any block may be
         return kv_len > 0
-    return kv_len % (case.num_kv_pages_per_block * case.page_size) != 0
+    return kv_len % (sizes[0] * case.page_size) != 0
 
 
 def _row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
@@ -178,7 +187,7 @@ def zero_query_tail_skips_head_blocks(case: Case) -> bool:
     total = sum(case.q_lens)
     if total == 0 or upstream_head_blocks(case) < 2:
         return False
-    if case.num_queries_per_block is not None and total % case.num_queries_per_block:
+    if (sizes := _block_sizes_used(case)) is not None and total % sizes[1]:
         return False
     last_with_rows = max(i for i, q in enumerate(case.q_lens) if q > 0)
     return last_with_rows + 1 < case.num_seqs
