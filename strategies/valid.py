@@ -407,7 +407,9 @@ def bucketed_configs(draw, capabilities: Capabilities = WHOLE_SPACE, *, buckets=
         return bucket, draw(production_configs(capabilities, BUCKETS[bucket]))
     if isinstance(BUCKETS[bucket], LongBucket):
         return bucket, draw(long_configs(capabilities, BUCKETS[bucket]))
-    page_size = draw(st.sampled_from(_small_page_sizes(capabilities)))
+    page_size = draw(
+        st.sampled_from([p for p in _small_page_sizes(capabilities) if _kv_dtypes_for(capabilities, p)])
+    )
     kv_dtype = draw(st.sampled_from(_kv_dtypes_for(capabilities, page_size)))
     num_kv_heads = draw(st.sampled_from(_kv_heads_for(capabilities, kv_dtype)))
     ratio = draw(st.sampled_from(capabilities.gqa_ratios))

@@ -190,3 +190,11 @@ def test_a_validator_wrong_at_the_boundary_variant_fails_the_ci_profile(tmp_path
     )  # fmt: skip
     assert run.returncode == 1 and "1 failed, 2 passed" in run.stdout, run.stdout[-3000:]
     assert "out of range-2" in run.stdout, run.stdout[-3000:]
+
+
+def test_a_target_with_packed_kv_dtypes_only_draws_page_sizes_they_fit():
+    """Page sizes a KV dtype cannot fill (a bfloat16 cache in pages of one token, for a target whose page
+    size must be a multiple of the packing) are not drawn: the draw does not fail on them."""
+    packed_only = Capabilities(kv_dtypes=("bfloat16",), page_size_multiple_of_kv_packing=True)
+    case = find(valid_cases(packed_only), lambda case: True)
+    assert case.kv_dtype == "bfloat16" and case.page_size % 2 == 0
