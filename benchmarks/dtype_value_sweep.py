@@ -51,7 +51,8 @@ class Row:
 
 def sweep(
     target, backend: Backend, q_dtype: str, kv_dtype: str, values: str, examples: int, seed: int
-) -> Row:
+) -> Row | None:
+    """One row of the table, or None when the capabilities hold no case of the pair."""
     row = Row()
     capabilities = dataclasses.replace(
         target.capabilities_on(backend), q_dtypes=(q_dtype,), kv_dtypes=(kv_dtype,)
@@ -67,10 +68,8 @@ def sweep(
             if issue.matches(case):
                 row.avoided[issue.name] += 1
         case = outside_known_issues(case, issues)
-        if (case.q_dtype, case.values) != (
-            q_dtype,
-            values,
-        ) or case.num_tokens == 0:  # moved out, or nothing to judge
+        moved_out = (case.q_dtype, case.values) != (q_dtype, values)
+        if moved_out or case.num_tokens == 0:
             return
         try:
             comparison = check_differential(target, backend, case.arrays(), case.options())
