@@ -22,6 +22,7 @@ from rpa_harness import known_issues, reference
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, TPU, Backend
 from rpa_harness.generations import NONE
+from rpa_harness.property_names import DIFFERENTIAL
 from rpa_harness.spec.interface import ARRAY_NAMES, EXTENSION_NAMES
 from rpa_harness.targets import Target, first_line_of_error, load, shipped_catalogue
 
@@ -319,8 +320,7 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
             _relative(path),
             with_script_output=with_script_output,
         )
-    kind = repro.property.split("[", 1)[0]
-    if not kind.startswith("differential"):
+    if repro.kind != DIFFERENTIAL:
         raise repro_files.ReproError(
             f"{path}: a report is written for differential repros (kernel output against the reference); "
             f"this one is {repro.property!r}: replay it with `rpa-harness replay {path}`"

@@ -11,12 +11,9 @@ import numpy as np
 from rpa_harness import reference
 from rpa_harness.backends import Backend
 from rpa_harness.interpret_compat.limitations import recognise
+from rpa_harness.property_names import DETERMINISM, DIFFERENTIAL, PADDING, VALIDATION
 from rpa_harness.targets import Target, first_line_of_error
 
-DIFFERENTIAL = "differential"
-VALIDATION = "validation"
-PADDING = "padding-isolation"
-DETERMINISM = "determinism"
 
 
 class PropertyFailure(AssertionError):
@@ -255,9 +252,10 @@ def check_determinism(target: Target, backend: Backend, arrays: dict, options: d
     check_same_bits(first, run_valid(target, backend, arrays, options), valid_rows(arrays), NON_DETERMINISTIC)
 
 
-def recheck(kind: str, target: Target, backend: Backend, repro) -> None:
+def recheck(target: Target, backend: Backend, repro) -> None:
     """Re-runs the property a repro was written for (raises PropertyFailure while it still fails)."""
-    if kind.startswith(DIFFERENTIAL):
+    kind = repro.kind
+    if kind == DIFFERENTIAL:
         check_differential(target, backend, repro.arrays, repro.options)
     elif kind == VALIDATION:
         check_validation(target, backend, repro.arrays, repro.options, repro.stage, repro.expected_error)

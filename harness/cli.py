@@ -33,6 +33,7 @@ from rpa_harness import backends, generations, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import AUTO, BACKENDS, Backend
 from rpa_harness.generations import GenerationError
+from rpa_harness.property_names import DIFFERENTIAL, PADDING
 from rpa_harness.targets import DEFAULT_TARGET, TargetError, load
 
 PROPERTIES_PACKAGE = "rpa_harness.properties"  # the shipped properties (tests/properties/ in a checkout)
@@ -89,7 +90,6 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
         "        return np.asarray(jax.block_until_ready(target.ragged_paged_attention(**arrays, **options)))",
         "",
     ]
-    kind = repro.property.split("[", 1)[0]
     if repro.expected_error is not None:
         call = (
             "target.dynamic_validate_inputs(**{k: jnp.asarray(v) for k, v in inputs.items()}, **options)"
@@ -105,14 +105,14 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
             '    print("accepted the input")',
             f"print({'expected: ValueError: ' + repro.expected_error!r})",
         ]
-    elif kind.startswith("differential"):
+    elif repro.kind == DIFFERENTIAL:
         lines += [
             "from rpa_harness import reference",
             "out = run(inputs)",
             f"print(reference.compare(out, reference.oracle(**inputs, **options), label={target + ' on ' + backend.name!r}))",
         ]
     else:
-        if kind == "padding-isolation" and repro.case is not None:
+        if repro.kind == PADDING and repro.case is not None:
             lines += [
                 "from rpa_harness.strategies.case import Case",
                 f"case = {repro.case!r}",
@@ -192,7 +192,6 @@ def replay(args) -> int:
     if args.script:
         Path(args.script).write_text(program)
     timeout = args.timeout or (repro.hang or {}).get("seconds") or backends.CALL_TIMEOUT_SECONDS
-    kind = repro.property.split("[", 1)[0]
     print(
         f"property: {repro.property}\ntarget:   {target_name}\nbackend:  {backend.label} "
         f"(interpreter compat {'on' if compat else 'off'})\nrecorded: {_recorded(repro)}\n"
@@ -215,7 +214,7 @@ def replay(args) -> int:
     try:
         # The watchdog's timeout and hang handler of every kernel call this replay makes.
         with backends.on_hang(on_hang), backends.call_timeout(timeout):
-            recheck(kind, target, backend, repro)
+            recheck(target, backend, repro)
     except CannotRun as reason:
         print(f"\ncannot run here (interpreter limitation): {reason}")
         return CANNOT_RUN

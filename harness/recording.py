@@ -13,6 +13,7 @@ import os
 import pytest
 from rpa_harness import backends, known_issues, repro, runlog
 from rpa_harness.checks import CannotRun, RaisedOnValidInput
+from rpa_harness.property_names import PropertyName
 from rpa_harness.strategies.valid import coverage_labels
 
 
@@ -31,7 +32,7 @@ def current_test() -> str:
 
 
 @contextlib.contextmanager
-def recorded(directory, property_name: str, target, backend, arrays: dict, options: dict, **fields):
+def recorded(directory, name: PropertyName, target, backend, arrays: dict, options: dict, **fields):
     """Runs the enclosed check with its example on disk; a failure names the repro pair it left."""
     case = fields.get("case")
     notes = {
@@ -40,7 +41,7 @@ def recorded(directory, property_name: str, target, backend, arrays: dict, optio
     if case is not None:
         notes.update(shape_notes(case))
     example = repro.Repro(
-        property_name, target.name, backend.name, arrays, options,
+        str(name), target.name, backend.name, arrays, options, kind=name.kind,
         interpreter_compat=backend.interpreter_compat, tpu_generation=backend.generation, test=current_test(),
         precision=getattr(target, "precision", None), **fields,
     )  # fmt: skip
@@ -54,7 +55,7 @@ def recorded(directory, property_name: str, target, backend, arrays: dict, optio
         runlog.record(**notes, repro=str(path), hang=seconds)
         return (
             f"rpa-harness: HANG: {what} did not return within {seconds:g} s (RPA_CALL_TIMEOUT) in "
-            f"{example.test or property_name}: {case.describe() if case is not None else 'see the repro'}\n  repro: {path}\n  replay: rpa-harness replay {path}",
+            f"{example.test or name}: {case.describe() if case is not None else 'see the repro'}\n  repro: {path}\n  replay: rpa-harness replay {path}",
             backends.HANG_EXIT_CODE,
         )
 

@@ -21,9 +21,13 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from rpa_harness import property_names
 from rpa_harness.strategies.case import DTYPES, Case
 
 DEFAULT_REPRO_DIR = "rpa-repros"
+# 2: the property's kind is stored apart from its name ("kind"); a file without it is schema 1 (its name
+# is parsed, ``property_names.parse``).
+SCHEMA = 2
 INT_DTYPES = {str(np.dtype(t)): np.dtype(t) for t in (np.int16, np.int32, np.uint32, np.float32)}
 
 
@@ -49,6 +53,11 @@ class Repro:
     test: str = ""  # the pytest node id that wrote it
     precision: tuple[str, ...] | None = None  # the target's precision contract when it failed
     tpu_generation: str = "none"  # the TPU generation the interpreter emulated (rpa_harness.generations)
+    kind: str = ""  # which check re-runs it (``property_names.KINDS``); empty: read from ``property``
+
+    def __post_init__(self):
+        if not self.kind:
+            self.kind = property_names.parse(self.property).kind
 
 
 REQUIRED_FIELDS = ("property", "target", "backend", "options", "dtypes", "arrays")
@@ -124,7 +133,9 @@ def write_pending(repro: Repro, directory: str | os.PathLike) -> Path:
 
 def _metadata(repro: Repro, json_path: Path | None) -> bytes:
     meta = {
+        "schema": SCHEMA,
         "property": repro.property,
+        "kind": repro.kind,
         "target": repro.target,
         "backend": repro.backend,
         "options": repro.options,
@@ -177,7 +188,7 @@ def read(path: str | os.PathLike) -> Repro:
                 f"{path}: the example in flight when its process ended, without its arrays; "
                 f"its case is in the file's case_repr"
             )
-        stored = np.load(path.parent / meta["arrays"])
+        stored = np.load(_arrays_beside(path, meta["arrays"]))
         arrays = {
             name: stored[name].view(_dtype_by_name(dtype)).reshape(stored[name].shape)
             for name, dtype in meta["dtypes"].items()
@@ -199,6 +210,7 @@ def read(path: str | os.PathLike) -> Repro:
             hang=meta.get("hang"),
             test=meta.get("test", ""),
             precision=tuple(meta["precision"]) if meta.get("precision") is not None else None,
+            kind=meta.get("kind", ""),
         )
     except FileNotFoundError as error:
         raise ReproError(
@@ -206,6 +218,13 @@ def read(path: str | os.PathLike) -> Repro:
         ) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ReproError(f"{path}: not a readable repro file ({type(error).__name__}: {error})") from None
+
+
+def _arrays_beside(json_path: Path, recorded: str) -> Path:
+    """The NPZ the JSON names, or, when the pair was renamed together, the one of the JSON's own name."""
+    named = json_path.parent / recorded
+    own = json_path.with_suffix(".npz")
+    return own if not named.exists() and own.exists() else named
 
 
 def discard_pending(pending_path: Path) -> None:

@@ -11,7 +11,8 @@ when waited for, races are asserted) checks memory safety.
 from hypothesis import given, settings, target
 from hypothesis import strategies as st
 from rpa_harness import reference
-from rpa_harness.checks import DIFFERENTIAL, check_differential
+from rpa_harness.checks import check_differential
+from rpa_harness.property_names import DIFFERENTIAL, PropertyName
 from rpa_harness.properties.budget import (
     ANY_CONFIG_EXAMPLES,
     CHECKING_ANY_CONFIG_EXAMPLES,
@@ -34,7 +35,7 @@ def draw_and_compare(target_, backend, repro_dir, data, *, pooled, variant=""):
     else:
         groups = valid_case_groups(capabilities, max_cases=CASES_PER_CONFIG, excluding=issues)
         cases = data.draw(groups, label="cases")
-    name = f"{DIFFERENTIAL}{variant}[{backend.label}]"
+    name = PropertyName(DIFFERENTIAL, variant, backend.label)
     ratios = []
     for case in cases:
         arrays, options = case.arrays(), case.options()
@@ -55,19 +56,19 @@ def test_kernel_matches_oracle(target, volume_backend, repro_dir, data):
 @settings(max_examples=ANY_CONFIG_EXAMPLES)
 @given(data=st.data())
 def test_kernel_matches_oracle_any_config(target, volume_backend, repro_dir, data):
-    draw_and_compare(target, volume_backend, repro_dir, data, pooled=False, variant="-any-config")
+    draw_and_compare(target, volume_backend, repro_dir, data, pooled=False, variant="any-config")
 
 
 @settings(max_examples=CHECKING_EXAMPLES)
 @given(data=st.data())
 def test_kernel_matches_oracle_checked(target, checking_backend, repro_dir, data):
-    draw_and_compare(target, checking_backend, repro_dir, data, pooled=True, variant="-checked")
+    draw_and_compare(target, checking_backend, repro_dir, data, pooled=True, variant="checked")
 
 
 @settings(max_examples=CHECKING_ANY_CONFIG_EXAMPLES)
 @given(data=st.data())
 def test_kernel_matches_oracle_checked_any_config(target, checking_backend, repro_dir, data):
-    draw_and_compare(target, checking_backend, repro_dir, data, pooled=False, variant="-checked-any-config")
+    draw_and_compare(target, checking_backend, repro_dir, data, pooled=False, variant="checked-any-config")
 
 
 @given(case=valid_cases(pooled=True))

@@ -26,7 +26,6 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue):
     repro = repro_files.read(known_issue.repro)
     # On the chip the repro was recorded for: an issue of one generation's code does not show on another.
     replay_backend = dataclasses.replace(replay_backend, generation=repro.tpu_generation)
-    kind = repro.property.split("[", 1)[0]
     where = f"{known_issue.name} in {target.name} on {replay_backend.label}"
 
     def record(outcome: str) -> None:  # for the summary of ``rpa-harness run``
@@ -38,7 +37,7 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue):
         if known_issue.replay is not None:  # a target's own property (e.g. v3's attention and cache)
             known_issue.replay(known_issue, target, replay_backend, repro)
         else:
-            recheck(kind, target, replay_backend, repro)
+            recheck(target, replay_backend, repro)
     except AssertionError as failure:
         report = str(failure)
         if not known_issue.shows(report):

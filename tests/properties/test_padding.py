@@ -8,7 +8,8 @@ import dataclasses
 
 from hypothesis import given
 from hypothesis import strategies as st
-from rpa_harness.checks import DETERMINISM, PADDING, check_determinism, check_padding_isolation
+from rpa_harness.checks import check_determinism, check_padding_isolation
+from rpa_harness.property_names import DETERMINISM, PADDING, PropertyName
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.valid import valid_cases
 
@@ -20,7 +21,7 @@ def test_padding_does_not_change_valid_rows(target, volume_backend, repro_dir, d
     case = data.draw(cases, label="case")
     dirty = dataclasses.replace(case, poison=True, garbage=True)
     dirty_arrays = dirty.arrays()  # recorded and run: built once
-    name = f"{PADDING}[{volume_backend.label}]"
+    name = PropertyName(PADDING, label=volume_backend.label)
     with recorded(repro_dir, name, target, volume_backend, dirty_arrays, case.options(), case=dirty):
         check_padding_isolation(target, volume_backend, case, dirty_arrays)
 
@@ -31,6 +32,6 @@ def test_same_call_gives_same_bits(target, volume_backend, repro_dir, data):
     cases = valid_cases(capabilities, pooled=True, excluding=issues)
     case = data.draw(cases, label="case")
     arrays, options = case.arrays(), case.options()
-    name = f"{DETERMINISM}[{volume_backend.label}]"
+    name = PropertyName(DETERMINISM, label=volume_backend.label)
     with recorded(repro_dir, name, target, volume_backend, arrays, options, case=case):
         check_determinism(target, volume_backend, arrays, options)

@@ -24,7 +24,8 @@ long ones are, toward short contexts and one decode.
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from rpa_harness.checks import DIFFERENTIAL, check_differential
+from rpa_harness.checks import check_differential
+from rpa_harness.property_names import DIFFERENTIAL, PropertyName
 from rpa_harness.properties.budget import LONG_CORNER_EXAMPLES, LONG_EXAMPLES, PRODUCTION_EXAMPLES
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.valid import drawn_buckets, is_packed, long_corners, valid_cases
@@ -59,7 +60,7 @@ def draw_and_compare(target, backend, repro_dir, data, bucket: str, corner=None)
     drawn = valid_cases(capabilities, large=bucket, excluding=issues, long_corner=corner)
     case = data.draw(drawn, label="case")
     arrays, options = case.arrays(), case.options()
-    name = f"{DIFFERENTIAL}-{bucket}{'-' + corner.name if corner else ''}[{backend.label}]"
+    name = PropertyName(DIFFERENTIAL, f"{bucket}-{corner.name}" if corner else bucket, backend.label)
     with recorded(repro_dir, name, target, backend, arrays, options, case=case) as notes:
         comparison = check_differential(target, backend, arrays, options)
         notes.update(max_ratio=comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 from rpa_harness import runlog
-from rpa_harness.checks import VALIDATION, check_validation
+from rpa_harness.checks import check_validation
+from rpa_harness.property_names import VALIDATION, PropertyName
 from rpa_harness.properties.budget import EXAMPLES_PER_VARIANT
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.valid import valid_cases
@@ -43,7 +44,7 @@ def test_invalid_input_raises_specified_error(target, backend, repro_dir, rule, 
     invalid = data.draw(drawn, label="invalid case")
     arrays, options, message = invalid.inputs()
     fields = dict(case=invalid.case, expected_error=message, stage=invalid.stage)
-    name = f"{VALIDATION}[{rule} #{variant}]"
+    name = PropertyName(VALIDATION, label=f"{rule} #{variant}")
     with recorded(repro_dir, name, target, backend, arrays, options, **fields):
         check_validation(target, backend, arrays, options, invalid.stage, message)
 

@@ -34,6 +34,7 @@ from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend, Deadlock
 from rpa_harness.bug_report import NothingToReport, case_in_words, error_map_block, worst_element_table
 from rpa_harness.generations import NONE
+from rpa_harness.property_names import DIFFERENTIAL
 from rpa_harness.targets import first_line_of_error
 from rpa_harness.targets import tpu_inference_v3 as v3
 
@@ -512,7 +513,7 @@ def title(kernel: ReportedKernel, observation: Observation, issue) -> str:
 
 
 def replay_command(kernel: ReportedKernel, path: str, repro: repro_files.Repro) -> str:
-    if repro.property.startswith("differential"):
+    if repro.kind == DIFFERENTIAL:
         return f"rpa-harness replay {path}"
     return f"python -m {kernel.replay_program} {path}"
 
