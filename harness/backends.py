@@ -35,9 +35,17 @@ HANG_EXIT_CODE = 70
 # The TPU interpreter's parameters on the checking backend (also written into replay's standalone snippet).
 CHECKING_INTERPRET_PARAMS = dict(detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan")
 
-# Set by a test runner that captures output (pytest's capture manager): restores the real stderr before the
-# watchdog writes its message and ends the process, so that the message is not lost in a capture buffer.
-release_captured_output = None
+# Set by a test runner that captures output (pytest's capture manager, ``set_output_release``): restores
+# the real stderr before the watchdog writes its message and ends the process, so that the message is not
+# lost in a capture buffer.
+_release_captured_output = None
+
+
+def set_output_release(release) -> None:
+    """``release()`` is called before the watchdog writes a hang's message (None: nothing to release)."""
+    global _release_captured_output
+    _release_captured_output = release
+
 
 # Set while a case is in flight: called with (what, seconds) when the watchdog fires; returns (message, exit code).
 _hang_handler = None
@@ -83,8 +91,8 @@ def watchdog(what: str, seconds: float | None = None):
                 message, code = _hang_handler(what, seconds)
             except Exception as error:  # the hang is still reported, without its repro
                 message += f"; writing the hang repro failed: {type(error).__name__}: {error}"
-        if release_captured_output is not None:
-            release_captured_output()
+        if _release_captured_output is not None:
+            _release_captured_output()
         sys.stderr.write(f"\n{message}\n(taken for a hang, e.g. a DMA wait with nothing pending). Stacks:\n")
         faulthandler.dump_traceback(all_threads=True)
         sys.stderr.write(f"\n{message}\n")

@@ -23,8 +23,9 @@ from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, TPU, Backend
 from rpa_harness.generations import NONE
 from rpa_harness.property_names import DIFFERENTIAL
+from rpa_harness.run_settings import for_repro
 from rpa_harness.spec.interface import ARRAY_NAMES, EXTENSION_NAMES
-from rpa_harness.targets import Target, first_line_of_error, load, shipped_catalogue
+from rpa_harness.targets import Target, first_line_of_error, shipped_catalogue
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BLOCK_OPTIONS = ("num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes")
@@ -307,17 +308,19 @@ def run_script(text: str, timeout: float = 900) -> tuple[int, str]:
 
 
 def render(path: Path, *, target_name=None, backend_name=None, with_script_output=False) -> str:
-    """The Markdown report for the repro at ``path`` (re-running it on the target and backend)."""
+    """The Markdown report for the repro at ``path``, re-run as ``rpa-harness replay`` re-runs it (the
+    repro's settings, ``run_settings.for_repro``; ``target_name`` and ``backend_name`` override them)."""
     repro = repro_files.read(path)
-    target = load(target_name or repro.target)
+    run = for_repro(repro, target=target_name, backend=backend_name)
+    target, backend = run.target, run.backends[0]
     if target.report is not None:  # a kernel with its own API renders its own report
-        backend = Backend(backend_name or repro.backend, generation=repro.tpu_generation)
         return target.report(
             path,
             repro,
             backend,
             known_issue_for(path),
             _relative(path),
+            precision=target.precision,
             with_script_output=with_script_output,
         )
     if repro.kind != DIFFERENTIAL:
@@ -332,7 +335,6 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
             "upstream's signature, such as tpu-inference v3's); a report's script calls upstream's API and "
             f"reference, which cannot state it: replay it with `rpa-harness replay {path}`"
         )
-    backend = Backend(backend_name or repro.backend, generation=repro.tpu_generation)
     issue = known_issue_for(path)
     observation = observe(target, backend, repro)
     needs_compat = backend.name != TPU and target.name.startswith(

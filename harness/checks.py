@@ -15,7 +15,6 @@ from rpa_harness.property_names import DETERMINISM, DIFFERENTIAL, PADDING, VALID
 from rpa_harness.targets import Target, first_line_of_error
 
 
-
 class PropertyFailure(AssertionError):
     """A property does not hold; ``str()`` is the report.
 

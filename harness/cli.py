@@ -18,7 +18,6 @@ A usage error (an unknown option, or a bad value given on the command line) is o
 
 import argparse
 import collections
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -32,9 +31,9 @@ from pathlib import Path
 from rpa_harness import backends, generations, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import AUTO, BACKENDS, Backend
-from rpa_harness.generations import GenerationError
 from rpa_harness.property_names import DIFFERENTIAL, PADDING
-from rpa_harness.targets import DEFAULT_TARGET, TargetError, load
+from rpa_harness.run_settings import SettingError, for_repro
+from rpa_harness.targets import DEFAULT_TARGET
 
 PROPERTIES_PACKAGE = "rpa_harness.properties"  # the shipped properties (tests/properties/ in a checkout)
 PASSES, FAILS, BAD_FILE, CANNOT_RUN, USAGE = 0, 1, 2, 3, 4
@@ -57,7 +56,7 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
     on; a differential repro prints the comparison with the float64 oracle (its worst element), a padding or
     determinism repro the first element that differs, a validation repro the error raised.
     """
-    npz = json_path.with_suffix(".npz").resolve()
+    npz = (repro.arrays_file or json_path.with_suffix(".npz")).resolve()
     dtypes = {name: str(value.dtype) for name, value in repro.arrays.items()}
     if backend.name == backends.TPU:
         context = "contextlib.nullcontext()"
@@ -157,19 +156,20 @@ def replay(args) -> int:
     except repro_files.ReproError as error:
         print(f"rpa-harness replay: {error}", file=sys.stderr)
         return BAD_FILE
-    target_name = args.target or repro.target
-    compat = repro.interpreter_compat if args.interpreter_compat is None else args.interpreter_compat == "on"
-    generation = args.tpu_generation or repro.tpu_generation
+    compat = None if args.interpreter_compat is None else args.interpreter_compat == "on"
     try:
-        backend = Backend(args.backend or repro.backend, compat, generation)
-    except GenerationError as error:
-        print(f"rpa-harness replay: {error}", file=sys.stderr)
-        return USAGE if args.tpu_generation else BAD_FILE
-    try:
-        target = load(target_name)
-    except TargetError as error:
-        print(f"rpa-harness replay: {error}", file=sys.stderr)
-        return USAGE if args.target else BAD_FILE
+        run = for_repro(
+            repro,
+            target=args.target,
+            backend=args.backend,
+            tpu_generation=args.tpu_generation,
+            interpreter_compat=compat,
+        )
+    except SettingError as error:
+        print(f"rpa-harness replay: {error if error.given else f'{path}: {error}'}", file=sys.stderr)
+        return USAGE if error.given else BAD_FILE
+    target, backend = run.target, run.backends[0]
+    target_name = target.name
     if backend.skip_reason:
         print(
             f"rpa-harness replay: cannot run here: {backend.skip_reason}; pass --backend interpret",
@@ -180,21 +180,13 @@ def replay(args) -> int:
     if declared:
         print(f"rpa-harness replay: cannot run here: target {target_name} {declared}", file=sys.stderr)
         return CANNOT_RUN
-    if repro.precision is not None:  # judged under the contract it failed under
-        from rpa_harness.reference import PrecisionError, parse_precision
-
-        try:
-            target = dataclasses.replace(target, precision=parse_precision(repro.precision))
-        except PrecisionError as error:
-            print(f"rpa-harness replay: {path}: {error}", file=sys.stderr)
-            return BAD_FILE
     program = snippet(repro, path, target_name, backend)
     if args.script:
         Path(args.script).write_text(program)
     timeout = args.timeout or (repro.hang or {}).get("seconds") or backends.CALL_TIMEOUT_SECONDS
     print(
         f"property: {repro.property}\ntarget:   {target_name}\nbackend:  {backend.label} "
-        f"(interpreter compat {'on' if compat else 'off'})\nrecorded: {_recorded(repro)}\n"
+        f"(interpreter compat {'on' if backend.interpreter_compat else 'off'})\nrecorded: {_recorded(repro)}\n"
         f"precision: {', '.join(target.precision)}"
     )
     if repro.case is not None:
@@ -422,9 +414,9 @@ def report(args) -> int:
     except repro_files.ReproError as error:
         print(f"rpa-harness report: {error}", file=sys.stderr)
         return BAD_FILE
-    except TargetError as error:
-        print(f"rpa-harness report: {error}", file=sys.stderr)
-        return USAGE if args.target else BAD_FILE
+    except SettingError as error:
+        print(f"rpa-harness report: {error if error.given else f'{args.file}: {error}'}", file=sys.stderr)
+        return USAGE if error.given else BAD_FILE
     except NothingToReport as error:
         print(f"rpa-harness report: {error}", file=sys.stderr)
         return CANNOT_RUN

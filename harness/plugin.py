@@ -38,7 +38,6 @@ fixtures skip a backend that is absent or that the target declares it does not r
 needs an opt-in capability carries ``rpa_requires("name", reason=...)``.
 """
 
-import dataclasses
 import os
 import tempfile
 import time
@@ -48,8 +47,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 from rpa_harness import backends, checks, generations, known_issues, repro, runlog, targets
-from rpa_harness.reference.tolerance import CONTRACTS, PrecisionError, parse_precision
-from rpa_harness.strategies.valid import BucketError, select_buckets
+from rpa_harness.recording import CannotRunHere
+from rpa_harness.reference.tolerance import CONTRACTS
+from rpa_harness.run_settings import RunSettings, SettingError, from_options
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
 
@@ -162,18 +162,6 @@ def pytest_addoption(parser):
 BUCKETS_OPTION = "--rpa-buckets"
 
 
-def _select_buckets(config) -> None:
-    """The target's capabilities draw the chosen buckets (``strategies.valid.select_buckets``)."""
-    target = config.rpa_target
-    try:
-        capabilities = select_buckets(
-            target.capabilities, config.getoption(BUCKETS_OPTION), profile=config.rpa_profile
-        )
-    except BucketError as error:
-        raise pytest.UsageError(f"{BUCKETS_OPTION}: {error} (target {target.name})") from None
-    config.rpa_target = dataclasses.replace(target, capabilities=capabilities)
-
-
 NUMERIC = "rpa_numeric"
 REQUIRES = "rpa_requires"
 NO_NUMERIC_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED  # 5: the target's numbers were never checked
@@ -200,14 +188,23 @@ def _names_the_harness(config) -> bool:
     return False
 
 
+ACTIVE = pytest.StashKey[bool]()
+SETTINGS = pytest.StashKey[RunSettings]()
+
+
 def _active(config) -> bool:
-    return getattr(config, "rpa_active", False)
+    return config.stash.get(ACTIVE, False)
+
+
+def settings_of(config) -> RunSettings:
+    """The run's settings (``rpa_harness.run_settings``), resolved once when the session is configured."""
+    return config.stash[SETTINGS]
 
 
 @pytest.hookimpl(tryfirst=True)  # before Hypothesis's plugin loads --hypothesis-profile
 def pytest_configure(config):
-    config.rpa_active = _names_the_harness(config)
-    if config.rpa_active:
+    config.stash[ACTIVE] = _names_the_harness(config)
+    if config.stash[ACTIVE]:
         register_profiles()
 
 
@@ -224,7 +221,7 @@ def pytest_configure_after_hypothesis(config):
     config.addinivalue_line(
         "markers", f"{REQUIRES}(capability, reason=None): skip unless the target's Capabilities opt in"
     )
-    config.rpa_profile = settings.get_current_profile_name()  # before RPA_MAX_EXAMPLES renames it "sized"
+    profile = settings.get_current_profile_name()  # before RPA_MAX_EXAMPLES renames it "sized"
     if os.environ.get("RPA_MAX_EXAMPLES"):  # resize the chosen profile (benchmarks, long local runs)
         settings.register_profile(
             "sized", parent=settings.default, max_examples=int(os.environ["RPA_MAX_EXAMPLES"])
@@ -235,48 +232,22 @@ def pytest_configure_after_hypothesis(config):
     _one_blas_thread_per_worker(config)
     os.environ.update(backends.faster_cpu_compilation(os.environ))  # before the target computes anything
     try:
-        config.rpa_target = targets.load(config.getoption("--rpa-target"))
-    except targets.TargetError as error:
-        raise pytest.UsageError(str(error)) from None
-    if config.getoption("--rpa-precision"):
-        try:
-            precision = parse_precision(config.getoption("--rpa-precision"))
-        except PrecisionError as error:
-            raise pytest.UsageError(f"--rpa-precision: {error}") from None
-        config.rpa_target = dataclasses.replace(config.rpa_target, precision=precision)
-    try:
-        declared = known_issues.parse_option(
-            config.getoption(known_issues.OPTION),
-            config.rpa_target.known_issues,
-            config.rpa_target.catalogue + targets.shipped_catalogue(),
+        config.stash[SETTINGS] = from_options(
+            target=config.getoption("--rpa-target"),
+            backend=config.getoption("--rpa-backend"),
+            interpreter_compat=config.getoption("--rpa-interpreter-compat") == "on",
+            precision=config.getoption("--rpa-precision"),
+            known_issue_names=config.getoption(known_issues.OPTION),
+            buckets=config.getoption(BUCKETS_OPTION),
+            tpu_generation=config.getoption(generations.OPTION),
+            profile=profile,
         )
-    except known_issues.KnownIssueError as error:
+    except SettingError as error:
         raise pytest.UsageError(str(error)) from None
-    config.rpa_target = dataclasses.replace(config.rpa_target, known_issues=declared)
-    _select_buckets(config)
-    compat = config.getoption("--rpa-interpreter-compat") == "on"
-    try:
-        chosen = backends.resolve(config.getoption("--rpa-backend"))
-    except backends.BackendChoiceError as error:
-        raise pytest.UsageError(str(error)) from None
-    try:
-        emulated = generations.select(
-            config.getoption(generations.OPTION),
-            config.rpa_target.capabilities.tpu_generations,
-            profile=config.rpa_profile,
-        )
-    except generations.GenerationError as error:
-        raise pytest.UsageError(str(error)) from None
-    config.rpa_backends = [
-        backends.Backend(name, compat, generation)
-        for name in chosen
-        for generation in (emulated if name != backends.TPU else (generations.NONE,))
-    ]
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
-        backends.release_captured_output = lambda: capture.suspend_global_capture(in_=False)
-    config.rpa_numeric = {"ran": 0, "skipped": 0}
-    config.rpa_cannot_run = {}  # backend name -> the first reason a numeric property gave for skipping it
+        backends.set_output_release(lambda: capture.suspend_global_capture(in_=False))
+    config.pluginmanager.register(RunVerdicts(config), "rpa-harness-verdicts")
 
 
 def _usable_folder(path, setting: str) -> None:
@@ -346,7 +317,7 @@ def pytest_generate_tests(metafunc):
         ("replay_backend", backends.BACKENDS),
     ):
         if fixture in metafunc.fixturenames:
-            chosen = [b for b in metafunc.config.rpa_backends if b.name in kinds]
+            chosen = [b for b in settings_of(metafunc.config).backends if b.name in kinds]
             metafunc.parametrize(
                 fixture, chosen, ids=[b.label for b in chosen], scope="session", indirect=True
             )
@@ -382,21 +353,22 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_setup(item):
     if not _active(item.config):
         return
-    capabilities = item.config.rpa_target.capabilities
+    target = settings_of(item.config).target
     for marker in item.iter_markers(REQUIRES):
         capability = marker.args[0]
-        if not getattr(capabilities, capability):
+        if not getattr(target.capabilities, capability):
             reason = marker.kwargs.get("reason") or f"needs the {capability} capability"
-            pytest.skip(f"{reason} (target {item.config.rpa_target.name} does not opt in: {capability})")
+            pytest.skip(f"{reason} (target {target.name} does not opt in: {capability})")
 
 
 def _runnable_backend(config, backend):
     """A backend the target can run on, or a skip with the declared reason (absent TPU, declared backends)."""
     if backend.skip_reason:
         pytest.skip(backend.skip_reason)
-    declared = checks.declared_unrunnable(config.rpa_target, backend)
+    target = settings_of(config).target
+    declared = checks.declared_unrunnable(target, backend)
     if declared:
-        pytest.skip(f"target {config.rpa_target.name} cannot run on {backend.name}: {declared}")
+        raise CannotRunHere(target.name, backend.name, declared)
     return backend
 
 
@@ -417,13 +389,13 @@ def replay_backend(request, pytestconfig):
 
 @pytest.fixture(scope="session")
 def target(pytestconfig):
-    return pytestconfig.rpa_target
+    return settings_of(pytestconfig).target
 
 
 @pytest.fixture(scope="session")
 def backend(pytestconfig):
     """The backend for properties that need one kernel run per example and no volume (the first chosen)."""
-    return pytestconfig.rpa_backends[0]
+    return settings_of(pytestconfig).backends[0]
 
 
 @pytest.fixture(scope="session")
@@ -435,35 +407,82 @@ def _is_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
 
-_config = None  # pytest_runtest_logreport is given only the report
+CANNOT_RUN_PROPERTY = "rpa_cannot_run"  # (backend name, reason) in a report's user_properties
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session):
-    global _config
-    _config = session.config
-    session.config.rpa_started = time.time()
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skip because the target cannot run on a backend carries the backend and the reason in the
+    report's user_properties (which xdist sends to the controller with the report)."""
+    report = yield
+    if call.excinfo is not None and isinstance(call.excinfo.value, CannotRunHere):
+        report.user_properties.append(
+            (CANNOT_RUN_PROPERTY, (call.excinfo.value.backend_name, call.excinfo.value.reason))
+        )
+    return report
 
 
-@pytest.hookimpl(tryfirst=True)  # before junitxml and the terminal reporter read the report
-def pytest_runtest_logreport(report):
-    """In the process that sees every report (the xdist controller, or the only one): the run's verdicts."""
-    config = _config
-    if config is None or not _active(config) or _is_worker(config):
-        return
-    if report.failed and isinstance(report.longrepr, str) and "crashed while running" in report.longrepr:
-        report.longrepr += _hang_note(config, report.nodeid)
-    if NUMERIC not in report.keywords:
-        return
-    if report.skipped:
-        config.rpa_numeric["skipped"] += 1
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        prefix = f"Skipped: target {config.rpa_target.name} cannot run on "
-        if reason.startswith(prefix):
-            backend_name, _, why = reason[len(prefix) :].partition(": ")
-            config.rpa_cannot_run.setdefault(backend_name, why)
-    elif report.when == "call" or report.failed:
-        config.rpa_numeric["ran"] += 1
+class RunVerdicts:
+    """In the process that sees every report (the xdist controller, or the only one): how many numeric
+    properties ran and were skipped, and why the target could not run on a backend."""
+
+    def __init__(self, config):
+        self.config = config
+        self.started = time.time()
+        self.numeric_ran = self.numeric_skipped = 0
+        self.cannot_run: dict[str, str] = {}  # backend name -> the first reason a numeric property gave
+
+    @pytest.hookimpl(tryfirst=True)  # before junitxml and the terminal reporter read the report
+    def pytest_runtest_logreport(self, report):
+        if _is_worker(self.config):
+            return
+        if report.failed and isinstance(report.longrepr, str) and "crashed while running" in report.longrepr:
+            report.longrepr += _hang_note(self.config, report.nodeid, self.started)
+        if NUMERIC not in report.keywords:
+            return
+        if report.skipped:
+            self.numeric_skipped += 1
+            for name, value in report.user_properties:
+                if name == CANNOT_RUN_PROPERTY:
+                    backend_name, reason = value
+                    self.cannot_run.setdefault(backend_name, reason)
+        elif report.when == "call" or report.failed:
+            self.numeric_ran += 1
+
+    def no_numeric_verdict(self) -> str | None:
+        if self.numeric_ran or not self.numeric_skipped or self.config.getoption("--rpa-allow-no-numeric"):
+            return None
+        return (
+            f"rpa-harness: NOT GREEN: no numeric property ran against target {settings_of(self.config).target.name} "
+            f"({self.numeric_skipped} selected, all skipped; reasons below). Pass --rpa-allow-no-numeric "
+            "(or RPA_ALLOW_NO_NUMERIC=1) to accept a run that checks no numbers."
+        )
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if os.environ.get(runlog.ENV):  # every process: its compilations and cache use
+            runlog.record_event("compilations", **backends.compilation_stats())
+        if _is_worker(self.config):
+            return
+        verdict = self.no_numeric_verdict()
+        if verdict and exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = NO_NUMERIC_EXIT
+        if os.environ.get(runlog.ENV):
+            runlog.write_session(
+                no_numeric=verdict, cannot_run=self.cannot_run, header=run_header(self.config)
+            )
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_terminal_summary(self, terminalreporter):
+        verdict = self.no_numeric_verdict()
+        if verdict:
+            terminalreporter.write_line(verdict, red=True, bold=True)
+        name = settings_of(self.config).target.name
+        for backend_name, reason in self.cannot_run.items():
+            terminalreporter.write_line(
+                f"rpa-harness: target {name} cannot run on {backend_name}: {reason}. "
+                "Its numeric properties there were skipped; its validator properties ran.",
+                yellow=True,
+            )
 
 
 def run_header(config) -> list[str]:
@@ -473,14 +492,15 @@ def run_header(config) -> list[str]:
 
     import jax
 
-    target = config.rpa_target
+    run = settings_of(config)
+    target = run.target
     version = f" ({target.version})" if target.version else ""
     try:
         harness = importlib.metadata.version("rpa-harness")
     except importlib.metadata.PackageNotFoundError:
         harness = "?"
-    backends_line = ", ".join(backend.label for backend in config.rpa_backends)
-    compat = "on" if config.rpa_backends and config.rpa_backends[0].interpreter_compat else "off"
+    backends_line = ", ".join(backend.label for backend in run.backends)
+    compat = "on" if run.interpreter_compat else "off"
     rules = (
         f"its own ({len(target.rules)} rules)"
         if target.own_rules
@@ -488,12 +508,7 @@ def run_header(config) -> list[str]:
         f"{'on' if target.capabilities.strict_validation else 'off'})"
     )
     issues = ", ".join(issue.name for issue in target.known_issues) or "none"
-    emulated = (
-        ", ".join(
-            dict.fromkeys(b.generation for b in config.rpa_backends if b.generation != generations.NONE)
-        )
-        or f"{generations.NONE} (a CPU device)"
-    )
+    emulated = ", ".join(run.emulated_generations) or f"{generations.NONE} (a CPU device)"
     buckets = target.capabilities.bucket_selection or target.capabilities.buckets
     return [
         f"rpa-harness {harness}: target {target.name}{version}",
@@ -507,16 +522,16 @@ def run_header(config) -> list[str]:
 
 
 def pytest_report_header(config):
-    if _active(config) and hasattr(config, "rpa_target") and not _is_worker(config):
+    if _active(config) and SETTINGS in config.stash and not _is_worker(config):
         return run_header(config)
     return None
 
 
-def _hang_note(config, nodeid: str) -> str:
+def _hang_note(config, nodeid: str, started: float) -> str:
     """Names the hang repro a crashed worker's watchdog left for this test (if any)."""
     directory = Path(config.getoption("--rpa-repro-dir"))
     for path in sorted(directory.glob("*.json")):
-        if path.stat().st_mtime < config.rpa_started:  # left by an earlier run
+        if path.stat().st_mtime < started:  # left by an earlier run
             continue
         try:
             written = repro.read(path)
@@ -528,46 +543,3 @@ def _hang_note(config, nodeid: str) -> str:
                 f"\n  repro: {path}\n  replay: rpa-harness replay {path}"
             )
     return "\n(no hang repro names this test: the worker ended for another reason; see its stderr above)"
-
-
-def _no_numeric_verdict(config) -> str | None:
-    numeric = getattr(config, "rpa_numeric", None)
-    if not numeric or numeric["ran"] or not numeric["skipped"] or config.getoption("--rpa-allow-no-numeric"):
-        return None
-    return (
-        f"rpa-harness: NOT GREEN: no numeric property ran against target {config.rpa_target.name} "
-        f"({numeric['skipped']} selected, all skipped; reasons below). Pass --rpa-allow-no-numeric "
-        "(or RPA_ALLOW_NO_NUMERIC=1) to accept a run that checks no numbers."
-    )
-
-
-def pytest_sessionfinish(session, exitstatus):
-    config = session.config
-    if not _active(config):
-        return
-    if os.environ.get(runlog.ENV):  # every process: its compilations and cache use
-        runlog.record_event("compilations", **backends.compilation_stats())
-    if _is_worker(config):
-        return
-    verdict = _no_numeric_verdict(config)
-    if verdict and exitstatus == pytest.ExitCode.OK:
-        session.exitstatus = NO_NUMERIC_EXIT
-    if os.environ.get(runlog.ENV):
-        runlog.write_session(
-            no_numeric=verdict, cannot_run=getattr(config, "rpa_cannot_run", {}), header=run_header(config)
-        )
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_terminal_summary(terminalreporter, config):
-    if not _active(config):
-        return
-    verdict = _no_numeric_verdict(config)
-    if verdict:
-        terminalreporter.write_line(verdict, red=True, bold=True)
-    for backend_name, reason in getattr(config, "rpa_cannot_run", {}).items():
-        terminalreporter.write_line(
-            f"rpa-harness: target {config.rpa_target.name} cannot run on {backend_name}: {reason}. "
-            "Its numeric properties there were skipped; its validator properties ran.",
-            yellow=True,
-        )

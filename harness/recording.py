@@ -17,6 +17,15 @@ from rpa_harness.property_names import PropertyName
 from rpa_harness.strategies.valid import coverage_labels
 
 
+class CannotRunHere(pytest.skip.Exception):
+    """A skip because the target cannot run on this backend (declared, or a recognised interpreter
+    limitation); the plugin reports the backend and the reason once per run."""
+
+    def __init__(self, target_name: str, backend_name: str, reason: str):
+        super().__init__(f"target {target_name} cannot run on {backend_name}: {reason}")
+        self.backend_name, self.reason = backend_name, str(reason)
+
+
 def shape_notes(case) -> dict:
     """The case's size in the run log: the summary shows each property's largest case."""
     tokens, kv = sum(case.q_lens), max(case.kv_lens, default=0)
@@ -63,7 +72,7 @@ def recorded(directory, name: PropertyName, target, backend, arrays: dict, optio
         with backends.on_hang(on_hang):
             yield notes
     except CannotRun as reason:
-        pytest.skip(f"target {target.name} cannot run on {backend.name}: {reason}")
+        raise CannotRunHere(target.name, backend.name, reason) from None
     except AssertionError as failure:
         example.failure = str(failure)
         if isinstance(failure, RaisedOnValidInput):

@@ -54,6 +54,7 @@ class Repro:
     precision: tuple[str, ...] | None = None  # the target's precision contract when it failed
     tpu_generation: str = "none"  # the TPU generation the interpreter emulated (rpa_harness.generations)
     kind: str = ""  # which check re-runs it (``property_names.KINDS``); empty: read from ``property``
+    arrays_file: Path | None = None  # the NPZ ``read`` took the arrays from
 
     def __post_init__(self):
         if not self.kind:
@@ -188,7 +189,8 @@ def read(path: str | os.PathLike) -> Repro:
                 f"{path}: the example in flight when its process ended, without its arrays; "
                 f"its case is in the file's case_repr"
             )
-        stored = np.load(_arrays_beside(path, meta["arrays"]))
+        arrays_file = _arrays_beside(path, meta["arrays"])
+        stored = np.load(arrays_file)
         arrays = {
             name: stored[name].view(_dtype_by_name(dtype)).reshape(stored[name].shape)
             for name, dtype in meta["dtypes"].items()
@@ -211,6 +213,7 @@ def read(path: str | os.PathLike) -> Repro:
             test=meta.get("test", ""),
             precision=tuple(meta["precision"]) if meta.get("precision") is not None else None,
             kind=meta.get("kind", ""),
+            arrays_file=arrays_file,
         )
     except FileNotFoundError as error:
         raise ReproError(

@@ -11,6 +11,7 @@ import re
 import pytest
 from rpa_harness import backends, cli
 from rpa_harness.interpret_compat import limitations as interpreter_limitations
+from rpa_harness.plugin import settings_of
 
 from tests.processes import run_python
 
@@ -42,7 +43,7 @@ BROKEN = {
 
 @pytest.fixture(autouse=True)
 def _bundled_kernel_only(pytestconfig):
-    if pytestconfig.rpa_target.name != "rpa_harness.kernel":
+    if settings_of(pytestconfig).target.name != "rpa_harness.kernel":
         pytest.skip("the broken targets' capabilities and replays assume the bundled kernel's")
 
 

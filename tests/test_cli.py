@@ -2,9 +2,12 @@
 
 import json
 import os
+import shutil
 
 import pytest
-from rpa_harness import cli
+from rpa_harness import backends, bug_report, cli, reference
+from rpa_harness.plugin import settings_of
+from rpa_harness.reference import parse_precision
 
 from tests.processes import run_python
 from tests.test_bug_report import without_checkout_names
@@ -14,7 +17,7 @@ BUGGY = "tests.injected.head_swap"
 
 @pytest.fixture(scope="module")
 def failing_repro(tmp_path_factory, pytestconfig):
-    if pytestconfig.rpa_target.name != "rpa_harness.kernel":
+    if settings_of(pytestconfig).target.name != "rpa_harness.kernel":
         pytest.skip("the CLI test injects its own bug into the bundled kernel")
     repro_dir = tmp_path_factory.mktemp("repros")
     result = run_python(
@@ -62,6 +65,39 @@ def test_replay_passes_against_the_correct_kernel(failing_repro, capsys):
     path, _ = failing_repro
     code, out, err = replay(path, "--target", "rpa_harness.kernel", capsys=capsys)
     assert code == 0 and "passes now" in out, out + err
+
+
+def test_replay_and_report_judge_a_repro_alike(failing_repro, tmp_path, monkeypatch, capsys):
+    """Both rebuild the run from the repro (``run_settings.for_repro``): its backend with its compatibility
+    setting and generation, and the precision contract it failed under, not the target's own."""
+    path, _ = failing_repro
+    meta = json.loads(path.read_text())
+    meta.update(precision=["bf16x3-matmul"], interpreter_compat=False)
+    altered = tmp_path / "altered.json"  # renamed with its NPZ
+    altered.write_text(json.dumps(meta))
+    shutil.copy(path.with_suffix(".npz"), altered.with_suffix(".npz"))
+    judged = []
+    compare, run = reference.compare, backends.Backend.run
+
+    def compare_noting(*args, precision, **kwargs):
+        judged.append(("precision", tuple(precision)))
+        return compare(*args, precision=precision, **kwargs)
+
+    def run_noting(self, *args, **kwargs):
+        judged.append(("backend", self))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "compare", compare_noting)
+    monkeypatch.setattr(backends.Backend, "run", run_noting)
+    code, out, err = replay(altered, capsys=capsys)
+    assert code == 1, out + err
+    by_replay, judged[:] = list(judged), []
+    bug_report.render(altered)
+    assert judged == by_replay
+    assert set(by_replay) == {
+        ("precision", parse_precision(["bf16x3-matmul"])),
+        ("backend", backends.Backend("fast-interpret", interpreter_compat=False)),
+    }
 
 
 def test_replay_of_a_missing_or_malformed_file_is_one_clear_error(tmp_path, capsys):

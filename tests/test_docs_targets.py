@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from rpa_harness import targets
 from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure, check_validation
+from rpa_harness.plugin import settings_of
 from rpa_harness.reference import CONTRACTS
 from rpa_harness.strategies.violations import invalid_cases
 
@@ -61,7 +62,7 @@ def test_the_rule_table_holds_the_kernel_to_its_messages(invalid):
 
 
 def test_the_example_passes_the_ci_profile(pytestconfig, tmp_path):
-    if pytestconfig.rpa_target.name != targets.DEFAULT_TARGET:
+    if settings_of(pytestconfig).target.name != targets.DEFAULT_TARGET:
         pytest.skip("runs its own target")
     result = run_python(
         "-m", "pytest", "--pyargs", "rpa_harness.properties", "-p", "no:cacheprovider",

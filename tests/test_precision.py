@@ -15,6 +15,7 @@ import pytest
 from rpa_harness import cli, reference, repro, targets
 from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure, check_differential
+from rpa_harness.plugin import settings_of
 from rpa_harness.recording import recorded
 from rpa_harness.reference import CONTRACTS, PrecisionError, compare, error_bound, oracle, parse_precision
 from rpa_harness.reference.tolerance import (
@@ -238,7 +239,7 @@ def test_the_differential_check_judges_under_the_targets_contract(tmp_path):
 def test_precision_option_overrides_the_declaration_and_replay_uses_the_recorded_one(
     tmp_path, pytestconfig, capsys
 ):
-    if pytestconfig.rpa_target.name != "rpa_harness.kernel":
+    if settings_of(pytestconfig).target.name != "rpa_harness.kernel":
         pytest.skip("runs its own target")
     common = ("-m", "pytest", "tests/properties/test_differential.py::test_kernel_matches_oracle", "-p", "no:cacheprovider",
               "-q", "-x", f"--rpa-target={DECLARED}", "--rpa-backend=fast-interpret", "--hypothesis-profile=ci",

@@ -136,7 +136,15 @@ def test_a_repro_that_does_not_reproduce_gets_no_report(monkeypatch):
         with pytest.raises(
             NothingToReport, match=f"does not reproduce on interpret: .*{says}.*replay it with"
         ):
-            v3_report.render(v3_report.V3, "x.json", repro, Backend(INTERPRET), None, "x.json")
+            v3_report.render(
+                v3_report.V3,
+                "x.json",
+                repro,
+                Backend(INTERPRET),
+                None,
+                "x.json",
+                precision=v3_report.V3.precision,
+            )
     hang = v3_report.Observation(inputs, hang="the TPU interpreter found a deadlock")
     assert v3_report.reproduces(hang, repro, None)
     recorded = v3_report.Observation(inputs, error="ValueError: Out-of-bounds read of (0 0 vmem 110)")

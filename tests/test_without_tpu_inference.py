@@ -2,6 +2,7 @@
 installs it, and none fails for its absence (a child pytest in which the package cannot be found)."""
 
 import pytest
+from rpa_harness.plugin import settings_of
 
 from tests.processes import run_python
 
@@ -36,7 +37,7 @@ sys.exit(pytest.main(sys.argv[1:]))
 
 
 def test_the_v3_tests_skip_with_the_install_command_and_the_rest_pass(pytestconfig, tmp_path):
-    if pytestconfig.rpa_target.name != "rpa_harness.kernel":
+    if settings_of(pytestconfig).target.name != "rpa_harness.kernel":
         pytest.skip("runs the suite's own modules against the bundled kernel")
     run = run_python(
         "-c", WITHOUT_TPU_INFERENCE, *MODULES, "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",

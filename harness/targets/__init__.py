@@ -17,7 +17,8 @@ Its profile is read from these module attributes, each optional:
 - ``RPA_HARNESS_GENERATION_HOOK``: for a kernel that learns its TPU generation some way emulation does not
   cover, a function of the generation name returning a context manager (``rpa_harness.generations``).
 - ``RPA_HARNESS_REPORT``: for a kernel whose API is not upstream's, its own ``rpa-harness report``: a
-  function ``(path, repro, backend, known_issue, shown_path, *, with_script_output)`` returning the Markdown
+  function ``(path, repro, backend, known_issue, shown_path, *, precision, with_script_output)`` (the
+  repro's settings as ``rpa_harness.run_settings.for_repro`` resolves them) returning the Markdown
   report, raising ``rpa_harness.bug_report.NothingToReport`` when the repro does not reproduce (default: the
   report for upstream's API, ``rpa_harness.bug_report``).
 

@@ -12,13 +12,13 @@ from hypothesis import given, settings, target
 from hypothesis import strategies as st
 from rpa_harness import reference
 from rpa_harness.checks import check_differential
-from rpa_harness.property_names import DIFFERENTIAL, PropertyName
 from rpa_harness.properties.budget import (
     ANY_CONFIG_EXAMPLES,
     CHECKING_ANY_CONFIG_EXAMPLES,
     CHECKING_EXAMPLES,
     POOLED_EXAMPLES,
 )
+from rpa_harness.property_names import DIFFERENTIAL, PropertyName
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.valid import valid_case_groups, valid_cases
 

@@ -14,11 +14,12 @@ from rpa_harness import repro as repro_files
 from rpa_harness import runlog
 from rpa_harness.checks import recheck
 from rpa_harness.known_issues import OPTION
+from rpa_harness.plugin import settings_of
 
 
 def pytest_generate_tests(metafunc):
     if "known_issue" in metafunc.fixturenames:
-        issues = metafunc.config.rpa_target.known_issues
+        issues = settings_of(metafunc.config).target.known_issues
         metafunc.parametrize("known_issue", issues, ids=[issue.name for issue in issues])
 
 

@@ -25,24 +25,25 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from rpa_harness.checks import check_differential
-from rpa_harness.property_names import DIFFERENTIAL, PropertyName
+from rpa_harness.plugin import settings_of
 from rpa_harness.properties.budget import LONG_CORNER_EXAMPLES, LONG_EXAMPLES, PRODUCTION_EXAMPLES
+from rpa_harness.property_names import DIFFERENTIAL, PropertyName
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.valid import drawn_buckets, is_packed, long_corners, valid_cases
 
 
 def pytest_generate_tests(metafunc):
     if "long_corner" in metafunc.fixturenames:
-        corners = long_corners(metafunc.config.rpa_target.capabilities)
+        corners = long_corners(settings_of(metafunc.config).target.capabilities)
         metafunc.parametrize("long_corner", corners, ids=[corner.name for corner in corners])
 
 
 def large_target(target, pytestconfig, bucket: str, *, random: bool = True):
     """The target, when examples of the large ``bucket`` are to be drawn in this run (else the test is
     skipped); ``random``: examples anywhere in the bucket, not in a corner."""
-    if bucket == "production" and pytestconfig.rpa_profile == "ci":
+    if bucket == "production" and settings_of(pytestconfig).profile == "ci":
         pytest.skip("production examples never run under the ci profile (tens of seconds each)")
-    if bucket == "long" and random and pytestconfig.rpa_profile == "ci":
+    if bucket == "long" and random and settings_of(pytestconfig).profile == "ci":
         pytest.skip(
             "the ci profile draws the long bucket's corners only (..._long_corner); nightly adds these"
         )

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 from rpa_harness import runlog
 from rpa_harness.checks import check_validation
-from rpa_harness.property_names import VALIDATION, PropertyName
+from rpa_harness.plugin import settings_of
 from rpa_harness.properties.budget import EXAMPLES_PER_VARIANT
+from rpa_harness.property_names import VALIDATION, PropertyName
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.strategies.violations import RULES, UPSTREAM_ACCEPTS, UPSTREAM_ASSERTS, invalid_cases
@@ -34,7 +35,9 @@ def _rule_params(table):
 
 def pytest_generate_tests(metafunc):
     if "rule" in metafunc.fixturenames:
-        metafunc.parametrize(("rule", "variant"), list(_rule_params(metafunc.config.rpa_target.rules)))
+        metafunc.parametrize(
+            ("rule", "variant"), list(_rule_params(settings_of(metafunc.config).target.rules))
+        )
 
 
 @settings(max_examples=EXAMPLES_PER_VARIANT)

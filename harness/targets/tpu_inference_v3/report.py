@@ -526,9 +526,12 @@ def render(
     issue,
     shown_path: str,
     *,
+    precision: tuple[str, ...],
     with_script_output=False,
 ):
-    """The Markdown report, or ``NothingToReport`` when the repro does not reproduce on ``backend``."""
+    """The Markdown report, or ``NothingToReport`` when the repro does not reproduce on ``backend``;
+    the attention judged under ``precision`` (the contract the repro failed under)."""
+    kernel = dataclasses.replace(kernel, precision=precision)
     observation = observe(kernel, repro, backend)
     if not reproduces(observation, repro, issue):
         what = (

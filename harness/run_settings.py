@@ -1,0 +1,119 @@
+"""A run's settings, resolved in one place from whatever states them: pytest's options, or a repro.
+
+What a run judges is decided here and nowhere else: the target (its profile, with the precision contract
+and known issues the run names applied, and the buckets it draws), the backends (with the interpreter
+compatibility layer on or off and the TPU generations emulated) and the Hypothesis profile. The pytest
+plugin resolves them once per session (``from_options``, kept in ``config.stash``); ``rpa-harness replay``,
+``rpa-harness report`` and the known-issue property resolve a repro's (``for_repro``), so a repro is judged
+the same way wherever it is replayed: under the contract it failed under, on its backend, with its
+compatibility setting and its generation, unless the caller overrides one of them.
+"""
+
+import dataclasses
+
+from rpa_harness import backends, generations, known_issues, targets
+from rpa_harness.backends import Backend
+from rpa_harness.reference.tolerance import PrecisionError, parse_precision
+from rpa_harness.strategies.valid import BucketError, select_buckets
+from rpa_harness.targets import Target
+
+
+class SettingError(ValueError):
+    """A setting that cannot be used; the message names it and says what to pass instead. ``given``: the
+    caller stated it (a usage error), else it came from a file (a bad repro)."""
+
+    def __init__(self, message: str, *, given: bool = True):
+        super().__init__(message)
+        self.given = given
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    target: Target  # with the run's precision contract, known issues and bucket selection applied
+    backends: tuple[Backend, ...]  # in order; the first is where one-call-per-example properties run
+    profile: str  # the Hypothesis profile chosen (before RPA_MAX_EXAMPLES resizes it)
+
+    @property
+    def interpreter_compat(self) -> bool:
+        return bool(self.backends) and self.backends[0].interpreter_compat
+
+    @property
+    def emulated_generations(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(b.generation for b in self.backends if b.generation != generations.NONE))
+
+
+def from_options(
+    *,
+    target: str,
+    backend: str = backends.AUTO,
+    interpreter_compat: bool = True,
+    precision: str = "",
+    known_issue_names: str = known_issues.AUTO,
+    buckets: str = "",
+    tpu_generation: str = generations.AUTO,
+    profile: str,
+) -> RunSettings:
+    """The settings of a property run, from option values as given (strings, as on a command line)."""
+    try:
+        loaded = targets.load(target)
+    except targets.TargetError as error:
+        raise SettingError(str(error)) from None
+    if precision:
+        try:
+            loaded = dataclasses.replace(loaded, precision=parse_precision(precision))
+        except PrecisionError as error:
+            raise SettingError(f"--rpa-precision: {error}") from None
+    try:
+        declared = known_issues.parse_option(
+            known_issue_names, loaded.known_issues, loaded.catalogue + targets.shipped_catalogue()
+        )
+    except known_issues.KnownIssueError as error:
+        raise SettingError(str(error)) from None
+    try:
+        capabilities = select_buckets(loaded.capabilities, buckets, profile=profile)
+    except BucketError as error:
+        raise SettingError(f"--rpa-buckets: {error} (target {loaded.name})") from None
+    loaded = dataclasses.replace(loaded, known_issues=declared, capabilities=capabilities)
+    try:
+        chosen = backends.resolve(backend)
+        emulated = generations.select(tpu_generation, loaded.capabilities.tpu_generations, profile=profile)
+    except (backends.BackendChoiceError, generations.GenerationError) as error:
+        raise SettingError(str(error)) from None
+    return RunSettings(
+        loaded,
+        tuple(
+            Backend(name, interpreter_compat, generation)
+            for name in chosen
+            for generation in (emulated if name != backends.TPU else (generations.NONE,))
+        ),
+        profile,
+    )
+
+
+def for_repro(
+    repro,
+    *,
+    target: str | None = None,
+    backend: str | None = None,
+    tpu_generation: str | None = None,
+    interpreter_compat: bool | None = None,
+) -> RunSettings:
+    """The settings a repro was recorded under, each overridable: its target, its backend with its
+    compatibility setting and generation, and the precision contract it failed under (a repro written
+    before contracts were recorded is judged under the target's own)."""
+    generation = tpu_generation or repro.tpu_generation
+    compat = repro.interpreter_compat if interpreter_compat is None else interpreter_compat
+    try:
+        chosen = Backend(backend or repro.backend, compat, generation)
+    except generations.GenerationError as error:
+        raise SettingError(str(error), given=tpu_generation is not None) from None
+    try:
+        loaded = targets.load(target or repro.target)
+    except targets.TargetError as error:
+        raise SettingError(str(error), given=target is not None) from None
+    if repro.precision is not None:
+        try:
+            loaded = dataclasses.replace(loaded, precision=parse_precision(repro.precision))
+        except PrecisionError as error:
+            raise SettingError(f"its precision: {error}", given=False) from None
+    return RunSettings(loaded, (chosen,), profile="repro")
