@@ -11,7 +11,7 @@ import numpy as np
 from rpa_harness import reference
 from rpa_harness.backends import Backend
 from rpa_harness.interpret_compat.limitations import recognise
-from rpa_harness.property_names import DETERMINISM, DIFFERENTIAL, PADDING, VALIDATION
+from rpa_harness.property_names import DETERMINISM, DIFFERENTIAL, KINDS, PADDING, VALIDATION
 from rpa_harness.targets import Target, first_line_of_error
 
 
@@ -254,7 +254,9 @@ def check_determinism(target: Target, backend: Backend, arrays: dict, options: d
 def recheck(target: Target, backend: Backend, repro) -> None:
     """Re-runs the property a repro was written for (raises PropertyFailure while it still fails)."""
     kind = repro.kind
-    if kind == DIFFERENTIAL:
+    if kind in target.properties:  # a property of the target's own
+        target.properties[kind](target, backend, repro.arrays, repro.options)
+    elif kind == DIFFERENTIAL:
         check_differential(target, backend, repro.arrays, repro.options)
     elif kind == VALIDATION:
         check_validation(target, backend, repro.arrays, repro.options, repro.stage, repro.expected_error)
@@ -263,4 +265,7 @@ def recheck(target: Target, backend: Backend, repro) -> None:
     elif kind == DETERMINISM:
         check_determinism(target, backend, repro.arrays, repro.options)
     else:
-        raise ValueError(f"unknown property {kind!r} in repro")
+        raise ValueError(
+            f"unknown property kind {kind!r} in the repro: neither built in ({', '.join(KINDS)}) nor declared by "
+            f"target {target.name} (its RPA_HARNESS_PROPERTIES)"
+        )

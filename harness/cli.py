@@ -3,7 +3,8 @@
 rpa-harness replay FILE [--target MODULE] [--backend NAME] [--tpu-generation NAME] [--interpreter-compat on|off]
                         [--timeout S] [--script OUT.py]
     exit 0: the property holds now; 1: it still fails the same way (a wrong output, the same exception as
-    recorded, a hang that still hangs); 2: the file is missing or malformed; 3: it cannot run here (a
+    recorded, a hang that still hangs, a deadlock the TPU interpreter finds); 2: the file is missing or
+    malformed; 3: it cannot run here (a
     recognised interpreter limitation, a backend that is absent or not declared, or an error other than
     the recorded one).
 rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repro-dir DIR] [--junit FILE]
@@ -31,7 +32,7 @@ from pathlib import Path
 from rpa_harness import backends, generations, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import AUTO, BACKENDS, Backend
-from rpa_harness.property_names import DIFFERENTIAL, PADDING
+from rpa_harness.property_names import DIFFERENTIAL, KINDS, PADDING
 from rpa_harness.run_settings import SettingError, for_repro
 from rpa_harness.targets import DEFAULT_TARGET
 
@@ -104,8 +105,15 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
             '    print("accepted the input")',
             f"print({'expected: ValueError: ' + repro.expected_error!r})",
         ]
-    elif repro.kind == DIFFERENTIAL:
+    elif repro.kind == DIFFERENTIAL or repro.kind not in KINDS:
+        own = (
+            [f"# {repro.kind!r} is the target's own property; this program compares the attention only, replay "
+             "judges all it declares"]
+            if repro.kind not in KINDS
+            else []
+        )  # fmt: skip
         lines += [
+            *own,
             "from rpa_harness import reference",
             "out = run(inputs)",
             f"print(reference.compare(out, reference.oracle(**inputs, **options), label={target + ' on ' + backend.name!r}))",
@@ -212,8 +220,12 @@ def replay(args) -> int:
         return CANNOT_RUN
     except RaisedOnValidInput as failure:
         raised = f"{failure.error_type}: {failure.error_message}"
-        if repro.hang and failure.error_type == backends.Deadlock.__name__:
-            print(f"\nFAILS: still hangs: {failure.error_message}\n\nStandalone reproduction:\n{program}")
+        if failure.error_type == backends.Deadlock.__name__:  # the kernel's bug, never the interpreter's
+            still = "still " if repro.hang else ""
+            print(
+                f"\nFAILS: {still}hangs: {failure.error_message} (the TPU interpreter found a wait nothing can "
+                f"signal: on a TPU the call would not return)\n\nStandalone reproduction:\n{program}"
+            )
             return FAILS
         if repro.error and (failure.error_type, failure.error_message) == (
             repro.error["type"],

@@ -16,6 +16,7 @@ from rpa_harness import cli, reference, repro, targets
 from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure, check_differential
 from rpa_harness.plugin import settings_of
+from rpa_harness.property_names import DIFFERENTIAL, PropertyName
 from rpa_harness.recording import recorded
 from rpa_harness.reference import CONTRACTS, PrecisionError, compare, error_bound, oracle, parse_precision
 from rpa_harness.reference.tolerance import (
@@ -229,7 +230,7 @@ def test_the_differential_check_judges_under_the_targets_contract(tmp_path):
     assert check_differential(target, FAST, arrays, options).ok
     undeclared = dataclasses.replace(target, precision=(FLOAT32,))
     with pytest.raises(PropertyFailure, match=f"consistent with {PROBABILITIES_IN_VALUE_DTYPE}"):
-        with recorded(tmp_path, "differential[x]", undeclared, FAST, arrays, options):
+        with recorded(tmp_path, PropertyName(DIFFERENTIAL, label="x"), undeclared, FAST, arrays, options):
             check_differential(undeclared, FAST, arrays, options)
     written = repro.read(tmp_path / "differential_x.json")
     assert written.precision == (FLOAT32,)

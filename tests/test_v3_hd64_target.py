@@ -26,8 +26,8 @@ except ImportError as error:
 from rpa_harness import generations, known_issues, reference, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
-from rpa_harness.checks import numeric_failure
 from rpa_harness.interpret_compat.limitations import recognise
+from rpa_harness.property_names import PropertyName
 from rpa_harness.recording import recorded
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import SINK_LOGITS, Capabilities, layouts, valid_cases
@@ -51,11 +51,10 @@ BASE = Case(max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=3, total_num
 
 def judge(arrays: dict, options: dict, backend: Backend) -> None:
     """Both outputs of one call on ``backend``: raises PropertyFailure (the attention) or CacheMismatch."""
-    verdict = hd64target.judge(arrays, options, backend)
-    if not verdict.comparison.ok:
-        raise numeric_failure(verdict.comparison, arrays)
-    if verdict.cache_error is not None:
-        raise verdict.cache_error
+    hd64target.check_both_outputs(TARGET, backend, arrays, options)
+
+
+BOTH_OUTPUTS = v3target.ATTENTION_AND_CACHE
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +75,7 @@ def hd64_runs():
 def test_hd64_attention_and_updated_cache_any_config(hd64_runs, repro_dir, data):
     case = data.draw(valid_cases(CAPABILITIES, excluding=TARGET.known_issues), label="case")
     arrays, options = case.arrays(), case.options()
-    with recorded(repro_dir, f"hd64-attention-and-cache[{INTERPRET}]", TARGET, v3target.CHECKING, arrays,
+    with recorded(repro_dir, PropertyName(BOTH_OUTPUTS, label=INTERPRET), TARGET, v3target.CHECKING, arrays,
                   options, case=case):  # fmt: skip
         judge(arrays, options, v3target.CHECKING)
 
@@ -104,7 +103,15 @@ def test_hd64_attention_sinks_from_negligible_to_dominating(repro_dir, layout, s
                 num_queries_per_block=8)  # fmt: skip
     backend = Backend(FAST_INTERPRET)
     arrays, options = case.arrays(), case.options()
-    with recorded(repro_dir, f"hd64-sinks[{FAST_INTERPRET}]", TARGET, backend, arrays, options, case=case):
+    with recorded(
+        repro_dir,
+        PropertyName(BOTH_OUTPUTS, "sinks", FAST_INTERPRET),
+        TARGET,
+        backend,
+        arrays,
+        options,
+        case=case,
+    ):
         judge(arrays, options, backend)
 
 

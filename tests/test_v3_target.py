@@ -16,7 +16,6 @@ Skipped when tpu-inference is not installed (``pip install --no-deps tpu-inferen
 """
 
 import dataclasses
-import os
 import textwrap
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import numeric_failure
 from rpa_harness.interpret_compat.limitations import recognise
+from rpa_harness.property_names import PropertyName
 from rpa_harness.recording import recorded
 from rpa_harness.reference import compare, oracle
 from rpa_harness.reference.variants import contract_attention
@@ -53,7 +53,7 @@ CATALOGUE = {issue.name: issue for issue in v3target.RPA_HARNESS_CATALOGUE}
 # interpreter, and the nightly profile 50 and 25).
 POOLED_EXAMPLES = max(5, settings.default.max_examples // 8)
 ANY_CONFIG_EXAMPLES = max(3, settings.default.max_examples // 16)
-PROPERTY = "v3-attention-and-cache"
+PROPERTY = v3target.ATTENTION_AND_CACHE
 # v3's declared known issues are not drawn, except the sliding-window one: this property checks the cache,
 # and counts a mismatch that is exactly that finding's as the finding.
 EXCLUDED = tuple(i for i in TARGET.known_issues if i.name != v3target.SLIDING_WINDOW_FINDING)
@@ -75,7 +75,7 @@ def v3_runs():
 def draw_and_check(data, repro_dir, *, pooled: bool, variant: str = ""):
     case = data.draw(valid_cases(CAPABILITIES, pooled=pooled, excluding=EXCLUDED), label="case")
     arrays, options = case.arrays(), case.options()
-    name = f"{PROPERTY}{variant}[{INTERPRET}]"
+    name = PropertyName(PROPERTY, variant, INTERPRET)
     with recorded(repro_dir, name, TARGET, BACKEND, arrays, options, case=case) as notes:
         verdict = v3target.judge(arrays, options)
         notes.update(max_ratio=verdict.comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
@@ -97,7 +97,7 @@ def test_v3_attention_and_updated_cache(v3_runs, repro_dir, data):
 @settings(max_examples=ANY_CONFIG_EXAMPLES)
 @given(data=st.data())
 def test_v3_attention_and_updated_cache_any_config(v3_runs, repro_dir, data):
-    draw_and_check(data, repro_dir, pooled=False, variant="-any-config")
+    draw_and_check(data, repro_dir, pooled=False, variant="any-config")
 
 
 # ---- v3's own validators: its rules and messages (from its static_validate_inputs and
@@ -237,17 +237,12 @@ HANG_TIMEOUT_SECONDS = 60  # the watchdog, should the deadlock check be unpatche
 )
 def test_q_len_zero_before_live_sequence_returns(v3_runs):
     """The replay of the hang repro finishes (exit 0, or 1 for another failure) instead of hanging: neither
-    the deadlock check (``hangs: ...``) nor the watchdog (exit 70) ends it."""
-    env = dict(os.environ, RPA_CALL_TIMEOUT=str(HANG_TIMEOUT_SECONDS))
+    the deadlock check nor the replay's watchdog says it hangs."""
     replay = run_python(
-        "-m",
-        targets.V3_TARGET,
-        str(HANG_REPRO),
-        cwd=ROOT,
-        env=env,
-        timeout=HANG_TIMEOUT_SECONDS + 120,
-    )
-    hangs = [line for line in replay.stdout.splitlines() if line.startswith("hangs: ")]
+        "-m", "rpa_harness.cli", "replay", str(HANG_REPRO), "--timeout", str(HANG_TIMEOUT_SECONDS),
+        cwd=ROOT, timeout=HANG_TIMEOUT_SECONDS + 120,
+    )  # fmt: skip
+    hangs = [line for line in (replay.stdout + replay.stderr).splitlines() if "hangs" in line]
     assert replay.returncode in (0, 1) and not hangs, hangs or textwrap.shorten(replay.stderr, 600)
 
 

@@ -16,6 +16,10 @@ Its profile is read from these module attributes, each optional:
 - ``RPA_HARNESS_VERSION``: the version the run header shows (default: the installed distribution's).
 - ``RPA_HARNESS_GENERATION_HOOK``: for a kernel that learns its TPU generation some way emulation does not
   cover, a function of the generation name returning a context manager (``rpa_harness.generations``).
+- ``RPA_HARNESS_PROPERTIES``: properties of its own, by kind (``rpa_harness.property_names``): a dict of
+  kind -> ``check(target, backend, arrays, options)`` raising ``rpa_harness.checks.PropertyFailure`` while the repro
+  still fails; ``rpa-harness replay`` and the known-issue property run it for a repro of that kind (v3's
+  targets judge both outputs, the attention and the returned cache).
 - ``RPA_HARNESS_REPORT``: for a kernel whose API is not upstream's, its own ``rpa-harness report``: a
   function ``(path, repro, backend, known_issue, shown_path, *, precision, with_script_output)`` (the
   repro's settings as ``rpa_harness.run_settings.for_repro`` resolves them) returning the Markdown
@@ -39,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-from rpa_harness import generations, known_issues
+from rpa_harness import generations, known_issues, property_names
 from rpa_harness.reference.tolerance import DEFAULT_PRECISION, PrecisionError, parse_precision
 from rpa_harness.strategies.valid import Capabilities
 from rpa_harness.strategies.violations import RULES, check_table
@@ -79,6 +83,9 @@ class Target:
     version: str | None = None
     generation_hook: Callable | None = None  # its own way of being told the emulated TPU generation
     report: Callable | None = None  # its own upstream-ready report (None: upstream's API's)
+    properties: dict = dataclasses.field(
+        default_factory=dict
+    )  # kind -> check(target, backend, arrays, options)
 
     def attention(self, arrays: dict, options: dict):
         """Calls the target's kernel on NumPy inputs (converted to jax arrays, as users call it)."""
@@ -192,6 +199,7 @@ PROFILE_ATTRIBUTES = (
     "RPA_HARNESS_VERSION",
     "RPA_HARNESS_GENERATION_HOOK",
     "RPA_HARNESS_REPORT",
+    "RPA_HARNESS_PROPERTIES",
 )
 
 
@@ -266,8 +274,19 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
             f"--rpa-target={name}: RPA_HARNESS_REPORT is {report!r}; declare a function that renders the "
             "report (rpa_harness.targets docstring), or leave it out for upstream's API's report"
         )
+    properties = getattr(profile, "RPA_HARNESS_PROPERTIES", {})
+    if not isinstance(properties, dict) or not all(
+        isinstance(kind, str) and kind not in property_names.KINDS and callable(check)
+        for kind, check in properties.items()
+    ):
+        raise TargetError(
+            f"--rpa-target={name}: RPA_HARNESS_PROPERTIES is {properties!r}; declare a dict of kind -> "
+            f"check(target, backend, arrays, options), kinds other than the built-in {', '.join(property_names.KINDS)}"
+        )
     version = _version(name, module, profile)
-    return Target(name, module, capabilities, precision, issues, rules, catalogue, version, hook, report)
+    return Target(
+        name, module, capabilities, precision, issues, rules, catalogue, version, hook, report, properties
+    )
 
 
 def first_line_of_error(error: BaseException) -> str:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from rpa_harness import generations
 from rpa_harness.backends import INTERPRET, Backend, Deadlock
+from rpa_harness.checks import PropertyFailure, RaisedOnValidInput, numeric_failure
 from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES
 from rpa_harness.targets import layouts
 
@@ -420,7 +421,7 @@ def unwritten_by_sliding_window(inputs: V3Inputs) -> np.ndarray:
     return unwritten
 
 
-class CacheMismatch(AssertionError):
+class CacheMismatch(PropertyFailure):
     """v3's updated cache is not the expected one; ``str()`` says which slots and whose. ``slots`` is the
     bool [pages, page_size] map of the slots that differ, ``stale`` whether each holds its input value."""
 
@@ -468,15 +469,16 @@ def check_updated_cache(inputs: V3Inputs, updated_cache) -> None:
     )
 
 
-# ---- Running v3 on the TPU interpreter, and replaying its repros ----
+# ---- v3's own property: both outputs of one call, judged ----
 
 # The checking TPU interpreter with the compat layer, as the harness's ``interpret`` backend: out-of-bounds
 # reads raise, scratch is NaN, races raise, a call that outlives the watchdog is a hang. (The generic
 # properties also run v3 on the generic interpreter, through the compat layer's dynamic-size copies.)
 CHECKING = Backend(INTERPRET)
 
-
 SLIDING_WINDOW_FINDING = "sliding-window-skips-cache-writes"
+# The kinds of v3's own repros (``rpa_harness.property_names``): both outputs judged; a call that hangs.
+ATTENTION_AND_CACHE, HANG = "v3-attention-and-cache", "v3-hang"
 
 
 @dataclasses.dataclass
@@ -488,16 +490,21 @@ class Verdict:
     known_finding: str | None  # the documented finding that explains the cache error exactly, if any
 
 
-def judge(arrays: dict, options: dict, label: str = "tpu-inference v3 on interpret") -> Verdict:
+def judge(
+    arrays: dict, options: dict, backend: Backend = CHECKING, *, precision=RPA_HARNESS_PRECISION
+) -> Verdict:
     """Runs v3 once on an upstream-style case and judges both outputs: the attention against the float64
     oracle, the updated cache bit for bit. A cache error is attributed to a documented finding only when
     the differing slots are exactly the ones the finding predicts and each still holds its input value."""
     from rpa_harness import reference
 
     inputs = v3_inputs(**arrays, **options)
-    out, cache = CHECKING.run(call_v3, inputs)
+    out, cache = backend.run(call_v3, inputs)
     comparison = reference.compare(
-        out, reference.oracle(**arrays, **options), label=label, precision=RPA_HARNESS_PRECISION
+        out,
+        reference.oracle(**arrays, **options),
+        label=f"tpu-inference v3 on {backend.label}",
+        precision=precision,
     )
     try:
         check_updated_cache(inputs, cache)
@@ -508,40 +515,33 @@ def judge(arrays: dict, options: dict, label: str = "tpu-inference v3 on interpr
     return Verdict(comparison, None, None)
 
 
-def replay(argv, program: str, judge_repro) -> int:
-    """``python -m PROGRAM REPRO.json``: re-runs a repro with ``judge_repro(arrays, options)`` (a
-    ``Verdict``) on the TPU interpreter; exit 1 while it fails (a deadlock the interpreter finds prints
-    ``hangs: ...``), 0 once it passes, 2 for an unreadable repro, 4 for a usage error."""
-    from rpa_harness import repro
+def checks_both_outputs(judge_outputs):
+    """The property ``judge_outputs(arrays, options, backend, precision=...)`` (a ``Verdict``) decides, as a
+    check ``check(target, backend, arrays, options)`` (what ``rpa_harness.checks.recheck`` runs for this
+    target's own kinds): it raises while either output is wrong, and a deadlock the TPU interpreter finds
+    is the call raising on valid inputs (a hang)."""
 
-    if len(argv) != 1:
-        print(f"usage: python -m {program} REPRO.json", file=sys.stderr)
-        return 4
-    try:
-        pair = repro.read(argv[0])
-    except repro.ReproError as error:
-        print(error, file=sys.stderr)
-        return 2
-    if pair.case is not None:
-        print(pair.case.describe())
-    try:
-        verdict = judge_repro(pair.arrays, pair.options)
-    except Deadlock as deadlock:  # the hang, found by the TPU interpreter's deadlock check
-        print(f"hangs: {deadlock}")
-        return 1
-    print(verdict.comparison)
-    if verdict.cache_error is None:
-        print("updated cache: bit-identical to the expected cache")
-    else:
-        print(verdict.cache_error)
-        if verdict.known_finding:
-            print(f"  (exactly the slots of docs/tpu-inference-v3-findings/{verdict.known_finding})")
-    return 0 if verdict.comparison.ok and verdict.cache_error is None else 1
+    def check(target, backend, arrays: dict, options: dict) -> None:
+        try:
+            verdict = judge_outputs(arrays, options, backend, precision=target.precision)
+        except Deadlock as deadlock:
+            raise RaisedOnValidInput(
+                f"{target.name} on {backend.label} never returns: {deadlock}",
+                Deadlock.__name__,
+                str(deadlock),
+            ) from None
+        if verdict.cache_error is not None:
+            finding = (
+                f"\n  (exactly the slots of docs/tpu-inference-v3-findings/{verdict.known_finding})"
+                if verdict.known_finding
+                else ""
+            )
+            attention = "" if verdict.comparison.ok else f"\n{verdict.comparison}"
+            raise verdict.cache_error.__class__(f"{verdict.cache_error}{finding}{attention}") from None
+        if not verdict.comparison.ok:
+            raise numeric_failure(verdict.comparison, arrays)
 
-
-def main(argv=None) -> int:
-    """``python -m rpa_harness.targets.tpu_inference_v3 REPRO.json``: replays a v3 repro, both outputs."""
-    return replay(sys.argv[1:] if argv is None else argv, "rpa_harness.targets.tpu_inference_v3", judge)
+    return check
 
 
 # The rest of the profile: v3's validators' rule table, and its known issues (docs/tpu-inference-v3-findings/:
@@ -551,6 +551,8 @@ from rpa_harness.targets.tpu_inference_v3 import known_issues as _known_issues  
 from rpa_harness.targets.tpu_inference_v3.rules import RULES as RPA_HARNESS_RULES  # noqa: E402, F401
 
 RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
+check_both_outputs = checks_both_outputs(judge)
+RPA_HARNESS_PROPERTIES = dict.fromkeys((ATTENTION_AND_CACHE, HANG), check_both_outputs)
 RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
 RPA_HARNESS_VERSION = f"tpu-inference {_version('tpu-inference')}"
 

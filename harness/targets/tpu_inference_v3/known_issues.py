@@ -302,36 +302,21 @@ def with_a_window_within_int16(case: Case) -> Case:
     return dataclasses.replace(case, sliding_window=max(1, INT16_MAX - case.kv_capacity))
 
 
-def _replay_v3_both_outputs(issue, target, backend, repro) -> None:
-    """The v3 property: attention against the oracle under v3's contract, updated cache bit for bit."""
-    verdict = v3.judge(repro.arrays, repro.options)
-    problems = [str(verdict.comparison)] if not verdict.comparison.ok else []
-    if verdict.cache_error is not None:
-        problems.append(str(verdict.cache_error))
-    if problems:
-        raise AssertionError("\n".join(problems))
-
-
 def _replay_v3_hang(issue, target, backend, repro) -> None:
-    """Replays the hang in a child process: fails while it hangs, whether the TPU interpreter's deadlock
-    check says so (``hangs: ...``, in seconds) or the watchdog ends the child (a wait that cannot be
-    interrupted, where the check is unpatched)."""
+    """Replays the hang in a child process (``rpa-harness replay``, on the TPU interpreter): fails while it
+    hangs, whether the interpreter's deadlock check says so (in seconds) or the replay's watchdog ends the
+    child (a wait that cannot be interrupted, where the check is unpatched)."""
     seconds = float(os.environ.get("RPA_KNOWN_HANG_TIMEOUT", "60"))
-    env = dict(os.environ, RPA_CALL_TIMEOUT=f"{seconds:g}")
     child = subprocess.run(
-        [sys.executable, "-m", "rpa_harness.targets.tpu_inference_v3", str(issue.repro)],
-        env=env,
+        [sys.executable, "-m", "rpa_harness.cli", "replay", str(issue.repro), "--target", target.name,
+         "--backend", "interpret", "--timeout", f"{seconds:g}"],
         capture_output=True,
         text=True,
         timeout=seconds + 180,
-    )
-    deadlocks = [
-        line.removeprefix("hangs: ") for line in child.stdout.splitlines() if line.startswith("hangs: ")
-    ]
-    if child.returncode == 1 and deadlocks:
-        raise AssertionError(f"still hangs: {deadlocks[0]}")
-    if child.returncode == 70:  # rpa_harness.backends.HANG_EXIT_CODE: the watchdog ended the child
-        raise AssertionError(f"still hangs: no return within {seconds:g} s (RPA_CALL_TIMEOUT)")
+    )  # fmt: skip
+    said = [line for line in (child.stdout + child.stderr).splitlines() if "hangs" in line]
+    if child.returncode == 1 and said:
+        raise AssertionError(f"still hangs: {said[0].split('hangs', 1)[1].lstrip(': ')}")
 
 
 RPA_HARNESS_CATALOGUE = (
@@ -342,7 +327,6 @@ RPA_HARNESS_CATALOGUE = (
         v3_sliding_window_skips_cache_writes,
         one_query_block_per_sequence,
         r"updated cache differs from the expected cache",
-        replay=_replay_v3_both_outputs,
         explanation=(
             "A KV block's new tokens are copied to the cache only while the sequence's last query block runs "
             "(`update_cur_bkv_to_cache` under `bq_idx == num_bq - 1`), and with a sliding window each query "

@@ -245,7 +245,9 @@ def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_s
     hd64.dynamic_validate_inputs(*v3_target.device_arrays(inputs.args), **inputs.kwargs)
 
 
-def judge(arrays: dict, options: dict, backend=v3_target.CHECKING) -> v3_target.Verdict:
+def judge(
+    arrays: dict, options: dict, backend=v3_target.CHECKING, *, precision=RPA_HARNESS_PRECISION
+) -> v3_target.Verdict:
     """Runs the kernel once on ``backend`` (the checking TPU interpreter) and judges both outputs: the
     attention against the float64 oracle under the declared contract, the updated cache bit for bit."""
     from rpa_harness import reference
@@ -256,19 +258,13 @@ def judge(arrays: dict, options: dict, backend=v3_target.CHECKING) -> v3_target.
         out,
         reference.oracle(**arrays, **options),
         label=f"tpu-inference v3 hd64 on {backend.label}",
-        precision=RPA_HARNESS_PRECISION,
+        precision=precision,
     )
     try:
         v3_target.check_updated_cache(inputs, cache)
     except v3_target.CacheMismatch as error:
         return v3_target.Verdict(comparison, error, None)
     return v3_target.Verdict(comparison, None, None)
-
-
-def main(argv=None) -> int:
-    """``python -m rpa_harness.targets.tpu_inference_v3_hd64 REPRO.json``: replays a repro, both outputs."""
-    argv = sys.argv[1:] if argv is None else argv
-    return v3_target.replay(argv, "rpa_harness.targets.tpu_inference_v3_hd64", judge)
 
 
 from rpa_harness.targets.tpu_inference_v3_hd64.rules import RULES as RPA_HARNESS_RULES  # noqa: E402, F401
@@ -280,6 +276,8 @@ RPA_HARNESS_VERSION = f"tpu-inference {_version('tpu-inference')} (kernel_hd64)"
 from rpa_harness.targets.tpu_inference_v3_hd64 import known_issues as _known_issues  # noqa: E402
 
 RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
+check_both_outputs = v3_target.checks_both_outputs(judge)
+RPA_HARNESS_PROPERTIES = {v3_target.ATTENTION_AND_CACHE: check_both_outputs}
 # Where bfloat16 queries cannot run (no pltpu.reciprocal), the sink finding, which needs them, is not declared.
 RPA_HARNESS_KNOWN_ISSUES = tuple(
     issue.name
