@@ -5,7 +5,7 @@
 For drawn valid cases (v3's declared capabilities; pooled configurations unless --any-config), runs v3 on
 the generic interpreter (fast-interpret, with the compat layer's dynamic-size copies) and on the checking
 TPU interpreter: the first call (compilation included) and a warm one, wall and CPU; judges the fast run
-against the float64 oracle and v3's expected cache (``rpa_harness.targets.tpu_inference_v3.judge``'s rules) and says
+against the float64 oracle and v3's expected cache (``rpa_harness.targets.tpu_inference_v3.both_outputs``'s rules) and says
 whether both interpreters returned the same bits. Needs tpu-inference (``pip install --no-deps
 tpu-inference==0.32.0``).
 """
@@ -57,11 +57,7 @@ def main():
         inputs = v3target.v3_inputs(**arrays, **options)
         (fast_out, fast_cache), fast_first, fast_warm, fast_cpu = timed(fast, v3target.call_v3, inputs)
         (out, cache), first, warm, cpu = timed(checking, v3target.call_v3, inputs)
-        v3target.CHECKING, checking_backend = fast, v3target.CHECKING
-        try:
-            verdict = v3target.judge(arrays, options, label="tpu-inference v3 on fast-interpret")
-        finally:
-            v3target.CHECKING = checking_backend
+        verdict = v3target.judge(arrays, options, fast, precision=v3target.RPA_HARNESS_PRECISION)
         same = all(
             np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
             for a, b in ((fast_out, out), (fast_cache, cache))

@@ -118,7 +118,7 @@ COMPILATION_CACHE_OFF = ("", "off", "none", "0")
 # Every executable jax may write is written. jax's own threshold (1 s) would leave out most interpreted
 # kernels (0.2-1 s each here), and even the 10-30 ms compilations of single operations pay: jax looks each
 # one up in the cache anyway, and code run op by op (tpu-inference's reference) compiles hundreds of them
-# (tests/test_v3_target.py's reference agreement: 18.7 s warm with a 0.05 s threshold, 7.9 s without).
+# (tests/targets/test_v3_target.py's reference agreement: 18.7 s warm with a 0.05 s threshold, 7.9 s without).
 CACHE_MIN_COMPILE_SECONDS = 0.0
 
 

@@ -418,7 +418,8 @@ def known_issues_summary(events: list[dict]) -> str:
 
 
 def report(args) -> int:
-    from rpa_harness.bug_report import NothingToReport, render
+    from rpa_harness.bug_report import render
+    from rpa_harness.report_sections import NothingToReport
 
     try:
         print(render(Path(args.file), target_name=args.target, backend_name=args.backend,

@@ -2,7 +2,7 @@
 
 A patch names the file, the exact source text it replaces and the replacement. The text must occur
 exactly once in the current source, so an edit of the kernel that moves or rewrites a patched line makes
-the catalogue fail loudly (``tests/test_mutants.py``) instead of silently testing an unchanged kernel.
+the catalogue fail loudly (``tests/meta/test_mutants.py``) instead of silently testing an unchanged kernel.
 """
 
 import dataclasses
@@ -284,7 +284,7 @@ MUTANTS = (
 )
 
 # Two bugs in one kernel, for the meta-test that distinct failures are reported apart
-# (tests/test_failure_identity.py): one in every single-page sequence (tiny cases), one only for query
+# (tests/meta/test_failure_identity.py): one in every single-page sequence (tiny cases), one only for query
 # positions past 32,767 (int16 positions: long contexts). Not in MUTANTS: the kill rate counts one bug each.
 TWO_BUGS = Mutant(
     "single_page_and_int16_positions",

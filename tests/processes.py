@@ -112,3 +112,12 @@ def run_python(*args: str, cwd, env=None, timeout: float = 900) -> subprocess.Co
             return _zygote.run(args, cwd, env, timeout)
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
+
+
+CHECKOUT_NAMES = ("harness", "kernel", "reference", "strategies", "spec")
+
+
+def without_checkout_names(script: str) -> str:
+    """``script`` with the checkout's folder names unimportable: what it imports must be installed (a user
+    runs it outside any checkout)."""
+    return f"import sys\nsys.modules.update(dict.fromkeys({CHECKOUT_NAMES!r}))\n{script}"

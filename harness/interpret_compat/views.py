@@ -8,7 +8,7 @@ axis, as on TPU memory: bf16 ``[2n, m]`` -> uint32 ``[n, m]`` where word ``(i, j
 bits 0-15 and row ``2i + 1`` in bits 16-31 (fp8 -> uint32: rows ``4i .. 4i + 3`` in bytes 0..3). This is
 what (a) upstream's ``strided_load_kv`` relies on (``b << 16`` yields the even, K rows), (b) jax's own
 ``jax._src.state.utils.bitcast`` ("only valid on TPU") and the value-level ``pltpu.bitcast`` lowering
-compute, and (c) ``tests/test_interpret_compat.py`` checks with explicit bit arithmetic. It is *not*
+compute, and (c) ``tests/unit/test_interpret_compat.py`` checks with explicit bit arithmetic. It is *not*
 numpy's ``view`` on the last axis.
 """
 

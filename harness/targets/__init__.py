@@ -23,7 +23,7 @@ Its profile is read from these module attributes, each optional:
 - ``RPA_HARNESS_REPORT``: for a kernel whose API is not upstream's, its own ``rpa-harness report``: a
   function ``(path, repro, backend, known_issue, shown_path, *, precision, with_script_output)`` (the
   repro's settings as ``rpa_harness.run_settings.for_repro`` resolves them) returning the Markdown
-  report, raising ``rpa_harness.bug_report.NothingToReport`` when the repro does not reproduce (default: the
+  report, raising ``rpa_harness.report_sections.NothingToReport`` when the repro does not reproduce (default: the
   report for upstream's API, ``rpa_harness.bug_report``).
 
 A module that cannot declare them (jax's upstream kernel; the bundled kernel, which stays free of the

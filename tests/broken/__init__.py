@@ -1,6 +1,6 @@
 """Broken targets: kernels that crash, hang or break the output's contract.
 
-Each keeps upstream's signature; ``tests/test_broken_targets.py`` runs the properties against each and
+Each keeps upstream's signature; ``tests/end_to_end/test_broken_targets.py`` runs the properties against each and
 checks that the run fails with the right one-line reason and exit code and leaves a replayable repro. What
 they break is the harness's subject, not attention: where they return an output it is the oracle's
 (``oracle_output``), so nothing compiles and every shrink step costs a NumPy call, not a kernel build.

@@ -32,9 +32,9 @@ import numpy as np
 from rpa_harness import reference
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend, Deadlock
-from rpa_harness.bug_report import NothingToReport, case_in_words, error_map_block, worst_element_table
 from rpa_harness.generations import NONE
 from rpa_harness.property_names import DIFFERENTIAL
+from rpa_harness.report_sections import NothingToReport, case_in_words, error_map_block, worst_element_table
 from rpa_harness.targets import first_line_of_error
 from rpa_harness.targets import tpu_inference_v3 as v3
 

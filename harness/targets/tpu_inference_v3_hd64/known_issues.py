@@ -24,12 +24,12 @@ from rpa_harness.known_issues import (
 )
 from rpa_harness.spec.interface import values_per_word
 from rpa_harness.strategies.case import Case
-from rpa_harness.targets import tpu_inference_v3_hd64 as hd64
 from rpa_harness.targets.tpu_inference_v3.known_issues import (
     finite_replacing_mask_value,
     v3_row_max_logits,
     with_v3_default_mask_value,
 )
+from rpa_harness.targets.tpu_inference_v3_hd64 import adapter as hd64
 
 FINDINGS = findings_dir("tpu-inference-v3-findings")
 

@@ -6,16 +6,9 @@ from rpa_harness.backends import FAST_INTERPRET
 from rpa_harness.known_issues import findings_dir
 from rpa_harness.targets import upstream
 
-from tests.processes import run_python
+from tests.processes import run_python, without_checkout_names
 
 ONE_SCALE = {issue.name: issue for issue in upstream.RPA_HARNESS_CATALOGUE}["one-kv-scale-with-mixed-dtypes"]
-CHECKOUT_NAMES = ("harness", "kernel", "reference", "strategies", "spec")
-
-
-def without_checkout_names(script: str) -> str:
-    """``script`` with the checkout's folder names unimportable: what it imports must be installed (a user
-    runs it outside any checkout)."""
-    return f"import sys\nsys.modules.update(dict.fromkeys({CHECKOUT_NAMES!r}))\n{script}"
 
 
 def test_report_of_a_known_issue():
@@ -44,7 +37,7 @@ def test_report_of_a_bad_file_is_one_error(tmp_path, pytestconfig):
 def test_a_repro_with_extension_semantics_gets_no_report_that_misstates_it(tmp_path, pytestconfig):
     """v3's repros carry mask_value_meaning="replaces" (and may carry q_scale): reported against upstream's
     kernel, whose API and the script's reference cannot state them, report refuses, naming the option and
-    the replay (v3's own report states them: tests/test_v3_report.py)."""
+    the replay (v3's own report states them: tests/targets/test_v3_report.py)."""
     path = (
         findings_dir("tpu-inference-v3-findings")
         / "rescale-in-output-dtype"

@@ -30,9 +30,8 @@ from rpa_harness.reference.tolerance import (
 )
 from rpa_harness.reference.variants import contract_attention
 
+from tests.cases import BF16, E4M3, F32, MIXED, build_case
 from tests.processes import run_python
-from tests.test_mutants import MIXED
-from tests.test_reference import BF16, E4M3, F32, build_case
 
 ALL = tuple(CONTRACTS)
 DECLARED = "tests.injected.rounded_probabilities"

@@ -39,7 +39,7 @@ PRODUCTION = BUCKETS["production"]
 SELECTED = select_buckets(OUR_KERNEL, "production")
 LONG = BUCKETS["long"]
 LONG_SELECTED = select_buckets(OUR_KERNEL, "long")
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_unknown_bucket_is_one_error_listing_the_known_ones():
@@ -301,7 +301,7 @@ def test_a_bucket_no_declared_one_matches_is_a_usage_error(tmp_path):
     env.pop("HYPOTHESIS_PROFILE", None)
     run = run_python(
         "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", f"--rpa-target={UPSTREAM_TARGET}",
-        f"--rpa-repro-dir={tmp_path}", "tests/test_buckets.py", cwd=REPO_ROOT, env=env,
+        f"--rpa-repro-dir={tmp_path}", "tests/unit/test_buckets.py", cwd=REPO_ROOT, env=env,
     )  # fmt: skip
     assert run.returncode == 4, run.stdout + run.stderr
     errors = [line for line in run.stderr.splitlines() if "--rpa-buckets" in line]

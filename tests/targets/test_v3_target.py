@@ -64,7 +64,7 @@ def v3_runs():
     """Skips, with the reason, where v3 cannot run at all: a recognised interpreter limitation (e.g. a gap
     the compat layer cannot patch on this jax). Any other error is a failure, never a skip."""
     try:
-        v3target.judge(BASE.arrays(), BASE.options())
+        v3target.judge(BASE.arrays(), BASE.options(), precision=TARGET.precision)
     except Exception as error:
         reason = recognise(error)
         if reason is None:
@@ -77,7 +77,7 @@ def draw_and_check(data, repro_dir, *, pooled: bool, variant: str = ""):
     arrays, options = case.arrays(), case.options()
     name = PropertyName(PROPERTY, variant, INTERPRET)
     with recorded(repro_dir, name, TARGET, BACKEND, arrays, options, case=case) as notes:
-        verdict = v3target.judge(arrays, options)
+        verdict = v3target.judge(arrays, options, precision=TARGET.precision)
         notes.update(max_ratio=verdict.comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
         if verdict.known_finding:
             event(f"known finding: {verdict.known_finding}")
@@ -222,7 +222,7 @@ def test_drawn_cases_pass_v3_validation(case):
 
 # ---- The hang: a q_len == 0 sequence before a live one (v3's validator forbids q_len == 0) ----
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HANG_REPRO = (
     ROOT / "docs/tpu-inference-v3-findings/q-len-zero-before-a-live-sequence-hangs/v3-hang_interpret.json"
 )
@@ -450,7 +450,7 @@ def test_v3s_rejected_defaults_are_right_where_no_chunk_runs_past_its_block():
     with generations.emulated("v5e"):
         inputs = v3target.v3_inputs(**case.arrays(), **case.options())
         assert inputs.mixed_block_sizes == (16, 104, 32, 56)
-        verdict = v3target.judge(case.arrays(), case.options())
+        verdict = v3target.judge(case.arrays(), case.options(), precision=TARGET.precision)
     assert verdict.comparison.ok and verdict.cache_error is None, verdict.comparison
 
 

@@ -17,13 +17,9 @@ from rpa_harness.targets import load
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
 
+from tests.cases import SMALL
 from tests.processes import run_python
 
-SMALL = Case(
-    max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=5, total_num_pages=13, page_size=8,
-    num_q_heads=2, num_kv_heads=1, head_dim=64, q_lens=(3, 1), kv_lens=(20, 9), seed=3,
-    sm_scale=0.125, sliding_window=5, soft_cap=30.0, mask_value=-1e4, k_scale=0.5, v_scale=2.0,
-)  # fmt: skip
 OTHER_VALUES = dict(
     sm_scale=1.0, sliding_window=16, soft_cap=5.0, mask_value=-2.0, k_scale=2.0, v_scale=0.0625
 )
@@ -76,7 +72,7 @@ backends.count_compilations()
 backends.enable_compilation_cache(sys.argv[1])
 from rpa_harness.backends import Backend
 from rpa_harness.targets import load
-from tests.test_compilation_sharing import SMALL
+from tests.cases import SMALL
 Backend("fast-interpret").run(load("rpa_harness.kernel").attention, SMALL.arrays(), SMALL.options())
 print("STATS", json.dumps(backends.compilation_stats()))
 """

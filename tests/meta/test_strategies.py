@@ -20,7 +20,7 @@ from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 
 from tests.processes import run_python
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def live_keys(arrays, page_size) -> np.ndarray:

@@ -9,8 +9,7 @@ from rpa_harness import backends, bug_report, cli, reference
 from rpa_harness.plugin import settings_of
 from rpa_harness.reference import parse_precision
 
-from tests.processes import run_python
-from tests.test_bug_report import without_checkout_names
+from tests.processes import run_python, without_checkout_names
 
 BUGGY = "tests.injected.head_swap"
 

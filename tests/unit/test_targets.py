@@ -14,7 +14,7 @@ from rpa_harness.targets import upstream as upstream_profile
 
 from tests.processes import run_python
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The core: what every target shares. A target's own text belongs in its module under harness/targets/.
 CORE = [
     "spec",

@@ -15,7 +15,7 @@ from rpa_harness.strategies.violations import invalid_cases
 
 from tests.processes import run_python
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "targets.md").read_text()
 ADAPTER = ROOT / "tests" / "flat_pages" / "target.py"
 TARGET = "tests.flat_pages.target"

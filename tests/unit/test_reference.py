@@ -10,50 +10,8 @@ from rpa_harness.reference import compare, error_bound, oracle, ragged_paged_att
 from rpa_harness.reference.jnp_reference import _ragged_paged_attention
 from rpa_harness.strategies.case import Case
 
+from tests.cases import BF16, E4M3, E5M2, F32, build_case
 from tests.references import upstream_in_one_program
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
-E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
-E5M2 = np.dtype(ml_dtypes.float8_e5m2)
-F32 = np.dtype(np.float32)
-
-
-def build_case(
-    seed,
-    q_lens,
-    kv_lens,
-    *,
-    page_size=4,
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    q_dtype=F32,
-    kv_dtype=F32,
-    spare_seqs=1,
-    spare_rows=3,
-    spare_pages=1,
-    garbage=True,
-):
-    """The arrays of a ``Case`` sized to the layout plus spare sequence slots, query rows and pages: NaN in
-    every slot no live key or row owns, and (with ``garbage``) arbitrary int32 in unused page-table entries
-    and metadata slots past num_seqs."""
-    case = Case(
-        max_num_batched_tokens=sum(q_lens) + spare_rows,
-        max_num_seqs=len(q_lens) + spare_seqs,
-        pages_per_seq=max(1, math.ceil(max(kv_lens, default=1) / page_size)) + spare_pages,
-        total_num_pages=sum(math.ceil(kv / page_size) for kv in kv_lens) + 2,
-        page_size=page_size,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        q_dtype=np.dtype(q_dtype).name,
-        kv_dtype=np.dtype(kv_dtype).name,
-        q_lens=tuple(q_lens),
-        kv_lens=tuple(kv_lens),
-        seed=seed,
-        garbage=garbage,
-    )
-    return case.arrays()
 
 
 def check_reference(arrays, **options):

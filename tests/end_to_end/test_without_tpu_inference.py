@@ -9,13 +9,13 @@ from tests.processes import run_python
 # The test modules that load tpu-inference's v3 or its findings (grep: targets.tpu_inference_v3, V3_TARGET,
 # tpu_inference imports, tpu-inference-v3-findings).
 MODULES = (
-    "tests/test_bug_report.py",
-    "tests/test_error_map.py",
-    "tests/test_generation_matrix.py",
-    "tests/test_generations.py",
-    "tests/test_v3_hd64_target.py",
-    "tests/test_v3_report.py",
-    "tests/test_v3_target.py",
+    "tests/end_to_end/test_bug_report.py",
+    "tests/unit/test_error_map.py",
+    "tests/targets/test_generation_matrix.py",
+    "tests/unit/test_generations.py",
+    "tests/targets/test_v3_hd64_target.py",
+    "tests/targets/test_v3_report.py",
+    "tests/targets/test_v3_target.py",
 )
 # A meta path finder ahead of site-packages that finds nothing named tpu_inference: for the harness and the
 # tests, the package is not installed.

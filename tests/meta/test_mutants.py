@@ -12,35 +12,15 @@ import importlib
 import pytest
 from rpa_harness import kernel, reference
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
-from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.violations import RULES
 from rpa_harness.targets import as_jax, load
 
 import mutants
+from tests.cases import MIXED
 
 FAST = Backend(FAST_INTERPRET)
 CHECKING = Backend(INTERPRET)
 
-# Three sequences: a chunk straddling query blocks (4 rows each), a decode and a prefill; partial last
-# pages, several KV blocks (2 pages each), two KV heads with two query heads each, NaN in page tails and
-# padding, garbage in the padding slot's metadata.
-MIXED = Case(
-    max_num_batched_tokens=16,
-    max_num_seqs=4,
-    pages_per_seq=6,
-    total_num_pages=27,
-    page_size=4,
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    q_lens=(5, 1, 8),
-    kv_lens=(13, 9, 8),
-    sm_scale=0.125,
-    num_kv_pages_per_block=2,
-    num_queries_per_block=4,
-    seed=7,
-    garbage=True,
-)
 WINDOWED = dataclasses.replace(MIXED, sliding_window=5, soft_cap=5.0, garbage=False)
 QUANTISED = dataclasses.replace(
     MIXED, q_dtype="bfloat16", kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0, garbage=False

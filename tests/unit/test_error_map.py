@@ -11,7 +11,7 @@ from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure, check_differential
 from rpa_harness.reference.error_map import MAX_LINES_PER_SEQUENCE, ErrorMap, cell
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def drawn(sequence_lens, heads, wrong) -> str:

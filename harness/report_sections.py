@@ -1,0 +1,58 @@
+"""What every upstream-ready report says the same way, whichever API the kernel has: the case in words,
+the worst element as a table, the map of where the output is wrong, and the refusal to report a repro
+that does not reproduce. ``rpa_harness.bug_report`` (upstream's API) and each target's own report
+(``RPA_HARNESS_REPORT``, e.g. tpu-inference v3's) write their reports from these."""
+
+from rpa_harness import repro as repro_files
+
+
+class NothingToReport(Exception):
+    """The repro does not reproduce here (it passes now, or the call fails otherwise than recorded); the
+    message says what happened instead and how to replay it."""
+
+
+def case_in_words(repro: repro_files.Repro) -> list[str]:
+    arrays, options = repro.arrays, repro.options
+    q, kv_pages = arrays["q"], arrays["kv_pages"]
+    n = int(arrays["num_seqs"][0])
+    cu, kv_lens, pages = arrays["cu_q_lens"], arrays["kv_lens"], arrays["page_indices"]
+    seqs = [(int(cu[i + 1] - cu[i]), int(kv_lens[i])) for i in range(n)]
+    total_pages, page_size, combined, head_dim = kv_pages.shape
+    lines = [
+        f"- {n} sequence{'s' * (n != 1)}, as `(q_len, kv_len)`: "
+        + (", ".join(f"`({a}, {b})`" for a, b in seqs) or "none")
+        + f" ({int(cu[n])} query row(s) of `max_num_batched_tokens = {q.shape[0]}`; "
+        f"`max_num_seqs = {pages.shape[0]}`)",
+        f"- heads: {q.shape[1]} query, {combined // 2} KV (combined K/V axis {combined}), head_dim {head_dim}",
+        f"- dtypes: q {q.dtype}, KV cache {kv_pages.dtype}",
+        f"- paged cache: {total_pages} pages of {page_size} tokens, `pages_per_seq = {pages.shape[1]}`; "
+        "page table rows of the sequences: " + ", ".join(f"`{pages[i].tolist()}`" for i in range(n)),
+        "- options: " + (", ".join(f"`{k}={v!r}`" for k, v in options.items()) or "none (defaults)"),
+    ]
+    if repro.case is not None:
+        lines.append(
+            f"- data: `values={repro.case.values!r}` (seed {repro.case.seed}), NaN in padding: "
+            f"{repro.case.poison}, garbage in unused metadata slots: {repro.case.garbage}"
+        )
+    return lines
+
+
+def worst_element_table(comparison, *, expected: str, own_reference, actual: str) -> list[str]:
+    """The worst element as a Markdown table: the oracle's value, the kernel's own reference's (a
+    ``(label, value)`` pair, or None), the kernel's, and the error against the harness's bound."""
+    w = comparison.worst
+    lines = ["| | value |", "|---|---|", f"| {expected} | {w.expected:.9g} |"]
+    if own_reference is not None:
+        label, value = own_reference
+        lines.append(f"| {label} | {value:.9g} |")
+    return lines + [
+        f"| {actual} | {w.actual:.9g} |",
+        f"| error | {w.error:.3g} (the harness's bound for this element: {w.bound:.3g}) |",
+    ]
+
+
+def error_map_block(comparison) -> list[str]:
+    """The map of where the output is wrong, as a Markdown code block (none for a non-numeric failure)."""
+    if comparison.error_map is None:
+        return []
+    return ["", "```", comparison.error_map.render(indent=""), "```"]

@@ -1,0 +1,337 @@
+"""tpu-inference's RPA v3 behind upstream's API: the call mapped to v3's, and v3 run on it.
+
+v3's API differs from upstream jax's: the new tokens' keys and values are inputs that the kernel writes
+into a packed cache, which it returns with the attention. ``v3_inputs`` maps an upstream-style call (a
+cache that already holds every key) to v3's, with the cache v3 must return; ``call_v3`` runs v3 on it;
+``ragged_paged_attention`` and ``dynamic_validate_inputs`` have upstream's signatures.
+"""
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rpa_harness import generations
+from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES
+from rpa_harness.targets import layouts
+
+INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
+_KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
+# Upstream's default mask value; v3's default (finfo(out_dtype).min, replacing the logit) masks as fully.
+UPSTREAM_DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+DEFAULT_VMEM_LIMIT_BYTES = 64 * 2**20
+DEFAULT_QUERIES_PER_BLOCK = 8
+DEFAULT_KV_PAGES_PER_BLOCK = 2
+
+
+def load_kernel_module(name: str) -> types.ModuleType:
+    """Imports a module of tpu-inference's v3 kernels (``name``) without running ``tpu_inference/__init__.py``
+    (it imports vllm).
+
+    The package entries are stubs whose ``__path__`` is the installed folder, so the kernel's absolute
+    imports of its siblings (``...v3.util``) resolve to the installed files.
+    """
+    if "tpu_inference" not in sys.modules:
+        spec = importlib.util.find_spec("tpu_inference")  # finds the package without running it
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(
+                f"tpu-inference is not installed; install its RPA v3 kernel with `{INSTALL_COMMAND}` "
+                "(--no-deps: the kernel needs only jax, and the package's own dependencies include vllm)"
+            )
+        package, path = "", list(spec.submodule_search_locations)[0]
+        for part in ("tpu_inference", "kernels", "ragged_paged_attention", "v3"):
+            package, path = (f"{package}.{part}", os.path.join(path, part)) if package else (part, path)
+            stub = types.ModuleType(package)
+            stub.__path__ = [path]
+            sys.modules.setdefault(package, stub)
+    return importlib.import_module(name)
+
+
+v3 = load_kernel_module(_KERNEL_MODULE)
+
+
+@dataclasses.dataclass(frozen=True)
+class V3Inputs:
+    """One upstream-style call in v3's terms, and the cache v3 must return."""
+
+    args: tuple  # queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution (NumPy)
+    kwargs: dict  # keyword options for v3
+    expected_cache: np.ndarray  # the packed cache with every live key and value in place
+    new_slots: np.ndarray  # bool [pages, page_size]: the slots v3 writes (positions [kv_len - q_len, kv_len))
+    slot_owner: np.ndarray  # int [pages, page_size]: sequence whose page holds the slot, -1 for none
+    slot_position: np.ndarray  # int [pages, page_size]: the key position of the slot in its sequence
+    # (bq, bkv, bq_chunk, bkv_chunk) of v3's decode and mixed kernels: the ones passed, or where the
+    # target leaves them to v3 (None in kwargs), the ones v3 chooses for the chip.
+    decode_block_sizes: tuple[int, int, int, int]
+    mixed_block_sizes: tuple[int, int, int, int]
+
+
+def decode_prefix(q_lens: np.ndarray) -> int:
+    """How many leading sequences are decodes (q_len == 1): v3's decode kernel runs those."""
+    count = 0
+    for q_len in q_lens:
+        if q_len != 1:
+            break
+        count += 1
+    return count
+
+
+def block_sizes(tokens_per_block: int, chunk_unit: int) -> tuple[int, int]:
+    """A block and its compute chunk: half the block when that is a whole number of units."""
+    units = tokens_per_block // chunk_unit
+    return tokens_per_block, (units // 2 if units > 0 and units % 2 == 0 else units) * chunk_unit
+
+
+def given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq: int):
+    """``(query rows, KV pages)`` per block to pass to a v3 kernel, or None where it chooses its own: on a
+    TPU generation (real or emulated) with neither given. Off one, the target's defaults fill what is not
+    given (8 rows, 2 pages): the kernels' tuned tables need a chip."""
+    if num_queries_per_block is None and num_kv_pages_per_block is None and generations.on_a_tpu_generation():
+        return None
+    return (
+        DEFAULT_QUERIES_PER_BLOCK if num_queries_per_block is None else num_queries_per_block,
+        min(DEFAULT_KV_PAGES_PER_BLOCK, pages_per_seq)
+        if num_kv_pages_per_block is None
+        else num_kv_pages_per_block,
+    )
+
+
+def chunked_prefills(q_lens: np.ndarray, decodes: int, chunk_prefill_size: int | None) -> int:
+    """How many sequences after the leading decodes have q_len == ``chunk_prefill_size``: v3's prefill
+    kernel, compiled for that q_len, runs those."""
+    count = 0
+    if chunk_prefill_size is not None:
+        for q_len in q_lens[decodes:]:
+            if q_len != chunk_prefill_size:
+                break
+            count += 1
+    return count
+
+
+def kernel_arguments(
+    q, tokens, cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, chunk_prefill_size=None
+) -> tuple:
+    """The positional arguments both v3 kernels take: q, the new tokens' keys and values, the packed cache
+    (their slots poisoned), the metadata as given with the page table flat, and the distribution (the
+    leading decodes run by the decode kernel, then the chunked prefills of ``chunk_prefill_size`` rows)."""
+    decodes = decode_prefix(tokens.q_lens)
+    prefills_end = decodes + chunked_prefills(tokens.q_lens, decodes, chunk_prefill_size)
+    num_live = int(np.asarray(num_seqs).reshape(-1)[0])
+    return (
+        q,
+        tokens.keys,
+        tokens.values,
+        cache,
+        np.asarray(kv_lens),
+        np.asarray(page_indices).reshape(-1),
+        np.asarray(cu_q_lens),
+        np.array([decodes, prefills_end, num_live], np.int32),
+    )
+
+
+def shared_kv_inputs(tokens, kv_pages):
+    """For ``update_kv_cache=False`` (a KV-shared layer): the cache to pass is the whole cache, new tokens
+    included, and the new tokens' keys and values are NaN, so that a kernel that reads them instead of the
+    cache returns NaN; it must return the cache unchanged."""
+    unused = dataclasses.replace(
+        tokens,
+        keys=np.full_like(tokens.keys, np.nan),
+        values=np.full_like(tokens.values, np.nan),
+        new_slots=np.zeros_like(tokens.new_slots),
+    )
+    return unused, kv_pages
+
+
+def v3_default_block_sizes(q, kv_cache, num_kv_heads: int, max_num_seqs: int, pages_per_seq: int, case):
+    """(bq, bkv, bq_chunk, bkv_chunk) that v3 chooses for its ``case`` kernel (``RpaCase.DECODE`` or
+    ``MIXED``) on the chip it sees (its ``get_default_block_sizes``, called with the arguments v3 passes)."""
+    sizes = v3.get_default_block_sizes(
+        q.dtype,
+        kv_cache.dtype,
+        q.shape[1],
+        num_kv_heads,
+        q.shape[2],
+        kv_cache.shape[1],
+        q.shape[0],
+        max_num_seqs,
+        pages_per_seq,
+        case=case,
+    )
+    return sizes["bq_sz"], sizes["bkv_sz"], sizes["bq_csz"], sizes["bkv_csz"]
+
+
+def _vmem_limit(vmem_limit_bytes: int | None) -> int | None:
+    """v3 takes its default VMEM limit from the chip (``pltpu.get_tpu_info()``): off a TPU generation,
+    which has none, the target passes ``DEFAULT_VMEM_LIMIT_BYTES``."""
+    if vmem_limit_bytes is None and not generations.on_a_tpu_generation():
+        return DEFAULT_VMEM_LIMIT_BYTES
+    return vmem_limit_bytes
+
+
+def replacing_mask_value(mask_value: float | None, mask_value_meaning: str) -> float | None:
+    """The ``mask_value`` to pass to a v3 kernel, which replaces a masked logit with it (None: its default,
+    which masks fully). With upstream's meaning (added) only its defaults have a v3 counterpart."""
+    if mask_value_meaning == MASK_REPLACES:
+        return mask_value
+    if mask_value in (None, UPSTREAM_DEFAULT_MASK_VALUE):
+        return None
+    raise ValueError(
+        f"mask_value={mask_value!r} with mask_value_meaning={mask_value_meaning!r}: v3 replaces a masked "
+        f"logit with mask_value, so an added mask has no v3 counterpart; pass "
+        f"mask_value_meaning={MASK_REPLACES!r} (or the default mask_value)"
+    )
+
+
+def v3_inputs(
+    q,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = UPSTREAM_DEFAULT_MASK_VALUE,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+    q_scale: float | None = None,
+    mask_value_meaning: str = MASK_ADDED,
+    use_causal_mask: bool = True,
+    out_dtype: str | None = None,
+    skip_kv_mask: bool = False,
+    chunk_prefill_size: int | None = None,
+    update_kv_cache: bool = True,
+) -> V3Inputs:
+    """Maps an upstream-style call to v3's.
+
+    ``mask_value`` is v3's when ``mask_value_meaning`` is ``replaces``; with upstream's meaning (added)
+    only its defaults, which mask fully under both meanings, have a v3 counterpart (v3's default).
+
+    The new tokens of sequence ``i`` are its last ``q_len`` keys (positions ``[kv_len - q_len, kv_len)``),
+    taken from the case's pages into ``keys``/``values`` rows ``cu_q_lens[i]..``; their cache slots are set
+    to NaN in the cache v3 receives, so a kernel that reads them from the cache instead of from the new
+    tokens returns NaN, and the cache it must return is the case's cache, packed. Padding rows of the new
+    keys/values are NaN where q's padding row is NaN (poisoned cases), zero otherwise. With
+    ``update_kv_cache=False`` the cache holds every key and the new tokens are NaN (``shared_kv_inputs``).
+    v3's prefill kernel (``chunk_prefill_size``) gets the block sizes its decode and mixed kernels get.
+    """
+    v3_mask_value = replacing_mask_value(mask_value, mask_value_meaning)
+    q, kv_pages = np.asarray(q), np.asarray(kv_pages)
+    # v3 receives the metadata as given (its validators judge dtypes and shapes); the split reads only the
+    # entries that exist: invalid metadata is v3's validators' business.
+    tokens = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    page_size, pages_per_seq = kv_pages.shape[1], np.asarray(page_indices).shape[1]
+    if update_kv_cache:
+        packed_cache = layouts.pack_cache(tokens.poisoned_cache(kv_pages))
+    else:
+        tokens, cache = shared_kv_inputs(tokens, kv_pages)
+        packed_cache = layouts.pack_cache(cache)
+    given = given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
+    own_defaults = given is None
+    if own_defaults:
+        passed = decode_sizes = mixed_sizes = None  # v3's defaults for the chip, known once it validated
+    else:
+        bq, bkv_pages = given
+        bq, bq_chunk = block_sizes(bq, 1)
+        bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
+        passed = decode_sizes = mixed_sizes = (bq, bkv, bq_chunk, bkv_chunk)
+    kwargs = dict(
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        mask_value=v3_mask_value,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        d_block_sizes=passed,
+        p_block_sizes=passed,
+        m_block_sizes=passed,
+        vmem_limit_bytes=_vmem_limit(vmem_limit_bytes),
+        use_causal_mask=use_causal_mask,
+        skip_kv_mask=skip_kv_mask,
+        out_dtype=None if out_dtype is None else jnp.dtype(out_dtype),
+        chunk_prefill_size=chunk_prefill_size,
+        update_kv_cache=update_kv_cache,
+    )
+    args = kernel_arguments(
+        q,
+        tokens,
+        packed_cache,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        chunk_prefill_size=chunk_prefill_size,
+    )
+    if own_defaults:
+        # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,
+        # not an assertion of the sizing helpers. (Its prefill kernel's defaults are its mixed kernel's:
+        # get_default_block_sizes tells only the decode case apart.)
+        v3.static_validate_inputs(*args, **validator_options(kwargs))
+        decode_sizes, mixed_sizes = (
+            v3_default_block_sizes(q, packed_cache, tokens.keys.shape[1], len(kv_lens), pages_per_seq, case)
+            for case in (v3.RpaCase.DECODE, v3.RpaCase.MIXED)
+        )
+    expected_cache = layouts.pack_cache(kv_pages)
+    return V3Inputs(
+        args,
+        kwargs,
+        expected_cache,
+        tokens.new_slots,
+        tokens.slot_owner,
+        tokens.slot_position,
+        decode_sizes,
+        mixed_sizes,
+    )
+
+
+def validator_options(kwargs: dict) -> dict:
+    """The keyword options v3's validators and reference take: the kernel's, less ``update_kv_cache``."""
+    return {name: value for name, value in kwargs.items() if name != "update_kv_cache"}
+
+
+_JITTED: dict = {}
+
+
+def jitted(kernel, kwargs: dict):
+    """``kernel`` (a v3 kernel function) under jit, one per option set: v3's kernels donate their inputs to
+    their outputs (jit keeps the caller's arrays), and each static configuration compiles once. Keyed by
+    each value's type and repr, so that options that compare equal but render differently (``-0.0`` and
+    ``0.0``, ``1`` and ``1.0``) keep their own compilation, and the kernel's messages, which render them,
+    stay theirs."""
+    key = (kernel, *sorted((name, type(value).__name__, repr(value)) for name, value in kwargs.items()))
+    if key not in _JITTED:
+        _JITTED[key] = jax.jit(lambda *arrays: kernel(*arrays, **kwargs))
+    return _JITTED[key]
+
+
+def device_arrays(args) -> list:
+    """A v3 kernel's positional arguments as jax arrays, put on the device without a per-shape compile
+    (``targets.as_jax``); an absent optional one (the hd64 kernel without sinks) stays None."""
+    return [None if a is None else jax.device_put(a) for a in args]
+
+
+def call_v3(inputs: V3Inputs):
+    """Runs v3 (on whatever backend the caller's context selects): ``(attention, updated packed cache)``."""
+    return jitted(v3.ragged_paged_attention, inputs.kwargs)(*device_arrays(inputs.args))
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+    """Upstream's call on v3: the attention (v3 raises its static validators' errors while tracing)."""
+    out, _ = call_v3(v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options))
+    return out
+
+
+def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+    """v3's own ``dynamic_validate_inputs`` (its rules, its messages) on the mapped inputs."""
+    inputs = v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
+    v3.dynamic_validate_inputs(*map(jax.device_put, inputs.args), **validator_options(inputs.kwargs))

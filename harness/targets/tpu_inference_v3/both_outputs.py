@@ -1,0 +1,162 @@
+"""v3's own property: both outputs of one call judged, the attention against the float64 oracle and the
+returned cache slot by slot (``rpa_harness.property_names``: kinds ``v3-attention-and-cache``, ``v3-hang``)."""
+
+import dataclasses
+
+import numpy as np
+from rpa_harness.backends import INTERPRET, Backend, Deadlock
+from rpa_harness.checks import PropertyFailure, RaisedOnValidInput, numeric_failure
+from rpa_harness.targets.tpu_inference_v3.adapter import V3Inputs, call_v3, v3_inputs
+
+
+def unwritten_by_sliding_window(inputs: V3Inputs) -> np.ndarray:
+    """bool [pages, page_size]: the new-token slots v3 0.32.0 does not write with a sliding window (finding
+    ``docs/tpu-inference-v3-findings/sliding-window-skips-cache-writes``).
+
+    v3 writes a KV block's new tokens to the cache only while its last query block runs, and with a sliding
+    window that query block starts its KV loop at block ``max(first_query_position - window, 0) // bkv``:
+    the new tokens in the KV blocks before it are never written. This recomputes that set from v3's loop
+    bounds, so that a campaign can tell this known finding from any other cache mismatch.
+    """
+    window = inputs.kwargs["sliding_window"]
+    unwritten = np.zeros_like(inputs.new_slots)
+    if window is None or not inputs.kwargs["update_kv_cache"]:
+        return unwritten
+    _, _, _, _, kv_lens, page_indices, cu_q_lens, distribution = inputs.args
+    page_size = inputs.new_slots.shape[1]
+    pages_per_seq = len(page_indices) // len(kv_lens)
+    decodes, _, num_seqs = (int(x) for x in distribution)
+    for i in range(num_seqs):
+        bq, bkv = (inputs.decode_block_sizes if i < decodes else inputs.mixed_block_sizes)[:2]
+        q_len, kv_len = int(cu_q_lens[i + 1] - cu_q_lens[i]), int(kv_lens[i])
+        q_block = min(bq, q_len) if i < decodes else bq  # the decode kernel's query block is one row
+        last_block_start = kv_len - q_len + (-(-q_len // q_block) - 1) * q_block
+        first_written = max(last_block_start - window, 0) // bkv * bkv
+        for position in range(kv_len - q_len, min(first_written, kv_len)):
+            page = page_indices[i * pages_per_seq + position // page_size]
+            unwritten[page, position % page_size] = True
+    return unwritten
+
+
+class CacheMismatch(PropertyFailure):
+    """v3's updated cache is not the expected one; ``str()`` says which slots and whose. ``slots`` is the
+    bool [pages, page_size] map of the slots that differ, ``stale`` whether each holds its input value."""
+
+    kind = "returned cache differs from the expected one"
+
+    def __init__(self, message: str, slots: np.ndarray | None = None, stale: np.ndarray | None = None):
+        super().__init__(message)
+        self.slots, self.stale = slots, stale
+
+
+def check_updated_cache(inputs: V3Inputs, updated_cache) -> None:
+    """The returned cache equals the expected one bit for bit: every new token written to its slot, and
+    no other page, slot, padded head or padded dim changed (NaN payloads included)."""
+    actual, expected = np.asarray(updated_cache), inputs.expected_cache
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise CacheMismatch(
+            f"v3 returned a cache of {actual.shape} {actual.dtype}, expected {expected.shape} {expected.dtype}"
+        )
+    bits = f"u{expected.dtype.itemsize}"
+    differs = (actual.view(bits) != expected.view(bits)).reshape(*expected.shape[:2], -1)
+    if not differs.any():
+        return
+    stale_bits = np.asarray(inputs.args[3]).view(bits).reshape(differs.shape)
+    is_stale = (actual.view(bits).reshape(differs.shape) == stale_bits).all(axis=-1)
+    slots = np.argwhere(differs.any(axis=-1))
+    lines = []
+    for page, slot in slots[:5]:
+        owner, position = inputs.slot_owner[page, slot], inputs.slot_position[page, slot]
+        whose = f"sequence {owner}, key position {position}" if owner >= 0 else "a page no live sequence uses"
+        role = "a new token's slot" if inputs.new_slots[page, slot] else "a slot v3 must leave unchanged"
+        flat = np.flatnonzero(differs[page, slot])
+        a = actual[page, slot].reshape(-1)[flat[0]]
+        e = expected[page, slot].reshape(-1)[flat[0]]
+        lines.append(
+            f"  page {page}, slot {slot} ({role}; {whose}): {len(flat)} elements differ, first at packed "
+            f"element {flat[0]}: got {a!r}, expected {e!r}"
+        )
+    written = int((differs.any(axis=-1) & inputs.new_slots).sum())
+    raise CacheMismatch(
+        f"v3's updated cache differs from the expected cache in {len(slots)} slots ({written} of "
+        f"{int(inputs.new_slots.sum())} new-token slots, {len(slots) - written} slots it must leave unchanged):\n"
+        + "\n".join(lines),
+        slots=differs.any(axis=-1),
+        stale=is_stale,
+    )
+
+
+# The checking TPU interpreter with the compat layer, as the harness's ``interpret`` backend: out-of-bounds
+# reads raise, scratch is NaN, races raise, a call that outlives the watchdog is a hang. (The generic
+# properties also run v3 on the generic interpreter, through the compat layer's dynamic-size copies.)
+CHECKING = Backend(INTERPRET)
+
+SLIDING_WINDOW_FINDING = "sliding-window-skips-cache-writes"
+# The kinds of v3's own repros (``rpa_harness.property_names``): both outputs judged; a call that hangs.
+ATTENTION_AND_CACHE, HANG = "v3-attention-and-cache", "v3-hang"
+
+
+@dataclasses.dataclass
+class Verdict:
+    """Both outputs of one v3 call, judged."""
+
+    comparison: object  # reference.compare(...) of the attention with the float64 oracle
+    cache_error: CacheMismatch | None  # None: the updated cache is the expected one, bit for bit
+    known_finding: str | None  # the documented finding that explains the cache error exactly, if any
+
+
+def judge(arrays: dict, options: dict, backend: Backend = CHECKING, *, precision: tuple[str, ...]) -> Verdict:
+    """Runs v3 once on an upstream-style case and judges both outputs: the attention against the float64
+    oracle, the updated cache bit for bit. A cache error is attributed to a documented finding only when
+    the differing slots are exactly the ones the finding predicts and each still holds its input value."""
+    from rpa_harness import reference
+
+    inputs = v3_inputs(**arrays, **options)
+    out, cache = backend.run(call_v3, inputs)
+    comparison = reference.compare(
+        out,
+        reference.oracle(**arrays, **options),
+        label=f"tpu-inference v3 on {backend.label}",
+        precision=precision,
+    )
+    try:
+        check_updated_cache(inputs, cache)
+    except CacheMismatch as error:
+        predicted = unwritten_by_sliding_window(inputs)
+        known = predicted.any() and np.array_equal(error.slots, predicted) and error.stale[predicted].all()
+        return Verdict(comparison, error, SLIDING_WINDOW_FINDING if known else None)
+    return Verdict(comparison, None, None)
+
+
+def checks_both_outputs(judge_outputs):
+    """The property ``judge_outputs(arrays, options, backend, precision=...)`` (a ``Verdict``) decides, as a
+    check ``check(target, backend, arrays, options)`` (what ``rpa_harness.checks.recheck`` runs for this
+    target's own kinds): it raises while either output is wrong, and a deadlock the TPU interpreter finds
+    is the call raising on valid inputs (a hang)."""
+
+    def check(target, backend, arrays: dict, options: dict) -> None:
+        try:
+            verdict = judge_outputs(arrays, options, backend, precision=target.precision)
+        except Deadlock as deadlock:
+            raise RaisedOnValidInput(
+                f"{target.name} on {backend.label} never returns: {deadlock}",
+                Deadlock.__name__,
+                str(deadlock),
+            ) from None
+        if verdict.cache_error is not None:
+            finding = (
+                f"\n  (exactly the slots of docs/tpu-inference-v3-findings/{verdict.known_finding})"
+                if verdict.known_finding
+                else ""
+            )
+            attention = "" if verdict.comparison.ok else f"\n{verdict.comparison}"
+            raise verdict.cache_error.__class__(f"{verdict.cache_error}{finding}{attention}") from None
+        if not verdict.comparison.ok:
+            raise numeric_failure(verdict.comparison, arrays)
+
+    return check
+
+
+# The rest of the profile: v3's validators' rule table, and its known issues (docs/tpu-inference-v3-findings/:
+# their cases are not drawn, and tests/properties/test_known_issues.py replays each repro while it still
+# fails). Imported last: both read the adapter above.
