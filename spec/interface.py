@@ -135,6 +135,16 @@ ALL_OPTION_NAMES = OPTION_NAMES + EXTENSION_NAMES
 OPTION_DEFAULTS = Options()
 
 
+def options_taken(options: dict, *, by: str, without: tuple[str, ...] = ()) -> Options:
+    """``options`` as ``Options``, for a kernel that takes the specification's options but ``without``: a
+    keyword the specification does not know, or one the kernel does not take, is the TypeError Python's
+    own call of ``by`` would raise."""
+    unexpected = [name for name in options if name not in ALL_OPTION_NAMES or name in without]
+    if unexpected:
+        raise TypeError(f"{by}() got an unexpected keyword argument {unexpected[0]!r}")
+    return Options(**options)
+
+
 def _signature(names) -> inspect.Signature:
     fields = {f.name: f for f in dataclasses.fields(Options)}
     return inspect.Signature(

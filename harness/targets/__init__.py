@@ -27,8 +27,9 @@ Its profile is read from these module attributes, each optional:
   report for upstream's API, ``rpa_harness.bug_report``).
 
 A module that cannot declare them (jax's upstream kernel; the bundled kernel, which stays free of the
-harness) gets them from its profile module in this package (``PROFILES``). Each shipped target is one
-module here: ``bundled``, ``upstream``, ``tpu_inference_v3``, ``tpu_inference_v3_hd64``.
+harness) gets them from its profile module in this package. The shipped targets are one table, ``SHIPPED``:
+``bundled`` and ``upstream`` are profiles of kernel modules elsewhere; ``tpu_inference_v3`` and
+``tpu_inference_v3_hd64`` are packages (profile, adapter, both outputs judged, rules, known issues, report).
 """
 
 import dataclasses
@@ -54,17 +55,32 @@ UPSTREAM_TARGET = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
 V3_TARGET = "rpa_harness.targets.tpu_inference_v3"
 V3_HD64_TARGET = "rpa_harness.targets.tpu_inference_v3_hd64"
 REQUIRED_FUNCTIONS = ("ragged_paged_attention", "dynamic_validate_inputs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shipped:
+    """A target the harness ships: adding one is one entry of ``SHIPPED`` (and its package in pyproject.toml)."""
+
+    name: str  # the module a run names
+    profile: str | None = None  # the module holding its RPA_HARNESS_* (None: the target module itself)
+    also_modules: tuple[str, ...] = ()  # other kernel modules the same profile describes
+    aliases: tuple[str, ...] = ()  # shorter names for it, on the command line and in repros
+
+
+SHIPPED = (
+    Shipped(DEFAULT_TARGET, profile="rpa_harness.targets.bundled"),
+    Shipped(
+        UPSTREAM_TARGET, profile="rpa_harness.targets.upstream", also_modules=(f"{UPSTREAM_TARGET}.kernel",)
+    ),
+    Shipped(V3_TARGET, aliases=("rpa_harness.tpu_inference_v3",)),
+    Shipped(V3_HD64_TARGET, aliases=("rpa_harness.tpu_inference_v3_hd64",)),
+)
 # Profile modules of targets that do not declare their own (module attributes as above).
-PROFILES = {
-    DEFAULT_TARGET: "rpa_harness.targets.bundled",
-    UPSTREAM_TARGET: "rpa_harness.targets.upstream",
-    f"{UPSTREAM_TARGET}.kernel": "rpa_harness.targets.upstream",
-}
-# Shorter names a shipped target is also known by on the command line and in repros.
-ALIASES = {"rpa_harness.tpu_inference_v3": V3_TARGET, "rpa_harness.tpu_inference_v3_hd64": V3_HD64_TARGET}
-# The modules holding shipped targets' catalogues (RPA_HARNESS_CATALOGUE): their issues can be named by
-# --rpa-known-issues for any target whose kernel is installed.
-SHIPPED_CATALOGUES = ("rpa_harness.targets.upstream", V3_TARGET, V3_HD64_TARGET)
+PROFILES = {name: s.profile for s in SHIPPED if s.profile for name in (s.name, *s.also_modules)}
+ALIASES = {alias: s.name for s in SHIPPED for alias in s.aliases}
+# The shipped targets' catalogues (RPA_HARNESS_CATALOGUE): their issues can be named by --rpa-known-issues
+# for any target whose kernel is installed.
+SHIPPED_CATALOGUES = tuple(s.profile or s.name for s in SHIPPED)
 
 
 class TargetError(Exception):
@@ -129,7 +145,7 @@ def shipped_catalogue() -> tuple:
             module = importlib.import_module(name)
         except ImportError:
             continue
-        issues.extend(module.RPA_HARNESS_CATALOGUE)
+        issues.extend(getattr(module, "RPA_HARNESS_CATALOGUE", ()))
     return tuple(issues)
 
 

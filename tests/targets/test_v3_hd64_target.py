@@ -39,8 +39,8 @@ from tests.references import as_one_program
 CAPABILITIES = Capabilities(**hd64target.RPA_HARNESS_CAPABILITIES)
 TARGET = targets.load(targets.V3_HD64_TARGET)
 CATALOGUE = {issue.name: issue for issue in hd64target.RPA_HARNESS_CATALOGUE}
-# A new configuration compiles for 6-8 s on the TPU interpreter (13 s on the generic one); a warm call
-# takes 0.01-0.3 s.
+# Each new configuration compiles for seconds and a warm call is cheap (docs/measurements.md), so the
+# any-configuration property draws few examples.
 ANY_CONFIG_EXAMPLES = 2
 SINK_EXAMPLES = max(5, settings.default.max_examples // 4)
 

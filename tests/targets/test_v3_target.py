@@ -48,9 +48,8 @@ CAPABILITIES = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)
 TARGET = targets.load(targets.V3_TARGET)
 BACKEND = v3target.CHECKING
 CATALOGUE = {issue.name: issue for issue in v3target.RPA_HARNESS_CATALOGUE}
-# A warm v3 call on the TPU interpreter costs 0.1-4 s and each new configuration compiles for 3-10 s (the
-# ci profile: 5 and 3 examples, about 45 s of a worker; the generation matrix adds v3 on the fast
-# interpreter, and the nightly profile 50 and 25).
+# Few examples: each new configuration compiles for seconds on the TPU interpreter (docs/measurements.md);
+# the generation matrix adds v3 on the fast interpreter.
 POOLED_EXAMPLES = max(5, settings.default.max_examples // 8)
 ANY_CONFIG_EXAMPLES = max(3, settings.default.max_examples // 16)
 PROPERTY = v3target.ATTENTION_AND_CACHE

@@ -118,3 +118,28 @@ def test_a_version_comes_from_the_distribution_that_holds_the_module():
     assert targets.load("tests.flat_pages.target").version is None
     assert targets.load(targets.DEFAULT_TARGET).version.startswith("rpa-harness ")
     assert targets.load(targets.UPSTREAM_TARGET).version.startswith("jax ")
+
+
+def test_every_package_of_the_harness_is_in_the_wheel():
+    """A new target package under harness/targets/ needs its line in pyproject.toml's package list."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(("rpa_harness", *init.parent.relative_to(ROOT / "harness").parts))
+        for init in (ROOT / "harness").rglob("__init__.py")
+    }
+    assert found - listed == set(), f"packages under harness/ missing from pyproject.toml: {found - listed}"
+
+
+@pytest.mark.parametrize("shipped", targets.SHIPPED, ids=lambda shipped: shipped.name)
+def test_each_shipped_target_loads_by_its_name_and_its_aliases(shipped):
+    try:
+        loaded = targets.load(shipped.name)
+    except targets.TargetError as error:
+        if "tpu-inference is not installed" not in str(error):
+            raise
+        pytest.skip(str(error))
+    assert loaded.version and [targets.load(alias).name for alias in shipped.aliases] == [loaded.name] * len(
+        shipped.aliases
+    )

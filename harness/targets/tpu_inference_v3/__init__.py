@@ -88,9 +88,9 @@ RPA_HARNESS_CAPABILITIES = dict(
     update_kv_cache=True,
     buckets=("tiny", "small", "long"),
     # At long contexts v3's default decode block is 16,384 keys for a bfloat16 cache (32,768 for fp8),
-    # copied page by page, each copy unrolled. With 16-key pages (1,024 copies) one call with 65,536 keys
-    # did not return within 300 s on the fast interpreter (v6e); with 256-key pages (64 copies) a call with
-    # 70,001 keys on v3's own defaults took 46-54 s on v5e, v5p and v6e (benchmarks/generation_branches.py).
+    # copied page by page, each copy unrolled: with small pages one call outlives the watchdog on the fast
+    # interpreter, with 256-key pages (64 copies) it does not (docs/measurements.md, "TPU generations and long
+    # contexts").
     min_page_size_for_long_default_blocks=256,
 )
 # v3 keeps its softmax max, denominator and P @ V accumulator in the output dtype (bfloat16 for bfloat16

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from rpa_harness import generations
-from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES
+from rpa_harness.spec.interface import MASK_REPLACES, options_taken
 from rpa_harness.targets import layouts
 
 INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
@@ -186,31 +186,7 @@ def replacing_mask_value(mask_value: float | None, mask_value_meaning: str) -> f
     )
 
 
-def v3_inputs(
-    q,
-    kv_pages,
-    kv_lens,
-    page_indices,
-    cu_q_lens,
-    num_seqs,
-    *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = UPSTREAM_DEFAULT_MASK_VALUE,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_pages_per_block: int | None = None,
-    num_queries_per_block: int | None = None,
-    vmem_limit_bytes: int | None = None,
-    q_scale: float | None = None,
-    mask_value_meaning: str = MASK_ADDED,
-    use_causal_mask: bool = True,
-    out_dtype: str | None = None,
-    skip_kv_mask: bool = False,
-    chunk_prefill_size: int | None = None,
-    update_kv_cache: bool = True,
-) -> V3Inputs:
+def v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywords) -> V3Inputs:
     """Maps an upstream-style call to v3's.
 
     ``mask_value`` is v3's when ``mask_value_meaning`` is ``replaces``; with upstream's meaning (added)
@@ -223,19 +199,21 @@ def v3_inputs(
     keys/values are NaN where q's padding row is NaN (poisoned cases), zero otherwise. With
     ``update_kv_cache=False`` the cache holds every key and the new tokens are NaN (``shared_kv_inputs``).
     v3's prefill kernel (``chunk_prefill_size``) gets the block sizes its decode and mixed kernels get.
+    ``keywords``: the specification's options (``spec.interface.Options``), all but ``attention_sink``.
     """
-    v3_mask_value = replacing_mask_value(mask_value, mask_value_meaning)
+    options = options_taken(keywords, by="v3_inputs", without=("attention_sink",))
+    v3_mask_value = replacing_mask_value(options.mask_value, options.mask_value_meaning)
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
     # v3 receives the metadata as given (its validators judge dtypes and shapes); the split reads only the
     # entries that exist: invalid metadata is v3's validators' business.
     tokens = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     page_size, pages_per_seq = kv_pages.shape[1], np.asarray(page_indices).shape[1]
-    if update_kv_cache:
+    if options.update_kv_cache:
         packed_cache = layouts.pack_cache(tokens.poisoned_cache(kv_pages))
     else:
         tokens, cache = shared_kv_inputs(tokens, kv_pages)
         packed_cache = layouts.pack_cache(cache)
-    given = given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
+    given = given_block_options(options.num_queries_per_block, options.num_kv_pages_per_block, pages_per_seq)
     own_defaults = given is None
     if own_defaults:
         passed = decode_sizes = mixed_sizes = None  # v3's defaults for the chip, known once it validated
@@ -245,22 +223,22 @@ def v3_inputs(
         bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
         passed = decode_sizes = mixed_sizes = (bq, bkv, bq_chunk, bkv_chunk)
     kwargs = dict(
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
+        sm_scale=options.sm_scale,
+        sliding_window=options.sliding_window,
+        soft_cap=options.soft_cap,
         mask_value=v3_mask_value,
-        q_scale=q_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
+        q_scale=options.q_scale,
+        k_scale=options.k_scale,
+        v_scale=options.v_scale,
         d_block_sizes=passed,
         p_block_sizes=passed,
         m_block_sizes=passed,
-        vmem_limit_bytes=_vmem_limit(vmem_limit_bytes),
-        use_causal_mask=use_causal_mask,
-        skip_kv_mask=skip_kv_mask,
-        out_dtype=None if out_dtype is None else jnp.dtype(out_dtype),
-        chunk_prefill_size=chunk_prefill_size,
-        update_kv_cache=update_kv_cache,
+        vmem_limit_bytes=_vmem_limit(options.vmem_limit_bytes),
+        use_causal_mask=options.use_causal_mask,
+        skip_kv_mask=options.skip_kv_mask,
+        out_dtype=None if options.out_dtype is None else jnp.dtype(options.out_dtype),
+        chunk_prefill_size=options.chunk_prefill_size,
+        update_kv_cache=options.update_kv_cache,
     )
     args = kernel_arguments(
         q,
@@ -270,7 +248,7 @@ def v3_inputs(
         page_indices,
         cu_q_lens,
         num_seqs,
-        chunk_prefill_size=chunk_prefill_size,
+        chunk_prefill_size=options.chunk_prefill_size,
     )
     if own_defaults:
         # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,

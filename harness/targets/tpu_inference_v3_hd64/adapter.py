@@ -10,7 +10,7 @@ import types
 import jax
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
-from rpa_harness.spec.interface import MASK_ADDED
+from rpa_harness.spec.interface import options_taken
 from rpa_harness.targets import layouts
 from rpa_harness.targets.tpu_inference_v3 import adapter as v3_target
 
@@ -98,52 +98,38 @@ def sink_array(attention_sink) -> np.ndarray | None:
     return None if attention_sink is None else np.asarray(attention_sink, np.float32)
 
 
-def hd64_inputs(
-    q,
-    kv_pages,
-    kv_lens,
-    page_indices,
-    cu_q_lens,
-    num_seqs,
-    *,
-    sm_scale: float = 1.0,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = v3_target.UPSTREAM_DEFAULT_MASK_VALUE,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    num_kv_pages_per_block: int | None = None,
-    num_queries_per_block: int | None = None,
-    vmem_limit_bytes: int | None = None,
-    q_scale: float | None = None,
-    mask_value_meaning: str = MASK_ADDED,
-    attention_sink: tuple[float, ...] | None = None,
-    chunk_prefill_size: int | None = None,
-) -> Hd64Inputs:
+def hd64_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywords) -> Hd64Inputs:
     """Maps an upstream-style call to the hd64 kernel's, as ``tpu_inference_v3.v3_inputs`` does for v3
     (the new tokens, their poisoned slots, the distribution, the mask value), with the cache packed side by
     side and the block options passed as they are. Off a TPU generation, block options left None get v3's
     target defaults (8 query rows, 2 pages): the tuned table needs a chip. The specification's default
-    replacing mask value (None) is the kernel's default (-0.7 * float32 max, replaced): both mask fully."""
+    replacing mask value (None) is the kernel's default (-0.7 * float32 max, replaced): both mask fully.
+    ``keywords``: the specification's options (``spec.interface.Options``) but v3's use_causal_mask,
+    out_dtype, skip_kv_mask and update_kv_cache, which this kernel does not take."""
+    options = options_taken(
+        keywords,
+        by="hd64_inputs",
+        without=("use_causal_mask", "out_dtype", "skip_kv_mask", "update_kv_cache"),
+    )
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
     tokens = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     pages_per_seq = np.asarray(page_indices).shape[1]
-    given = v3_target.given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
-    if given is not None:
-        num_queries_per_block, num_kv_pages_per_block = given
+    num_queries_per_block, num_kv_pages_per_block = v3_target.given_block_options(
+        options.num_queries_per_block, options.num_kv_pages_per_block, pages_per_seq
+    ) or (options.num_queries_per_block, options.num_kv_pages_per_block)
     kwargs = dict(
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        q_scale=q_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
+        sm_scale=options.sm_scale,
+        sliding_window=options.sliding_window,
+        soft_cap=options.soft_cap,
+        q_scale=options.q_scale,
+        k_scale=options.k_scale,
+        v_scale=options.v_scale,
         num_kv_pages_per_block=num_kv_pages_per_block,
         num_queries_per_block=num_queries_per_block,
-        vmem_limit_bytes=vmem_limit_bytes,
-        chunk_prefill_size=chunk_prefill_size,
+        vmem_limit_bytes=options.vmem_limit_bytes,
+        chunk_prefill_size=options.chunk_prefill_size,
     )
-    replacing = v3_target.replacing_mask_value(mask_value, mask_value_meaning)
+    replacing = v3_target.replacing_mask_value(options.mask_value, options.mask_value_meaning)
     if replacing is not None:  # None: the kernel's default (passed as None, it fails to trace: a finding)
         kwargs["mask_value"] = replacing
     cache = layouts.pack_cache_side_by_side(tokens.poisoned_cache(kv_pages))
@@ -156,16 +142,16 @@ def hd64_inputs(
             page_indices,
             cu_q_lens,
             num_seqs,
-            chunk_prefill_size=chunk_prefill_size,
+            chunk_prefill_size=options.chunk_prefill_size,
         ),
-        sink_array(attention_sink),
+        sink_array(options.attention_sink),
     )
     block_sizes = (num_kv_pages_per_block, num_queries_per_block)
     if num_kv_pages_per_block is None:
         # It validates its inputs before it looks its block sizes up: an invalid input raises its message.
         hd64.static_validate_inputs(*args, **kwargs)
         block_sizes = tuned_block_sizes(
-            q, kv_pages.dtype, tokens.keys.shape[1], kv_pages.shape[1], pages_per_seq, sliding_window
+            q, kv_pages.dtype, tokens.keys.shape[1], kv_pages.shape[1], pages_per_seq, options.sliding_window
         )
     return Hd64Inputs(
         args,
