@@ -22,20 +22,15 @@ import tracemalloc  # noqa: E402
 import numpy as np  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from rpa_harness.reference import compare, oracle  # noqa: E402
+from rpa_harness.strategies.buckets import BUCKETS, LARGE_BUCKETS, ProductionBucket  # noqa: E402
 from rpa_harness.strategies.case import DTYPES, Case  # noqa: E402
-from rpa_harness.strategies.valid import (  # noqa: E402
-    BUCKETS,
-    LARGE_BUCKETS,
-    ProductionBucket,
-    page_bytes,
-    select_buckets,
-    valid_cases,
-)
+from rpa_harness.strategies.shapes import page_bytes, select_buckets  # noqa: E402
+from rpa_harness.strategies.valid import valid_cases  # noqa: E402
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL  # noqa: E402
 
 
 def drawn_cases(bucket: str, examples: int) -> list[Case]:
-    capabilities = select_buckets(OUR_KERNEL, bucket)
+    selection = select_buckets(OUR_KERNEL, bucket)
     large = bucket in LARGE_BUCKETS
     cases = []
 
@@ -43,7 +38,7 @@ def drawn_cases(bucket: str, examples: int) -> list[Case]:
         max_examples=examples, derandomize=True, database=None, deadline=None,
         suppress_health_check=list(HealthCheck),
     )  # fmt: skip
-    @given(case=valid_cases(capabilities, large=large))
+    @given(case=valid_cases(OUR_KERNEL, large=large, selection=selection))
     def collect(case):
         cases.append(case)
 

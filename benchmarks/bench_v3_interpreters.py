@@ -35,7 +35,8 @@ def main():
     import numpy as np
     from hypothesis import HealthCheck, given, settings
     from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
-    from rpa_harness.strategies.valid import Capabilities, valid_cases
+    from rpa_harness.strategies.capabilities import Capabilities
+    from rpa_harness.strategies.valid import valid_cases
     from rpa_harness.targets import tpu_inference_v3 as v3target
 
     capabilities = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)

@@ -220,18 +220,18 @@ def replay(args) -> int:
         return CANNOT_RUN
     except RaisedOnValidInput as failure:
         raised = f"{failure.error_type}: {failure.error_message}"
+        if repro.error and (failure.error_type, failure.error_message) == (
+            repro.error["type"],
+            repro.error["message"],
+        ):
+            print(f"\nFAILS the same way: {failure}\n\nStandalone reproduction:\n{program}")
+            return FAILS
         if failure.error_type == backends.Deadlock.__name__:  # the kernel's bug, never the interpreter's
             still = "still " if repro.hang else ""
             print(
                 f"\nFAILS: {still}hangs: {failure.error_message} (the TPU interpreter found a wait nothing can "
                 f"signal: on a TPU the call would not return)\n\nStandalone reproduction:\n{program}"
             )
-            return FAILS
-        if repro.error and (failure.error_type, failure.error_message) == (
-            repro.error["type"],
-            repro.error["message"],
-        ):
-            print(f"\nFAILS the same way: {failure}\n\nStandalone reproduction:\n{program}")
             return FAILS
         what = "a different error than recorded" if repro.error else "an interpreter or backend crash"
         print(f"\ncannot run here: {what}: raised {raised}\n  recorded: {_recorded(repro)}")

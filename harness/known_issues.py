@@ -25,6 +25,19 @@ import numpy as np
 from rpa_harness import generations, runlog
 from rpa_harness.strategies.case import Case
 
+__all__ = [  # what an adapter imports (docs/targets.md)
+    "KnownIssue",
+    "KnownIssueError",
+    "findings_dir",
+    "case_arrays",
+    "keep_sequences",
+    "sequence_queries_and_keys",
+    "soft_capped_logits",
+    "hidden_keys",
+    "NUMERIC_MISMATCH",
+    "FLOAT32_EXP_UNDERFLOW",
+]
+
 
 def findings_dir(name: str) -> Path:
     """A findings folder: ``docs/NAME`` in a checkout, ``rpa_harness/findings/NAME`` where the wheel put it."""

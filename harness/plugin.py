@@ -393,6 +393,13 @@ def target(pytestconfig):
 
 
 @pytest.fixture(scope="session")
+def bucket_selection(pytestconfig):
+    """The buckets this run draws (``--rpa-buckets``, else the profile's defaults): the strategies'
+    ``selection``."""
+    return settings_of(pytestconfig).buckets
+
+
+@pytest.fixture(scope="session")
 def backend(pytestconfig):
     """The backend for properties that need one kernel run per example and no volume (the first chosen)."""
     return settings_of(pytestconfig).backends[0]
@@ -509,7 +516,7 @@ def run_header(config) -> list[str]:
     )
     issues = ", ".join(issue.name for issue in target.known_issues) or "none"
     emulated = ", ".join(run.emulated_generations) or f"{generations.NONE} (a CPU device)"
-    buckets = target.capabilities.bucket_selection or target.capabilities.buckets
+    buckets = run.buckets or target.capabilities.buckets
     return [
         f"rpa-harness {harness}: target {target.name}{version}",
         f"  backends: {backends_line} (interpreter compat {compat}); jax {jax.__version__}",

@@ -14,7 +14,7 @@ import pytest
 from rpa_harness import backends, known_issues, repro, runlog
 from rpa_harness.checks import CannotRun, RaisedOnValidInput
 from rpa_harness.property_names import PropertyName
-from rpa_harness.strategies.valid import coverage_labels
+from rpa_harness.strategies.coverage import coverage_labels
 
 
 class CannotRunHere(pytest.skip.Exception):

@@ -14,7 +14,8 @@ import dataclasses
 from rpa_harness import backends, generations, known_issues, targets
 from rpa_harness.backends import Backend
 from rpa_harness.reference.tolerance import PrecisionError, parse_precision
-from rpa_harness.strategies.valid import BucketError, select_buckets
+from rpa_harness.strategies.buckets import BucketError
+from rpa_harness.strategies.shapes import select_buckets
 from rpa_harness.targets import Target
 
 
@@ -29,9 +30,12 @@ class SettingError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
-    target: Target  # with the run's precision contract, known issues and bucket selection applied
+    target: Target  # with the run's precision contract and known issues applied
     backends: tuple[Backend, ...]  # in order; the first is where one-call-per-example properties run
     profile: str  # the Hypothesis profile chosen (before RPA_MAX_EXAMPLES resizes it)
+    buckets: tuple[str, ...] | None = (
+        None  # the buckets drawn (the strategies' ``selection``; None: defaults)
+    )
 
     @property
     def interpreter_compat(self) -> bool:
@@ -70,10 +74,10 @@ def from_options(
     except known_issues.KnownIssueError as error:
         raise SettingError(str(error)) from None
     try:
-        capabilities = select_buckets(loaded.capabilities, buckets, profile=profile)
+        selection = select_buckets(loaded.capabilities, buckets, profile=profile)
     except BucketError as error:
         raise SettingError(f"--rpa-buckets: {error} (target {loaded.name})") from None
-    loaded = dataclasses.replace(loaded, known_issues=declared, capabilities=capabilities)
+    loaded = dataclasses.replace(loaded, known_issues=declared)
     try:
         chosen = backends.resolve(backend)
         emulated = generations.select(tpu_generation, loaded.capabilities.tpu_generations, profile=profile)
@@ -87,6 +91,7 @@ def from_options(
             for generation in (emulated if name != backends.TPU else (generations.NONE,))
         ),
         profile,
+        selection,
     )
 
 

@@ -19,8 +19,40 @@ import numpy as np
 from hypothesis import strategies as st
 from rpa_harness.spec import interface as spec
 from rpa_harness.spec.interface import JaxInt
+from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
-from rpa_harness.strategies.valid import Capabilities, valid_cases
+from rpa_harness.strategies.valid import valid_cases
+
+__all__ = [  # what an adapter imports (docs/targets.md)
+    "Rule",
+    "RULES",
+    "STAGES",
+    "UPSTREAM_SAME",
+    "UPSTREAM_ASSERTS",
+    "UPSTREAM_ACCEPTS",
+    "variants",
+    "check_table",
+    "InvalidCase",
+    "invalid_cases",
+    "break_num_seqs_shape",
+    "break_head_dim",
+    "break_kv_lens_shape",
+    "break_cu_q_lens_shape",
+    "break_index_dtype",
+    "break_head_divisibility",
+    "break_combined_kv_heads",
+    "break_kv_block_range",
+    "break_scale_type",
+    "break_num_seqs_over_max",
+    "break_negative_num_seqs",
+    "break_page_capacity_any_slot",
+    "break_page_capacity_live",
+    "break_too_many_tokens",
+    "break_q_len_over_kv_len",
+    "break_q_len_zero",
+    "break_cu_q_lens_order",
+    "break_page_index",
+]
 
 STAGES = ("static", "dynamic")  # raised by ragged_paged_attention itself, or by dynamic_validate_inputs
 
@@ -444,17 +476,24 @@ class InvalidCase:
 
 @st.composite
 def invalid_cases(
-    draw, capabilities: Capabilities | None = None, *, table=None, rules=None, variant: int | None = None
+    draw,
+    capabilities: Capabilities | None = None,
+    *,
+    table=None,
+    rules=None,
+    variant: int | None = None,
+    selection: tuple[str, ...] | None = None,
 ) -> InvalidCase:
     """An input that breaks exactly one of ``rules`` (default: every rule of ``table``, the specification's
     ``RULES`` unless given); the base case is drawn inside ``capabilities`` without options. ``variant``:
-    that variant of the rule (``Rule.variants``), its other choices drawn."""
+    that variant of the rule (``Rule.variants``), its other choices drawn. ``selection``: the run's buckets."""
     table = RULES if table is None else table
     rule = draw(st.sampled_from(tuple(table) if rules is None else rules))
     count = table[rule].variants
     if variant is not None and not 0 <= variant < count:
         raise ValueError(f"invalid_cases(variant={variant}): rule {rule!r} has variants 0..{count - 1}")
-    case = draw(valid_cases(Capabilities() if capabilities is None else capabilities, with_options=False))
+    capabilities = Capabilities() if capabilities is None else capabilities
+    case = draw(valid_cases(capabilities, with_options=False, selection=selection))
     # small: every variant of a rule comes up often
     param = draw(st.integers(0, 63)) if variant is None else variant + count * draw(st.integers(0, 15))
     return InvalidCase(case, rule, param, table)

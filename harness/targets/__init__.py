@@ -46,7 +46,7 @@ from pathlib import Path
 import jax
 from rpa_harness import generations, known_issues, property_names
 from rpa_harness.reference.tolerance import DEFAULT_PRECISION, PrecisionError, parse_precision
-from rpa_harness.strategies.valid import Capabilities
+from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.violations import RULES, check_table
 
 DEFAULT_TARGET = "rpa_harness.kernel"  # the bundled kernel

@@ -5,7 +5,7 @@ kept here. It is held to the specification's rules with our stricter ValueErrors
 lowers to Mosaic on CPU, runs every bucket, and takes the runtime options as traced values.
 """
 
-from rpa_harness.strategies.valid import RUNTIME_OPTIONS, Capabilities
+from rpa_harness.strategies.capabilities import RUNTIME_OPTIONS, Capabilities
 
 RPA_HARNESS_CAPABILITIES = Capabilities(
     strict_validation=True,

@@ -37,6 +37,23 @@ import numbers
 import numpy as np
 from rpa_harness.spec.interface import values_per_word
 
+__all__ = [  # what an adapter imports (docs/targets.md)
+    "LANES",
+    "UPSTREAM_CACHE",
+    "LayoutError",
+    "split_kv",
+    "combine_kv",
+    "FlatPages",
+    "flat_page_list",
+    "page_table_from_flat",
+    "pack_cache",
+    "pack_cache_side_by_side",
+    "unpack_cache",
+    "NewTokens",
+    "split_new_tokens",
+    "values_per_word",
+]
+
 INT32 = np.iinfo(np.int32)
 LANES = 128  # v3 pads head_dim to a whole number of TPU lanes
 UPSTREAM_CACHE = "[pages, page_size, 2 * kv_heads, head_dim]"  # K at 0::2 and V at 1::2 of axis 2

@@ -24,8 +24,8 @@ from rpa_harness.known_issues import (
     soft_capped_logits,
 )
 from rpa_harness.spec.interface import MASK_ADDED, values_per_word
+from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
-from rpa_harness.strategies.valid import Capabilities
 
 FINDINGS = findings_dir("upstream-findings")
 

@@ -14,8 +14,10 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 from rpa_harness import checks
 from rpa_harness.backends import FAST_INTERPRET, Backend
+from rpa_harness.strategies.buckets import long_corners
 from rpa_harness.strategies.case import Case
-from rpa_harness.strategies.valid import long_corners, select_buckets, valid_cases
+from rpa_harness.strategies.shapes import select_buckets
+from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import load
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 
@@ -98,13 +100,13 @@ def test_the_two_bugs_kernel_is_right_between_its_bugs():
     assert comparison.ok and np.isfinite(comparison.max_ratio)
 
 
-@pytest.mark.parametrize("corner", long_corners(LONG_SELECTED), ids=lambda corner: corner.name)
+@pytest.mark.parametrize("corner", long_corners(OUR_KERNEL), ids=lambda corner: corner.name)
 def test_every_ci_run_reaches_a_bug_past_2_to_15_keys(corner):
     """The simplest case of each long corner, which every ci run draws: the two-bug kernel's int16
     positions fail every corner with a query position past 32,767 (2^16 from either side, 2^15 from past
     it), as a long-context failure, and pass the corner up to 2^15."""
     target = load(f"mutants.{mutants.TWO_BUGS.name}")
-    simplest = find(valid_cases(LONG_SELECTED, large="long", long_corner=corner), lambda case: True,
+    simplest = find(valid_cases(OUR_KERNEL, selection=LONG_SELECTED, large="long", long_corner=corner), lambda case: True,
                     settings=settings(database=None, suppress_health_check=list(HealthCheck)))  # fmt: skip
     if corner.past or corner.boundary > 1 << 15:
         with pytest.raises(checks.located(checks.OverTheBound, simplest.kv_lens)):

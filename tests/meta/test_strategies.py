@@ -12,8 +12,10 @@ from hypothesis import find, given, settings
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 from rpa_harness.kernel import dynamic_validate_inputs
 from rpa_harness.spec.interface import DEFAULT_MASK_VALUE
+from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
-from rpa_harness.strategies.valid import Capabilities, coverage_labels, valid_cases
+from rpa_harness.strategies.coverage import coverage_labels
+from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.strategies.violations import RULES, UPSTREAM_RULES, InvalidCase, invalid_cases
 from rpa_harness.targets import as_jax
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
@@ -198,3 +200,24 @@ def test_a_target_with_packed_kv_dtypes_only_draws_page_sizes_they_fit():
     packed_only = Capabilities(kv_dtypes=("bfloat16",), page_size_multiple_of_kv_packing=True)
     case = find(valid_cases(packed_only), lambda case: True)
     assert case.kv_dtype == "bfloat16" and case.page_size % 2 == 0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        (dict(capabilities={"head_dims": (64,)}), "pass a Capabilities"),
+        (dict(pooled=True, large=True), "the pool holds small configurations only"),
+        (dict(values=("normal", "huge")), "choose a non-empty subset of"),
+        (dict(values=()), "choose a non-empty subset of"),
+        (dict(selection=("production",), capabilities=Capabilities()), "not among the declared buckets"),
+        (dict(excluding=("a-name",)), "is not a known issue"),
+        (dict(large="long"), "long is not selected"),
+    ],
+    ids=lambda value: str(value)[:40],
+)
+def test_a_mistaken_argument_is_one_error_before_anything_is_drawn(arguments, says):
+    """As hypothesis.extra.numpy's strategies do: the call that builds the strategy raises, naming the
+    argument, so a typo never surfaces as a failing or empty draw."""
+    arguments = {"capabilities": OUR_KERNEL, **arguments}
+    with pytest.raises(ValueError, match=says):
+        valid_cases(arguments.pop("capabilities"), **arguments)

@@ -26,14 +26,20 @@ from rpa_harness.strategies.valid import valid_case_groups, valid_cases
 CASES_PER_CONFIG = 6
 
 
-def draw_and_compare(target_, backend, repro_dir, data, *, pooled, variant=""):
+def draw_and_compare(target_, backend, repro_dir, data, selection, *, pooled, variant=""):
     """Draws valid cases (one from the pooled configurations, or a group sharing one configuration from
     the whole static space), compares each with the oracle, and targets the largest error/bound."""
     capabilities, issues = target_.capabilities_on(backend), target_.known_issues_on(backend)
     if pooled:
-        cases = [data.draw(valid_cases(capabilities, pooled=True, excluding=issues), label="case")]
+        cases = [
+            data.draw(
+                valid_cases(capabilities, pooled=True, excluding=issues, selection=selection), label="case"
+            )
+        ]
     else:
-        groups = valid_case_groups(capabilities, max_cases=CASES_PER_CONFIG, excluding=issues)
+        groups = valid_case_groups(
+            capabilities, max_cases=CASES_PER_CONFIG, excluding=issues, selection=selection
+        )
         cases = data.draw(groups, label="cases")
     name = PropertyName(DIFFERENTIAL, variant, backend.label)
     ratios = []
@@ -49,26 +55,40 @@ def draw_and_compare(target_, backend, repro_dir, data, *, pooled, variant=""):
 
 @settings(max_examples=POOLED_EXAMPLES)
 @given(data=st.data())
-def test_kernel_matches_oracle(target, volume_backend, repro_dir, data):
-    draw_and_compare(target, volume_backend, repro_dir, data, pooled=True)
+def test_kernel_matches_oracle(target, volume_backend, repro_dir, bucket_selection, data):
+    draw_and_compare(target, volume_backend, repro_dir, data, bucket_selection, pooled=True)
 
 
 @settings(max_examples=ANY_CONFIG_EXAMPLES)
 @given(data=st.data())
-def test_kernel_matches_oracle_any_config(target, volume_backend, repro_dir, data):
-    draw_and_compare(target, volume_backend, repro_dir, data, pooled=False, variant="any-config")
+def test_kernel_matches_oracle_any_config(target, volume_backend, repro_dir, bucket_selection, data):
+    draw_and_compare(
+        target, volume_backend, repro_dir, data, bucket_selection, pooled=False, variant="any-config"
+    )
 
 
 @settings(max_examples=CHECKING_EXAMPLES)
 @given(data=st.data())
-def test_kernel_matches_oracle_checked(target, checking_backend, repro_dir, data):
-    draw_and_compare(target, checking_backend, repro_dir, data, pooled=True, variant="checked")
+def test_kernel_matches_oracle_checked(target, checking_backend, repro_dir, bucket_selection, data):
+    draw_and_compare(
+        target, checking_backend, repro_dir, data, bucket_selection, pooled=True, variant="checked"
+    )
 
 
 @settings(max_examples=CHECKING_ANY_CONFIG_EXAMPLES)
 @given(data=st.data())
-def test_kernel_matches_oracle_checked_any_config(target, checking_backend, repro_dir, data):
-    draw_and_compare(target, checking_backend, repro_dir, data, pooled=False, variant="checked-any-config")
+def test_kernel_matches_oracle_checked_any_config(
+    target, checking_backend, repro_dir, bucket_selection, data
+):
+    draw_and_compare(
+        target,
+        checking_backend,
+        repro_dir,
+        data,
+        bucket_selection,
+        pooled=False,
+        variant="checked-any-config",
+    )
 
 
 @given(case=valid_cases(pooled=True))

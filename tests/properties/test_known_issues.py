@@ -7,14 +7,13 @@ is an expected failure (xfail); passing fails the run, as a strict xfail does, a
 failing in another way (e.g. a crash instead of a wrong value) fails the run too, since that is news.
 """
 
-import dataclasses
-
 import pytest
 from rpa_harness import repro as repro_files
 from rpa_harness import runlog
 from rpa_harness.checks import recheck
 from rpa_harness.known_issues import OPTION
 from rpa_harness.plugin import settings_of
+from rpa_harness.run_settings import for_repro
 
 
 def pytest_generate_tests(metafunc):
@@ -25,8 +24,15 @@ def pytest_generate_tests(metafunc):
 
 def test_known_issue_still_reproduces(target, replay_backend, known_issue):
     repro = repro_files.read(known_issue.repro)
-    # On the chip the repro was recorded for: an issue of one generation's code does not show on another.
-    replay_backend = dataclasses.replace(replay_backend, generation=repro.tpu_generation)
+    # Rebuilt as `rpa-harness replay` rebuilds it (the contract it failed under, the chip it was recorded
+    # for: an issue of one generation's code does not show on another), on this run's backend.
+    run = for_repro(
+        repro,
+        target=target.name,
+        backend=replay_backend.name,
+        interpreter_compat=replay_backend.interpreter_compat,
+    )
+    target, replay_backend = run.target, run.backends[0]
     where = f"{known_issue.name} in {target.name} on {replay_backend.label}"
 
     def record(outcome: str) -> None:  # for the summary of ``rpa-harness run``

@@ -15,14 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rpa_harness.lowering import known_tpu_generations, lower_for_tpu, register_tpu_generation
 from rpa_harness.properties.budget import ANY_CONFIG_EXAMPLES
-from rpa_harness.strategies.valid import (
-    BUCKETS,
-    BucketError,
-    options,
-    production_block_sizes,
-    production_configs,
-    select_buckets,
-)
+from rpa_harness.strategies.buckets import BUCKETS, BucketError
+from rpa_harness.strategies.options import options, production_block_sizes
+from rpa_harness.strategies.shapes import production_configs, select_buckets
 from rpa_harness.targets import DEFAULT_TARGET
 
 KERNEL_NAME = "rpa_harness_ragged_paged_attention"
@@ -125,10 +120,12 @@ def _config_shapes(config):
 
 @pytest.fixture(scope="session")
 def production_capabilities(target):
+    """The target's capabilities, where they hold production configurations (``select_buckets`` checks)."""
     try:
-        return select_buckets(target.capabilities, "production")
+        select_buckets(target.capabilities, "production")
     except BucketError as error:
         pytest.skip(f"target {target.name} has no production configurations: {error}")
+    return target.capabilities
 
 
 @LOWERS

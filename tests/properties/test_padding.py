@@ -15,9 +15,9 @@ from rpa_harness.strategies.valid import valid_cases
 
 
 @given(data=st.data())
-def test_padding_does_not_change_valid_rows(target, volume_backend, repro_dir, data):
+def test_padding_does_not_change_valid_rows(target, volume_backend, repro_dir, bucket_selection, data):
     capabilities, issues = target.capabilities_on(volume_backend), target.known_issues_on(volume_backend)
-    cases = valid_cases(capabilities, pooled=True, excluding=issues)
+    cases = valid_cases(capabilities, pooled=True, excluding=issues, selection=bucket_selection)
     case = data.draw(cases, label="case")
     dirty = dataclasses.replace(case, poison=True, garbage=True)
     dirty_arrays = dirty.arrays()  # recorded and run: built once
@@ -27,9 +27,9 @@ def test_padding_does_not_change_valid_rows(target, volume_backend, repro_dir, d
 
 
 @given(data=st.data())
-def test_same_call_gives_same_bits(target, volume_backend, repro_dir, data):
+def test_same_call_gives_same_bits(target, volume_backend, repro_dir, bucket_selection, data):
     capabilities, issues = target.capabilities_on(volume_backend), target.known_issues_on(volume_backend)
-    cases = valid_cases(capabilities, pooled=True, excluding=issues)
+    cases = valid_cases(capabilities, pooled=True, excluding=issues, selection=bucket_selection)
     case = data.draw(cases, label="case")
     arrays, options = case.arrays(), case.options()
     name = PropertyName(DETERMINISM, label=volume_backend.label)

@@ -29,7 +29,8 @@ from rpa_harness.plugin import settings_of
 from rpa_harness.properties.budget import LONG_CORNER_EXAMPLES, LONG_EXAMPLES, PRODUCTION_EXAMPLES
 from rpa_harness.property_names import DIFFERENTIAL, PropertyName
 from rpa_harness.recording import recorded
-from rpa_harness.strategies.valid import drawn_buckets, is_packed, long_corners, valid_cases
+from rpa_harness.strategies.buckets import drawn_buckets, is_packed, long_corners
+from rpa_harness.strategies.valid import valid_cases
 
 
 def pytest_generate_tests(metafunc):
@@ -47,18 +48,18 @@ def large_target(target, pytestconfig, bucket: str, *, random: bool = True):
         pytest.skip(
             "the ci profile draws the long bucket's corners only (..._long_corner); nightly adds these"
         )
-    if bucket not in drawn_buckets(target.capabilities, large=True):
+    if bucket not in drawn_buckets(target.capabilities, settings_of(pytestconfig).buckets, large=True):
         pytest.skip(f"the {bucket} bucket is not selected (--rpa-buckets={bucket}, or a profile's default)")
     return target
 
 
-def draw_and_compare(target, backend, repro_dir, data, bucket: str, corner=None):
+def draw_and_compare(target, backend, repro_dir, data, selection, bucket: str, corner=None):
     capabilities, issues = target.capabilities_on(backend), target.known_issues_on(backend)
     if corner and not any(is_packed(d) == corner.packed_queries for d in capabilities.q_dtypes):
         pytest.skip(
             f"{corner.label}: the target takes no such q dtype on {backend.label}: {capabilities.q_dtypes}"
         )
-    drawn = valid_cases(capabilities, large=bucket, excluding=issues, long_corner=corner)
+    drawn = valid_cases(capabilities, large=bucket, excluding=issues, long_corner=corner, selection=selection)
     case = data.draw(drawn, label="case")
     arrays, options = case.arrays(), case.options()
     name = PropertyName(DIFFERENTIAL, f"{bucket}-{corner.name}" if corner else bucket, backend.label)
@@ -69,16 +70,18 @@ def draw_and_compare(target, backend, repro_dir, data, bucket: str, corner=None)
 
 @settings(max_examples=PRODUCTION_EXAMPLES, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data())
-def test_kernel_matches_oracle_production(target, pytestconfig, volume_backend, repro_dir, data):
+def test_kernel_matches_oracle_production(
+    target, pytestconfig, volume_backend, repro_dir, bucket_selection, data
+):
     target = large_target(target, pytestconfig, "production")
-    draw_and_compare(target, volume_backend, repro_dir, data, "production")
+    draw_and_compare(target, volume_backend, repro_dir, data, bucket_selection, "production")
 
 
 @settings(max_examples=LONG_EXAMPLES, phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
 @given(data=st.data())
-def test_kernel_matches_oracle_long(target, pytestconfig, volume_backend, repro_dir, data):
+def test_kernel_matches_oracle_long(target, pytestconfig, volume_backend, repro_dir, bucket_selection, data):
     target = large_target(target, pytestconfig, "long")
-    draw_and_compare(target, volume_backend, repro_dir, data, "long")
+    draw_and_compare(target, volume_backend, repro_dir, data, bucket_selection, "long")
 
 
 @settings(
@@ -86,7 +89,7 @@ def test_kernel_matches_oracle_long(target, pytestconfig, volume_backend, repro_
 )
 @given(data=st.data())
 def test_kernel_matches_oracle_long_corner(
-    target, pytestconfig, volume_backend, repro_dir, long_corner, data
+    target, pytestconfig, volume_backend, repro_dir, bucket_selection, long_corner, data
 ):
     target = large_target(target, pytestconfig, "long", random=False)
-    draw_and_compare(target, volume_backend, repro_dir, data, "long", long_corner)
+    draw_and_compare(target, volume_backend, repro_dir, data, bucket_selection, "long", long_corner)

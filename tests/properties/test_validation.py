@@ -42,8 +42,12 @@ def pytest_generate_tests(metafunc):
 
 @settings(max_examples=EXAMPLES_PER_VARIANT)
 @given(data=st.data())
-def test_invalid_input_raises_specified_error(target, backend, repro_dir, rule, variant, data):
-    drawn = invalid_cases(target.capabilities, table=target.rules, rules=(rule,), variant=variant)
+def test_invalid_input_raises_specified_error(
+    target, backend, repro_dir, bucket_selection, rule, variant, data
+):
+    drawn = invalid_cases(
+        target.capabilities, table=target.rules, rules=(rule,), variant=variant, selection=bucket_selection
+    )
     invalid = data.draw(drawn, label="invalid case")
     arrays, options, message = invalid.inputs()
     fields = dict(case=invalid.case, expected_error=message, stage=invalid.stage)
@@ -53,8 +57,8 @@ def test_invalid_input_raises_specified_error(target, backend, repro_dir, rule, 
 
 
 @given(data=st.data())
-def test_valid_input_passes_validation(target, data):
-    case = data.draw(valid_cases(target.capabilities), label="case")
+def test_valid_input_passes_validation(target, bucket_selection, data):
+    case = data.draw(valid_cases(target.capabilities, selection=bucket_selection), label="case")
     runlog.record()  # no repro pair: a failure here is the validator rejecting a valid case, shown by pytest
     target.validate(case.arrays(), case.options())
 

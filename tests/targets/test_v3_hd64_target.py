@@ -29,8 +29,11 @@ from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.property_names import PropertyName
 from rpa_harness.recording import recorded
+from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
-from rpa_harness.strategies.valid import SINK_LOGITS, Capabilities, layouts, valid_cases
+from rpa_harness.strategies.options import SINK_LOGITS
+from rpa_harness.strategies.shapes import layouts
+from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import layouts as layout_converters
 from rpa_harness.targets import tpu_inference_v3 as v3target
 

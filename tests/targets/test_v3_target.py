@@ -38,8 +38,9 @@ from rpa_harness.property_names import PropertyName
 from rpa_harness.recording import recorded
 from rpa_harness.reference import compare, oracle
 from rpa_harness.reference.variants import contract_attention
+from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
-from rpa_harness.strategies.valid import Capabilities, valid_cases
+from rpa_harness.strategies.valid import valid_cases
 
 from tests.processes import run_python
 from tests.references import as_one_program

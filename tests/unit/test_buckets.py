@@ -12,23 +12,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, find, given, settings
-from rpa_harness.strategies.case import DTYPES
-from rpa_harness.strategies.valid import (
+from rpa_harness.strategies.buckets import (
     BUCKETS,
     DEFAULT_BUCKETS,
-    TUNED_KV_PAGES_PER_BLOCK,
-    TUNED_QUERIES_PER_BLOCK,
     BucketError,
-    Capabilities,
-    coverage_labels,
     drawn_buckets,
-    long_corner_of,
     long_corners,
-    page_bytes,
     parse_buckets,
-    select_buckets,
-    valid_cases,
 )
+from rpa_harness.strategies.capabilities import Capabilities
+from rpa_harness.strategies.case import DTYPES
+from rpa_harness.strategies.coverage import coverage_labels, long_corner_of
+from rpa_harness.strategies.options import TUNED_KV_PAGES_PER_BLOCK, TUNED_QUERIES_PER_BLOCK
+from rpa_harness.strategies.shapes import page_bytes, select_buckets
+from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import UPSTREAM_TARGET
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
@@ -50,30 +47,33 @@ def test_unknown_bucket_is_one_error_listing_the_known_ones():
 
 
 def test_selection_defaults_and_the_nightly_profile():
-    assert drawn_buckets(select_buckets(OUR_KERNEL, "")) == DEFAULT_BUCKETS
-    assert drawn_buckets(select_buckets(OUR_KERNEL, ""), large=True) == ()
+    default = select_buckets(OUR_KERNEL, "")
+    assert drawn_buckets(OUR_KERNEL, default) == DEFAULT_BUCKETS
+    assert drawn_buckets(OUR_KERNEL, default, large=True) == ()
     ci = select_buckets(OUR_KERNEL, "", profile="ci")
-    assert drawn_buckets(ci) == DEFAULT_BUCKETS and drawn_buckets(ci, large=True) == ("long",)
+    assert drawn_buckets(OUR_KERNEL, ci) == DEFAULT_BUCKETS and drawn_buckets(OUR_KERNEL, ci, large=True) == (
+        "long",
+    )
     nightly = select_buckets(OUR_KERNEL, "", profile="nightly")
-    assert drawn_buckets(nightly) == DEFAULT_BUCKETS
-    assert drawn_buckets(nightly, large=True) == ("long", "production")
+    assert drawn_buckets(OUR_KERNEL, nightly) == DEFAULT_BUCKETS
+    assert drawn_buckets(OUR_KERNEL, nightly, large=True) == ("long", "production")
     # A target that does not declare production keeps its buckets under the nightly profile.
-    assert drawn_buckets(select_buckets(UPSTREAM_KERNEL, "", profile="nightly"), large=True) == ("long",)
+    upstream_nightly = select_buckets(UPSTREAM_KERNEL, "", profile="nightly")
+    assert drawn_buckets(UPSTREAM_KERNEL, upstream_nightly, large=True) == ("long",)
 
 
 def test_selection_is_within_the_declared_buckets():
     medium = select_buckets(OUR_KERNEL, "medium,production")
-    assert drawn_buckets(medium) == ("medium",) and drawn_buckets(medium, large=True) == ("production",)
+    assert drawn_buckets(OUR_KERNEL, medium) == ("medium",)
+    assert drawn_buckets(OUR_KERNEL, medium, large=True) == ("production",)
     # Only large buckets selected: the other properties keep the default small ones.
-    assert drawn_buckets(SELECTED) == DEFAULT_BUCKETS
+    assert drawn_buckets(OUR_KERNEL, SELECTED) == DEFAULT_BUCKETS
     # Declared ones among several are kept; none declared is an error naming the declaration.
-    assert select_buckets(UPSTREAM_KERNEL, "small,production").bucket_selection == ("small",)
+    assert select_buckets(UPSTREAM_KERNEL, "small,production") == ("small",)
     with pytest.raises(
         BucketError, match=r"production: the target declares buckets tiny,small,long .* none of these"
     ):
         select_buckets(UPSTREAM_KERNEL, "production")
-    with pytest.raises(ValueError, match=r"draws buckets the target does not declare"):
-        Capabilities(bucket_selection=("production",))
 
 
 def test_production_needs_a_production_head_layout():
@@ -88,7 +88,7 @@ def test_large_draws_need_a_large_selection():
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=valid_cases(SELECTED, large=True))
+@given(case=valid_cases(OUR_KERNEL, large=True, selection=SELECTED))
 def test_production_cases_keep_the_budgets(case):
     q_lens, kv_lens = np.array(case.q_lens), np.array(case.kv_lens)
     assert (
@@ -114,7 +114,7 @@ def test_production_cases_keep_the_budgets(case):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=valid_cases(LONG_SELECTED, large="long"))
+@given(case=valid_cases(OUR_KERNEL, selection=LONG_SELECTED, large="long"))
 def test_long_cases_keep_the_budgets(case):
     q_lens, kv_lens = np.array(case.q_lens), np.array(case.kv_lens)
     assert case.kv_capacity == LONG.max_model_len and case.page_size in LONG.page_sizes
@@ -128,11 +128,13 @@ def test_long_cases_keep_the_budgets(case):
     assert (q_lens * kv_lens).sum() * case.num_q_heads <= LONG.max_work
 
 
-def _long(condition, capabilities=LONG_SELECTED):
+def _long(condition, capabilities=OUR_KERNEL):
     settings_ = settings(
         max_examples=2000, deadline=None, database=None, suppress_health_check=list(HealthCheck)
     )
-    return find(valid_cases(capabilities, large="long"), condition, settings=settings_)
+    return find(
+        valid_cases(capabilities, large="long", selection=LONG_SELECTED), condition, settings=settings_
+    )
 
 
 @pytest.mark.parametrize("boundary", LONG.boundaries)
@@ -153,15 +155,13 @@ def test_a_long_case_shrinks_to_one_short_decode():
 
 def test_long_draws_leave_block_sizes_to_the_kernel_only_where_declared():
     assert _long(lambda c: c.num_kv_pages_per_block is None).num_queries_per_block is None
-    expensive = select_buckets(
-        Capabilities(buckets=("tiny", "long"), min_page_size_for_long_default_blocks=256), "long"
-    )
+    expensive = Capabilities(buckets=("tiny", "long"), min_page_size_for_long_default_blocks=256)
     settings_ = settings(
         max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck)
     )
 
     @settings_
-    @given(case=valid_cases(expensive, large="long"))
+    @given(case=valid_cases(expensive, large="long", selection=("long",)))
     def blocks_given_below_the_page_size(case):
         assert case.page_size >= 256 or None not in (case.num_kv_pages_per_block, case.num_queries_per_block)
 
@@ -170,7 +170,7 @@ def test_long_draws_leave_block_sizes_to_the_kernel_only_where_declared():
 
 
 def test_the_long_corners_are_each_kind_of_query_on_each_side_of_each_boundary():
-    corners = long_corners(LONG_SELECTED)
+    corners = long_corners(OUR_KERNEL)
     assert len(set(corners)) == 8 == len({c.name for c in corners}) == len({c.label for c in corners})
     assert {(c.packed_queries, c.boundary, c.past) for c in corners} == {
         (packed, boundary, past)
@@ -180,23 +180,23 @@ def test_the_long_corners_are_each_kind_of_query_on_each_side_of_each_boundary()
     }
     for packed in (False, True):  # each kind of q dtype meets the kernel's block sizes and given ones
         assert {c.kernel_block_sizes for c in corners if c.packed_queries == packed} == {False, True}
-    float32_only = long_corners(
-        select_buckets(Capabilities(buckets=("tiny", "long"), q_dtypes=("float32",)), "long")
-    )
+    float32_only = long_corners(Capabilities(buckets=("tiny", "long"), q_dtypes=("float32",)))
     assert len(float32_only) == 4 and not any(c.packed_queries for c in float32_only)
-    needs_blocks = select_buckets(Capabilities(buckets=("tiny", "long"), needs_block_sizes=True), "long")
+    needs_blocks = Capabilities(buckets=("tiny", "long"), needs_block_sizes=True)
     own = next(c for c in long_corners(needs_blocks) if c.kernel_block_sizes)  # off a TPU generation: given
-    drawn = find(valid_cases(needs_blocks, large="long", long_corner=own), lambda c: True)
+    drawn = find(
+        valid_cases(needs_blocks, large="long", long_corner=own, selection=("long",)), lambda c: True
+    )
     assert drawn.num_kv_pages_per_block is not None and drawn.num_queries_per_block is not None
 
 
-@pytest.mark.parametrize("corner", long_corners(LONG_SELECTED), ids=lambda corner: corner.name)
+@pytest.mark.parametrize("corner", long_corners(OUR_KERNEL), ids=lambda corner: corner.name)
 def test_a_corner_draws_only_its_corner(corner):
     """Every case of a corner lies in it (its coverage label says so), the simplest one too: just up to the
     boundary (every query position below it), or one key past it (the last position on it)."""
 
     @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(case=valid_cases(LONG_SELECTED, large="long", long_corner=corner))
+    @given(case=valid_cases(OUR_KERNEL, selection=LONG_SELECTED, large="long", long_corner=corner))
     def in_the_corner(case):
         assert long_corner_of(case) == corner and f"long corner: {corner.label}" in coverage_labels(case)
         longest = max(case.kv_lens)
@@ -205,7 +205,7 @@ def test_a_corner_draws_only_its_corner(corner):
 
     boundary = corner.boundary
     in_the_corner()
-    smallest = find(valid_cases(LONG_SELECTED, large="long", long_corner=corner), lambda c: True,
+    smallest = find(valid_cases(OUR_KERNEL, selection=LONG_SELECTED, large="long", long_corner=corner), lambda c: True,
                     settings=settings(database=None, suppress_health_check=list(HealthCheck)))  # fmt: skip
     assert smallest.kv_lens == ((boundary + 1,) if corner.past else (boundary,)) and smallest.q_lens == (1,)
 
@@ -222,7 +222,7 @@ def _drawn_production_cases() -> tuple:
         deadline=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(case=valid_cases(SELECTED, large=True))
+    @given(case=valid_cases(OUR_KERNEL, large=True, selection=SELECTED))
     def collect(case):
         cases.append(case)
 

@@ -11,8 +11,9 @@ from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import check_differential
 from rpa_harness.kernel import pallas_rpa
 from rpa_harness.spec.interface import OPTION_NAMES
+from rpa_harness.strategies.capabilities import RUNTIME_OPTIONS
 from rpa_harness.strategies.case import Case
-from rpa_harness.strategies.valid import RUNTIME_OPTIONS, valid_case_groups
+from rpa_harness.strategies.valid import valid_case_groups
 from rpa_harness.targets import load
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL

@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from rpa_harness import kernel, reference
 from rpa_harness.reference.variants import contract_attention
 from rpa_harness.spec.interface import EXTENSION_NAMES, MASK_REPLACES, OPTION_NAMES, Options, check_extensions
+from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
-from rpa_harness.strategies.valid import SINK_LOGITS, Capabilities, valid_cases
+from rpa_harness.strategies.options import SINK_LOGITS
+from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
 

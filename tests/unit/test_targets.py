@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from rpa_harness import targets
 from rpa_harness.strategies import violations
-from rpa_harness.strategies.valid import Capabilities
+from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.targets import upstream as upstream_profile
 
 from tests.processes import run_python

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 from rpa_harness.strategies import violations as shared
-from rpa_harness.strategies.valid import make_config
+from rpa_harness.strategies.shapes import make_config
 from rpa_harness.strategies.violations import Rule
 from rpa_harness.targets.tpu_inference_v3 import messages
 

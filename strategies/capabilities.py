@@ -1,0 +1,123 @@
+"""What a target declares it supports (``Capabilities``): the strategies draw only inside it. A declaration,
+not a run's choice: which buckets a run draws is passed to the strategies apart (``selection``)."""
+
+import dataclasses
+
+from rpa_harness.spec.interface import (
+    MASK_ADDED,
+    MASK_VALUE_MEANINGS,
+)
+from rpa_harness.strategies.buckets import BUCKETS
+
+__all__ = [  # what an adapter imports (docs/targets.md)
+    "Capabilities",
+    "RUNTIME_OPTIONS",
+    "WHOLE_SPACE",
+]
+
+# The options a target may take at run time (Capabilities.runtime_options): the ones that only weigh numbers.
+RUNTIME_OPTIONS = ("sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a target supports; strategies draw only inside it. Defaults: the whole specified space."""
+
+    head_dims: tuple[int, ...] = (64, 128, 256)
+    page_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    q_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    kv_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+    num_kv_heads: tuple[int, ...] = (1, 2, 4, 8)
+    gqa_ratios: tuple[int, ...] = (1, 2, 3, 4, 8)
+    # Whether num_kv_heads must be even for 8-bit KV (upstream: combined heads must tile the packing).
+    even_kv_heads_for_fp8: bool = False
+    # Whether both block sizes must be given (upstream's default lookup needs a TPU).
+    needs_block_sizes: bool = False
+    # The smallest page size at which the long bucket may leave block sizes to the kernel (None); 0: any.
+    # For a kernel whose default KV block at long contexts is a fixed number of keys, copied page by page
+    # (each copy unrolled), small pages make one call take the interpreters minutes; below this page size
+    # the long bucket draws tuned block sizes (the small buckets still draw None).
+    min_page_size_for_long_default_blocks: int = 0
+    # Whether k_scale and v_scale must be given together when q's dtype differs from the KV dtype
+    # (upstream casts only the scaled side to q's dtype, then fails `assert k.dtype == v.dtype`).
+    paired_kv_scales_for_mixed_dtypes: bool = False
+    # Whether page_size must be a multiple of the KV dtype's values per 32-bit word (a cache that packs
+    # them: bfloat16 2, fp8 4); page sizes a KV dtype cannot use are not drawn with it.
+    page_size_multiple_of_kv_packing: bool = False
+    # Whether a live sequence may have q_len == 0 (a target may require 0 < q_len <= kv_len).
+    empty_sequences: bool = True
+    # What the target's mask_value means (rpa_harness.spec.interface.MASK_VALUE_MEANINGS): upstream adds it to
+    # a masked logit, a target may replace the logit with it. Cases carry the meaning (mask_value_meaning)
+    # so that the judges compute it.
+    mask_value_meaning: str = MASK_ADDED
+    # Whether the target takes q_scale (an extension option: a quantised query).
+    q_scale: bool = False
+    # Whether the target takes attention_sink (an extension option: one logit per q head that joins the
+    # softmax denominator with no value).
+    attention_sink: bool = False
+    # Whether the target takes each of these extension options (rpa_harness.spec.interface.Options says what
+    # each means): non-causal attention (use_causal_mask=False), an accumulator dtype (out_dtype), the KV
+    # mask skipped (skip_kv_mask, drawn with non-causal attention and whole-KV-block kv_lens), a chunked
+    # prefill kernel (chunk_prefill_size, drawn as the q_len of the first sequence after the decodes) and
+    # a cache that is read, not written (update_kv_cache=False).
+    non_causal: bool = False
+    out_dtype: bool = False
+    skip_kv_mask: bool = False
+    chunk_prefill_size: bool = False
+    update_kv_cache: bool = False
+    # Whether a K/V scale has upstream's meaning: the scaled cache is rounded to q's dtype. If not
+    # (a kernel may fold k_scale into the score scale and apply v_scale after P @ V, unrounded), no
+    # scale is drawn where that rounding is lossy, i.e. where the KV dtype is wider than q's.
+    kv_scales_round_to_q_dtype: bool = True
+    # The buckets the target can run (names of BUCKETS); a run draws those of them it selects
+    # (rpa_harness.strategies.shapes.select_buckets: --rpa-buckets, else the defaults).
+    buckets: tuple[str, ...] = ("tiny", "small")
+    # The backends (rpa_harness.backends names) the target is declared to run on; elsewhere its numeric
+    # properties are skipped as "cannot run" (declared). Any other error on valid input is a failure.
+    backends: tuple[str, ...] = ("interpret", "fast-interpret", "tpu")
+    # Opt-ins beyond the specified behaviour: the specification's stricter ValueErrors (the rules upstream
+    # asserts or accepts), and lowering to Mosaic on CPU.
+    strict_validation: bool = False
+    lowers_for_tpu: bool = False
+    # Options whose values the target takes at run time (calls differing only in them share a compilation;
+    # whether each is None may still be static). Not a narrowing: the cases of a whole-space group
+    # (valid_case_groups) vary these values, which costs a compilation per value where they are static.
+    runtime_options: tuple[str, ...] = ()
+    # The TPU generations whose code paths the kernel has (it asks which chip it is on while traced): the
+    # interpreters emulate them (rpa_harness.generations; names as jax's tpu_info.ChipVersion values,
+    # checked where the target is loaded). Empty: the kernel does not ask, a CPU device is enough.
+    tpu_generations: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        """Capabilities only narrow the specified space: each choice is a non-empty subset of the default
+        (buckets: of BUCKETS). Checked here, once, so that a typo is one clear error instead of a strategy
+        that draws nothing or a dtype no case can build."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, tuple) or field.name == "tpu_generations":  # jax knows the names
+                continue
+            allowed = {
+                "buckets": tuple(BUCKETS),
+                "runtime_options": RUNTIME_OPTIONS,
+            }.get(field.name, field.default)
+            unknown = [v for v in value if v not in allowed]
+            if unknown or (not value and field.name != "runtime_options"):
+                problem = (
+                    f"{unknown} not in the specified space" if unknown else "empty, so nothing can be drawn"
+                )
+                raise ValueError(
+                    f"Capabilities({field.name}={value!r}): {problem}; choose a non-empty subset of {allowed}."
+                )
+        if self.mask_value_meaning not in MASK_VALUE_MEANINGS:
+            raise ValueError(
+                f"Capabilities(mask_value_meaning={self.mask_value_meaning!r}): choose one of {MASK_VALUE_MEANINGS}."
+            )
+        fp8 = [d for d in self.kv_dtypes if d.startswith("float8")]
+        if self.even_kv_heads_for_fp8 and fp8 and not any(h % 2 == 0 for h in self.num_kv_heads):
+            raise ValueError(
+                f"Capabilities(num_kv_heads={self.num_kv_heads!r}, even_kv_heads_for_fp8=True, kv_dtypes "
+                f"{fp8}): no even num_kv_heads for the 8-bit KV dtypes; add one or drop those dtypes."
+            )
+
+
+WHOLE_SPACE = Capabilities()  # the default of every strategy: the whole specified space
