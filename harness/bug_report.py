@@ -23,7 +23,13 @@ from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, TPU, Backend
 from rpa_harness.generations import NONE
 from rpa_harness.property_names import DIFFERENTIAL
-from rpa_harness.report_sections import case_in_words, error_map_block, worst_element_table
+from rpa_harness.report_sections import (
+    case_in_words,
+    error_map_block,
+    found_by,
+    script_output,
+    worst_element_table,
+)
 from rpa_harness.run_settings import for_repro
 from rpa_harness.spec.interface import ARRAY_NAMES, EXTENSION_NAMES
 from rpa_harness.targets import Target, first_line_of_error, shipped_catalogue
@@ -354,20 +360,11 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
             verdict = "fails: the kernel disagrees with the reference"
         else:
             verdict = "fails with an exception (see the output)"
-        sections += [
-            "",
+        sections += script_output(
             f"Output of the script on the CPU of this report's environment (exit status {status}: {verdict}):",
-            "",
-            "```",
             output,
-            "```",
-        ]
-    sections += [
-        "",
-        "Found by rpa-harness (property-based differential testing of RPA kernels): "
-        f"`rpa-harness replay {_relative(path)}` re-runs the exact failing inputs.",
-    ]
-    return "\n".join(sections) + "\n"
+        )
+    return "\n".join(sections + found_by(_relative(path))) + "\n"
 
 
 def _backend_words(name: str) -> str:

@@ -56,3 +56,17 @@ def error_map_block(comparison) -> list[str]:
     if comparison.error_map is None:
         return []
     return ["", "```", comparison.error_map.render(indent=""), "```"]
+
+
+def script_output(heading: str, output: str) -> list[str]:
+    """The standalone script's output, under ``heading`` (which says where it ran and its verdict)."""
+    return ["", heading, "", "```", output, "```"]
+
+
+def found_by(shown_path: str) -> list[str]:
+    """The closing line: how the harness re-runs the exact failing inputs."""
+    return [
+        "",
+        "Found by rpa-harness (property-based differential testing of RPA kernels): "
+        f"`rpa-harness replay {shown_path}` re-runs the exact failing inputs.",
+    ]

@@ -105,27 +105,38 @@ class Verdict:
     known_finding: str | None  # the documented finding that explains the cache error exactly, if any
 
 
-def judge(arrays: dict, options: dict, backend: Backend = CHECKING, *, precision: tuple[str, ...]) -> Verdict:
-    """Runs v3 once on an upstream-style case and judges both outputs: the attention against the float64
-    oracle, the updated cache bit for bit. A cache error is attributed to a documented finding only when
-    the differing slots are exactly the ones the finding predicts and each still holds its input value."""
+def judged_call(
+    name: str, map_inputs, call, arrays: dict, options: dict, backend: Backend, *, precision
+) -> tuple[object, CacheMismatch | None, object]:
+    """One call of a v3-style kernel on ``backend`` (``map_inputs`` maps the upstream-style case, ``call``
+    runs it returning the attention and the updated cache), both outputs judged: (the attention's
+    comparison with the float64 oracle, the cache's mismatch or None, the mapped inputs)."""
     from rpa_harness import reference
 
-    inputs = v3_inputs(**arrays, **options)
-    out, cache = backend.run(call_v3, inputs)
+    inputs = map_inputs(**arrays, **options)
+    out, cache = backend.run(call, inputs)
     comparison = reference.compare(
-        out,
-        reference.oracle(**arrays, **options),
-        label=f"tpu-inference v3 on {backend.label}",
-        precision=precision,
+        out, reference.oracle(**arrays, **options), label=f"{name} on {backend.label}", precision=precision
     )
     try:
         check_updated_cache(inputs, cache)
     except CacheMismatch as error:
-        predicted = unwritten_by_sliding_window(inputs)
-        known = predicted.any() and np.array_equal(error.slots, predicted) and error.stale[predicted].all()
-        return Verdict(comparison, error, SLIDING_WINDOW_FINDING if known else None)
-    return Verdict(comparison, None, None)
+        return comparison, error, inputs
+    return comparison, None, inputs
+
+
+def judge(arrays: dict, options: dict, backend: Backend = CHECKING, *, precision: tuple[str, ...]) -> Verdict:
+    """Runs v3 once on an upstream-style case and judges both outputs: the attention against the float64
+    oracle, the updated cache bit for bit. A cache error is attributed to a documented finding only when
+    the differing slots are exactly the ones the finding predicts and each still holds its input value."""
+    comparison, error, inputs = judged_call(
+        "tpu-inference v3", v3_inputs, call_v3, arrays, options, backend, precision=precision
+    )
+    if error is None:
+        return Verdict(comparison, None, None)
+    predicted = unwritten_by_sliding_window(inputs)
+    known = predicted.any() and np.array_equal(error.slots, predicted) and error.stale[predicted].all()
+    return Verdict(comparison, error, SLIDING_WINDOW_FINDING if known else None)
 
 
 def checks_both_outputs(judge_outputs):

@@ -33,8 +33,14 @@ from rpa_harness import reference
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend, Deadlock
 from rpa_harness.generations import NONE
-from rpa_harness.property_names import DIFFERENTIAL
-from rpa_harness.report_sections import NothingToReport, case_in_words, error_map_block, worst_element_table
+from rpa_harness.report_sections import (
+    NothingToReport,
+    case_in_words,
+    error_map_block,
+    found_by,
+    script_output,
+    worst_element_table,
+)
 from rpa_harness.targets import first_line_of_error
 from rpa_harness.targets import tpu_inference_v3 as v3
 
@@ -57,7 +63,6 @@ class ReportedKernel:
     inputs: Callable  # (arrays, options of a repro) -> the target's inputs (``args``, ``kwargs``, ...)
     call: Callable  # inputs -> (attention, updated cache), on the caller's backend
     precision: tuple[str, ...]  # the target's precision contract
-    replay_program: str  # ``python -m PROGRAM REPRO.json`` replays its non-differential repros
     block_sizes_in_words: Callable  # inputs -> the report's line on the block sizes
     script_options: Callable  # inputs -> the keyword options the standalone script passes
     off_a_tpu: str  # what the chip line says of a case observed on a CPU device
@@ -512,12 +517,6 @@ def title(kernel: ReportedKernel, observation: Observation, issue) -> str:
     return f"{kernel.name} returns a wrong {' and '.join(wrong)}"
 
 
-def replay_command(kernel: ReportedKernel, path: str, repro: repro_files.Repro) -> str:
-    if repro.kind == DIFFERENTIAL:
-        return f"rpa-harness replay {path}"
-    return f"python -m {kernel.replay_program} {path}"
-
-
 def render(
     kernel: ReportedKernel,
     path,
@@ -541,7 +540,7 @@ def render(
             else "the attention is within the kernel's precision contract and its returned cache is right"
         )
         raise NothingToReport(f"{path}: it does not reproduce on {backend.label}: {what}; nothing to report "
-                              f"(replay it with `{replay_command(kernel, shown_path, repro)}`)")  # fmt: skip
+                              f"(replay it with `rpa-harness replay {shown_path}`)")  # fmt: skip
     heading = title(kernel, observation, issue)
     description = issue.description if issue is not None else heading.removeprefix(f"{kernel.name} ")
     program = script(kernel, observation.inputs, description, backend.generation)
@@ -600,20 +599,10 @@ def render(
         with tempfile.TemporaryDirectory(prefix="rpa-tpu-inference-report-") as directory:
             status, output = run_script(program, backend.name, backend.generation, directory)
         verdict = "reproduces" if status != 0 and REPRODUCES in output else "does not reproduce"
-        sections += [
-            "",
-            f"Output of the script on this report's machine (exit status {status}: {verdict}):",
-            "",
-            "```",
-            output,
-            "```",
-        ]
-    sections += [
-        "",
-        "Found by rpa-harness (property-based differential testing of RPA kernels): "
-        f"`{replay_command(kernel, shown_path, repro)}` re-runs the exact failing inputs.",
-    ]
-    return "\n".join(sections) + "\n"
+        sections += script_output(
+            f"Output of the script on this report's machine (exit status {status}: {verdict}):", output
+        )
+    return "\n".join(sections + found_by(shown_path)) + "\n"
 
 
 V3 = ReportedKernel(
@@ -633,7 +622,6 @@ V3 = ReportedKernel(
     inputs=v3.v3_inputs,
     call=v3.call_v3,
     precision=v3.RPA_HARNESS_PRECISION,
-    replay_program="rpa_harness.targets.tpu_inference_v3",
     block_sizes_in_words=v3_block_sizes_in_words,
     script_options=lambda inputs: inputs.kwargs,  # block sizes and VMEM limit as passed: None is v3's default
     off_a_tpu=(

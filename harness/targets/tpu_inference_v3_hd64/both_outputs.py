@@ -9,21 +9,10 @@ def judge(
 ) -> v3_judge.Verdict:
     """Runs the kernel once on ``backend`` (the checking TPU interpreter) and judges both outputs: the
     attention against the float64 oracle under the declared contract, the updated cache bit for bit."""
-    from rpa_harness import reference
-
-    inputs = hd64_inputs(**arrays, **options)
-    out, cache = backend.run(call_hd64, inputs)
-    comparison = reference.compare(
-        out,
-        reference.oracle(**arrays, **options),
-        label=f"tpu-inference v3 hd64 on {backend.label}",
-        precision=precision,
+    comparison, error, _ = v3_judge.judged_call(
+        "tpu-inference v3 hd64", hd64_inputs, call_hd64, arrays, options, backend, precision=precision
     )
-    try:
-        v3_judge.check_updated_cache(inputs, cache)
-    except v3_judge.CacheMismatch as error:
-        return v3_judge.Verdict(comparison, error, None)
-    return v3_judge.Verdict(comparison, None, None)
+    return v3_judge.Verdict(comparison, error, None)
 
 
 check_both_outputs = v3_judge.checks_both_outputs(judge)

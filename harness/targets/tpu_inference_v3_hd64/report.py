@@ -49,7 +49,6 @@ HD64 = v3_report.ReportedKernel(
     inputs=hd64.hd64_inputs,
     call=hd64.call_hd64,
     precision=hd64.RPA_HARNESS_PRECISION,
-    replay_program="rpa_harness.targets.tpu_inference_v3_hd64",
     block_sizes_in_words=block_sizes_in_words,
     script_options=script_options,
     off_a_tpu=(
