@@ -25,6 +25,7 @@ from rpa_harness.generations import NONE
 from rpa_harness.property_names import DIFFERENTIAL
 from rpa_harness.report_sections import (
     case_in_words,
+    environment,
     error_map_block,
     found_by,
     script_output,
@@ -302,14 +303,13 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
         title = f"`{function}` raises on valid inputs: {observation.error[:100]}"
     else:
         title = f"`{function}` returns wrong output (error {observation.comparison.worst.error:.3g})"
-    versions = repro.versions or repro_files.versions()
     program = script(repro, target.name, backend.name, needs_compat, generation=backend.generation)
     sections = [
         f"# {title}",
         "",
         "## Environment",
         "",
-        *(f"- {name} {version}" for name, version in versions.items()),
+        *environment(repro.versions),
         f"- ml_dtypes {ml_dtypes.__version__}",
         f"- run on: {_backend_words(backend.name)}"
         + (

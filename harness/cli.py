@@ -526,7 +526,16 @@ def main(argv=None) -> int:
         print(error, file=sys.stderr)
         return USAGE
     os.environ.update(backends.faster_cpu_compilation(os.environ))  # before the first computation
+    if args.command in ("replay", "report"):
+        import_from_the_current_folder()
     return {"replay": replay, "run": run, "report": report}[args.command](args)
+
+
+def import_from_the_current_folder() -> None:
+    """A repro names its target module as ``rpa-harness run`` imported it, from the folder it ran in (pytest
+    puts that folder on the path); ``python -m`` does so too, a console script does not."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 if __name__ == "__main__":

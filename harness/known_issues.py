@@ -74,6 +74,9 @@ class KnownIssue:
     # maintainer's words (Markdown); empty where the report's facts speak for themselves.
     explanation: str = ""
 
+    def __repr__(self) -> str:  # one line where Hypothesis and pytest print it (a parameter of a property)
+        return f"KnownIssue({self.name!r})"
+
     def avoid(self, case: Case) -> Case:
         """The case itself, or the nearest case outside the issue (counted in the run log)."""
         if not self.matches(case):

@@ -58,6 +58,22 @@ def error_map_block(comparison) -> list[str]:
     return ["", "```", comparison.error_map.render(indent=""), "```"]
 
 
+def environment(recorded: dict, *, leave_out: tuple[str, ...] = ()) -> list[str]:
+    """The versions this report ran with (its values and script output are of this environment), and the
+    ones the repro was recorded with where they differ."""
+    current = {name: version for name, version in repro_files.versions().items() if name not in leave_out}
+    lines = [f"- {name} {version}" for name, version in current.items()]
+    differing = {
+        name: version for name, version in recorded.items() if name in current and current[name] != version
+    }
+    if differing:
+        lines.append(
+            "- the repro was recorded with "
+            + ", ".join(f"{name} {version}" for name, version in differing.items())
+        )
+    return lines
+
+
 def script_output(heading: str, output: str) -> list[str]:
     """The standalone script's output, under ``heading`` (which says where it ran and its verdict)."""
     return ["", heading, "", "```", output, "```"]

@@ -161,6 +161,19 @@ def parse_buckets(text: str) -> tuple[str, ...]:
     return names
 
 
+def why_not_drawn(capabilities: "Capabilities", selection: tuple[str, ...] | None, bucket: str) -> str | None:
+    """Why a run does not draw ``bucket``, in words that say what to do; None when it does."""
+    if bucket not in capabilities.buckets:
+        return (
+            f"the target does not declare the {bucket} bucket (its Capabilities.buckets: "
+            f"{', '.join(capabilities.buckets)}); declare it in RPA_HARNESS_CAPABILITIES, buckets=(..., "
+            f"{bucket!r}), where the kernel runs such shapes (a module without a declaration gets tiny and small)"
+        )
+    if bucket not in drawn_buckets(capabilities, selection, large=bucket in LARGE_BUCKETS):
+        return f"the {bucket} bucket is not selected (--rpa-buckets={bucket}, or a profile's default)"
+    return None
+
+
 def drawn_buckets(
     capabilities: "Capabilities", selection: tuple[str, ...] | None = None, *, large: bool = False
 ) -> tuple[str, ...]:

@@ -38,6 +38,7 @@ import importlib.metadata
 import importlib.util
 import json
 import sys
+import traceback
 import types
 import urllib.parse
 from collections.abc import Callable
@@ -102,6 +103,9 @@ class Target:
     properties: dict = dataclasses.field(
         default_factory=dict
     )  # kind -> check(target, backend, arrays, options)
+
+    def __repr__(self) -> str:  # one line where Hypothesis prints a failing example's arguments
+        return f"Target({self.name!r})"
 
     def attention(self, arrays: dict, options: dict):
         """Calls the target's kernel on NumPy inputs (converted to jax arrays, as users call it)."""
@@ -306,6 +310,15 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
 
 
 def first_line_of_error(error: BaseException) -> str:
-    """The real exception behind a JaxRuntimeError is on the last line of its embedded traceback."""
+    """The real exception behind a JaxRuntimeError is on the last line of its embedded traceback. An
+    exception without a message (a bare ``assert``) says where it was raised instead."""
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
+    if lines:
+        return f"{type(error).__name__}: {lines[-1]}"[:300]
+    frames = traceback.extract_tb(error.__traceback__)
+    where = (
+        f" (raised at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})"
+        if frames
+        else ""
+    )
+    return f"{type(error).__name__}{where}"[:300]

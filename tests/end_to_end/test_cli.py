@@ -3,11 +3,16 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from rpa_harness import backends, bug_report, cli, reference
+from rpa_harness import repro as repro_files
 from rpa_harness.plugin import settings_of
 from rpa_harness.reference import parse_precision
+from rpa_harness.strategies.case import Case
 
 from tests.processes import run_python, without_checkout_names
 
@@ -283,3 +288,24 @@ def test_the_summary_says_how_close_each_property_came_to_its_bound(tmp_path):
     text = cli.summary(junit, examples + [{"test": test, "labels": []}])
     assert "error/bound: max 0.9 (q bfloat16, kv bfloat16), median 0.1 of 3 cases" in text, text
     assert "error/bound" not in cli.summary(junit, [{"test": test, "labels": []}])
+
+
+def test_the_console_script_replays_a_repro_of_a_module_in_the_current_folder(tmp_path):
+    """``rpa-harness run --target mymod`` from mymod's folder records target ``mymod``; the replay command it
+    prints then works from the same folder, as ``python -m`` would, without PYTHONPATH."""
+    (tmp_path / "mymod.py").write_text(
+        "from rpa_harness.kernel import dynamic_validate_inputs, ragged_paged_attention  # noqa: F401\n"
+    )
+    case = Case(max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=2, total_num_pages=4, page_size=4,
+                num_q_heads=2, num_kv_heads=1, head_dim=64, q_lens=(2,), kv_lens=(5,))  # fmt: skip
+    path = repro_files.write(
+        repro_files.Repro("differential[fast-interpret]", "mymod", "fast-interpret", case.arrays(), case.options(),
+                          case=case),
+        tmp_path,
+    )  # fmt: skip
+    script = Path(sys.executable).with_name("rpa-harness")
+    result = subprocess.run([str(script), "replay", path.name], cwd=tmp_path, capture_output=True, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=600)  # fmt: skip
+    assert result.returncode == 0 and "passes now" in result.stdout, (
+        result.stdout[-2000:] + result.stderr[-2000:]
+    )

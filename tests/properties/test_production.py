@@ -29,7 +29,7 @@ from rpa_harness.plugin import settings_of
 from rpa_harness.properties.budget import LONG_CORNER_EXAMPLES, LONG_EXAMPLES, PRODUCTION_EXAMPLES
 from rpa_harness.property_names import DIFFERENTIAL, PropertyName
 from rpa_harness.recording import recorded
-from rpa_harness.strategies.buckets import drawn_buckets, is_packed, long_corners
+from rpa_harness.strategies.buckets import is_packed, long_corners, why_not_drawn
 from rpa_harness.strategies.valid import valid_cases
 
 
@@ -48,8 +48,9 @@ def large_target(target, pytestconfig, bucket: str, *, random: bool = True):
         pytest.skip(
             "the ci profile draws the long bucket's corners only (..._long_corner); nightly adds these"
         )
-    if bucket not in drawn_buckets(target.capabilities, settings_of(pytestconfig).buckets, large=True):
-        pytest.skip(f"the {bucket} bucket is not selected (--rpa-buckets={bucket}, or a profile's default)")
+    why = why_not_drawn(target.capabilities, settings_of(pytestconfig).buckets, bucket)
+    if why is not None:
+        pytest.skip(why)
     return target
 
 

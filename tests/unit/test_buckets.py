@@ -19,6 +19,7 @@ from rpa_harness.strategies.buckets import (
     drawn_buckets,
     long_corners,
     parse_buckets,
+    why_not_drawn,
 )
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import DTYPES
@@ -318,3 +319,10 @@ def test_production_examples_never_run_under_the_ci_profile(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "passed" not in run.stdout and "never run under the ci profile" in run.stdout, run.stdout
     assert "the long bucket is not selected" in run.stdout, run.stdout
+
+
+def test_a_bucket_not_drawn_says_whether_it_is_undeclared_or_unselected():
+    undeclared = why_not_drawn(Capabilities(), ("small", "long"), "long")
+    assert "does not declare the long bucket" in undeclared and "buckets=(..., 'long')" in undeclared
+    assert "is not selected" in why_not_drawn(OUR_KERNEL, ("small",), "long")
+    assert why_not_drawn(OUR_KERNEL, ("small", "long"), "long") is None

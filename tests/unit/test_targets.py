@@ -143,3 +143,25 @@ def test_each_shipped_target_loads_by_its_name_and_its_aliases(shipped):
     assert loaded.version and [targets.load(alias).name for alias in shipped.aliases] == [loaded.name] * len(
         shipped.aliases
     )
+
+
+def test_a_target_and_a_known_issue_print_as_one_short_line():
+    """Hypothesis prints a failing example's arguments, the target and a known issue among them: their whole
+    profile (every issue's explanation) once made a failure hundreds of lines long."""
+    target = targets.load(targets.UPSTREAM_TARGET)
+    assert repr(target) == f"Target({targets.UPSTREAM_TARGET!r})"
+    assert [repr(issue) for issue in target.known_issues[:1]] == [
+        f"KnownIssue({target.known_issues[0].name!r})"
+    ]
+
+
+def test_an_exception_without_a_message_says_where_it_was_raised():
+    def kernel_body():
+        raise AssertionError  # a bare assert in a kernel (pytest rewrites this module's asserts)
+
+    try:
+        kernel_body()
+    except AssertionError as error:
+        said = targets.first_line_of_error(error)
+    assert re.fullmatch(r"AssertionError \(raised at test_targets\.py:\d+ in kernel_body\)", said), said
+    assert targets.first_line_of_error(ValueError("first\nsecond")) == "ValueError: second"

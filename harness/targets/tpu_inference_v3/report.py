@@ -36,6 +36,7 @@ from rpa_harness.generations import NONE
 from rpa_harness.report_sections import (
     NothingToReport,
     case_in_words,
+    environment,
     error_map_block,
     found_by,
     script_output,
@@ -545,7 +546,6 @@ def render(
     description = issue.description if issue is not None else heading.removeprefix(f"{kernel.name} ")
     program = script(kernel, observation.inputs, description, backend.generation)
     data = "random (seed 0)" if embedded_inputs(observation.inputs) is None else "the case's own"
-    versions = repro_files.versions()
     interpreter = {INTERPRET: "the Pallas TPU interpreter", FAST_INTERPRET: "the generic Pallas interpreter"}
     sections = [
         f"# {heading}",
@@ -553,7 +553,7 @@ def render(
         "## Environment",
         "",
         f"- {v3.RPA_HARNESS_VERSION} (`{kernel.qualified_function}`, installed with `{v3.INSTALL_COMMAND}`)",
-        *(f"- {name} {version}" for name, version in versions.items() if name != "hypothesis"),
+        *environment(repro.versions, leave_out=("hypothesis",)),
         f"- chip: {chip_words(kernel, backend.generation)}",
         f"- observed on: {interpreter.get(backend.name, 'a TPU')}"
         + (
