@@ -9,6 +9,7 @@ behind a branch the shrinker can turn off.
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 from hypothesis import event, reject
@@ -125,7 +126,7 @@ def long_corners(capabilities: "Capabilities", bucket: LongBucket = LongBucket()
     that each kind of q dtype meets both (the kernel's own where it chooses them on the backend: a kernel
     that needs block sizes off a TPU generation gets given ones there)."""
     kinds = [packed for packed in (False, True) if any(is_packed(d) == packed for d in capabilities.q_dtypes)]
-    corners = []
+    corners: list[LongCorner] = []
     for packed in kinds:
         for boundary in bucket.boundaries:
             for past in (False, True):
@@ -133,12 +134,14 @@ def long_corners(capabilities: "Capabilities", bucket: LongBucket = LongBucket()
     return tuple(corners)
 
 
-BUCKETS = {
+LONG_BUCKET = LongBucket()
+PRODUCTION_BUCKET = ProductionBucket()
+BUCKETS: dict[str, Bucket | LongBucket | ProductionBucket] = {
     "tiny": Bucket(max_num_batched_tokens=8, max_num_seqs=2, max_kv_len=32),
     "small": Bucket(max_num_batched_tokens=32, max_num_seqs=4, max_kv_len=96),
     "medium": Bucket(max_num_batched_tokens=128, max_num_seqs=8, max_kv_len=512),
-    "long": LongBucket(),
-    "production": ProductionBucket(),
+    "long": LONG_BUCKET,
+    "production": PRODUCTION_BUCKET,
 }
 # Drawn when no selection is made (--rpa-buckets / RPA_BUCKETS), with PROFILE_BUCKETS of the profile.
 DEFAULT_BUCKETS = ("tiny", "small")
@@ -175,7 +178,7 @@ def select_buckets(capabilities: "Capabilities", text: str, *, profile: str | No
     """
     names = parse_buckets(text)
     if not names:
-        defaults = DEFAULT_BUCKETS + PROFILE_BUCKETS.get(profile, ())
+        defaults = DEFAULT_BUCKETS + (PROFILE_BUCKETS.get(profile, ()) if profile is not None else ())
         chosen = tuple(name for name in defaults if name in capabilities.buckets)
         return dataclasses.replace(capabilities, bucket_selection=chosen or None)
     chosen = tuple(name for name in names if name in capabilities.buckets)
@@ -185,10 +188,11 @@ def select_buckets(capabilities: "Capabilities", text: str, *, profile: str | No
             "(Capabilities.buckets) and none of these; choose among the declared ones"
         )
     for name in chosen:
-        if isinstance(BUCKETS[name], ProductionBucket):
-            check_production_space(capabilities, BUCKETS[name])
-        if isinstance(BUCKETS[name], LongBucket):
-            check_long_space(capabilities, BUCKETS[name])
+        bucket = BUCKETS[name]
+        if isinstance(bucket, ProductionBucket):
+            check_production_space(capabilities, bucket)
+        if isinstance(bucket, LongBucket):
+            check_long_space(capabilities, bucket)
     return dataclasses.replace(capabilities, bucket_selection=chosen)
 
 
@@ -353,8 +357,10 @@ def optional(values) -> st.SearchStrategy:
 def make_config(
     bucket: str, page_size: int, num_kv_heads: int, gqa_ratio: int, head_dim: int, q_dtype: str, kv_dtype: str
 ) -> dict:
-    """The static Case fields for a bucket and head layout."""
+    """The static Case fields for a small bucket and head layout (a large bucket's are drawn per example:
+    ``production_configs``, ``long_configs``)."""
     capacity = BUCKETS[bucket]
+    assert isinstance(capacity, Bucket), f"{bucket!r} is a large bucket: its configs are drawn"
     pages_per_seq = math.ceil(capacity.max_kv_len / page_size) + 1  # one page more than the longest needs
     return dict(
         max_num_batched_tokens=capacity.max_num_batched_tokens,
@@ -403,10 +409,11 @@ def static_configs(draw, capabilities: Capabilities = WHOLE_SPACE, *, buckets=No
 def bucketed_configs(draw, capabilities: Capabilities = WHOLE_SPACE, *, buckets=None) -> tuple[str, dict]:
     """(bucket name, static config): see ``static_configs``."""
     bucket = draw(st.sampled_from(buckets or drawn_buckets(capabilities)))
-    if isinstance(BUCKETS[bucket], ProductionBucket):
-        return bucket, draw(production_configs(capabilities, BUCKETS[bucket]))
-    if isinstance(BUCKETS[bucket], LongBucket):
-        return bucket, draw(long_configs(capabilities, BUCKETS[bucket]))
+    capacity = BUCKETS[bucket]
+    if isinstance(capacity, ProductionBucket):
+        return bucket, draw(production_configs(capabilities, capacity))
+    if isinstance(capacity, LongBucket):
+        return bucket, draw(long_configs(capabilities, capacity))
     page_size = draw(
         st.sampled_from([p for p in _small_page_sizes(capabilities) if _kv_dtypes_for(capabilities, p)])
     )
@@ -588,7 +595,8 @@ def long_layouts(
     rows_left, pages_left = config["max_num_batched_tokens"], config["total_num_pages"]
     work_left = bucket.max_work // config["num_q_heads"]  # sum of q_len * kv_len
     near = st.sampled_from((None, *(b for b in bucket.boundaries if b < capacity), capacity))
-    q_lens, kv_lens = [], []
+    q_lens: list[int] = []
+    kv_lens: list[int] = []
     for _ in range(draw(st.integers(1, config["max_num_seqs"]))):
         longest = min(capacity, pages_left * config["page_size"])
         if rows_left == 0 or longest == 0 or work_left == 0:
@@ -658,7 +666,7 @@ def production_block_sizes(
 # A fixed pool of compiled configurations (static config + options) that together touch every feature.
 # Properties that need volume draw from it, so that hundreds of ragged layouts reuse a few compiled
 # kernels; the first entry is the simplest and is what shrinking moves toward.
-POOL = (
+POOL: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = (
     (dict(bucket="tiny", page_size=16, num_kv_heads=1, gqa_ratio=1, head_dim=64, q_dtype="float32",
           kv_dtype="float32"), {}),
     (dict(bucket="small", page_size=8, num_kv_heads=2, gqa_ratio=4, head_dim=128, q_dtype="float32",
@@ -1028,7 +1036,7 @@ def valid_cases(
         if long_corner is None:
             name, config = draw(bucketed_configs(capabilities, buckets=large_buckets or None))
         else:
-            name, config = "long", draw(long_configs(capabilities, BUCKETS["long"], long_corner))
+            name, config = "long", draw(long_configs(capabilities, LONG_BUCKET, long_corner))
         bucket = BUCKETS[name]
         opts = draw(options(config, capabilities)) if with_options else {}
         if long_corner is not None and long_corner.leaves_blocks_to_the_kernel(capabilities):
@@ -1143,7 +1151,7 @@ def coverage_labels(case: Case) -> list[str]:
     if case.num_tokens < case.max_num_batched_tokens:
         labels.append("padding rows")
     labels.append(f"values: {case.values}")
-    production = BUCKETS["production"]
+    production = PRODUCTION_BUCKET
     if case.max_num_seqs in production.seq_slots and case.max_num_batched_tokens in production.token_budgets:
         labels.append(
             f"production shape: T={case.max_num_batched_tokens} seqs={case.num_seqs}/{case.max_num_seqs} "
@@ -1153,7 +1161,7 @@ def coverage_labels(case: Case) -> list[str]:
         )
     if (corner := long_corner_of(case)) is not None:
         labels.append(f"long corner: {corner.label}")
-    for boundary in BUCKETS["long"].boundaries:
+    for boundary in LONG_BUCKET.boundaries:
         if any(kv > boundary for kv in case.kv_lens):
             labels.append(f"context past 2^{boundary.bit_length() - 1} keys")
         if any(kv - q < boundary < kv for q, kv in zip(q, kv, strict=True)):
@@ -1165,7 +1173,7 @@ def long_corner_of(case: Case) -> LongCorner | None:
     """The long-bucket corner ``case`` lies in (its longest context within two keys up to a boundary, or
     past it by at most the token budget plus one), or None."""
     longest = max(case.kv_lens, default=0)
-    for boundary in BUCKETS["long"].boundaries:
+    for boundary in LONG_BUCKET.boundaries:
         if boundary - 2 <= longest <= boundary + case.max_num_batched_tokens + 1:
             own = case.num_kv_pages_per_block is None and case.num_queries_per_block is None
             return LongCorner(is_packed(case.q_dtype), boundary, longest > boundary, own)
