@@ -170,7 +170,7 @@ def _distribution_holding(package: types.ModuleType | None) -> importlib.metadat
     ``tests`` package), and a checkout's own folder of that name is not theirs.
     """
     where = getattr(package, "__file__", None)
-    if where is None:
+    if package is None or where is None:
         return None
     origin = Path(where).resolve()
     if origin.name == "__init__.py":
@@ -178,7 +178,7 @@ def _distribution_holding(package: types.ModuleType | None) -> importlib.metadat
     names = dict.fromkeys(importlib.metadata.packages_distributions().get(package.__name__, []))
     # Every installed copy of each (a checkout's egg-info is found before the environment's dist-info).
     for distribution in (found for name in names for found in importlib.metadata.distributions(name=name)):
-        installed = Path(distribution.locate_file(package.__name__)).resolve()
+        installed = Path(str(distribution.locate_file(package.__name__))).resolve()
         if origin in (installed, installed.with_suffix(".py")):
             return distribution
         source = json.loads(distribution.read_text("direct_url.json") or "{}")  # an editable install
