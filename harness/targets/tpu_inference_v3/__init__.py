@@ -29,7 +29,7 @@ from importlib.metadata import version as _version
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rpa_harness import generations
+from rpa_harness import generations, reference
 from rpa_harness.backends import INTERPRET, Backend, Deadlock
 from rpa_harness.checks import PropertyFailure, RaisedOnValidInput, numeric_failure
 from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES
@@ -110,15 +110,22 @@ RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype",)
 
 
 @dataclasses.dataclass(frozen=True)
-class V3Inputs:
-    """One upstream-style call in v3's terms, and the cache v3 must return."""
+class KernelInputs:
+    """One upstream-style call in the terms of one of tpu-inference's v3 kernels, and the cache the kernel
+    must return: what ``check_updated_cache`` reads (``V3Inputs``, the hd64 target's ``Hd64Inputs``)."""
 
     args: tuple  # queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution (NumPy)
-    kwargs: dict  # keyword options for v3
+    kwargs: dict  # keyword options for the kernel
     expected_cache: np.ndarray  # the packed cache with every live key and value in place
     new_slots: np.ndarray  # bool [pages, page_size]: the slots v3 writes (positions [kv_len - q_len, kv_len))
     slot_owner: np.ndarray  # int [pages, page_size]: sequence whose page holds the slot, -1 for none
     slot_position: np.ndarray  # int [pages, page_size]: the key position of the slot in its sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class V3Inputs(KernelInputs):
+    """One upstream-style call in v3's terms, and the cache v3 must return."""
+
     # (bq, bkv, bq_chunk, bkv_chunk) of v3's decode and mixed kernels: the ones passed, or where the
     # target leaves them to v3 (None in kwargs), the ones v3 chooses for the chip.
     decode_block_sizes: tuple[int, int, int, int]
@@ -141,7 +148,9 @@ def block_sizes(tokens_per_block: int, chunk_unit: int) -> tuple[int, int]:
     return tokens_per_block, (units // 2 if units > 0 and units % 2 == 0 else units) * chunk_unit
 
 
-def given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq: int):
+def given_block_options(
+    num_queries_per_block: int | None, num_kv_pages_per_block: int | None, pages_per_seq: int
+) -> tuple[int, int] | None:
     """``(query rows, KV pages)`` per block to pass to a v3 kernel, or None where it chooses its own: on a
     TPU generation (real or emulated) with neither given. Off one, the target's defaults fill what is not
     given (8 rows, 2 pages): the kernels' tuned tables need a chip."""
@@ -201,7 +210,9 @@ def shared_kv_inputs(tokens, kv_pages):
     return unused, kv_pages
 
 
-def v3_default_block_sizes(q, kv_cache, num_kv_heads: int, max_num_seqs: int, pages_per_seq: int, case):
+def v3_default_block_sizes(
+    q, kv_cache, num_kv_heads: int, max_num_seqs: int, pages_per_seq: int, case
+) -> tuple[int, int, int, int]:
     """(bq, bkv, bq_chunk, bkv_chunk) that v3 chooses for its ``case`` kernel (``RpaCase.DECODE`` or
     ``MIXED``) on the chip it sees (its ``get_default_block_sizes``, called with the arguments v3 passes)."""
     sizes = v3.get_default_block_sizes(
@@ -291,14 +302,12 @@ def v3_inputs(
         tokens, cache = shared_kv_inputs(tokens, kv_pages)
         packed_cache = layouts.pack_cache(cache)
     given = given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
-    own_defaults = given is None
-    if own_defaults:
-        passed = decode_sizes = mixed_sizes = None  # v3's defaults for the chip, known once it validated
-    else:
+    passed: tuple[int, int, int, int] | None = None  # None: v3's own for the chip, known once it validated
+    if given is not None:
         bq, bkv_pages = given
         bq, bq_chunk = block_sizes(bq, 1)
         bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
-        passed = decode_sizes = mixed_sizes = (bq, bkv, bq_chunk, bkv_chunk)
+        passed = (bq, bkv, bq_chunk, bkv_chunk)
     kwargs = dict(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
@@ -327,7 +336,7 @@ def v3_inputs(
         num_seqs,
         chunk_prefill_size=chunk_prefill_size,
     )
-    if own_defaults:
+    if passed is None:
         # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,
         # not an assertion of the sizing helpers. (Its prefill kernel's defaults are its mixed kernel's:
         # get_default_block_sizes tells only the decode case apart.)
@@ -336,6 +345,8 @@ def v3_inputs(
             v3_default_block_sizes(q, packed_cache, tokens.keys.shape[1], len(kv_lens), pages_per_seq, case)
             for case in (v3.RpaCase.DECODE, v3.RpaCase.MIXED)
         )
+    else:
+        decode_sizes = mixed_sizes = passed
     expected_cache = layouts.pack_cache(kv_pages)
     return V3Inputs(
         args,
@@ -432,7 +443,7 @@ class CacheMismatch(PropertyFailure):
         self.slots, self.stale = slots, stale
 
 
-def check_updated_cache(inputs: V3Inputs, updated_cache) -> None:
+def check_updated_cache(inputs: KernelInputs, updated_cache) -> None:
     """The returned cache equals the expected one bit for bit: every new token written to its slot, and
     no other page, slot, padded head or padded dim changed (NaN payloads included)."""
     actual, expected = np.asarray(updated_cache), inputs.expected_cache
@@ -485,7 +496,7 @@ ATTENTION_AND_CACHE, HANG = "v3-attention-and-cache", "v3-hang"
 class Verdict:
     """Both outputs of one v3 call, judged."""
 
-    comparison: object  # reference.compare(...) of the attention with the float64 oracle
+    comparison: reference.Comparison  # of the attention with the float64 oracle
     cache_error: CacheMismatch | None  # None: the updated cache is the expected one, bit for bit
     known_finding: str | None  # the documented finding that explains the cache error exactly, if any
 
@@ -496,8 +507,6 @@ def judge(
     """Runs v3 once on an upstream-style case and judges both outputs: the attention against the float64
     oracle, the updated cache bit for bit. A cache error is attributed to a documented finding only when
     the differing slots are exactly the ones the finding predicts and each still holds its input value."""
-    from rpa_harness import reference
-
     inputs = v3_inputs(**arrays, **options)
     out, cache = backend.run(call_v3, inputs)
     comparison = reference.compare(
@@ -510,7 +519,13 @@ def judge(
         check_updated_cache(inputs, cache)
     except CacheMismatch as error:
         predicted = unwritten_by_sliding_window(inputs)
-        known = predicted.any() and np.array_equal(error.slots, predicted) and error.stale[predicted].all()
+        known = (
+            error.slots is not None  # None: the cache's shape or dtype differs
+            and error.stale is not None
+            and predicted.any()
+            and np.array_equal(error.slots, predicted)
+            and error.stale[predicted].all()
+        )
         return Verdict(comparison, error, SLIDING_WINDOW_FINDING if known else None)
     return Verdict(comparison, None, None)
 
