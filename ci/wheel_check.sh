@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The harness as a kernel developer gets it: build the wheel, install it in a fresh virtual environment, and
 # from a folder outside this repo run `rpa-harness run` against a kernel module written there (it must pass)
-# and against a broken one (it must fail). A packaging regression (a module left out of the wheel, the plugin
-# not registered, a path into the checkout) fails here.
+# and against a broken one (it must fail), then type-check the installed package with mypy (the dev extra's,
+# configured in pyproject.toml). A packaging regression (a module left out of the wheel, the plugin not
+# registered, a path into the checkout, the py.typed marker missing) fails here.
 #   usage: bash ci/wheel_check.sh PYTHON
 set -euo pipefail
 python=${1:-python3}
@@ -24,7 +25,8 @@ generic = [name for name in top if not name.startswith("rpa_harness")]
 if generic:
     sys.exit(f"the wheel installs top-level names other than rpa_harness: {generic}")
 for required in ("rpa_harness/plugin.py", "rpa_harness/properties/test_differential.py",
-                 "rpa_harness/kernel/pallas_rpa.py", "rpa_harness/findings/upstream-findings/README.md"):
+                 "rpa_harness/kernel/pallas_rpa.py", "rpa_harness/findings/upstream-findings/README.md",
+                 "rpa_harness/py.typed"):
     if required not in names:
         sys.exit(f"the wheel lacks {required}")
 PY
@@ -66,4 +68,9 @@ if [ "$code" -ne 1 ] || ! ls repros-broken/*.json >/dev/null 2>&1; then
   echo "wheel check: the broken kernel gave exit $code (expected 1, with a repro in repros-broken/)" >&2
   exit 1
 fi
+echo "=== wheel check: mypy -p rpa_harness on the installed package"
+# After the runs, so that they see the wheel as a user installs it. mypy reads the package from the venv's
+# site-packages (a typed package: its py.typed), not from this checkout, whose folders it cannot map.
+"$work/venv/bin/python" -m pip install -q "$wheel[dev]"
+"$work/venv/bin/mypy" --config-file "$repo/pyproject.toml" -p rpa_harness
 echo "=== wheel check passed in $((SECONDS - started)) s (the broken kernel failed with exit 1 and left $(ls repros-broken/*.json | wc -l) repro(s))"

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -202,9 +203,9 @@ def count_compilations() -> None:
         return
     _compilation_stats = collections.Counter()
 
-    def on_duration(event, seconds, **_):
+    def on_duration(event, duration_secs, **_):  # jax's listener protocol names the parameters
         if event in _COMPILE_EVENTS:
-            _compilation_stats[_COMPILE_EVENTS[event]] += seconds
+            _compilation_stats[_COMPILE_EVENTS[event]] += duration_secs
             if event == "/jax/core/compile/backend_compile_duration":
                 _compilation_stats["compilations"] += 1
 
@@ -244,7 +245,7 @@ def checking_interpret_params() -> pltpu.InterpretParams:
     jax >= 0.11 raises a race inside the interpreter's callback when ``on_race="raise"``; jax 0.10 has no
     ``on_race`` and only sets ``races.races_found``, which ``Backend.run`` reads after the call.
     """
-    options = dict(CHECKING_INTERPRET_PARAMS)
+    options: dict[str, Any] = dict(CHECKING_INTERPRET_PARAMS)
     if "on_race" in {field.name for field in dataclasses.fields(pltpu.InterpretParams)}:
         options["on_race"] = "raise"
     return pltpu.InterpretParams(**options)

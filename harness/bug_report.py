@@ -92,9 +92,11 @@ def expected_vs_actual(observation: Observation) -> list[str]:
             f"Actual: the call raises `{observation.error}`.",
         ]
     c = observation.comparison
+    assert c is not None  # the call returned
     if c.ok:
         return ["The kernel now agrees with the float64 reference on this case: the repro passes."]
     w = c.worst
+    assert w is not None, "no live rows, so no worst element: only the output's dtype is wrong"
     own = observation.module_reference
     return [
         f"Worst element: sequence {w.sequence}, token {w.token} (output row {w.row}), head {w.head}, dim {w.dim}.",
@@ -302,7 +304,10 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
     elif observation.error is not None:
         title = f"`{function}` raises on valid inputs: {observation.error[:100]}"
     else:
-        title = f"`{function}` returns wrong output (error {observation.comparison.worst.error:.3g})"
+        assert observation.comparison is not None  # the call returned
+        worst = observation.comparison.worst
+        assert worst is not None, "no live rows, so no worst element: only the output's dtype is wrong"
+        title = f"`{function}` returns wrong output (error {worst.error:.3g})"
     program = script(repro, target.name, backend.name, needs_compat, generation=backend.generation)
     sections = [
         f"# {title}",

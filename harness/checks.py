@@ -72,18 +72,19 @@ CONTEXT_BOUNDARIES = (1 << 15, 1 << 16)
 
 
 @functools.cache
-def _past(kind: type, boundary: int) -> type:
+def _past(kind: type[PropertyFailure], boundary: int) -> type:
     name = f"{kind.__name__}Past2To{boundary.bit_length() - 1}Keys"
     words = f"{kind.kind}, in a context past 2^{boundary.bit_length() - 1} keys"
     return type(name, (kind,), {"kind": words, "__module__": __name__, "__qualname__": name})
 
 
-def located(kind: type, kv_lens) -> type:
+def located(kind: type[PropertyFailure], kv_lens) -> type:
     """``kind`` for a failure that shows in sequences of these ``kv_lens``: a subclass per boundary of
     ``CONTEXT_BOUNDARIES`` the longest of them passes (made once per kind and boundary), else ``kind``."""
     longest = max((int(kv) for kv in kv_lens), default=0)
     passed = [boundary for boundary in CONTEXT_BOUNDARIES if longest > boundary]
-    return _past(kind, passed[-1]) if passed else kind
+    # mypy does not see a class as Hashable, which functools.cache asks of arguments (python/mypy#11470).
+    return _past(kind, passed[-1]) if passed else kind  # type: ignore[arg-type]
 
 
 def numeric_failure(comparison, arrays: dict) -> PropertyFailure:
@@ -91,7 +92,9 @@ def numeric_failure(comparison, arrays: dict) -> PropertyFailure:
     values over the bound), located by the longest context among the sequences it shows in."""
     kv_lens = np.asarray(arrays["kv_lens"])
     shown = comparison.error_map
-    failing = [] if shown is None else np.unique(shown.sequence[(shown.ratio > 1.0).any(axis=1)])
+    failing: list[int] | np.ndarray = (
+        [] if shown is None else np.unique(shown.sequence[(shown.ratio > 1.0).any(axis=1)])
+    )
     kind = (
         NonFiniteOutput if comparison.nonfinite else OverTheBound if shown is not None else WrongOutputLayout
     )

@@ -306,6 +306,7 @@ def _call_with_progress(command: list[str], env: dict, log_dir: str) -> int:
 
     watcher = threading.Thread(target=watch, name="rpa-harness progress", daemon=True)
     watcher.start()
+    assert process.stdout is not None  # stdout=PIPE
     for line in process.stdout:
         with lock:
             if interactive:
@@ -347,8 +348,8 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
             results[test] = outcome
     counts = collections.Counter(e["test"] for e in examples)
     repros = collections.defaultdict(set)
-    labels = collections.Counter()
-    largest = {}
+    labels: collections.Counter[str] = collections.Counter()
+    largest: dict[str, dict] = {}  # per property, its example of the largest size
     ratios = collections.defaultdict(list)
     for e in examples:
         if "max_ratio" in e and e["max_ratio"] is not None:
@@ -396,7 +397,7 @@ def closeness_to_bound(examples: list[dict]) -> str:
 def known_issues_summary(events: list[dict]) -> str:
     """Rows for the declared known issues: drawn cases moved out of each, and whether its repro still fails."""
     replays = collections.defaultdict(list)
-    avoided = collections.Counter()
+    avoided: collections.Counter[str] = collections.Counter()
     for e in events:
         if e.get("kind") == "known-issue-replay":
             replays[e["issue"]].append(f"{e['backend']}: {e['outcome']}")

@@ -49,7 +49,8 @@ def lower_for_tpu(fn, *args, chip: str = "v5e", **kwargs) -> str:
     runs, so this works on a CPU-only host. Tracing happens with the Pallas interpret mode switched off (an
     interpreted kernel contains no Mosaic call), and the chip registration is undone afterwards.
     """
-    with tpu_generation_registered(chip), pltpu.force_tpu_interpret_mode(None):
+    # jax documents None (no forced interpret mode) but annotates the parameter InterpretParams only.
+    with tpu_generation_registered(chip), pltpu.force_tpu_interpret_mode(None):  # type: ignore[arg-type]
         traced = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args)
         return traced.lower(lowering_platforms=("tpu",)).as_text()
 

@@ -42,6 +42,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -57,7 +58,7 @@ DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
 def register_profiles() -> None:
     """The harness's Hypothesis profiles. Registered only when the plugin is active: ``ci`` replaces
     Hypothesis' built-in profile of that name, which a user's own suite gets on CI."""
-    _common = dict(
+    _common: dict[str, Any] = dict(
         deadline=None,  # the first call of each shape compiles
         print_blob=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -272,7 +273,9 @@ def _check_folders(config) -> None:
     _usable_folder(config.getoption("--rpa-repro-dir"), "--rpa-repro-dir")
     if os.environ.get(runlog.ENV):
         _usable_folder(os.environ[runlog.ENV], runlog.ENV)
-    database = settings.default.database
+    loaded = settings.default
+    assert loaded is not None  # None only while Hypothesis itself is imported
+    database = loaded.database
     path = getattr(database, "path", None)
     if isinstance(database, DirectoryBasedExampleDatabase) and path is not None:
         if settings.get_current_profile_name() == "repro" and not Path(path).is_dir():
@@ -329,7 +332,9 @@ def _example_budget(item) -> int | None:
     if not getattr(function, "is_hypothesis_test", False):
         return None
     own = getattr(function, "_hypothesis_internal_use_settings", None)
-    return (own or settings.default).max_examples
+    loaded = settings.default
+    assert loaded is not None  # None only while Hypothesis itself is imported
+    return (own or loaded).max_examples
 
 
 def pytest_collection_finish(session):
@@ -433,7 +438,7 @@ class RunVerdicts:
     """In the process that sees every report (the xdist controller, or the only one): how many numeric
     properties ran and were skipped, and why the target could not run on a backend."""
 
-    def __init__(self, config):
+    def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.started = time.time()
         self.numeric_ran = self.numeric_skipped = 0

@@ -33,7 +33,7 @@ class PropertyProgress:
 
 
 class Progress:
-    def __init__(self, directory):
+    def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.properties: dict[str, PropertyProgress] = {}
         self._offsets: dict[Path, int] = {}

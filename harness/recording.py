@@ -17,13 +17,15 @@ from rpa_harness.property_names import PropertyName
 from rpa_harness.strategies.coverage import coverage_labels
 
 
-class CannotRunHere(pytest.skip.Exception):
+# pytest's public name for its Skipped class is an attribute of the skip function (typed
+# ClassVar[type[Skipped]]), which mypy does not accept as a base class.
+class CannotRunHere(pytest.skip.Exception):  # type: ignore[name-defined]
     """A skip because the target cannot run on this backend (declared, or a recognised interpreter
     limitation); the plugin reports the backend and the reason once per run."""
 
     def __init__(self, target_name: str, backend_name: str, reason: str):
         super().__init__(f"target {target_name} cannot run on {backend_name}: {reason}")
-        self.backend_name, self.reason = backend_name, str(reason)
+        self.backend_name, self.reason = backend_name, reason
 
 
 def shape_notes(case) -> dict:
@@ -72,16 +74,19 @@ def recorded(directory, name: PropertyName, target, backend, arrays: dict, optio
         with backends.on_hang(on_hang):
             yield notes
     except CannotRun as reason:
-        raise CannotRunHere(target.name, backend.name, reason) from None
+        raise CannotRunHere(target.name, backend.name, str(reason)) from None
     except AssertionError as failure:
         example.failure = str(failure)
         if isinstance(failure, RaisedOnValidInput):
             example.error = {"type": failure.error_type, "message": failure.error_message}
         path = repro.write(example, directory)
         runlog.record(**notes, repro=str(path))
-        numeric = case is not None and fields.get("expected_error") is None
         catalogue = known_issues.on_generation(getattr(target, "catalogue", ()), backend.generation)
-        known = known_issues.describe_matches(case, catalogue) if numeric else ""
+        known = (
+            known_issues.describe_matches(case, catalogue)
+            if case is not None and fields.get("expected_error") is None  # a numeric property's failure
+            else ""
+        )
         kind = getattr(type(failure), "kind", type(failure).__name__)
         raise type(failure)(
             f"{failure}\n  failure kind: {kind}\n  repro: {path}\n  replay: rpa-harness replay {path}{known}"

@@ -19,6 +19,7 @@ import platform
 import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rpa_harness import property_names
@@ -106,7 +107,7 @@ def write(repro: Repro, directory: str | os.PathLike) -> Path:
     json_path = path_for(repro.property, directory)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
-    bits = {}
+    bits: dict[str, Any] = {}  # Any: unpacked into savez, whose allow_pickle mypy would match an array to
     for name, value in repro.arrays.items():
         value = np.asarray(value)
         bits[name] = (

@@ -39,7 +39,7 @@ loading whole blocks as values and reshaping, slicing and masking the values.
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,13 +104,12 @@ def _split_options(options: Options) -> tuple[Options, np.ndarray, np.ndarray]:
     def value(name):
         return 0 if getattr(options, name) is None else getattr(options, name)
 
-    static = dataclasses.replace(
-        options,
-        **{
-            name: None if getattr(options, name) is None else _AT_RUN_TIME
-            for name in _RUNTIME_FLOAT_OPTIONS + _RUNTIME_INT_OPTIONS
-        },
-    )
+    # Any: the sentinel stands in fields typed for the values it replaces.
+    at_run_time: dict[str, Any] = {
+        name: None if getattr(options, name) is None else _AT_RUN_TIME
+        for name in _RUNTIME_FLOAT_OPTIONS + _RUNTIME_INT_OPTIONS
+    }
+    static = dataclasses.replace(options, **at_run_time)
     floats = np.array([value(name) for name in _RUNTIME_FLOAT_OPTIONS], np.float32)
     ints = np.array([value(name) for name in _RUNTIME_INT_OPTIONS], np.int32)
     return static, floats, ints
@@ -171,7 +170,7 @@ def _matmul_dtype(q_dtype, kv_dtype, scaled):
 class _SeqLayout(NamedTuple):
     """Where one sequence's rows and keys are (read from SMEM once per sequence and carried)."""
 
-    index: jax.Array  # clamped into [0, max_num_seqs): every SMEM read stays in bounds
+    seq_index: jax.Array  # clamped into [0, max_num_seqs): every SMEM read stays in bounds
     q_start: jax.Array
     q_end: jax.Array
     kv_len: jax.Array
@@ -259,7 +258,7 @@ def _rpa_kernel(
         first_page = kv_block * kv_pages_per_block
 
         def start_page_copy(i, carry):
-            page = page_indices_ref[layout.index * pages_per_seq + first_page + i]
+            page = page_indices_ref[layout.seq_index * pages_per_seq + first_page + i]
             pltpu.make_async_copy(
                 kv_hbm_ref.at[page, :, pl.ds(head_start, combined_heads_per_block), :],
                 kv_buf.at[slot, i],

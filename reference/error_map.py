@@ -60,7 +60,8 @@ class ErrorMap:
     def _entries(self, columns: list[slice]) -> list[tuple[str, str]]:
         """(label, cells and the line's largest error/bound) per line: a failing sequence's rows (or bands of
         them), and one line for each run of sequences within the bound."""
-        entries, clean = [], []
+        entries: list[tuple[str, str]] = []
+        clean: list[int] = []  # a run of sequences within the bound, not yet written
 
         def close_clean_run():
             if clean:

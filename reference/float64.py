@@ -477,13 +477,21 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
             last = min(q_len, first + block)
             rows = slice(q_start + first, q_start + last)
             # [kv heads, group * rows, dim], rows fastest within a group.
-            q_block = q_used[rows].reshape(last - first, num_kv_heads, group, head_dim)
-            q_block = q_block.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * (last - first), head_dim)
+            q_block = (
+                q_used[rows]
+                .reshape(last - first, num_kv_heads, group, head_dim)
+                .transpose(1, 2, 0, 3)
+                .reshape(num_kv_heads, group * (last - first), head_dim)
+            )
             positions = np.tile(kv_len - q_len + np.arange(first, last), group)[:, None]
             doubt_block = None
             if q_doubt is not None and q_doubt[rows].any():
-                doubt_block = q_doubt[rows].reshape(last - first, num_kv_heads, group, head_dim)
-                doubt_block = doubt_block.transpose(1, 2, 0, 3).reshape(q_block.shape)
+                doubt_block = (
+                    q_doubt[rows]
+                    .reshape(last - first, num_kv_heads, group, head_dim)
+                    .transpose(1, 2, 0, 3)
+                    .reshape(q_block.shape)
+                )
             block_sinks = None if sinks is None else np.repeat(sinks, last - first, axis=1)
             block_results = _attend(
                 q_block,

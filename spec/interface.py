@@ -18,6 +18,7 @@ eagerly, outside ``jax.jit``).
 import dataclasses
 import functools
 import inspect
+from typing import Any
 
 import numpy as np
 
@@ -103,7 +104,9 @@ class Options:
         Two calls whose ``semantics()`` are equal must return the same values, so a reference that jits on
         these compiles once per meaning, not once per block size.
         """
-        tuning = {f.name: f.default for f in dataclasses.fields(Options) if f.metadata.get("tuning")}
+        tuning: dict[str, Any] = {
+            f.name: f.default for f in dataclasses.fields(Options) if f.metadata.get("tuning")
+        }
         mask_value = self.mask_value
         if mask_value is None and self.mask_value_meaning == MASK_ADDED:
             mask_value = DEFAULT_MASK_VALUE

@@ -112,7 +112,7 @@ def long_corners(capabilities: "Capabilities", bucket: LongBucket = LongBucket()
     that each kind of q dtype meets both (the kernel's own where it chooses them on the backend: a kernel
     that needs block sizes off a TPU generation gets given ones there)."""
     kinds = [packed for packed in (False, True) if any(is_packed(d) == packed for d in capabilities.q_dtypes)]
-    corners = []
+    corners: list[LongCorner] = []
     for packed in kinds:
         for boundary in bucket.boundaries:
             for past in (False, True):
@@ -120,12 +120,14 @@ def long_corners(capabilities: "Capabilities", bucket: LongBucket = LongBucket()
     return tuple(corners)
 
 
-BUCKETS = {
+LONG_BUCKET = LongBucket()
+PRODUCTION_BUCKET = ProductionBucket()
+BUCKETS: dict[str, Bucket | LongBucket | ProductionBucket] = {
     "tiny": Bucket(max_num_batched_tokens=8, max_num_seqs=2, max_kv_len=32),
     "small": Bucket(max_num_batched_tokens=32, max_num_seqs=4, max_kv_len=96),
     "medium": Bucket(max_num_batched_tokens=128, max_num_seqs=8, max_kv_len=512),
-    "long": LongBucket(),
-    "production": ProductionBucket(),
+    "long": LONG_BUCKET,
+    "production": PRODUCTION_BUCKET,
 }
 
 

@@ -4,7 +4,7 @@ from hypothesis import event
 from rpa_harness.spec.interface import (
     DEFAULT_MASK_VALUE,
 )
-from rpa_harness.strategies.buckets import BUCKETS, LongCorner, is_packed
+from rpa_harness.strategies.buckets import LONG_BUCKET, PRODUCTION_BUCKET, LongCorner, is_packed
 from rpa_harness.strategies.case import Case
 
 
@@ -59,7 +59,7 @@ def coverage_labels(case: Case) -> list[str]:
     if case.num_tokens < case.max_num_batched_tokens:
         labels.append("padding rows")
     labels.append(f"values: {case.values}")
-    production = BUCKETS["production"]
+    production = PRODUCTION_BUCKET
     if case.max_num_seqs in production.seq_slots and case.max_num_batched_tokens in production.token_budgets:
         labels.append(
             f"production shape: T={case.max_num_batched_tokens} seqs={case.num_seqs}/{case.max_num_seqs} "
@@ -69,7 +69,7 @@ def coverage_labels(case: Case) -> list[str]:
         )
     if (corner := long_corner_of(case)) is not None:
         labels.append(f"long corner: {corner.label}")
-    for boundary in BUCKETS["long"].boundaries:
+    for boundary in LONG_BUCKET.boundaries:
         if any(kv > boundary for kv in case.kv_lens):
             labels.append(f"context past 2^{boundary.bit_length() - 1} keys")
         if any(kv - q < boundary < kv for q, kv in zip(q, kv, strict=True)):
@@ -81,7 +81,7 @@ def long_corner_of(case: Case) -> LongCorner | None:
     """The long-bucket corner ``case`` lies in (its longest context within two keys up to a boundary, or
     past it by at most the token budget plus one), or None."""
     longest = max(case.kv_lens, default=0)
-    for boundary in BUCKETS["long"].boundaries:
+    for boundary in LONG_BUCKET.boundaries:
         if boundary - 2 <= longest <= boundary + case.max_num_batched_tokens + 1:
             own = case.num_kv_pages_per_block is None and case.num_queries_per_block is None
             return LongCorner(is_packed(case.q_dtype), boundary, longest > boundary, own)

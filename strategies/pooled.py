@@ -1,6 +1,8 @@
 """The pool: a few fixed configurations, moved inside a target's capabilities, that most examples draw from
 so that they share compilations; the block sizes a target that needs them gets."""
 
+from typing import Any
+
 from rpa_harness.spec.interface import (
     MASK_ADDED,
 )
@@ -12,7 +14,7 @@ from rpa_harness.strategies.shapes import kv_heads_for, make_config, page_sizes_
 # A fixed pool of compiled configurations (static config + options) that together touch every feature.
 # Properties that need volume draw from it, so that hundreds of ragged layouts reuse a few compiled
 # kernels; the first entry is the simplest and is what shrinking moves toward.
-POOL = (
+POOL: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = (
     (dict(bucket="tiny", page_size=16, num_kv_heads=1, gqa_ratio=1, head_dim=64, q_dtype="float32",
           kv_dtype="float32"), {}),
     (dict(bucket="small", page_size=8, num_kv_heads=2, gqa_ratio=4, head_dim=128, q_dtype="float32",

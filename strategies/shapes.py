@@ -13,6 +13,7 @@ from rpa_harness.strategies.buckets import (
     DEFAULT_BUCKETS,
     PROFILE_BUCKETS,
     SMALL_PAGE_SIZES,
+    Bucket,
     BucketError,
     LongBucket,
     LongCorner,
@@ -37,7 +38,7 @@ def select_buckets(
     """
     names = parse_buckets(text)
     if not names:
-        defaults = DEFAULT_BUCKETS + PROFILE_BUCKETS.get(profile, ())
+        defaults = DEFAULT_BUCKETS + (PROFILE_BUCKETS.get(profile, ()) if profile is not None else ())
         chosen = tuple(name for name in defaults if name in capabilities.buckets)
         return chosen or None
     chosen = tuple(name for name in names if name in capabilities.buckets)
@@ -47,18 +48,21 @@ def select_buckets(
             "(Capabilities.buckets) and none of these; choose among the declared ones"
         )
     for name in chosen:
-        if isinstance(BUCKETS[name], ProductionBucket):
-            check_production_space(capabilities, BUCKETS[name])
-        if isinstance(BUCKETS[name], LongBucket):
-            check_long_space(capabilities, BUCKETS[name])
+        bucket = BUCKETS[name]
+        if isinstance(bucket, ProductionBucket):
+            check_production_space(capabilities, bucket)
+        if isinstance(bucket, LongBucket):
+            check_long_space(capabilities, bucket)
     return chosen
 
 
 def make_config(
     bucket: str, page_size: int, num_kv_heads: int, gqa_ratio: int, head_dim: int, q_dtype: str, kv_dtype: str
 ) -> dict:
-    """The static Case fields for a bucket and head layout."""
+    """The static Case fields for a small bucket and head layout (a large bucket's are drawn per example:
+    ``production_configs``, ``long_configs``)."""
     capacity = BUCKETS[bucket]
+    assert isinstance(capacity, Bucket), f"{bucket!r} is a large bucket: its configs are drawn"
     pages_per_seq = math.ceil(capacity.max_kv_len / page_size) + 1  # one page more than the longest needs
     return dict(
         max_num_batched_tokens=capacity.max_num_batched_tokens,
@@ -109,10 +113,11 @@ def bucketed_configs(
 ) -> tuple[str, dict]:
     """(bucket name, static config): see ``static_configs``."""
     bucket = draw(st.sampled_from(buckets or drawn_buckets(capabilities, selection)))
-    if isinstance(BUCKETS[bucket], ProductionBucket):
-        return bucket, draw(production_configs(capabilities, BUCKETS[bucket]))
-    if isinstance(BUCKETS[bucket], LongBucket):
-        return bucket, draw(long_configs(capabilities, BUCKETS[bucket]))
+    capacity = BUCKETS[bucket]
+    if isinstance(capacity, ProductionBucket):
+        return bucket, draw(production_configs(capabilities, capacity))
+    if isinstance(capacity, LongBucket):
+        return bucket, draw(long_configs(capabilities, capacity))
     page_size = draw(
         st.sampled_from([p for p in small_page_sizes(capabilities) if kv_dtypes_for(capabilities, p)])
     )
@@ -290,7 +295,8 @@ def long_layouts(
     rows_left, pages_left = config["max_num_batched_tokens"], config["total_num_pages"]
     work_left = bucket.max_work // config["num_q_heads"]  # sum of q_len * kv_len
     near = st.sampled_from((None, *(b for b in bucket.boundaries if b < capacity), capacity))
-    q_lens, kv_lens = [], []
+    q_lens: list[int] = []
+    kv_lens: list[int] = []
     for _ in range(draw(st.integers(1, config["max_num_seqs"]))):
         longest = min(capacity, pages_left * config["page_size"])
         if rows_left == 0 or longest == 0 or work_left == 0:
@@ -361,7 +367,8 @@ def layouts(
     if draw(st.integers(0, 15)) == 15:  # an empty batch (num_seqs = 0) is valid; 1 in 16, shrinks away
         seqs = []
     rows_left = config["max_num_batched_tokens"]
-    q_lens, kv_lens = [], []
+    q_lens: list[int] = []
+    kv_lens: list[int] = []
     for q_len, kv_len in seqs:
         if not empty_sequences and rows_left == 0:
             break

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from rpa_harness.strategies.buckets import (
     BUCKETS,
     LARGE_BUCKETS,
+    LONG_BUCKET,
     BucketError,
     LongBucket,
     LongCorner,
@@ -125,7 +126,7 @@ def _valid_cases(
                 bucketed_configs(capabilities, buckets=large_buckets or None, selection=selection)
             )
         else:
-            name, config = "long", draw(long_configs(capabilities, BUCKETS["long"], long_corner))
+            name, config = "long", draw(long_configs(capabilities, LONG_BUCKET, long_corner))
         bucket = BUCKETS[name]
         opts = draw(options(config, capabilities)) if with_options else {}
         if long_corner is not None and long_corner.leaves_blocks_to_the_kernel(capabilities):

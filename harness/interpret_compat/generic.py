@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import types
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,9 @@ from rpa_harness.interpret_compat.patching import (
     require_attributes,
     require_parameters,
 )
+
+if TYPE_CHECKING:  # at run time jax's internals are read where a patch needs them (``_internals``)
+    from jax._src.state.indexing import NDIndexer
 
 
 @functools.cache
@@ -355,7 +359,9 @@ def run_step_counter(start: int) -> np.ndarray:
             ),
         )(counter)
 
-    with pltpu.force_tpu_interpret_mode(True):
+    # jax passes the mode on as pallas_call's interpret=, which takes True (the generic interpreter); its
+    # annotation admits InterpretParams only.
+    with pltpu.force_tpu_interpret_mode(True):  # type: ignore[arg-type]
         return np.asarray(jax.jit(call)(jnp.array([start], jnp.int32)))[0]
 
 
@@ -457,7 +463,9 @@ def narrow_float_store_converts() -> bool:
         )
 
     buffer = jnp.zeros((8, 128), jnp.float8_e4m3fn)
-    return "f16[8,128]" in jax.jit(store_rows).lower(buffer, buffer[:1]).compile().as_text()
+    hlo = jax.jit(store_rows).lower(buffer, buffer[:1]).compile().as_text()
+    assert hlo is not None  # None only where a backend has no text for its executables; XLA CPU has
+    return "f16[8,128]" in hlo
 
 
 def _narrow_float_internals() -> None:
@@ -660,7 +668,7 @@ class _Side:
 
     value: object
     earlier: tuple
-    indexer: object
+    indexer: NDIndexer | None
     lengths: list
     starts: list
     offsets: list
@@ -717,7 +725,9 @@ def _copy_sides(src, dst) -> tuple[_Side, _Side, list[bool]]:
     ]
     sides = []
     for (value, earlier, indexer, axes), other in ((ends[0], dst_axes), (ends[1], src_axes)):
-        lengths, starts, offsets = [], [], []
+        lengths: list[int] = []
+        starts: list[int | jax.Array | None] = []  # None: the whole axis
+        offsets: list[int | jax.Array] = []
         for (index, extent_or_length, size), (_, other_length, _) in zip(axes, other, strict=True):
             if size is None:  # a static axis: the window is the slice itself
                 lengths.append(extent_or_length)
@@ -909,7 +919,7 @@ def add_one_to_an_hbm_operand(x) -> np.ndarray:
         x = pltpu.with_memory_space_constraint(x, pltpu.HBM)
         return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
-    with pltpu.force_tpu_interpret_mode(True):
+    with pltpu.force_tpu_interpret_mode(True):  # type: ignore[arg-type]  # see run_step_counter
         return np.asarray(jax.jit(call)(x))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -78,7 +78,7 @@ def parameter_names(function: Callable) -> list[str]:
     return list(inspect.signature(function).parameters)
 
 
-def require_parameters(function: Callable, expected_prefix: list[str], where: str) -> None:
+def require_parameters(function: Callable, expected_prefix: Sequence[str | None], where: str) -> None:
     """``function``'s leading parameters are ``expected_prefix`` (a ``None`` entry matches any name)."""
     names = parameter_names(function)
     matches = len(names) >= len(expected_prefix) and all(

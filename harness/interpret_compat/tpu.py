@@ -470,9 +470,7 @@ def _state_fields() -> set[str]:
 
 
 def _np_vector_clock(values: np.ndarray):
-    from jax._src.pallas.mosaic.interpret import vector_clock
-
-    clock = vector_clock.NpVectorClock(len(values))
+    clock = _vector_clock_module().NpVectorClock(len(values))
     clock.clock[:] = values
     return clock
 
@@ -549,8 +547,7 @@ def _history_patches() -> list[Patch]:
             if dma is not None and dma.state != completed and memory == current
         ]
         started[:] = [(weakref.ref(dma), memory) for dma, memory in pending]
-        pending = [dma for dma, _ in pending]
-        live += [_clock_array(dma.clock).copy() for dma in pending]
+        live += [_clock_array(dma.clock).copy() for dma, _ in pending]
         if not live or len({clock.shape for clock in live}) != 1:
             return None
         return np.stack(live)

@@ -124,7 +124,8 @@ def _is_out_of_bounds(indexer, shape: tuple[int, ...]) -> bool:
 
 def _index_padded(value: np.ndarray, indexer, fill) -> np.ndarray:
     """Index ``value``, reading ``fill`` wherever the indexer leaves its bounds."""
-    padding, shifted = [], []
+    padding: list[tuple[int, int]] = []
+    shifted: list[int | slice] = []
     for extent, size, index in zip(_index_extents(indexer), value.shape, indexer.indices, strict=True):
         before = 0 if extent is None else max(0, -extent[0])
         after = 0 if extent is None else max(0, extent[1] + 1 - size)

@@ -143,7 +143,7 @@ def as_jax(arrays: dict) -> dict:
 def shipped_catalogue() -> tuple:
     """Every known issue the shipped targets catalogue, in their order; a target whose kernel is not
     installed (tpu-inference is optional) contributes none."""
-    issues = []
+    issues: list[known_issues.KnownIssue] = []
     for name in SHIPPED_CATALOGUES:
         try:
             module = importlib.import_module(name)
@@ -190,7 +190,7 @@ def _distribution_holding(package: types.ModuleType | None) -> importlib.metadat
     ``tests`` package), and a checkout's own folder of that name is not theirs.
     """
     where = getattr(package, "__file__", None)
-    if where is None:
+    if package is None or where is None:
         return None
     origin = Path(where).resolve()
     if origin.name == "__init__.py":
@@ -198,7 +198,7 @@ def _distribution_holding(package: types.ModuleType | None) -> importlib.metadat
     names = dict.fromkeys(importlib.metadata.packages_distributions().get(package.__name__, []))
     # Every installed copy of each (a checkout's egg-info is found before the environment's dist-info).
     for distribution in (found for name in names for found in importlib.metadata.distributions(name=name)):
-        installed = Path(distribution.locate_file(package.__name__)).resolve()
+        installed = Path(str(distribution.locate_file(package.__name__))).resolve()
         if origin in (installed, installed.with_suffix(".py")):
             return distribution
         source = json.loads(distribution.read_text("direct_url.json") or "{}")  # an editable install

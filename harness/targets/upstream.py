@@ -23,7 +23,7 @@ from rpa_harness.known_issues import (
     sequence_queries_and_keys,
     soft_capped_logits,
 )
-from rpa_harness.spec.interface import MASK_ADDED, values_per_word
+from rpa_harness.spec.interface import DEFAULT_MASK_VALUE, MASK_ADDED, values_per_word
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
 
@@ -113,8 +113,6 @@ def without_kv_scales(case: Case) -> Case:
 
 # --- 3. finite-mask-value-weights-keys-past-kv-len -------------------------------------------------------
 
-_DEFAULT_MASK_VALUE = {f.name: f.default for f in dataclasses.fields(Case)}["mask_value"]
-
 
 def _block_sizes_used(case: Case) -> tuple[int, int] | None:
     """(num_kv_pages_per_block, num_queries_per_block) upstream runs the case with: both given, else None.
@@ -150,7 +148,7 @@ def finite_mask_value_weights_keys_past_kv_len(case: Case) -> bool:
     """
     if case.mask_value_meaning != MASK_ADDED:  # a replacing mask value is another semantics
         return False
-    mask_value = _DEFAULT_MASK_VALUE if case.mask_value is None else case.mask_value
+    mask_value = DEFAULT_MASK_VALUE if case.mask_value is None else case.mask_value
     if not math.isfinite(mask_value):
         return False
     candidates = [
@@ -168,7 +166,7 @@ def finite_mask_value_weights_keys_past_kv_len(case: Case) -> bool:
 
 
 def with_default_mask_value(case: Case) -> Case:
-    return dataclasses.replace(case, mask_value=_DEFAULT_MASK_VALUE)
+    return dataclasses.replace(case, mask_value=DEFAULT_MASK_VALUE)
 
 
 # --- 4. zero-query-tail-skips-head-blocks ---------------------------------------------------------------

@@ -8,7 +8,9 @@ gets fewer examples.
 
 from hypothesis import settings
 
-_BASE = settings.default.max_examples
+_LOADED = settings.default
+assert _LOADED is not None  # None only while Hypothesis itself is imported
+_BASE = _LOADED.max_examples
 POOLED_EXAMPLES = _BASE * 5  # fast interpreter, a few compiled kernels, ragged layouts vary
 ANY_CONFIG_EXAMPLES = max(5, _BASE // 2)  # fast interpreter, nearly every example compiles
 CHECKING_EXAMPLES = _BASE  # TPU interpreter, pooled: 50-200x the fast one per warm call

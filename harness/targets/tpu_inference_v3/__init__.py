@@ -31,6 +31,7 @@ from rpa_harness.targets.tpu_inference_v3.adapter import (  # noqa: F401  (the a
     DEFAULT_VMEM_LIMIT_BYTES,
     INSTALL_COMMAND,
     UPSTREAM_DEFAULT_MASK_VALUE,
+    KernelInputs,
     V3Inputs,
     call_v3,
     device_arrays,

@@ -55,15 +55,22 @@ v3 = load_kernel_module(_KERNEL_MODULE)
 
 
 @dataclasses.dataclass(frozen=True)
-class V3Inputs:
-    """One upstream-style call in v3's terms, and the cache v3 must return."""
+class KernelInputs:
+    """One upstream-style call in the terms of one of tpu-inference's v3 kernels, and the cache the kernel
+    must return: what ``check_updated_cache`` reads (``V3Inputs``, the hd64 target's ``Hd64Inputs``)."""
 
     args: tuple  # queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution (NumPy)
-    kwargs: dict  # keyword options for v3
+    kwargs: dict  # keyword options for the kernel
     expected_cache: np.ndarray  # the packed cache with every live key and value in place
     new_slots: np.ndarray  # bool [pages, page_size]: the slots v3 writes (positions [kv_len - q_len, kv_len))
     slot_owner: np.ndarray  # int [pages, page_size]: sequence whose page holds the slot, -1 for none
     slot_position: np.ndarray  # int [pages, page_size]: the key position of the slot in its sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class V3Inputs(KernelInputs):
+    """One upstream-style call in v3's terms, and the cache v3 must return."""
+
     # (bq, bkv, bq_chunk, bkv_chunk) of v3's decode and mixed kernels: the ones passed, or where the
     # target leaves them to v3 (None in kwargs), the ones v3 chooses for the chip.
     decode_block_sizes: tuple[int, int, int, int]
@@ -86,7 +93,9 @@ def block_sizes(tokens_per_block: int, chunk_unit: int) -> tuple[int, int]:
     return tokens_per_block, (units // 2 if units > 0 and units % 2 == 0 else units) * chunk_unit
 
 
-def given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq: int):
+def given_block_options(
+    num_queries_per_block: int | None, num_kv_pages_per_block: int | None, pages_per_seq: int
+) -> tuple[int, int] | None:
     """``(query rows, KV pages)`` per block to pass to a v3 kernel, or None where it chooses its own: on a
     TPU generation (real or emulated) with neither given. Off one, the target's defaults fill what is not
     given (8 rows, 2 pages): the kernels' tuned tables need a chip."""
@@ -146,7 +155,9 @@ def shared_kv_inputs(tokens, kv_pages):
     return unused, kv_pages
 
 
-def v3_default_block_sizes(q, kv_cache, num_kv_heads: int, max_num_seqs: int, pages_per_seq: int, case):
+def v3_default_block_sizes(
+    q, kv_cache, num_kv_heads: int, max_num_seqs: int, pages_per_seq: int, case
+) -> tuple[int, int, int, int]:
     """(bq, bkv, bq_chunk, bkv_chunk) that v3 chooses for its ``case`` kernel (``RpaCase.DECODE`` or
     ``MIXED``) on the chip it sees (its ``get_default_block_sizes``, called with the arguments v3 passes)."""
     sizes = v3.get_default_block_sizes(
@@ -214,14 +225,12 @@ def v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keyword
         tokens, cache = shared_kv_inputs(tokens, kv_pages)
         packed_cache = layouts.pack_cache(cache)
     given = given_block_options(options.num_queries_per_block, options.num_kv_pages_per_block, pages_per_seq)
-    own_defaults = given is None
-    if own_defaults:
-        passed = decode_sizes = mixed_sizes = None  # v3's defaults for the chip, known once it validated
-    else:
+    passed: tuple[int, int, int, int] | None = None  # None: v3's own for the chip, known once it validated
+    if given is not None:
         bq, bkv_pages = given
         bq, bq_chunk = block_sizes(bq, 1)
         bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
-        passed = decode_sizes = mixed_sizes = (bq, bkv, bq_chunk, bkv_chunk)
+        passed = (bq, bkv, bq_chunk, bkv_chunk)
     kwargs = dict(
         sm_scale=options.sm_scale,
         sliding_window=options.sliding_window,
@@ -250,7 +259,7 @@ def v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keyword
         num_seqs,
         chunk_prefill_size=options.chunk_prefill_size,
     )
-    if own_defaults:
+    if passed is None:
         # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,
         # not an assertion of the sizing helpers. (Its prefill kernel's defaults are its mixed kernel's:
         # get_default_block_sizes tells only the decode case apart.)
@@ -259,6 +268,8 @@ def v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keyword
             v3_default_block_sizes(q, packed_cache, tokens.keys.shape[1], len(kv_lens), pages_per_seq, case)
             for case in (v3.RpaCase.DECODE, v3.RpaCase.MIXED)
         )
+    else:
+        decode_sizes = mixed_sizes = passed
     expected_cache = layouts.pack_cache(kv_pages)
     return V3Inputs(
         args,

@@ -2,11 +2,14 @@
 returned cache slot by slot (``rpa_harness.property_names``: kinds ``v3-attention-and-cache``, ``v3-hang``)."""
 
 import dataclasses
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
+from rpa_harness import reference
 from rpa_harness.backends import INTERPRET, Backend, Deadlock
 from rpa_harness.checks import PropertyFailure, RaisedOnValidInput, numeric_failure
-from rpa_harness.targets.tpu_inference_v3.adapter import V3Inputs, call_v3, v3_inputs
+from rpa_harness.targets.tpu_inference_v3.adapter import KernelInputs, V3Inputs, call_v3, v3_inputs
 
 
 def unwritten_by_sliding_window(inputs: V3Inputs) -> np.ndarray:
@@ -49,7 +52,7 @@ class CacheMismatch(PropertyFailure):
         self.slots, self.stale = slots, stale
 
 
-def check_updated_cache(inputs: V3Inputs, updated_cache) -> None:
+def check_updated_cache(inputs: KernelInputs, updated_cache) -> None:
     """The returned cache equals the expected one bit for bit: every new token written to its slot, and
     no other page, slot, padded head or padded dim changed (NaN payloads included)."""
     actual, expected = np.asarray(updated_cache), inputs.expected_cache
@@ -90,6 +93,7 @@ def check_updated_cache(inputs: V3Inputs, updated_cache) -> None:
 # reads raise, scratch is NaN, races raise, a call that outlives the watchdog is a hang. (The generic
 # properties also run v3 on the generic interpreter, through the compat layer's dynamic-size copies.)
 CHECKING = Backend(INTERPRET)
+Inputs = TypeVar("Inputs", bound=KernelInputs)
 
 SLIDING_WINDOW_FINDING = "sliding-window-skips-cache-writes"
 # The kinds of v3's own repros (``rpa_harness.property_names``): both outputs judged; a call that hangs.
@@ -100,19 +104,24 @@ ATTENTION_AND_CACHE, HANG = "v3-attention-and-cache", "v3-hang"
 class Verdict:
     """Both outputs of one v3 call, judged."""
 
-    comparison: object  # reference.compare(...) of the attention with the float64 oracle
+    comparison: reference.Comparison  # of the attention with the float64 oracle
     cache_error: CacheMismatch | None  # None: the updated cache is the expected one, bit for bit
     known_finding: str | None  # the documented finding that explains the cache error exactly, if any
 
 
 def judged_call(
-    name: str, map_inputs, call, arrays: dict, options: dict, backend: Backend, *, precision
-) -> tuple[object, CacheMismatch | None, object]:
+    name: str,
+    map_inputs: Callable[..., Inputs],
+    call,
+    arrays: dict,
+    options: dict,
+    backend: Backend,
+    *,
+    precision: tuple[str, ...],
+) -> tuple[reference.Comparison, CacheMismatch | None, Inputs]:
     """One call of a v3-style kernel on ``backend`` (``map_inputs`` maps the upstream-style case, ``call``
     runs it returning the attention and the updated cache), both outputs judged: (the attention's
     comparison with the float64 oracle, the cache's mismatch or None, the mapped inputs)."""
-    from rpa_harness import reference
-
     inputs = map_inputs(**arrays, **options)
     out, cache = backend.run(call, inputs)
     comparison = reference.compare(
@@ -135,7 +144,13 @@ def judge(arrays: dict, options: dict, backend: Backend = CHECKING, *, precision
     if error is None:
         return Verdict(comparison, None, None)
     predicted = unwritten_by_sliding_window(inputs)
-    known = predicted.any() and np.array_equal(error.slots, predicted) and error.stale[predicted].all()
+    known = (
+        error.slots is not None  # None: the cache's shape or dtype differs
+        and error.stale is not None
+        and predicted.any()
+        and np.array_equal(error.slots, predicted)
+        and error.stale[predicted].all()
+    )
     return Verdict(comparison, error, SLIDING_WINDOW_FINDING if known else None)
 
 

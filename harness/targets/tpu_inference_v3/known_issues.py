@@ -130,13 +130,16 @@ def v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> 
     return v3_logits(case, q, k, seq, mask_value).max(axis=-1)
 
 
-def finite_replacing_mask_value(case: Case) -> bool:
-    """A finite mask_value that replaces the masked logits: the mask value that gives masked keys weight."""
-    return (
+def finite_replacing_mask_value(case: Case) -> float | None:
+    """The case's mask_value if it is finite and replaces the masked logits (the mask value that gives masked
+    keys weight), else None."""
+    if (
         case.mask_value_meaning == MASK_REPLACES
         and case.mask_value is not None
         and math.isfinite(case.mask_value)
-    )
+    ):
+        return case.mask_value
+    return None
 
 
 def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
@@ -150,17 +153,18 @@ def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
     0. The masked keys that get weight, and with what value, are set by the block sizes. Its reference
     gives every masked key in [0, kv_len) the weight with its value, and no other key.
     """
-    if not finite_replacing_mask_value(case):
+    mask_value = finite_replacing_mask_value(case)
+    if mask_value is None:
         return False
     arrays = None
     for block in _v3_query_blocks(case):
         if block.start == 0 and block.effective == block.end == case.kv_lens[block.seq]:
             continue
         arrays = arrays or case_arrays(case)
-        row_max = v3_row_max_logits(case, arrays, block.seq, case.mask_value)[
+        row_max = v3_row_max_logits(case, arrays, block.seq, mask_value)[
             block.first : block.first + block.rows
         ]
-        if (case.mask_value - row_max > FLOAT32_EXP_UNDERFLOW).any():
+        if (mask_value - row_max > FLOAT32_EXP_UNDERFLOW).any():
             return True
     return False
 
@@ -205,7 +209,8 @@ def v3_row_sum_rounds_away_weights(case: Case) -> bool:
     if v3_accumulator_dtype(case) != BFLOAT16:
         return False
     arrays = case_arrays(case)
-    mask_value = case.mask_value if finite_replacing_mask_value(case) else -np.inf
+    finite = finite_replacing_mask_value(case)
+    mask_value = -np.inf if finite is None else finite
     sequences = {}
     for block in _v3_query_blocks(case):
         if block.seq not in sequences:
@@ -298,6 +303,7 @@ def v3_sliding_window_wraps_int16_positions(case: Case) -> bool:
 
 def with_a_window_within_int16(case: Case) -> Case:
     """No window where it covers every key (the same attention), else the widest window that cannot wrap."""
+    assert case.sliding_window is not None  # a case of the issue: it has a window
     if case.sliding_window >= max(case.kv_lens, default=0):
         return dataclasses.replace(case, sliding_window=None)
     return dataclasses.replace(case, sliding_window=max(1, INT16_MAX - case.kv_capacity))

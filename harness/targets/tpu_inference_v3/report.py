@@ -25,8 +25,10 @@ import io
 import subprocess
 import sys
 import tempfile
+import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rpa_harness import reference
@@ -56,12 +58,12 @@ class ReportedKernel:
     """What a report runs and says of one of tpu-inference's v3 kernels."""
 
     name: str  # as the report's title names it
-    module: object  # the kernel's module (loaded without tpu_inference/__init__.py)
+    module: types.ModuleType  # the kernel's module (loaded without tpu_inference/__init__.py)
     function: str  # the kernel's function in ``module``
     reference: str  # its reference's function in ``module``
     tuning_options: tuple[str, ...]  # its options that its reference does not take
     cache_layout: str  # the cache's layout, in words
-    inputs: Callable  # (arrays, options of a repro) -> the target's inputs (``args``, ``kwargs``, ...)
+    inputs: Callable[..., v3.KernelInputs]  # (arrays, options of a repro) -> the target's inputs
     call: Callable  # inputs -> (attention, updated cache), on the caller's backend
     precision: tuple[str, ...]  # the target's precision contract
     block_sizes_in_words: Callable  # inputs -> the report's line on the block sizes
@@ -79,7 +81,7 @@ class ReportedKernel:
 class Observation:
     """What the kernel does on the repro's inputs now, on the repro's backend."""
 
-    inputs: object  # the target's inputs (v3.V3Inputs, or the hd64 target's)
+    inputs: v3.KernelInputs  # the target's inputs (v3.V3Inputs, or the hd64 target's)
     hang: str | None = None  # the TPU interpreter's deadlock account
     error: str | None = None  # the exception the call raised
     comparison: reference.Comparison | None = None  # the attention against the float64 oracle
@@ -150,8 +152,11 @@ def reproduces(observation: Observation, repro: repro_files.Repro, issue) -> boo
         return True
     if observation.error is None:
         return False
-    recorded = repro.error is not None and observation.error.startswith(f"{repro.error['type']}: ")
-    recorded = recorded and repro.error["message"].strip().splitlines()[-1].strip() in observation.error
+    recorded = (
+        repro.error is not None
+        and observation.error.startswith(f"{repro.error['type']}: ")
+        and repro.error["message"].strip().splitlines()[-1].strip() in observation.error
+    )
     return recorded or (issue is not None and issue.shows(observation.error))
 
 
@@ -189,12 +194,14 @@ def call_in_words(kernel: ReportedKernel, inputs) -> list[str]:
 
 def attention_in_words(kernel: ReportedKernel, observation: Observation) -> list[str]:
     c = observation.comparison
+    assert c is not None  # the call returned (expected_vs_actual)
     if c.ok:
         return [
             f"Attention: right (max error/bound {c.max_ratio:.3g} against the float64 oracle under the "
             "kernel's precision contract)."
         ]
     w = c.worst
+    assert w is not None, "no live rows, so no worst element: only the output's dtype is wrong"
     own = observation.own_reference
     return [
         f"Attention: {c.num_over + c.nonfinite} of {c.num_checked} output elements of the live rows are "
@@ -217,6 +224,7 @@ def cache_in_words(kernel: ReportedKernel, observation: Observation) -> list[str
     inputs, mismatch = observation.inputs, observation.cache_error
     if mismatch is None:
         return ["Cache: right (bit for bit: every new token in its slot, nothing else changed)."]
+    assert mismatch.slots is not None and mismatch.stale is not None, "the cache's shape or dtype differs"
     slots = np.argwhere(mismatch.slots)
     new = int((mismatch.slots & inputs.new_slots).sum())
     lines = [
@@ -401,9 +409,11 @@ def embedded_inputs(inputs) -> str | None:
     q, keys, values, kv_cache = inputs.args[:4]
     buffer = io.BytesIO()
     named = dict(queries=q, keys=keys, values=values, kv_cache=kv_cache)
-    np.savez_compressed(
-        buffer, **{name: np.asarray(a).view(f"u{np.asarray(a).dtype.itemsize}") for name, a in named.items()}
-    )
+    # Any: unpacked into savez_compressed, whose allow_pickle mypy would match an array to.
+    bits: dict[str, Any] = {
+        name: np.asarray(a).view(f"u{np.asarray(a).dtype.itemsize}") for name, a in named.items()
+    }
+    np.savez_compressed(buffer, **bits)
     if buffer.tell() > MAX_EMBEDDED_BYTES:
         return None
     return base64.b64encode(buffer.getvalue()).decode()
@@ -513,6 +523,7 @@ def title(kernel: ReportedKernel, observation: Observation, issue) -> str:
         return f"{kernel.name}: the call never returns"
     if observation.error is not None:
         return f"{kernel.name} raises on valid inputs: {observation.error[:100]}"
+    assert observation.comparison is not None  # the call returned
     wrong = [name for name, bad in (("attention", not observation.comparison.ok),
                                     ("cache", observation.cache_error is not None)) if bad]  # fmt: skip
     return f"{kernel.name} returns a wrong {' and '.join(wrong)}"

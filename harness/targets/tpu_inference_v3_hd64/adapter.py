@@ -79,16 +79,10 @@ HAS_TPU_RECIPROCAL = hasattr(pltpu, "reciprocal")
 
 
 @dataclasses.dataclass(frozen=True)
-class Hd64Inputs:
-    """One upstream-style call in the hd64 kernel's terms, and the cache it must return (the fields
-    ``tpu_inference_v3.check_updated_cache`` reads are v3's)."""
+class Hd64Inputs(v3_target.KernelInputs):
+    """One upstream-style call in the hd64 kernel's terms, and the cache it must return (``args`` end with
+    the sinks)."""
 
-    args: tuple  # queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks
-    kwargs: dict
-    expected_cache: np.ndarray
-    new_slots: np.ndarray
-    slot_owner: np.ndarray
-    slot_position: np.ndarray
     # (num_kv_pages_per_block, num_queries_per_block): passed, or those the tuned table chooses.
     block_sizes: tuple[int, int]
 
@@ -114,9 +108,10 @@ def hd64_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywo
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
     tokens = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     pages_per_seq = np.asarray(page_indices).shape[1]
-    num_queries_per_block, num_kv_pages_per_block = v3_target.given_block_options(
+    given = v3_target.given_block_options(
         options.num_queries_per_block, options.num_kv_pages_per_block, pages_per_seq
-    ) or (options.num_queries_per_block, options.num_kv_pages_per_block)
+    )  # None: the tuned table's, below
+    num_queries_per_block, num_kv_pages_per_block = given or (None, None)
     kwargs = dict(
         sm_scale=options.sm_scale,
         sliding_window=options.sliding_window,
@@ -146,13 +141,14 @@ def hd64_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywo
         ),
         sink_array(options.attention_sink),
     )
-    block_sizes = (num_kv_pages_per_block, num_queries_per_block)
-    if num_kv_pages_per_block is None:
+    if given is None:
         # It validates its inputs before it looks its block sizes up: an invalid input raises its message.
         hd64.static_validate_inputs(*args, **kwargs)
         block_sizes = tuned_block_sizes(
             q, kv_pages.dtype, tokens.keys.shape[1], kv_pages.shape[1], pages_per_seq, options.sliding_window
         )
+    else:
+        block_sizes = (given[1], given[0])
     return Hd64Inputs(
         args,
         kwargs,
@@ -164,7 +160,9 @@ def hd64_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywo
     )
 
 
-def tuned_block_sizes(q, kv_dtype, num_kv_heads: int, page_size: int, pages_per_seq: int, sliding_window):
+def tuned_block_sizes(
+    q, kv_dtype, num_kv_heads: int, page_size: int, pages_per_seq: int, sliding_window
+) -> tuple[int, int]:
     """(num_kv_pages_per_block, num_queries_per_block) the kernel's tuned table chooses on the chip it sees
     for ``q`` ([tokens, q heads, head_dim]), called with the arguments the kernel passes."""
     num_tokens, num_q_heads, head_dim = q.shape

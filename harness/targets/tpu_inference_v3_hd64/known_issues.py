@@ -93,7 +93,8 @@ def hd64_finite_mask_value_weights_keys_by_block(case: Case) -> bool:
     a sliding window skips. Its reference gives every masked key in [0, kv_len) the weight with its value,
     and no other key.
     """
-    if not finite_replacing_mask_value(case):
+    mask_value = finite_replacing_mask_value(case)
+    if mask_value is None:
         return False
     kv_pages, _ = _block_sizes_on(case, generations.current())
     block = kv_pages * case.page_size
@@ -102,10 +103,10 @@ def hd64_finite_mask_value_weights_keys_by_block(case: Case) -> bool:
         start = max(kv_len - q_len - window, 0) // block * block if window is not None else 0
         if start == 0 and kv_len % block == 0:
             continue
-        row_max = v3_row_max_logits(case, case_arrays(case), seq, case.mask_value)
+        row_max = v3_row_max_logits(case, case_arrays(case), seq, mask_value)
         if case.attention_sink is not None:
             row_max = np.maximum(row_max, np.asarray(case.attention_sink)[None, :])
-        if (case.mask_value - row_max > FLOAT32_EXP_UNDERFLOW).any():
+        if (mask_value - row_max > FLOAT32_EXP_UNDERFLOW).any():
             return True
     return False
 
