@@ -255,24 +255,31 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="rpa-run-") as scratch:
         junit = Path(args.junit) if args.junit else Path(scratch) / "junit.xml"
         env = dict(os.environ, RPA_RUN_LOG=scratch)
-        command = [
-            sys.executable, "-m", "pytest", "--pyargs", PROPERTIES_PACKAGE, "-p", "no:cacheprovider",
-            f"--hypothesis-profile={args.profile}", f"--rpa-target={args.target}", f"--rpa-backend={args.backend}",
-            f"--rpa-repro-dir={args.repro_dir}", f"--junitxml={junit}", "-q",
-        ]  # fmt: skip
-        if args.buckets:
-            command.append(f"--rpa-buckets={args.buckets}")
-        if args.tpu_generation:
-            command.append(f"{generations.OPTION}={args.tpu_generation}")
-        if args.n and args.n > 1:
-            command += ["-n", str(args.n)]
-        command += args.pytest_args
+        command = pytest_command(args, junit)
         print("+", " ".join(command), flush=True)
         code = _call_with_progress(command, env, scratch)
         if code in PYTEST_RAN and _ran_tests(junit):  # otherwise pytest's own message is the whole story
             print(summary(junit, runlog.read(scratch), runlog.read_session(scratch)))
             print(known_issues_summary(runlog.read_events(scratch)))
     return code
+
+
+def pytest_command(args, junit: Path) -> list[str]:
+    """The pytest command ``rpa-harness run`` makes. ``-n N`` of at least 1 runs N xdist workers, so that
+    a native crash of a kernel call (a segfault in a compiler) ends one worker, which pytest reports and
+    replaces, never the run; ``-n 0`` runs in this one process."""
+    command = [
+        sys.executable, "-m", "pytest", "--pyargs", PROPERTIES_PACKAGE, "-p", "no:cacheprovider",
+        f"--hypothesis-profile={args.profile}", f"--rpa-target={args.target}", f"--rpa-backend={args.backend}",
+        f"--rpa-repro-dir={args.repro_dir}", f"--junitxml={junit}", "-q",
+    ]  # fmt: skip
+    if args.buckets:
+        command.append(f"--rpa-buckets={args.buckets}")
+    if args.tpu_generation:
+        command.append(f"{generations.OPTION}={args.tpu_generation}")
+    if args.n and args.n >= 1:
+        command += ["-n", str(args.n)]
+    return command + args.pytest_args
 
 
 def _call_with_progress(command: list[str], env: dict, log_dir: str) -> int:
@@ -492,7 +499,10 @@ def parser() -> argparse.ArgumentParser:
         help="where the kernel runs; auto (default): a TPU if jax sees one, else both interpreters",
     )  # fmt: skip
     run_parser.add_argument(
-        "-n", type=int, default=2, help="pytest-xdist workers (default 2; 0: one process)"
+        "-n",
+        type=int,
+        default=2,
+        help="pytest-xdist workers (default 2; 0: one process, where a native crash ends the run)",
     )
     run_parser.add_argument(
         "--repro-dir", default=repro_files.DEFAULT_REPRO_DIR,

@@ -309,3 +309,12 @@ def test_the_console_script_replays_a_repro_of_a_module_in_the_current_folder(tm
     assert result.returncode == 0 and "passes now" in result.stdout, (
         result.stdout[-2000:] + result.stderr[-2000:]
     )
+
+
+def test_run_with_one_worker_keeps_a_crash_in_the_worker():
+    """``-n 1`` is one xdist worker (a segfault in a compiler ends it, pytest reports and replaces it);
+    ``-n 0`` is the one process."""
+    parsed = cli.parser().parse_args(["run", "-n", "1", "--", "-k", "padding"])
+    command = cli.pytest_command(parsed, Path("junit.xml"))
+    assert command[command.index("-n") + 1] == "1" and command[-2:] == ["-k", "padding"]
+    assert "-n" not in cli.pytest_command(cli.parser().parse_args(["run", "-n", "0"]), Path("junit.xml"))
