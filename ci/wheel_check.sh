@@ -59,7 +59,7 @@ RPA_MAX_EXAMPLES=3 "$work/venv/bin/rpa-harness" run --profile dev --backend fast
   --repro-dir repros-ok
 echo "=== wheel check: rpa-harness run against my_broken_rpa (must fail)"
 set +e
-"$work/venv/bin/rpa-harness" run --profile dev --backend fast-interpret --target my_broken_rpa -n 1 \
+"$work/venv/bin/rpa-harness" run --profile dev --backend fast-interpret --target my_broken_rpa -n 0 \
   --repro-dir repros-broken -- -x > broken.log 2>&1  # one process: under xdist, -x exits 2 (interrupted)
 code=$?
 set -e
