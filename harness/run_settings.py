@@ -33,9 +33,8 @@ class RunSettings:
     target: Target  # with the run's precision contract and known issues applied
     backends: tuple[Backend, ...]  # in order; the first is where one-call-per-example properties run
     profile: str  # the Hypothesis profile chosen (before RPA_MAX_EXAMPLES resizes it)
-    buckets: tuple[str, ...] | None = (
-        None  # the buckets drawn (the strategies' ``selection``; None: defaults)
-    )
+    # The buckets drawn: the strategies' ``selection`` (None: the defaults within the declaration).
+    buckets: tuple[str, ...] | None = None
 
     @property
     def interpreter_compat(self) -> bool:

@@ -176,7 +176,8 @@ def checks_both_outputs(judge_outputs):
                 else ""
             )
             attention = "" if verdict.comparison.ok else f"\n{verdict.comparison}"
-            raise verdict.cache_error.__class__(f"{verdict.cache_error}{finding}{attention}") from None
+            error = verdict.cache_error
+            raise CacheMismatch(f"{error}{finding}{attention}", error.slots, error.stale) from None
         if not verdict.comparison.ok:
             raise numeric_failure(verdict.comparison, arrays)
 
