@@ -281,6 +281,12 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
             precision=target.precision,
             with_script_output=with_script_output,
         )
+    if target.updates_cache:
+        raise repro_files.ReproError(
+            f"{path}: target {target.name} returns the updated cache (RPA_HARNESS_UPDATES_CACHE), which the "
+            f"report for upstream's API cannot show: replay it with `rpa-harness replay {path}`, or declare the "
+            "target's own RPA_HARNESS_REPORT (docs/targets.md)"
+        )
     if repro.kind != DIFFERENTIAL:
         raise repro_files.ReproError(
             f"{path}: a report is written for differential repros (kernel output against the reference); "

@@ -1,7 +1,7 @@
 """Targets: a kernel module under test, and its profile (what the harness draws for it and holds it to).
 
-A target is any importable module with upstream's ``ragged_paged_attention`` and ``dynamic_validate_inputs``
-(an adapter module wraps a kernel with another API; ``rpa_harness.targets.layouts`` converts the layouts).
+A target is any importable module with upstream's ``ragged_paged_attention`` and, if its kernel validates
+metadata on the host, ``dynamic_validate_inputs`` (an adapter module wraps a kernel with another API; ``rpa_harness.targets.layouts`` converts the layouts).
 Its profile is read from these module attributes, each optional:
 
 - ``RPA_HARNESS_CAPABILITIES``: a dict of ``rpa_harness.strategies.valid.Capabilities`` fields (or a
@@ -20,6 +20,9 @@ Its profile is read from these module attributes, each optional:
   kind -> ``check(target, backend, arrays, options)`` raising ``rpa_harness.checks.PropertyFailure`` while the repro
   still fails; ``rpa-harness replay`` and the known-issue property run it for a repro of that kind (v3's
   targets judge both outputs, the attention and the returned cache).
+- ``RPA_HARNESS_UPDATES_CACHE``: True for a kernel that writes the new tokens into the cache: its
+  ``ragged_paged_attention`` returns ``(attention, updated kv_pages)`` in upstream's layout, and every
+  numeric property judges that cache bit for bit (``rpa_harness.checks.check_updated_cache``).
 - ``RPA_HARNESS_REPORT``: for a kernel whose API is not upstream's, its own ``rpa-harness report``: a
   function ``(path, repro, backend, known_issue, shown_path, *, precision, with_script_output)`` (the
   repro's settings as ``rpa_harness.run_settings.for_repro`` resolves them) returning the Markdown
@@ -55,7 +58,8 @@ LEGACY_DEFAULT_TARGET = "kernel"  # its folder's name, which a checkout can stil
 UPSTREAM_TARGET = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
 V3_TARGET = "rpa_harness.targets.tpu_inference_v3"
 V3_HD64_TARGET = "rpa_harness.targets.tpu_inference_v3_hd64"
-REQUIRED_FUNCTIONS = ("ragged_paged_attention", "dynamic_validate_inputs")
+REQUIRED_FUNCTIONS = ("ragged_paged_attention",)
+VALIDATOR = "dynamic_validate_inputs"  # optional: a kernel without one declares only static rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +107,7 @@ class Target:
     properties: dict = dataclasses.field(
         default_factory=dict
     )  # kind -> check(target, backend, arrays, options)
+    updates_cache: bool = False  # its call returns (attention, updated kv_pages), the cache judged too
 
     def __repr__(self) -> str:  # one line where Hypothesis prints a failing example's arguments
         return f"Target({self.name!r})"
@@ -125,7 +130,12 @@ class Target:
         return known_issues.on_generation(self.known_issues, backend.generation)
 
     def validate(self, arrays: dict, options: dict) -> None:
-        self.module.dynamic_validate_inputs(**as_jax(arrays), **options)
+        getattr(self.module, VALIDATOR)(**as_jax(arrays), **options)
+
+    @property
+    def has_validator(self) -> bool:
+        """Whether the module has ``dynamic_validate_inputs`` (a kernel without one has static rules only)."""
+        return callable(getattr(self.module, VALIDATOR, None))
 
     @property
     def own_rules(self) -> bool:
@@ -220,6 +230,7 @@ PROFILE_ATTRIBUTES = (
     "RPA_HARNESS_GENERATION_HOOK",
     "RPA_HARNESS_REPORT",
     "RPA_HARNESS_PROPERTIES",
+    "RPA_HARNESS_UPDATES_CACHE",
 )
 
 
@@ -236,13 +247,14 @@ def load(name: str) -> Target:
         )
         raise TargetError(
             f"--rpa-target={name}: cannot import it ({error}). Pass an importable module that defines "
-            f"{' and '.join(REQUIRED_FUNCTIONS)}, e.g. --rpa-target={DEFAULT_TARGET}.{bundled}"
+            f"{REQUIRED_FUNCTIONS[0]}, e.g. --rpa-target={DEFAULT_TARGET}.{bundled}"
         ) from None
     missing = [fn for fn in REQUIRED_FUNCTIONS if not callable(getattr(module, fn, None))]
     if missing:
         raise TargetError(
             f"--rpa-target={name}: module {module.__name__} ({getattr(module, '__file__', '?')}) lacks "
-            f"{', '.join(missing)}; a target must define {' and '.join(REQUIRED_FUNCTIONS)} with upstream's signatures."
+            f"{', '.join(missing)}; a target must define {REQUIRED_FUNCTIONS[0]} (and, if its kernel has one, "
+            f"{VALIDATOR}) with upstream's signatures."
         )
     declares = any(hasattr(module, attribute) for attribute in PROFILE_ATTRIBUTES)
     profile = module if declares or name not in PROFILES else importlib.import_module(PROFILES[name])
@@ -271,6 +283,22 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
         )
     except ValueError as error:
         raise TargetError(str(error)) from None
+    dynamic = sorted(rule for rule, entry in rules.items() if entry.stage == "dynamic")
+    if dynamic and not callable(
+        getattr(module, VALIDATOR, None)
+    ):  # Target.has_validator, before there is one
+        table = "its RPA_HARNESS_RULES" if rules is not RULES else "the specification's rule table"
+        raise TargetError(
+            f"--rpa-target={name}: it has no {VALIDATOR}, but {table} has {len(dynamic)} dynamic rules "
+            f"({', '.join(dynamic[:3])}{', ...' if len(dynamic) > 3 else ''}); define {VALIDATOR}, or declare "
+            "RPA_HARNESS_RULES with the kernel's static rules only (docs/targets.md)"
+        )
+    updates_cache = getattr(profile, "RPA_HARNESS_UPDATES_CACHE", False)
+    if not isinstance(updates_cache, bool):
+        raise TargetError(
+            f"--rpa-target={name}: RPA_HARNESS_UPDATES_CACHE is {updates_cache!r}; declare True (its "
+            "ragged_paged_attention returns the attention and the updated kv_pages) or leave it out"
+        )
     own_catalogue = tuple(getattr(profile, "RPA_HARNESS_CATALOGUE", ()))
     where = f"--rpa-target={name}: RPA_HARNESS_KNOWN_ISSUES"
     try:
@@ -305,8 +333,9 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
         )
     version = _version(name, module, profile)
     return Target(
-        name, module, capabilities, precision, issues, rules, catalogue, version, hook, report, properties
-    )
+        name, module, capabilities, precision, issues, rules, catalogue, version, hook, report, properties,
+        updates_cache,
+    )  # fmt: skip
 
 
 def first_line_of_error(error: BaseException) -> str:

@@ -51,6 +51,9 @@ __all__ = [  # what an adapter imports (docs/targets.md)
     "unpack_cache",
     "NewTokens",
     "split_new_tokens",
+    "distribution",
+    "pad_lanes",
+    "unpad_lanes",
     "values_per_word",
 ]
 
@@ -462,3 +465,42 @@ def split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) ->
         slot_position,
         np.diff(cu_q_lens[: read + 1]),
     )
+
+
+def distribution(q_lens, num_seqs, *, chunk_prefill_size: int | None = None) -> np.ndarray:
+    """tpu-inference v3's ``distribution``, int32 ``[decodes_end, chunked_prefills_end, num_seqs]``: the
+    leading sequences with ``q_len == 1`` (its decode kernel runs them), then those with ``q_len ==
+    chunk_prefill_size`` (its prefill kernel), then the rest. ``q_lens`` are the live sequences' query
+    lengths (``NewTokens.q_lens``); ``num_seqs`` is passed on as given, so that a kernel's validators see it."""
+    q_lens = _index_array("distribution", "q_lens", q_lens, 1, "[live sequences]")
+    decodes = 0
+    while decodes < len(q_lens) and q_lens[decodes] == 1:
+        decodes += 1
+    prefills_end = decodes
+    while (
+        chunk_prefill_size is not None
+        and prefills_end < len(q_lens)
+        and q_lens[prefills_end] == chunk_prefill_size
+    ):
+        prefills_end += 1
+    return np.array([decodes, prefills_end, int(np.asarray(num_seqs).reshape(-1)[0])], np.int32)
+
+
+def pad_lanes(array, multiple: int = LANES) -> np.ndarray:
+    """``array`` with its last axis (head_dim) zero-padded to a multiple of ``multiple`` lanes."""
+    array = np.asarray(array)
+    if array.ndim == 0:
+        raise LayoutError("pad_lanes: a scalar has no head_dim axis; pass an array [..., head_dim]")
+    padding = _align(array.shape[-1], multiple) - array.shape[-1]
+    return np.pad(array, [(0, 0)] * (array.ndim - 1) + [(0, padding)])
+
+
+def unpad_lanes(array, head_dim: int) -> np.ndarray:
+    """The first ``head_dim`` lanes of ``array``'s last axis: a lane-padded cache back in upstream's layout."""
+    array = np.asarray(array)
+    if array.ndim == 0 or array.shape[-1] < head_dim:
+        raise LayoutError(
+            f"unpad_lanes: an array of shape {array.shape} has fewer than head_dim={head_dim} lanes; pass the "
+            "lane-padded array and the unpadded head_dim"
+        )
+    return array[..., :head_dim].copy()

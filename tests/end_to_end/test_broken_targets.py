@@ -33,6 +33,11 @@ BROKEN = {
     ),
     "wrong_shape": (DIFFERENTIAL, "output shape (", "differential_fast-interpret.json"),
     "nan_in_a_live_row": (DIFFERENTIAL, "non-finite values in live rows", "differential_fast-interpret.json"),
+    "skips_a_cache_write": (
+        DIFFERENTIAL,
+        "updated cache differs from the expected cache in 1 slot (1 of",
+        "differential_fast-interpret.json",
+    ),
     "nondeterministic": (
         PADDING,
         "non-deterministic: two identical calls gave different bits",

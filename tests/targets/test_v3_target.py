@@ -297,7 +297,7 @@ def test_cache_check_reports_a_changed_slot_outside_the_new_tokens():
     changed[page, 0, 0, 0, 5] += 1  # sequence 1, key position 0: not a new token
     with pytest.raises(v3target.CacheMismatch) as raised:
         v3target.check_updated_cache(inputs, changed)
-    assert "1 slots (0 of 4 new-token slots, 1 slots it must leave unchanged)" in str(raised.value)
+    assert "1 slot (0 of 4 new-token slots, 1 slot it must leave unchanged)" in str(raised.value)
     assert f"page {page}, slot 0 (a slot v3 must leave unchanged; sequence 1, key position 0)" in str(
         raised.value
     )

@@ -376,6 +376,18 @@ ARGUMENT_ERRORS = {
         _new_tokens(num_seqs=np.array([], np.int32)),
         r"num_seqs is empty",
     ),
+    "distribution of 2-D q_lens": (
+        lambda: layouts.distribution(np.ones((2, 2), np.int64), 2),
+        r"distribution: q_lens has shape \(2, 2\) \(2-D\)",
+    ),
+    "pad_lanes of a scalar": (
+        lambda: layouts.pad_lanes(np.float32(1)),
+        r"pad_lanes: a scalar has no head_dim",
+    ),
+    "unpad_lanes past the lanes": (
+        lambda: layouts.unpad_lanes(np.zeros((2, 64)), 128),
+        r"unpad_lanes: an array of shape \(2, 64\) has fewer than head_dim=128 lanes",
+    ),
     "poisoned_cache of another cache": (
         lambda: layouts.split_new_tokens(**_call_arrays()).poisoned_cache(KV[:1]),
         r"poisoned_cache: kv_pages has shape \(1, 4, 4, 8\), but .* 2 pages of 4 slots",
@@ -404,6 +416,29 @@ def test_dtype_errors(call, message):
     with pytest.raises(ValueError, match=message) as raised:
         call()
     assert "pass " in str(raised.value), f"the message does not say what to pass: {raised.value}"
+
+
+@pytest.mark.parametrize(
+    "q_lens, chunk_prefill_size, expected",
+    [
+        ((1, 1, 5, 5, 3), 5, (2, 4, 5)),
+        ((1, 1, 5, 5, 3), None, (2, 2, 5)),
+        ((5, 1, 1), 5, (0, 1, 3)),  # a decode after a prefill is not a leading decode
+        ((), None, (0, 0, 0)),
+    ],
+)
+def test_distribution_counts_leading_decodes_then_chunked_prefills(q_lens, chunk_prefill_size, expected):
+    num_seqs = np.array([len(q_lens)], np.int32)
+    got = layouts.distribution(np.array(q_lens, np.int64), num_seqs, chunk_prefill_size=chunk_prefill_size)
+    assert got.dtype == np.int32 and tuple(got) == expected
+
+
+@given(head_dim=st.integers(1, 300), lanes=st.sampled_from([128, 64]))
+def test_pad_lanes_pads_with_zeros_to_whole_lanes_and_unpad_lanes_inverts(head_dim, lanes):
+    array = np.arange(3 * head_dim, dtype=np.float32).reshape(3, head_dim) + 1
+    padded = layouts.pad_lanes(array, lanes)
+    assert padded.shape == (3, -(-head_dim // lanes) * lanes) and not padded[:, head_dim:].any()
+    assert np.array_equal(layouts.unpad_lanes(padded, head_dim), array)
 
 
 def test_layout_error_is_a_value_error():

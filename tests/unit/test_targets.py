@@ -71,6 +71,11 @@ def test_a_declared_rule_table_is_the_targets(monkeypatch):
         ({"RPA_HARNESS_RULES": {}}, "a rule table is a non-empty dict"),
         ({"RPA_HARNESS_CAPABILITIES": {"head_dims": (96,)}}, "RPA_HARNESS_CAPABILITIES"),
         ({"RPA_HARNESS_KNOWN_ISSUES": ("no-such-issue",)}, "unknown known issue 'no-such-issue'"),
+        ({"RPA_HARNESS_UPDATES_CACHE": "yes"}, "RPA_HARNESS_UPDATES_CACHE is 'yes'; declare True"),
+        (
+            {"dynamic_validate_inputs": None},
+            "it has no dynamic_validate_inputs, but the specification's rule table",
+        ),
     ],
 )
 def test_a_malformed_declaration_is_one_clear_error(monkeypatch, declaration, complaint):
@@ -78,6 +83,20 @@ def test_a_malformed_declaration_is_one_clear_error(monkeypatch, declaration, co
     with pytest.raises(targets.TargetError) as error:
         targets.load("user_target")
     assert complaint in str(error.value) and "--rpa-target=user_target" in str(error.value)
+
+
+def test_a_kernel_without_a_dynamic_validator_declares_static_rules(monkeypatch):
+    static = violations.Rule("static", violations.break_soft_cap, lambda value: f"soft_cap {value}")
+    dynamic = violations.Rule(
+        "dynamic", violations.break_num_seqs_over_max, lambda num_seqs, max_num_seqs: "x"
+    )
+    module = _module(RPA_HARNESS_RULES={"cap": static})
+    del module.dynamic_validate_inputs
+    monkeypatch.setitem(sys.modules, "user_target", module)
+    assert not targets.load("user_target").has_validator
+    module.RPA_HARNESS_RULES = {"cap": static, "over": dynamic}
+    with pytest.raises(targets.TargetError, match=r"its RPA_HARNESS_RULES has 1 dynamic rules \(over\)"):
+        targets.load("user_target")
 
 
 def test_a_rule_breaks_one_stage():

@@ -77,16 +77,6 @@ class V3Inputs(KernelInputs):
     mixed_block_sizes: tuple[int, int, int, int]
 
 
-def decode_prefix(q_lens: np.ndarray) -> int:
-    """How many leading sequences are decodes (q_len == 1): v3's decode kernel runs those."""
-    count = 0
-    for q_len in q_lens:
-        if q_len != 1:
-            break
-        count += 1
-    return count
-
-
 def block_sizes(tokens_per_block: int, chunk_unit: int) -> tuple[int, int]:
     """A block and its compute chunk: half the block when that is a whole number of units."""
     units = tokens_per_block // chunk_unit
@@ -109,27 +99,12 @@ def given_block_options(
     )
 
 
-def chunked_prefills(q_lens: np.ndarray, decodes: int, chunk_prefill_size: int | None) -> int:
-    """How many sequences after the leading decodes have q_len == ``chunk_prefill_size``: v3's prefill
-    kernel, compiled for that q_len, runs those."""
-    count = 0
-    if chunk_prefill_size is not None:
-        for q_len in q_lens[decodes:]:
-            if q_len != chunk_prefill_size:
-                break
-            count += 1
-    return count
-
-
 def kernel_arguments(
     q, tokens, cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, chunk_prefill_size=None
 ) -> tuple:
     """The positional arguments both v3 kernels take: q, the new tokens' keys and values, the packed cache
     (their slots poisoned), the metadata as given with the page table flat, and the distribution (the
     leading decodes run by the decode kernel, then the chunked prefills of ``chunk_prefill_size`` rows)."""
-    decodes = decode_prefix(tokens.q_lens)
-    prefills_end = decodes + chunked_prefills(tokens.q_lens, decodes, chunk_prefill_size)
-    num_live = int(np.asarray(num_seqs).reshape(-1)[0])
     return (
         q,
         tokens.keys,
@@ -138,7 +113,7 @@ def kernel_arguments(
         np.asarray(kv_lens),
         np.asarray(page_indices).reshape(-1),
         np.asarray(cu_q_lens),
-        np.array([decodes, prefills_end, num_live], np.int32),
+        layouts.distribution(tokens.q_lens, num_seqs, chunk_prefill_size=chunk_prefill_size),
     )
 
 

@@ -8,7 +8,13 @@ from typing import TypeVar
 import numpy as np
 from rpa_harness import reference
 from rpa_harness.backends import INTERPRET, Backend, Deadlock
-from rpa_harness.checks import PropertyFailure, RaisedOnValidInput, numeric_failure
+from rpa_harness.checks import (
+    CacheMismatch,
+    ExpectedCache,
+    RaisedOnValidInput,
+    cache_mismatch,
+    numeric_failure,
+)
 from rpa_harness.targets.tpu_inference_v3.adapter import KernelInputs, V3Inputs, call_v3, v3_inputs
 
 
@@ -41,52 +47,15 @@ def unwritten_by_sliding_window(inputs: V3Inputs) -> np.ndarray:
     return unwritten
 
 
-class CacheMismatch(PropertyFailure):
-    """v3's updated cache is not the expected one; ``str()`` says which slots and whose. ``slots`` is the
-    bool [pages, page_size] map of the slots that differ, ``stale`` whether each holds its input value."""
-
-    kind = "returned cache differs from the expected one"
-
-    def __init__(self, message: str, slots: np.ndarray | None = None, stale: np.ndarray | None = None):
-        super().__init__(message)
-        self.slots, self.stale = slots, stale
-
-
 def check_updated_cache(inputs: KernelInputs, updated_cache) -> None:
     """The returned cache equals the expected one bit for bit: every new token written to its slot, and
     no other page, slot, padded head or padded dim changed (NaN payloads included)."""
-    actual, expected = np.asarray(updated_cache), inputs.expected_cache
-    if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        raise CacheMismatch(
-            f"v3 returned a cache of {actual.shape} {actual.dtype}, expected {expected.shape} {expected.dtype}"
-        )
-    bits = f"u{expected.dtype.itemsize}"
-    differs = (actual.view(bits) != expected.view(bits)).reshape(*expected.shape[:2], -1)
-    if not differs.any():
-        return
-    stale_bits = np.asarray(inputs.args[3]).view(bits).reshape(differs.shape)
-    is_stale = (actual.view(bits).reshape(differs.shape) == stale_bits).all(axis=-1)
-    slots = np.argwhere(differs.any(axis=-1))
-    lines = []
-    for page, slot in slots[:5]:
-        owner, position = inputs.slot_owner[page, slot], inputs.slot_position[page, slot]
-        whose = f"sequence {owner}, key position {position}" if owner >= 0 else "a page no live sequence uses"
-        role = "a new token's slot" if inputs.new_slots[page, slot] else "a slot v3 must leave unchanged"
-        flat = np.flatnonzero(differs[page, slot])
-        a = actual[page, slot].reshape(-1)[flat[0]]
-        e = expected[page, slot].reshape(-1)[flat[0]]
-        lines.append(
-            f"  page {page}, slot {slot} ({role}; {whose}): {len(flat)} elements differ, first at packed "
-            f"element {flat[0]}: got {a!r}, expected {e!r}"
-        )
-    written = int((differs.any(axis=-1) & inputs.new_slots).sum())
-    raise CacheMismatch(
-        f"v3's updated cache differs from the expected cache in {len(slots)} slots ({written} of "
-        f"{int(inputs.new_slots.sum())} new-token slots, {len(slots) - written} slots it must leave unchanged):\n"
-        + "\n".join(lines),
-        slots=differs.any(axis=-1),
-        stale=is_stale,
+    expected = ExpectedCache(
+        inputs.expected_cache, inputs.args[3], inputs.new_slots, inputs.slot_owner, inputs.slot_position
     )
+    mismatch = cache_mismatch(updated_cache, expected, who="v3", element=lambda i: f"packed element {i}")
+    if mismatch is not None:
+        raise mismatch
 
 
 # The checking TPU interpreter with the compat layer, as the harness's ``interpret`` backend: out-of-bounds
@@ -182,8 +151,3 @@ def checks_both_outputs(judge_outputs):
             raise numeric_failure(verdict.comparison, arrays)
 
     return check
-
-
-# The rest of the profile: v3's validators' rule table, and its known issues (docs/tpu-inference-v3-findings/:
-# their cases are not drawn, and tests/properties/test_known_issues.py replays each repro while it still
-# fails). Imported last: both read the adapter above.

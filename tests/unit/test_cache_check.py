@@ -1,0 +1,81 @@
+"""The returned cache of a target declaring ``RPA_HARNESS_UPDATES_CACHE`` is judged bit for bit, slot by
+slot, and a wrong one is a failure of its own kind that names the slots."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+from rpa_harness import targets
+from rpa_harness.backends import FAST_INTERPRET, Backend
+from rpa_harness.checks import CacheMismatch, WrongOutputLayout, check_differential
+from rpa_harness.strategies.valid import Case
+from rpa_harness.targets import layouts
+
+from tests.broken import oracle_output
+
+CASE = Case(
+    max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=4, total_num_pages=8, page_size=8,
+    num_q_heads=2, num_kv_heads=1, head_dim=64, q_lens=(3, 1), kv_lens=(11, 4),
+)  # fmt: skip
+
+
+def _target(monkeypatch, change_cache):
+    """A target returning the oracle's attention and the expected cache as ``change_cache`` alters it."""
+
+    def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+        out = oracle_output(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
+        new = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        return change_cache(out, np.array(kv_pages), new)
+
+    module = types.ModuleType("cache_target")
+    module.ragged_paged_attention = ragged_paged_attention
+    module.dynamic_validate_inputs = lambda *args, **kwargs: None
+    module.RPA_HARNESS_UPDATES_CACHE = True
+    monkeypatch.setitem(sys.modules, "cache_target", module)
+    return targets.load("cache_target")
+
+
+def _judge(target):
+    check_differential(target, Backend(FAST_INTERPRET), CASE.arrays(), CASE.options())
+
+
+def test_the_expected_cache_passes(monkeypatch):
+    _judge(_target(monkeypatch, lambda out, cache, new: (out, cache)))
+
+
+def test_a_write_to_a_slot_it_must_leave_unchanged_is_named(monkeypatch):
+    def stray_write(out, cache, new):
+        page, slot = np.argwhere(~new.new_slots & (new.slot_owner == 1))[0]
+        cache[page, slot, 1, 3] += 1
+        return out, cache
+
+    with pytest.raises(CacheMismatch) as raised:
+        _judge(_target(monkeypatch, stray_write))
+    message = str(raised.value)
+    assert "in 1 slot (0 of 4 new-token slots, 1 slot it must leave unchanged)" in message, message
+    assert (
+        "must leave unchanged; sequence 1, key position" in message and "first at V head 0, dim 3" in message
+    )
+
+
+def test_a_nan_payload_differs(monkeypatch):
+    def other_nan(out, cache, new):
+        page, slot = np.argwhere(new.new_slots)[0]
+        cache[page, slot, 0, 0] = np.float32(np.nan)
+        other = cache.copy()
+        other.view(np.uint32)[page, slot, 0, 0] ^= 1  # the same NaN with another payload
+        return out, other
+
+    case = CASE.arrays()
+    case["kv_pages"][np.nonzero(layouts.split_new_tokens(**case).new_slots)] = np.nan
+    target = _target(monkeypatch, other_nan)
+    with pytest.raises(CacheMismatch, match=r"got nan \(0x7fc00001\), expected nan \(0x7fc00000\)"):
+        check_differential(target, Backend(FAST_INTERPRET), case, CASE.options())
+
+
+def test_a_target_that_updates_the_cache_returns_a_pair(monkeypatch):
+    with pytest.raises(
+        WrongOutputLayout, match=r"returned ndarray; a target declaring RPA_HARNESS_UPDATES_CACHE"
+    ):
+        _judge(_target(monkeypatch, lambda out, cache, new: out))
