@@ -329,6 +329,9 @@ class Backend:
                 "emulate a generation on an interpreter"
             )
 
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # one line in Hypothesis's failing example
+        printer.text(repr(self))
+
     @property
     def label(self) -> str:
         """The backend and its emulated generation, as test ids and repro names show it."""

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import xml.etree.ElementTree as ElementTree
@@ -33,7 +34,7 @@ from rpa_harness import backends, generations, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import AUTO, BACKENDS, Backend
 from rpa_harness.property_names import DIFFERENTIAL, KINDS, PADDING
-from rpa_harness.run_settings import SettingError, for_repro
+from rpa_harness.run_settings import CLI_TERMS_ENV, SettingError, for_repro, in_cli_terms
 from rpa_harness.targets import DEFAULT_TARGET
 
 PROPERTIES_PACKAGE = "rpa_harness.properties"  # the shipped properties (tests/properties/ in a checkout)
@@ -174,7 +175,10 @@ def replay(args) -> int:
             interpreter_compat=compat,
         )
     except SettingError as error:
-        print(f"rpa-harness replay: {error if error.given else f'{path}: {error}'}", file=sys.stderr)
+        print(
+            f"rpa-harness replay: {in_cli_terms(str(error)) if error.given else f'{path}: {error}'}",
+            file=sys.stderr,
+        )
         return USAGE if error.given else BAD_FILE
     target, backend = run.target, run.backends[0]
     target_name = target.name
@@ -254,24 +258,26 @@ def run(args) -> int:
     """pytest on the shipped properties, from the current folder (so the user's own modules import)."""
     with tempfile.TemporaryDirectory(prefix="rpa-run-") as scratch:
         junit = Path(args.junit) if args.junit else Path(scratch) / "junit.xml"
-        env = dict(os.environ, RPA_RUN_LOG=scratch)
+        env = dict(os.environ, RPA_RUN_LOG=scratch, **{CLI_TERMS_ENV: "1"})
         command = pytest_command(args, junit)
-        print("+", " ".join(command), flush=True)
         code = _call_with_progress(command, env, scratch)
         if code in PYTEST_RAN and _ran_tests(junit):  # otherwise pytest's own message is the whole story
             print(summary(junit, runlog.read(scratch), runlog.read_session(scratch)))
             print(known_issues_summary(runlog.read_events(scratch)))
+            print("pytest command:", " ".join(command))
     return code
 
 
 def pytest_command(args, junit: Path) -> list[str]:
-    """The pytest command ``rpa-harness run`` makes. ``-n N`` of at least 1 runs N xdist workers, so that
+    """The pytest command ``rpa-harness run`` makes (short tracebacks: a failure is read from its report).
+    ``-n N`` of at least 1 runs N xdist workers, so that
     a native crash of a kernel call (a segfault in a compiler) ends one worker, which pytest reports and
     replaces, never the run; ``-n 0`` runs in this one process."""
     command = [
         sys.executable, "-m", "pytest", "--pyargs", PROPERTIES_PACKAGE, "-p", "no:cacheprovider",
         f"--hypothesis-profile={args.profile}", f"--rpa-target={args.target}", f"--rpa-backend={args.backend}",
         f"--rpa-repro-dir={args.repro_dir}", f"--junitxml={junit}", "-q",
+        "--tb=short",  # a failure's report is its message; the frames are the harness's (`-- --tb=long`)
     ]  # fmt: skip
     if args.buckets:
         command.append(f"--rpa-buckets={args.buckets}")
@@ -314,7 +320,11 @@ def _call_with_progress(command: list[str], env: dict, log_dir: str) -> int:
     watcher = threading.Thread(target=watch, name="rpa-harness progress", daemon=True)
     watcher.start()
     assert process.stdout is not None  # stdout=PIPE
+    previous = ""
     for line in process.stdout:
+        if line == previous == "bringing up nodes...\n":  # xdist prints its status twice when piped
+            continue
+        previous = line
         with lock:
             if interactive:
                 sys.stdout.write("\r\033[K")
@@ -340,20 +350,42 @@ def _ran_tests(junit: Path) -> bool:
         return False
 
 
+SUMMARY_WIDTH = 120  # columns the closing table fits in; longer details wrap under their property
+
+
+def _wrapped(text: str, indent: str = "    ") -> list[str]:
+    return textwrap.wrap(
+        text,
+        SUMMARY_WIDTH,
+        initial_indent=indent,
+        subsequent_indent=indent + "  ",
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
+
+
+def _outcome(case: ElementTree.Element) -> tuple[str, str]:
+    """A JUnit test case's result and its reason (a skip's or an expected failure's)."""
+    for child in case:
+        if child.tag in ("failure", "error"):
+            return "FAILED", ""
+        if child.tag == "skipped":
+            reason = child.get("message", "")
+            if child.get("type") == "pytest.xfail":
+                return "xfailed", reason.removeprefix("xfail: ").removeprefix("reason: ")
+            return "skipped", reason.removeprefix("Skipped: ")
+    return "passed", ""
+
+
 def summary(junit: Path, examples: list[dict], session: dict | None = None) -> str:
-    """The closing table: one row per property test, after the run's own verdicts."""
+    """The closing table, within ``SUMMARY_WIDTH`` columns: one row per property test in file order, each
+    followed by its details (repros, largest case, closeness to the bound, why it was skipped)."""
     results = {}
     if junit.exists():
         for case in ElementTree.parse(junit).iter("testcase"):
             test = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-            outcome = "passed"
-            for child in case:
-                if child.tag in ("failure", "error"):
-                    outcome = "FAILED"
-                elif child.tag == "skipped":
-                    outcome = f"skipped: {child.get('message', '')[:70]}"
-            results[test] = outcome
-    counts = collections.Counter(e["test"] for e in examples)
+            results[test] = _outcome(case)
+    counts = collections.Counter(e["test"] for e in examples if runlog.is_example(e))
     repros = collections.defaultdict(set)
     labels: collections.Counter[str] = collections.Counter()
     largest: dict[str, dict] = {}  # per property, its example of the largest size
@@ -368,25 +400,31 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
                 f"hang after {e['hang']:g} s: {e['repro']}" if e.get("hang") else e["repro"]
             )
         labels.update(e.get("labels", []))
-    width = max([len(t) for t in results] + [8])
     session = session or {}
     lines = ["", "rpa-harness summary", *session.get("header", [])]
     if session.get("no_numeric"):
         lines.append(session["no_numeric"])
-    lines += [
-        f"rpa-harness: target cannot run on {name}: {reason}"
-        for name, reason in session.get("cannot_run", {}).items()
-    ]
+    for name, reason in session.get("cannot_run", {}).items():
+        lines += _wrapped(f"rpa-harness: target cannot run on {name}: {reason}", indent="")
+    shown = {test: test.rpartition("/")[2] for test in results}  # the file's name is enough: all are ours
+    width = min(max([len(name) for name in shown.values()] + [8]), SUMMARY_WIDTH - 19)
     lines.append(f"{'property':<{width}}  {'examples':>8}  result")
-    for test, outcome in results.items():
-        lines.append(f"{test:<{width}}  {counts.get(test, 0):>8}  {outcome}")
-        lines.extend(f"{'':<{width}}  {'':>8}  repro: {path}" for path in sorted(repros.get(test, ())))
+    for test in sorted(results, key=lambda t: t.partition("[")[::2]):
+        outcome, reason = results[test]
+        lines.append(f"{shown[test]:<{width}}  {counts.get(test, 0):>8}  {outcome}")
+        lines += [f"    repro: {path}" for path in sorted(repros.get(test, ()))]  # never broken: copied
+        details = []
+        if reason:
+            details.append(reason)
         if test in largest:
-            lines.append(f"{'':<{width}}  {'':>8}  largest case: {largest[test]['shape']}")
+            details.append(f"largest case: {largest[test]['shape']}")
         if test in ratios:
-            lines.append(f"{'':<{width}}  {'':>8}  {closeness_to_bound(ratios[test])}")
-    lines.append(
-        f"coverage labels seen ({len(labels)}): " + ", ".join(f"{k} x{v}" for k, v in sorted(labels.items()))
+            details.append(closeness_to_bound(ratios[test]))
+        for detail in details:
+            lines += _wrapped(detail)
+    lines += _wrapped(
+        f"coverage labels seen ({len(labels)}): " + ", ".join(f"{k} x{v}" for k, v in sorted(labels.items())),
+        indent="",
     )
     return "\n".join(lines)
 
@@ -418,10 +456,12 @@ def known_issues_summary(events: list[dict]) -> str:
         f"known issues declared ({len(names)}): drawn cases moved out of each, and the replay of its repro",
         f"{'issue':<{width}}  {'avoided':>7}  replay",
     ]
-    lines += [
-        f"{n:<{width}}  {avoided.get(n, 0):>7}  {', '.join(sorted(replays.get(n, ['not run'])))}"
-        for n in names
-    ]
+    for n in names:
+        row = f"{n:<{width}}  {avoided.get(n, 0):>7}  {', '.join(sorted(replays.get(n, ['not run'])))}"
+        indent = " " * (width + 11)
+        lines += textwrap.wrap(
+            row, SUMMARY_WIDTH, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False
+        )
     return "\n".join(lines)
 
 
@@ -436,7 +476,10 @@ def report(args) -> int:
         print(f"rpa-harness report: {error}", file=sys.stderr)
         return BAD_FILE
     except SettingError as error:
-        print(f"rpa-harness report: {error if error.given else f'{args.file}: {error}'}", file=sys.stderr)
+        print(
+            f"rpa-harness report: {in_cli_terms(str(error)) if error.given else f'{args.file}: {error}'}",
+            file=sys.stderr,
+        )
         return USAGE if error.given else BAD_FILE
     except NothingToReport as error:
         print(f"rpa-harness report: {error}", file=sys.stderr)
@@ -483,7 +526,10 @@ def parser() -> argparse.ArgumentParser:
     run_parser = commands.add_parser(
         "run", help="run the property campaign (pytest) and print a summary",
         description="Run the shipped properties with pytest against one target and end with a summary table "
-        "(property, examples, result, repros, coverage, known issues). Exit codes are pytest's.",
+        "(property, examples, result, repros, coverage, known issues) and the pytest command it ran.",
+        epilog="exit codes (pytest's): 0 every property held; 1 a property failed (its repro is named); 2 "
+        "interrupted; 3 internal error; 4 usage error (one line: what was wrong and what to pass); 5 no "
+        "numeric property ran (NOT GREEN). A hang without xdist (-n 0) ends the run with 70.",
     )  # fmt: skip
     run_parser.add_argument(
         "--profile", default="ci", choices=("dev", "ci", "nightly", "repro"),

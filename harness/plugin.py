@@ -50,7 +50,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from rpa_harness import backends, checks, generations, known_issues, repro, runlog, targets
 from rpa_harness.recording import CannotRunHere
 from rpa_harness.reference.tolerance import CONTRACTS
-from rpa_harness.run_settings import RunSettings, SettingError, from_options
+from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, from_options, in_cli_terms
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
 
@@ -63,7 +63,10 @@ def register_profiles() -> None:
         print_blob=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-    settings.register_profile("dev", max_examples=10, **_common)
+    # No profile runs the `explain` phase: it re-runs the kernel, and its report lengthens every failure.
+    settings.register_profile(
+        "dev", max_examples=10, phases=[Phase.explicit, Phase.generate, Phase.target, Phase.shrink], **_common
+    )
     settings.register_profile(
         "ci",
         max_examples=40,
@@ -73,7 +76,7 @@ def register_profiles() -> None:
             Phase.generate,
             Phase.target,
             Phase.shrink,
-        ],  # no `explain`: it re-runs the kernel
+        ],
         **_common,
     )
     settings.register_profile(
@@ -244,7 +247,9 @@ def pytest_configure_after_hypothesis(config):
             profile=profile,
         )
     except SettingError as error:
-        raise pytest.UsageError(str(error)) from None
+        raise pytest.UsageError(
+            in_cli_terms(str(error)) if os.environ.get(CLI_TERMS_ENV) else str(error)
+        ) from None
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
         backends.set_output_release(lambda: capture.suspend_global_capture(in_=False))

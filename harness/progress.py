@@ -21,6 +21,7 @@ DEFAULT_INTERVAL_SECONDS = 60.0
 class PropertyProgress:
     budget: int | None = None
     examples: int = 0
+    cases: int = 0  # a property drawing groups of cases runs several per example
     failures: int = 0  # failing calls so far (the first failure, then the shrinker's)
     first: float | None = None
     last: float | None = None
@@ -53,7 +54,8 @@ class Progress:
             self.properties.setdefault(plan["test"], PropertyProgress()).budget = plan["budget"]
         for example in self._new_lines("*.jsonl"):
             entry = self.properties.setdefault(example["test"], PropertyProgress())
-            entry.examples += 1
+            entry.examples += runlog.is_example(example)
+            entry.cases += 1
             entry.failures += bool(example.get("repro"))
             entry.first = example["time"] if entry.first is None else entry.first
             entry.last = example["time"]
@@ -65,9 +67,12 @@ class Progress:
 
     def describe(self, name: str) -> str:
         p = self.properties[name]
-        budget = f"/{p.budget}" if p.budget else ""
+        done = f"{p.examples}/{p.budget} examples" if p.budget else f"{p.examples} examples"
+        if p.budget and p.examples > p.budget:  # the shrinker's examples come after the budget's
+            done = f"{p.examples} examples ({p.budget} planned{', shrinking' if p.failures else ''})"
+        cases = f" ({p.cases} cases)" if p.cases != p.examples else ""
         failing = f", {p.failures} failing" if p.failures else ""
-        return f"{short_name(name)} {p.examples}{budget} examples, {p.rate():.0f}/min{failing}"
+        return f"{short_name(name)} {done}{cases}, {p.rate():.0f}/min{failing}"
 
     def totals(self) -> str:
         started = sum(1 for p in self.properties.values() if p.examples)

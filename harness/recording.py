@@ -42,55 +42,88 @@ def current_test() -> str:
     return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
 
 
-@contextlib.contextmanager
-def recorded(directory, name: PropertyName, target, backend, arrays: dict, options: dict, **fields):
-    """Runs the enclosed check with its example on disk; a failure names the repro pair it left."""
-    case = fields.get("case")
-    notes = {
-        "labels": coverage_labels(case) if case is not None and fields.get("expected_error") is None else []
-    }
-    if case is not None:
-        notes.update(shape_notes(case))
-    example = repro.Repro(
-        str(name), target.name, backend.name, arrays, options, kind=name.kind,
-        interpreter_compat=backend.interpreter_compat, tpu_generation=backend.generation, test=current_test(),
-        precision=getattr(target, "precision", None), **fields,
-    )  # fmt: skip
-    pending = repro.write_pending(example, directory)
+def recorded(
+    directory, name: PropertyName, target, backend, arrays: dict, options: dict, **fields
+) -> "Recorded":
+    """Runs the enclosed check with its example on disk; a failure names the repro pair it left.
+    ``with recorded(...) as notes``: ``notes`` are the example's run-log fields, which the check may add to."""
+    return Recorded(directory, name, target, backend, arrays, options, fields)
 
-    def on_hang(what, seconds):
+
+class Recorded:
+    """``recorded``'s context manager: a class, so that pytest hides its frames (``__tracebackhide__``) and a
+    failure shows the check that failed, not this wrapper's source."""
+
+    def __init__(
+        self, directory, name: PropertyName, target, backend, arrays: dict, options: dict, fields: dict
+    ):
+        self.directory, self.name, self.target, self.backend, self.fields = (
+            directory,
+            name,
+            target,
+            backend,
+            fields,
+        )
+        self.case = fields.get("case")
+        self.notes: dict = {
+            "labels": coverage_labels(self.case)
+            if self.case is not None and fields.get("expected_error") is None
+            else []
+        }
+        if self.case is not None:
+            self.notes.update(shape_notes(self.case))
+        self.example = repro.Repro(
+            str(name), target.name, backend.name, arrays, options, kind=name.kind,
+            interpreter_compat=backend.interpreter_compat, tpu_generation=backend.generation, test=current_test(),
+            precision=getattr(target, "precision", None), **fields,
+        )  # fmt: skip
+        self.hang_watch = contextlib.ExitStack()
+
+    def __enter__(self) -> dict:
+        self.pending = repro.write_pending(self.example, self.directory)
+        self.hang_watch.enter_context(backends.on_hang(self.on_hang))
+        return self.notes
+
+    def on_hang(self, what, seconds):
+        example, path = self.example, None
         example.hang = {"seconds": seconds}
         example.failure = f"hang: {what} did not return within {seconds:g} s"
-        path = repro.write(example, directory)
-        repro.discard_pending(pending)
-        runlog.record(**notes, repro=str(path), hang=seconds)
+        path = repro.write(example, self.directory)
+        repro.discard_pending(self.pending)
+        runlog.record(**self.notes, repro=str(path), hang=seconds)
+        case = self.case.describe() if self.case is not None else "see the repro"
         return (
             f"rpa-harness: HANG: {what} did not return within {seconds:g} s (RPA_CALL_TIMEOUT) in "
-            f"{example.test or name}: {case.describe() if case is not None else 'see the repro'}\n  repro: {path}\n  replay: rpa-harness replay {path}",
+            f"{example.test or self.name}: {case}\n  repro: {path}\n  replay: rpa-harness replay {path}",
             backends.HANG_EXIT_CODE,
         )
 
-    try:
-        with backends.on_hang(on_hang):
-            yield notes
-    except CannotRun as reason:
-        raise CannotRunHere(target.name, backend.name, str(reason)) from None
-    except AssertionError as failure:
+    def __exit__(self, kind, failure, traceback) -> None:
+        __tracebackhide__ = True
+        self.hang_watch.close()
+        repro.discard_pending(self.pending)
+        if failure is None:
+            runlog.record(**self.notes)
+        elif isinstance(failure, CannotRun):
+            raise CannotRunHere(self.target.name, self.backend.name, str(failure)) from None
+        elif isinstance(failure, AssertionError):
+            raise self.reported(failure) from None
+
+    def reported(self, failure: AssertionError) -> AssertionError:
+        """The failure, of its own class, with its kind, its repro pair (written now) and matching known issues."""
+        example, backend, case = self.example, self.backend, self.case
         example.failure = str(failure)
         if isinstance(failure, RaisedOnValidInput):
             example.error = {"type": failure.error_type, "message": failure.error_message}
-        path = repro.write(example, directory)
-        runlog.record(**notes, repro=str(path))
-        catalogue = known_issues.on_generation(getattr(target, "catalogue", ()), backend.generation)
+        path = repro.write(example, self.directory)
+        runlog.record(**self.notes, repro=str(path))
+        catalogue = known_issues.on_generation(getattr(self.target, "catalogue", ()), backend.generation)
         known = (
             known_issues.describe_matches(case, catalogue)
-            if case is not None and fields.get("expected_error") is None  # a numeric property's failure
+            if case is not None and self.fields.get("expected_error") is None  # a numeric property's failure
             else ""
         )
         kind = getattr(type(failure), "kind", type(failure).__name__)
-        raise type(failure)(
+        return type(failure)(
             f"{failure}\n  failure kind: {kind}\n  repro: {path}\n  replay: rpa-harness replay {path}{known}"
-        ) from None
-    finally:
-        repro.discard_pending(pending)
-    runlog.record(**notes)
+        )

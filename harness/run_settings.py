@@ -18,6 +18,24 @@ from rpa_harness.strategies.buckets import BucketError
 from rpa_harness.strategies.shapes import select_buckets
 from rpa_harness.targets import Target
 
+# pytest's options as ``rpa-harness`` names them: its errors speak the user's terms (``in_cli_terms``).
+CLI_OPTION_NAMES = {
+    "--rpa-target": "--target",
+    "--rpa-backend": "--backend",
+    "--rpa-buckets": "--buckets",
+    generations.OPTION: "--tpu-generation",
+    "--rpa-repro-dir": "--repro-dir",
+}
+# Set by ``rpa-harness run`` for its pytest: the plugin's usage errors then name the command's options.
+CLI_TERMS_ENV = "RPA_CLI_OPTION_NAMES"
+
+
+def in_cli_terms(message: str) -> str:
+    """A message naming pytest's options (``--rpa-target=x``) with ``rpa-harness``'s (``--target x``)."""
+    for option, name in CLI_OPTION_NAMES.items():
+        message = message.replace(f"{option}=", f"{name} ").replace(option, name)
+    return message
+
 
 class SettingError(ValueError):
     """A setting that cannot be used; the message names it and says what to pass instead. ``given``: the

@@ -10,6 +10,14 @@ import time
 from pathlib import Path
 
 ENV = "RPA_RUN_LOG"
+# Marks the second and later cases of one Hypothesis example (a property that draws a group of cases
+# sharing one compilation records each case): counts of examples skip them.
+LATER_CASE = "later_case"
+
+
+def is_example(entry: dict) -> bool:
+    """Whether a logged entry starts a Hypothesis example (not a later case of a group)."""
+    return not entry.get(LATER_CASE)
 
 
 def record(**fields) -> None:

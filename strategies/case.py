@@ -80,6 +80,9 @@ class Case(Options):
         names = own[:data] + [n for n in ALL_OPTION_NAMES if n in self.options()] + own[data:]
         return f"Case({', '.join(f'{name}={getattr(self, name)!r}' for name in names)})"
 
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # Hypothesis's printer would list every field
+        printer.text(repr(self))
+
     @property
     def num_seqs(self) -> int:
         return len(self.q_lens)

@@ -112,6 +112,9 @@ class Target:
     def __repr__(self) -> str:  # one line where Hypothesis prints a failing example's arguments
         return f"Target({self.name!r})"
 
+    def _repr_pretty_(self, printer, cycle: bool) -> None:  # Hypothesis's printer would list every field
+        printer.text(repr(self))
+
     def attention(self, arrays: dict, options: dict):
         """Calls the target's kernel on NumPy inputs (converted to jax arrays, as users call it)."""
         with generations.hooked(self.generation_hook):

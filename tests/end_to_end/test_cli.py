@@ -171,12 +171,22 @@ def test_unknown_target_is_one_usage_error(pytestconfig):
     assert "cannot import it" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_run_shows_a_pytest_usage_error_as_is(pytestconfig):
+def test_run_shows_a_usage_error_in_one_line_naming_its_own_options(pytestconfig):
     result = run_python(
         "-m", "rpa_harness.cli", "run", "--target", "no_such_module", "-n", "0", cwd=pytestconfig.rootpath
     )
     assert result.returncode == 4, result.stdout + result.stderr
-    assert "cannot import it" in result.stderr and "rpa-harness summary" not in result.stdout
+    assert result.stdout.strip() == "", result.stdout  # no pytest command, no summary
+    error = result.stderr.strip().splitlines()
+    assert len(error) == 1 and "--target no_such_module: cannot import it" in error[0], result.stderr
+    assert "--rpa-target" not in result.stderr
+
+
+def test_a_replay_error_names_the_option_the_user_typed(failing_repro, capsys):
+    path, _ = failing_repro
+    assert cli.main(["replay", str(path), "--target", "no_such_module"]) == cli.USAGE
+    error = capsys.readouterr().err
+    assert "--target no_such_module: cannot import it" in error and "--rpa-target" not in error, error
 
 
 def test_tpu_backend_without_a_tpu_is_one_usage_error(pytestconfig):
@@ -235,6 +245,7 @@ def test_help_is_plain_text_and_every_run_option_says_what_it_does(capsys):
     for option in ("--profile", "--target", "--backend", "--repro-dir", "--buckets", "--tpu-generation"):
         described = run_help.split(option, 2)[-1].split("\n  -")[0]  # the option's entry under "options:"
         assert len(described.split()) > 3, (option, described)
+    assert "exit codes" in run_help and "4 usage error" in " ".join(run_help.split())
 
 
 def test_version_names_the_package_and_jax(capsys):
@@ -288,6 +299,37 @@ def test_the_summary_says_how_close_each_property_came_to_its_bound(tmp_path):
     text = cli.summary(junit, examples + [{"test": test, "labels": []}])
     assert "error/bound: max 0.9 (q bfloat16, kv bfloat16), median 0.1 of 3 cases" in text, text
     assert "error/bound" not in cli.summary(junit, [{"test": test, "labels": []}])
+
+
+def test_the_run_passes_pytests_output_through_without_xdists_repeated_status(tmp_path, capsys):
+    printing = "print('bringing up nodes...'); print('bringing up nodes...'); print('1 passed')"
+    assert cli._call_with_progress([sys.executable, "-c", printing], dict(os.environ), str(tmp_path)) == 0
+    assert capsys.readouterr().out == "bringing up nodes...\n1 passed\n"
+
+
+def test_the_summary_fits_120_columns_orders_rows_and_names_expected_failures(tmp_path):
+    long_reason = "the target does not declare the long bucket " + "because " * 30 + "(the end)"
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        "<testsuite>"
+        '<testcase classname="tests.properties.test_production" name="test_kernel_matches_oracle_long[x]">'
+        f'<skipped type="pytest.skip" message="{long_reason}"/></testcase>'
+        '<testcase classname="tests.properties.test_known_issues" name="test_known_issue_still_fails[a]">'
+        '<skipped type="pytest.xfail" message="finding a: still fails"/></testcase>'
+        '<testcase classname="tests.properties.test_differential" name="test_kernel_matches_oracle[x]"/>'
+        "</testsuite>"
+    )
+    repro = "/a/" + "very-long-folder-name/" * 8 + "differential_x.json"
+    test = "tests/properties/test_differential.py::test_kernel_matches_oracle[x]"
+    examples = [{"test": test, "labels": [f"label {i}" for i in range(40)], "repro": repro}]
+    lines = cli.summary(junit, examples).splitlines()
+    assert all(len(line) <= cli.SUMMARY_WIDTH for line in lines if repro not in line), lines
+    assert f"    repro: {repro}" in lines  # a path is never broken
+    rows = [line.split()[0] for line in lines if line.startswith("test_")]
+    assert rows == sorted(rows) and len(rows) == 3, rows
+    text = "\n".join(lines)
+    assert "xfailed" in text and "finding a: still fails" in text
+    assert "(the end)" in text  # a skip's reason in full, wrapped
 
 
 def test_the_console_script_replays_a_repro_of_a_module_in_the_current_folder(tmp_path):

@@ -10,7 +10,7 @@ when waited for, races are asserted) checks memory safety.
 
 from hypothesis import given, settings, target
 from hypothesis import strategies as st
-from rpa_harness import reference
+from rpa_harness import reference, runlog
 from rpa_harness.checks import check_differential
 from rpa_harness.properties.budget import (
     ANY_CONFIG_EXAMPLES,
@@ -43,9 +43,10 @@ def draw_and_compare(target_, backend, repro_dir, data, selection, *, pooled, va
         cases = data.draw(groups, label="cases")
     name = PropertyName(DIFFERENTIAL, variant, backend.label)
     ratios = []
-    for case in cases:
+    for index, case in enumerate(cases):
         arrays, options = case.arrays(), case.options()
         with recorded(repro_dir, name, target_, backend, arrays, options, case=case) as notes:
+            notes[runlog.LATER_CASE] = index > 0  # the progress line counts examples, not cases
             comparison = check_differential(target_, backend, arrays, options)
             notes.update(max_ratio=comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
         ratios.append(comparison.max_ratio)

@@ -26,6 +26,16 @@ def test_progress_counts_examples_of_their_budget_across_processes(tmp_path):
     assert state.running(now=102.5, within=1.0) == ["t.py::a"]
 
 
+def test_progress_counts_examples_not_the_cases_of_a_group_and_says_when_it_shrinks(tmp_path):
+    _append(tmp_path / f"1{runlog.PLAN_SUFFIX}", test="t.py::g", budget=2)
+    for second, later in enumerate((False, True, True, False, True)):  # two examples of 3 and 2 cases
+        _append(tmp_path / "1.jsonl", test="t.py::g", time=100.0 + second, **{runlog.LATER_CASE: later})
+    state = progress.Progress(tmp_path).update()
+    assert state.describe("t.py::g").startswith("t.py::g 2/2 examples (5 cases), ")
+    _append(tmp_path / "1.jsonl", test="t.py::g", time=106.0, repro="r.json")  # a failure, then shrinking
+    assert "t.py::g 3 examples (2 planned, shrinking) (6 cases)" in state.update().describe("t.py::g")
+
+
 def test_progress_reads_only_new_and_complete_lines(tmp_path):
     log = tmp_path / "1.jsonl"
     _append(log, test="t.py::a", time=1.0)
