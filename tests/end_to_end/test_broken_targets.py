@@ -81,6 +81,25 @@ def test_broken_target_fails_with_its_reason_and_replays(broken, tmp_path, pytes
         assert "passes now" in capsys.readouterr().out
 
 
+def test_a_failure_reads_in_one_screen_and_the_summary_in_120_columns(tmp_path, pytestconfig):
+    """``rpa-harness run``'s failure: its report, kind, repro and replay and the falsifying example in at most
+    40 lines (one-line arguments, no wrapper source); the summary within ``cli.SUMMARY_WIDTH`` columns."""
+    result = run(
+        "-m", "rpa_harness.cli", "run", "--profile", "dev", "--target", "tests.broken.skips_a_cache_write",
+        "--backend", "fast-interpret", "-n", "0", "--repro-dir", str(tmp_path), "--", "-x", DIFFERENTIAL,
+        cwd=pytestconfig.rootpath,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    failure = result.stdout[
+        result.stdout.index("_ test_kernel_matches_oracle") : result.stdout.index("short test summary")
+    ]
+    assert len(failure.splitlines()) <= 40, failure
+    assert "replay: rpa-harness replay" in failure and "Target('tests.broken.skips_a_cache_write')" in failure
+    table = result.stdout[result.stdout.index("rpa-harness summary") :].splitlines()
+    wide = [line for line in table if len(line) > cli.SUMMARY_WIDTH and "repro: " not in line]
+    assert all(line.startswith("pytest command:") for line in wide), wide
+
+
 # tests.broken.hangs compiles nothing (it returns the oracle's output where it does not hang), so the
 # watchdog's timeout only has to cover a NumPy oracle on a small case.
 HANG_TIMEOUT = "2"
