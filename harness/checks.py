@@ -6,8 +6,10 @@ raises ``PropertyFailure`` with the report a kernel developer reads; it returns 
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 
+import jax
 import numpy as np
 from rpa_harness import reference
 from rpa_harness.backends import Backend
@@ -255,7 +257,9 @@ def run_valid(target: Target, backend: Backend, arrays: dict, options: dict) -> 
         error_type = type(error).__name__
         live_kv_lens = np.asarray(arrays["kv_lens"])[: int(np.asarray(arrays["num_seqs"])[0])]
         raise located(RaisedOnValidInput, live_kv_lens)(
-            f"{label} raised on valid inputs: {message}", error_type, message.removeprefix(f"{error_type}: ")
+            f"{label} raised on valid inputs: {message}{jax_drift_hint(error)}",
+            error_type,
+            message.removeprefix(f"{error_type}: "),
         ) from None
     out, cache = attention_and_cache(target, result, label)
     check_contract(out, arrays, label)
@@ -275,6 +279,28 @@ def attention_and_cache(target: Target, result, label: str) -> tuple:
             "(attention, updated kv_pages)"
         )
     return result[0], result[1]
+
+
+_JAX_NAME_MISSING = re.compile(
+    r"module '(?P<module>jax[\w.]*)' has no attribute '(?P<name>\w+)'|cannot import name '(?P<imported>\w+)' from "
+    r"'(?P<source>jax[\w.]*)'"
+)
+
+
+def jax_drift_hint(error: BaseException) -> str:
+    """For a kernel that uses a jax name the installed jax lacks (``pltpu.ANY``, a private ``jax._src``
+    helper), what it means and what to do; else ''."""
+    if not isinstance(error, AttributeError | ImportError):
+        return ""
+    found = _JAX_NAME_MISSING.search(str(error))
+    if found is None:
+        return ""
+    name = f"{found['module'] or found['source']}.{found['name'] or found['imported']}"
+    return (
+        f"\n  (jax {jax.__version__} has no {name}: the kernel was written against another jax version. Run "
+        "it on the jax it supports, or update the kernel to this jax's API; a private jax._src name may move "
+        "in any release)"
+    )
 
 
 def check_contract(out: np.ndarray, arrays: dict, label: str) -> None:

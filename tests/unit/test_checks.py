@@ -1,5 +1,6 @@
-"""The returned cache of a target declaring ``RPA_HARNESS_UPDATES_CACHE`` is judged bit for bit, slot by
-slot, and a wrong one is a failure of its own kind that names the slots."""
+"""What the checks report: the returned cache of a target declaring ``RPA_HARNESS_UPDATES_CACHE``, judged
+bit for bit slot by slot (a wrong one is a failure of its own kind that names the slots), and a kernel
+written against another jax."""
 
 import sys
 import types
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from rpa_harness import targets
 from rpa_harness.backends import FAST_INTERPRET, Backend
-from rpa_harness.checks import CacheMismatch, WrongOutputLayout, check_differential
+from rpa_harness.checks import CacheMismatch, RaisedOnValidInput, WrongOutputLayout, check_differential
 from rpa_harness.strategies.valid import Case
 from rpa_harness.targets import layouts
 
@@ -79,3 +80,20 @@ def test_a_target_that_updates_the_cache_returns_a_pair(monkeypatch):
         WrongOutputLayout, match=r"returned ndarray; a target declaring RPA_HARNESS_UPDATES_CACHE"
     ):
         _judge(_target(monkeypatch, lambda out, cache, new: out))
+
+
+def test_a_jax_name_the_installed_jax_lacks_says_what_it_means(monkeypatch):
+    def ragged_paged_attention(*args, **options):
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.NO_SUCH_MEMORY_SPACE
+
+    module = types.ModuleType("drifted_target")
+    module.ragged_paged_attention = ragged_paged_attention
+    module.dynamic_validate_inputs = lambda *args, **kwargs: None
+    monkeypatch.setitem(sys.modules, "drifted_target", module)
+    with pytest.raises(RaisedOnValidInput) as raised:
+        _judge(targets.load("drifted_target"))
+    message = str(raised.value)
+    assert "has no jax.experimental.pallas.tpu.NO_SUCH_MEMORY_SPACE" in message, message
+    assert "the kernel was written against another jax version" in message
