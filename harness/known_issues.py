@@ -194,9 +194,18 @@ def on_generation(issues: tuple[KnownIssue, ...], generation: str) -> tuple[Know
     )
 
 
+def _may_match(issue: KnownIssue, case: Case) -> bool:
+    """``issue.matches(case)`` for a suggestion: a predicate written for another kernel's space may not
+    handle every case (it raises); it then suggests nothing."""
+    try:
+        return issue.matches(case)
+    except Exception:
+        return False
+
+
 def describe_matches(case: Case, catalogue: tuple[KnownIssue, ...]) -> str:
     """A line for a failure report naming the catalogued issues the failing case matches, if any."""
-    names = [issue.name for issue in catalogue if issue.matches(case)]
+    names = [issue.name for issue in catalogue if _may_match(issue, case)]
     if not names:
         return ""
     return (

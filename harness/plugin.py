@@ -46,13 +46,45 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.database import (
+    DirectoryBasedExampleDatabase,
+    ExampleDatabase,
+    GitHubArtifactDatabase,
+    MultiplexedDatabase,
+    ReadOnlyDatabase,
+)
 from rpa_harness import backends, checks, generations, known_issues, repro, runlog, targets
 from rpa_harness.recording import CannotRunHere
 from rpa_harness.reference.tolerance import CONTRACTS
 from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, from_options, in_cli_terms
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
+# Other example databases a nightly shard also replays, read-only: comma-separated folders (another
+# shard's, a restored cache) or github:OWNER/REPO[/ARTIFACT] (the database a repository's CI uploaded as an
+# artifact, hypothesis' GitHubArtifactDatabase; default artifact hypothesis-example-db).
+SHARED_DATABASES_ENV = "RPA_HYPOTHESIS_DB_READ"
+
+
+def example_database(folder: str, shared: str = "") -> ExampleDatabase:
+    """The nightly and repro profiles' database: ``folder`` (read and written: on shared storage, every shard
+    on every machine saves its failures there and replays the others' first), multiplexed with the
+    read-only ``shared`` sources (``SHARED_DATABASES_ENV``)."""
+    local = DirectoryBasedExampleDatabase(folder)
+    sources: list[ExampleDatabase] = []
+    for entry in filter(None, (part.strip() for part in shared.split(","))):
+        if entry.startswith("github:"):
+            owner, _, rest = entry.removeprefix("github:").partition("/")
+            repo, _, artifact = rest.partition("/")
+            if not owner or not repo:
+                raise pytest.UsageError(
+                    f"{SHARED_DATABASES_ENV}: {entry!r} is not github:OWNER/REPO[/ARTIFACT]; e.g. github:me/kernels"
+                )
+            sources.append(GitHubArtifactDatabase(owner, repo, artifact or "hypothesis-example-db"))
+        else:
+            sources.append(DirectoryBasedExampleDatabase(entry))
+    if not sources:
+        return local
+    return MultiplexedDatabase(local, *(ReadOnlyDatabase(source) for source in sources))
 
 
 def register_profiles() -> None:
@@ -82,13 +114,13 @@ def register_profiles() -> None:
     settings.register_profile(
         "nightly",
         max_examples=400,  # per round; ci/nightly_tpu.sh repeats rounds until its time budget is spent
-        database=DirectoryBasedExampleDatabase(DATABASE_DIR),
+        database=example_database(DATABASE_DIR, os.environ.get(SHARED_DATABASES_ENV, "")),
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
         **_common,
     )
     settings.register_profile(
         "repro",
-        database=DirectoryBasedExampleDatabase(DATABASE_DIR),
+        database=example_database(DATABASE_DIR, os.environ.get(SHARED_DATABASES_ENV, "")),
         phases=[Phase.explicit, Phase.reuse],  # replay the saved failures, generate nothing
         **_common,
     )
@@ -281,8 +313,9 @@ def _check_folders(config) -> None:
     loaded = settings.default
     assert loaded is not None  # None only while Hypothesis itself is imported
     database = loaded.database
-    path = getattr(database, "path", None)
-    if isinstance(database, DirectoryBasedExampleDatabase) and path is not None:
+    # Ours is multiplexed when shards share other databases: the folder it writes is DATABASE_DIR.
+    path = DATABASE_DIR if isinstance(database, MultiplexedDatabase) else getattr(database, "path", None)
+    if isinstance(database, DirectoryBasedExampleDatabase | MultiplexedDatabase) and path is not None:
         if settings.get_current_profile_name() == "repro" and not Path(path).is_dir():
             raise pytest.UsageError(
                 f"RPA_HYPOTHESIS_DB={path}: no such folder, so the repro profile has nothing to replay; "

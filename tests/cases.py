@@ -1,10 +1,25 @@
-"""Cases more than one test module uses: one definition each, imported from here (never from a test module)."""
+"""Cases (and the condition for tpu-inference's) more than one test module uses: one definition each,
+imported from here (never from a test module)."""
 
 import math
 
 import ml_dtypes
 import numpy as np
+import pytest
 from rpa_harness.strategies.case import Case
+
+
+def skip_without_tpu_inference(*, module_level: bool = False) -> None:
+    """Skips the test (or, ``module_level``, the calling test module) where tpu-inference's kernels are not
+    installed; the reason names the command that installs them. v3's targets import without them (their
+    catalogues are shared), so an import does not tell."""
+    from rpa_harness.targets.tpu_inference_v3 import adapter
+
+    try:
+        adapter.kernel()
+    except ImportError as error:
+        pytest.skip(str(error), allow_module_level=module_level)
+
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -23,6 +23,9 @@ Its profile is read from these module attributes, each optional:
 - ``RPA_HARNESS_UPDATES_CACHE``: True for a kernel that writes the new tokens into the cache: its
   ``ragged_paged_attention`` returns ``(attention, updated kv_pages)`` in upstream's layout, and every
   numeric property judges that cache bit for bit (``rpa_harness.checks.check_updated_cache``).
+- ``RPA_HARNESS_KERNEL``: for an adapter that imports its kernel on first use (so that its catalogue
+  imports without the kernel), the function that imports it, raising ImportError with how to install it:
+  loading the target calls it, so a missing kernel is one usage error, not a failure of every call.
 - ``RPA_HARNESS_REPORT``: for a kernel whose API is not upstream's, its own ``rpa-harness report``: a
   function ``(path, repro, backend, known_issue, shown_path, *, precision, with_script_output)`` (the
   repro's settings as ``rpa_harness.run_settings.for_repro`` resolves them) returning the Markdown
@@ -83,8 +86,8 @@ SHIPPED = (
 # Profile modules of targets that do not declare their own (module attributes as above).
 PROFILES = {name: s.profile for s in SHIPPED if s.profile for name in (s.name, *s.also_modules)}
 ALIASES = {alias: s.name for s in SHIPPED for alias in s.aliases}
-# The shipped targets' catalogues (RPA_HARNESS_CATALOGUE): their issues can be named by --rpa-known-issues
-# for any target whose kernel is installed.
+# The shipped targets' catalogues (RPA_HARNESS_CATALOGUE): any target may name their issues, whatever
+# kernels are installed (v3's modules import their kernel on first use).
 SHIPPED_CATALOGUES = tuple(s.profile or s.name for s in SHIPPED)
 
 
@@ -234,6 +237,7 @@ PROFILE_ATTRIBUTES = (
     "RPA_HARNESS_REPORT",
     "RPA_HARNESS_PROPERTIES",
     "RPA_HARNESS_UPDATES_CACHE",
+    "RPA_HARNESS_KERNEL",
 )
 
 
@@ -261,6 +265,12 @@ def load(name: str) -> Target:
         )
     declares = any(hasattr(module, attribute) for attribute in PROFILE_ATTRIBUTES)
     profile = module if declares or name not in PROFILES else importlib.import_module(PROFILES[name])
+    import_kernel = getattr(profile, "RPA_HARNESS_KERNEL", None)
+    if import_kernel is not None:
+        try:
+            import_kernel()
+        except ImportError as error:
+            raise TargetError(f"--rpa-target={name}: cannot import its kernel ({error})") from None
     return _target(name, module, profile)
 
 
@@ -310,9 +320,12 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
         )
     except known_issues.KnownIssueError as error:
         raise TargetError(str(error)) from None
-    # A target without a catalogue of its own is told about the upstream kinds of discrepancy it matches.
-    catalogue = own_catalogue or importlib.import_module(PROFILES[UPSTREAM_TARGET]).RPA_HARNESS_CATALOGUE
-    catalogue = catalogue + tuple(issue for issue in issues if issue not in catalogue)
+    # A failure names the catalogued issues its case matches: the target's own first, then every shipped
+    # catalogue's (a fork of v3 shares v3's bugs, a fork of upstream upstream's), then its own declared ones.
+    catalogue = own_catalogue
+    for issue in shipped_catalogue() + issues:
+        if all(issue.name != known.name for known in catalogue):
+            catalogue += (issue,)
     hook = getattr(profile, "RPA_HARNESS_GENERATION_HOOK", None)
     if hook is not None and not callable(hook):
         raise TargetError(

@@ -17,12 +17,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
-
-try:
-    from rpa_harness.targets import tpu_inference_v3_hd64 as hd64target
-except ImportError as error:
-    pytest.skip(str(error), allow_module_level=True)
-
 from rpa_harness import generations, known_issues, reference, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
@@ -36,9 +30,12 @@ from rpa_harness.strategies.shapes import layouts
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import layouts as layout_converters
 from rpa_harness.targets import tpu_inference_v3 as v3target
+from rpa_harness.targets import tpu_inference_v3_hd64 as hd64target
 
+from tests.cases import skip_without_tpu_inference
 from tests.references import as_one_program
 
+skip_without_tpu_inference(module_level=True)
 CAPABILITIES = Capabilities(**hd64target.RPA_HARNESS_CAPABILITIES)
 TARGET = targets.load(targets.V3_HD64_TARGET)
 CATALOGUE = {issue.name: issue for issue in hd64target.RPA_HARNESS_CATALOGUE}
@@ -231,7 +228,7 @@ def test_new_tokens_are_read_from_the_inputs_and_the_sinks_are_float32():
 
 def _table_entry(device, page_size, max_model_len):
     """The kernel's tuned table read directly: bfloat16, 8 q heads over 2 KV heads, no window."""
-    table = hd64target.hd64.get_tuned_block_sizes.__globals__["TUNED_BLOCK_SIZES"]
+    table = hd64target.kernel().get_tuned_block_sizes.__globals__["TUNED_BLOCK_SIZES"]
     heads = table[device][page_size]["q_bfloat16_kv_bfloat16"]["q_head-8_kv_head-2_head-64"]
     return heads[f"max_model_len-{max_model_len}-sw-None"]
 
@@ -293,7 +290,9 @@ def test_oracle_agrees_with_the_kernels_reference(case):
 
     def reference_with_sinks(q, k, v, cache, *rest):
         sink, metadata = (None, rest) if sinks is None else (rest[0], rest[1:])
-        return hd64target.hd64.ref_ragged_paged_attention_hd64(q, k, v, cache, *metadata, sink, **semantic)
+        return hd64target.kernel().ref_ragged_paged_attention_hd64(
+            q, k, v, cache, *metadata, sink, **semantic
+        )
 
     ref_out, _ = as_one_program(reference_with_sinks, tensors, inputs.args[4:8])
     padded = np.zeros(arrays["q"].shape, arrays["q"].dtype)

@@ -23,12 +23,6 @@ import numpy as np
 import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
-
-try:
-    from rpa_harness.targets import tpu_inference_v3 as v3target
-except ImportError as error:
-    pytest.skip(str(error), allow_module_level=True)
-
 from rpa_harness import generations, known_issues, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
@@ -41,10 +35,13 @@ from rpa_harness.reference.variants import contract_attention
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
+from rpa_harness.targets import tpu_inference_v3 as v3target
 
+from tests.cases import skip_without_tpu_inference
 from tests.processes import run_python
 from tests.references import as_one_program
 
+skip_without_tpu_inference(module_level=True)
 CAPABILITIES = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)
 TARGET = targets.load(targets.V3_TARGET)
 BACKEND = v3target.CHECKING
@@ -335,7 +332,7 @@ def test_oracle_agrees_with_v3_reference(case):
     inputs = v3target.v3_inputs(**arrays, **{**options, "update_kv_cache": True})
     semantic = {k: v for k, v in inputs.kwargs.items() if k not in V3.tuning_options}
     tensors, metadata = inputs.args[:4], inputs.args[4:]  # q, k, v, cache; kv_lens ... distribution
-    ref_out, _ = as_one_program(v3target.v3.ref_ragged_paged_attention, tensors, metadata, **semantic)
+    ref_out, _ = as_one_program(v3target.kernel().ref_ragged_paged_attention, tensors, metadata, **semantic)
     rows = case.num_tokens
     padded = np.zeros(arrays["q"].shape, arrays["q"].dtype)
     padded[:rows] = np.asarray(ref_out)[:rows]
@@ -425,7 +422,7 @@ def test_the_default_blocks_finding_holds_only_where_v3s_validator_rejects_v3s_d
         inputs.kwargs, d_block_sizes=inputs.decode_block_sizes, m_block_sizes=inputs.mixed_block_sizes
     )
     try:
-        v3target.v3.static_validate_inputs(*inputs.args, **v3target.validator_options(given_defaults))
+        v3target.kernel().static_validate_inputs(*inputs.args, **v3target.validator_options(given_defaults))
         rejected = False
     except ValueError:
         rejected = True

@@ -11,6 +11,8 @@ from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure, check_differential
 from rpa_harness.reference.error_map import MAX_LINES_PER_SEQUENCE, ErrorMap, cell
 
+from tests.cases import skip_without_tpu_inference
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -81,7 +83,7 @@ def test_the_map_shows_upstreams_skipped_head_blocks():
 
 def test_the_map_shows_v3s_finite_mask_value_finding():
     """finite-mask-value-counts-keys-by-block, shrunk to one row and one head: that cell, ~10^5 x the bound."""
-    pytest.importorskip("rpa_harness.targets.tpu_inference_v3", exc_type=ImportError)
+    skip_without_tpu_inference()
     path = ROOT / "docs/tpu-inference-v3-findings/finite-mask-value-counts-keys-by-block"
     text = failure_text(path / "differential-checked_interpret.json", Backend(FAST_INTERPRET))
     assert map_lines(text) == {"sequence 0, token 0": ("6", "4.32e+05")}, text

@@ -19,6 +19,7 @@ from rpa_harness.backends import FAST_INTERPRET, TPU, Backend
 from rpa_harness.checks import CannotRun, check_differential, run_valid
 from rpa_harness.strategies.case import Case
 
+from tests.cases import skip_without_tpu_inference
 from tests.processes import run_python
 
 UPSTREAM_TUNING = "jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes"
@@ -54,7 +55,7 @@ def test_upstreams_chip_lookup_answers_as_on_the_chip(generation):
 
 def test_v3s_chip_lookup_answers_as_on_the_chip():
     # The adapter imports v3's modules without tpu_inference/__init__.py (which imports vllm).
-    pytest.importorskip("rpa_harness.targets.tpu_inference_v3", exc_type=ImportError)
+    skip_without_tpu_inference()
     from tpu_inference.kernels.ragged_paged_attention.v3 import util
 
     assert util.get_tpu_version() == -1
@@ -131,7 +132,9 @@ def test_v3_runs_on_its_own_defaults_on_a_generation():
     """Without block sizes or a VMEM limit v3 chooses them for the chip: the target passes None on a
     generation (its own defaults elsewhere), records the sizes v3 chooses (which differ between v6e and
     7x), and v3 then matches the oracle."""
-    v3target = pytest.importorskip("rpa_harness.targets.tpu_inference_v3", exc_type=ImportError)
+    skip_without_tpu_inference()
+    from rpa_harness.targets import tpu_inference_v3 as v3target
+
     v3 = targets.load(targets.V3_TARGET)
     arrays, options = V3_CASE.arrays(), V3_CASE.options()
     off_chip = v3target.v3_inputs(**arrays, **options)
@@ -152,7 +155,7 @@ def test_v3_runs_on_its_own_defaults_on_a_generation():
 def test_known_issue_predicates_see_the_generation():
     """A predicate that reads the block sizes v3 chooses runs under the backend's generation (at draw time
     there is no kernel call to emulate it)."""
-    pytest.importorskip("rpa_harness.targets.tpu_inference_v3", exc_type=ImportError)
+    skip_without_tpu_inference()
     v3 = targets.load(targets.V3_TARGET)
     seen = []
     probe = dataclasses.replace(

@@ -7,9 +7,10 @@ import types
 from pathlib import Path
 
 import pytest
-from rpa_harness import targets
+from rpa_harness import known_issues, targets
 from rpa_harness.strategies import violations
 from rpa_harness.strategies.capabilities import Capabilities
+from rpa_harness.strategies.case import Case
 from rpa_harness.targets import upstream as upstream_profile
 
 from tests.processes import run_python
@@ -53,8 +54,23 @@ def test_a_module_without_declarations_is_held_to_the_whole_space(monkeypatch):
     assert target.capabilities == Capabilities()
     assert target.rules is violations.RULES and not target.own_rules
     assert target.known_issues == ()
-    # A kernel of its own still hears about the kinds of discrepancy upstream's catalogue knows.
-    assert target.catalogue == upstream_profile.RPA_HARNESS_CATALOGUE
+    # A kernel of its own still hears about every kind of discrepancy the shipped catalogues know.
+    assert target.catalogue == targets.shipped_catalogue()
+    assert set(upstream_profile.RPA_HARNESS_CATALOGUE) <= set(target.catalogue)
+
+
+def test_a_failure_is_told_every_catalogued_issue_its_case_matches(monkeypatch):
+    """A decode with no query rows before a live sequence: upstream's empty-sequence entry does not match
+    (its kv_len is not 0), v3's hang does; a fork of v3 hears of it."""
+    monkeypatch.setitem(sys.modules, "user_target", _module())
+    catalogue = targets.load("user_target").catalogue
+    if "q-len-zero-before-a-live-sequence-hangs" not in {issue.name for issue in catalogue}:
+        pytest.skip("tpu-inference's catalogue did not import")
+    case = Case(
+        max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=2, total_num_pages=4, page_size=8,
+        num_q_heads=2, num_kv_heads=1, head_dim=128, q_lens=(0, 2), kv_lens=(3, 5),
+    )  # fmt: skip
+    assert "q-len-zero-before-a-live-sequence-hangs" in known_issues.describe_matches(case, catalogue)
 
 
 def test_a_declared_rule_table_is_the_targets(monkeypatch):

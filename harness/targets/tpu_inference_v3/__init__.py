@@ -21,8 +21,6 @@ Install v3 without its dependencies (its ``__init__`` imports vllm, and it pins 
     pip install --no-deps tpu-inference==0.32.0
 """
 
-from importlib.metadata import version as _version
-
 from rpa_harness.spec.interface import MASK_REPLACES
 from rpa_harness.targets.tpu_inference_v3 import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_v3.adapter import (  # noqa: F401  (the adapter's public names)
@@ -37,12 +35,13 @@ from rpa_harness.targets.tpu_inference_v3.adapter import (  # noqa: F401  (the a
     device_arrays,
     dynamic_validate_inputs,
     given_block_options,
+    installed_version,
     jitted,
+    kernel,
     kernel_arguments,
     load_kernel_module,
     ragged_paged_attention,
     replacing_mask_value,
-    v3,
     v3_inputs,
     validator_options,
 )
@@ -103,7 +102,8 @@ RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
 check_both_outputs = checks_both_outputs(judge)
 RPA_HARNESS_PROPERTIES = dict.fromkeys((ATTENTION_AND_CACHE, HANG), check_both_outputs)
 RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
-RPA_HARNESS_VERSION = f"tpu-inference {_version('tpu-inference')}"
+RPA_HARNESS_VERSION = f"tpu-inference {installed_version()}"
+RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
 
 
 def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)

@@ -7,6 +7,8 @@ cache that already holds every key) to v3's, with the cache v3 must return; ``ca
 """
 
 import dataclasses
+import functools
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -51,7 +53,19 @@ def load_kernel_module(name: str) -> types.ModuleType:
     return importlib.import_module(name)
 
 
-v3 = load_kernel_module(_KERNEL_MODULE)
+def installed_version() -> str:
+    """tpu-inference's installed version, or ``not installed``."""
+    try:
+        return importlib.metadata.version("tpu-inference")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@functools.cache
+def kernel() -> types.ModuleType:
+    """v3's kernel module, imported on first use, so that the adapter and v3's catalogue import without
+    tpu-inference (a fork's target names v3's findings); raises ImportError saying how to install it."""
+    return load_kernel_module(_KERNEL_MODULE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +149,7 @@ def v3_default_block_sizes(
 ) -> tuple[int, int, int, int]:
     """(bq, bkv, bq_chunk, bkv_chunk) that v3 chooses for its ``case`` kernel (``RpaCase.DECODE`` or
     ``MIXED``) on the chip it sees (its ``get_default_block_sizes``, called with the arguments v3 passes)."""
-    sizes = v3.get_default_block_sizes(
+    sizes = kernel().get_default_block_sizes(
         q.dtype,
         kv_cache.dtype,
         q.shape[1],
@@ -238,10 +252,10 @@ def v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keyword
         # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,
         # not an assertion of the sizing helpers. (Its prefill kernel's defaults are its mixed kernel's:
         # get_default_block_sizes tells only the decode case apart.)
-        v3.static_validate_inputs(*args, **validator_options(kwargs))
+        kernel().static_validate_inputs(*args, **validator_options(kwargs))
         decode_sizes, mixed_sizes = (
             v3_default_block_sizes(q, packed_cache, tokens.keys.shape[1], len(kv_lens), pages_per_seq, case)
-            for case in (v3.RpaCase.DECODE, v3.RpaCase.MIXED)
+            for case in (kernel().RpaCase.DECODE, kernel().RpaCase.MIXED)
         )
     else:
         decode_sizes = mixed_sizes = passed
@@ -286,7 +300,7 @@ def device_arrays(args) -> list:
 
 def call_v3(inputs: V3Inputs):
     """Runs v3 (on whatever backend the caller's context selects): ``(attention, updated packed cache)``."""
-    return jitted(v3.ragged_paged_attention, inputs.kwargs)(*device_arrays(inputs.args))
+    return jitted(kernel().ragged_paged_attention, inputs.kwargs)(*device_arrays(inputs.args))
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
@@ -298,4 +312,4 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
 def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
     """v3's own ``dynamic_validate_inputs`` (its rules, its messages) on the mapped inputs."""
     inputs = v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
-    v3.dynamic_validate_inputs(*map(jax.device_put, inputs.args), **validator_options(inputs.kwargs))
+    kernel().dynamic_validate_inputs(*map(jax.device_put, inputs.args), **validator_options(inputs.kwargs))

@@ -293,7 +293,7 @@ def v3_sliding_window_wraps_int16_positions(case: Case) -> bool:
     positions in int16 (kernel.py: ``int_ty = jnp.int16``) and its window test ``q_span < k_span +
     sliding_window`` in int16 too: a window that takes a key position past 32,767 wraps, and the test then
     masks keys it should keep (every key, for a window of 2^20)."""
-    kernel = v3.v3
+    kernel = v3.kernel()
     if case.sliding_window is None or kernel.get_dtype_packing(np.dtype(case.q_dtype)) == 1:
         return False
     if case.kv_capacity > INT16_MAX or kernel.get_tpu_version() < 6:

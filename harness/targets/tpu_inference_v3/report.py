@@ -618,7 +618,7 @@ def render(
 
 V3 = ReportedKernel(
     name="tpu-inference RPA v3",
-    module=v3.v3,
+    module=v3.kernel(),
     function="ragged_paged_attention",
     reference="ref_ragged_paged_attention",
     tuning_options=(

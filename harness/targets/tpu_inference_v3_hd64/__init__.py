@@ -16,8 +16,6 @@ the new tokens split from the cache, the distribution, the replacing mask value,
     pip install --no-deps tpu-inference==0.32.0
 """
 
-from importlib.metadata import version as _version
-
 from rpa_harness.targets import tpu_inference_v3 as v3_target
 from rpa_harness.targets.tpu_inference_v3.both_outputs import ATTENTION_AND_CACHE
 from rpa_harness.targets.tpu_inference_v3_hd64 import known_issues as _known_issues
@@ -27,8 +25,8 @@ from rpa_harness.targets.tpu_inference_v3_hd64.adapter import (  # noqa: F401  (
     Hd64Inputs,
     call_hd64,
     dynamic_validate_inputs,
-    hd64,
     hd64_inputs,
+    kernel,
     ragged_paged_attention,
     tpu_device_name,
 )
@@ -59,7 +57,8 @@ RPA_HARNESS_CAPABILITIES = dict(
 RPA_HARNESS_PRECISION = ("approx-reciprocal-for-narrow-output",)
 
 
-RPA_HARNESS_VERSION = f"tpu-inference {_version('tpu-inference')} (kernel_hd64)"
+RPA_HARNESS_VERSION = f"tpu-inference {v3_target.installed_version()} (kernel_hd64)"
+RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
 
 # Its known issues (docs/tpu-inference-v3-findings/hd64-*): their cases are not drawn.
 

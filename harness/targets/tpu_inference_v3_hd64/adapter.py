@@ -2,6 +2,7 @@
 head's K and V side by side in one 128-lane row, sinks as a ninth array, upstream's block options)."""
 
 import dataclasses
+import functools
 import importlib.util
 import logging
 import sys
@@ -68,8 +69,12 @@ def _stub_tuned_table_imports() -> None:
             sys.modules[name] = stub
 
 
-_stub_tuned_table_imports()
-hd64 = v3_target.load_kernel_module(_KERNEL_MODULE)
+@functools.cache
+def kernel() -> types.ModuleType:
+    """The head_dim-64 kernel's module, imported on first use (as v3's: ``tpu_inference_v3.adapter.kernel``)."""
+    _stub_tuned_table_imports()
+    return v3_target.load_kernel_module(_KERNEL_MODULE)
+
 
 HEAD_DIM = 64
 # The kernel normalises an output narrower than float32 with pltpu.reciprocal, which jax 0.10.2 lacks (it
@@ -143,7 +148,7 @@ def hd64_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywo
     )
     if given is None:
         # It validates its inputs before it looks its block sizes up: an invalid input raises its message.
-        hd64.static_validate_inputs(*args, **kwargs)
+        kernel().static_validate_inputs(*args, **kwargs)
         block_sizes = tuned_block_sizes(
             q, kv_pages.dtype, tokens.keys.shape[1], kv_pages.shape[1], pages_per_seq, options.sliding_window
         )
@@ -166,7 +171,7 @@ def tuned_block_sizes(
     """(num_kv_pages_per_block, num_queries_per_block) the kernel's tuned table chooses on the chip it sees
     for ``q`` ([tokens, q heads, head_dim]), called with the arguments the kernel passes."""
     num_tokens, num_q_heads, head_dim = q.shape
-    return hd64.get_tuned_block_sizes(
+    return kernel().get_tuned_block_sizes(
         q.dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim, page_size, num_tokens, pages_per_seq,
         sliding_window,
     )  # fmt: skip
@@ -174,7 +179,7 @@ def tuned_block_sizes(
 
 def call_hd64(inputs: Hd64Inputs):
     """Runs the kernel (on whatever backend the caller's context selects): ``(attention, updated cache)``."""
-    return v3_target.jitted(hd64.ragged_paged_attention_hd64, inputs.kwargs)(
+    return v3_target.jitted(kernel().ragged_paged_attention_hd64, inputs.kwargs)(
         *v3_target.device_arrays(inputs.args)
     )
 
@@ -189,4 +194,4 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
 def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
     """The kernel's own ``dynamic_validate_inputs`` (its rules, its messages) on the mapped inputs."""
     inputs = hd64_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
-    hd64.dynamic_validate_inputs(*v3_target.device_arrays(inputs.args), **inputs.kwargs)
+    kernel().dynamic_validate_inputs(*v3_target.device_arrays(inputs.args), **inputs.kwargs)

@@ -36,7 +36,7 @@ SCRIPT_STUBS = """\
 
 HD64 = v3_report.ReportedKernel(
     name="tpu-inference RPA v3 hd64",
-    module=hd64.hd64,
+    module=hd64.kernel(),
     function="ragged_paged_attention_hd64",
     reference="ref_ragged_paged_attention_hd64",
     tuning_options=(
