@@ -33,7 +33,7 @@ from rpa_harness.report_sections import (
 )
 from rpa_harness.run_settings import for_repro
 from rpa_harness.spec.interface import ARRAY_NAMES, EXTENSION_NAMES
-from rpa_harness.targets import Target, first_line_of_error, shipped_catalogue
+from rpa_harness.targets import UPSTREAM_TARGET, V2_TARGET, Target, first_line_of_error, shipped_catalogue
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BLOCK_OPTIONS = ("num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes")
@@ -301,9 +301,8 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
         )
     issue = known_issue_for(path)
     observation = observe(target, backend, repro)
-    needs_compat = backend.name != TPU and target.name.startswith(
-        "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
-    )
+    # Upstream's kernel (and RPA v2, the same kernel) runs in jax's interpreters only with the compat layer.
+    needs_compat = backend.name != TPU and target.name.startswith((UPSTREAM_TARGET, V2_TARGET))
     function = f"{target.name}.ragged_paged_attention"
     if issue is not None:
         title = f"`{function}`: {issue.description}"
