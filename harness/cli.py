@@ -401,7 +401,10 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
             )
         labels.update(e.get("labels", []))
     session = session or {}
-    lines = ["", "rpa-harness summary", *session.get("header", [])]
+    lines = ["", "rpa-harness summary"]
+    for line in session.get("header", []):  # "  name: value" lines, continued further in
+        indent = line[: len(line) - len(line.lstrip())]
+        lines += textwrap.wrap(line, SUMMARY_WIDTH, subsequent_indent=indent + "    ", break_on_hyphens=False)
     if session.get("no_numeric"):
         lines.append(session["no_numeric"])
     for name, reason in session.get("cannot_run", {}).items():

@@ -322,8 +322,10 @@ def test_the_summary_fits_120_columns_orders_rows_and_names_expected_failures(tm
     repro = "/a/" + "very-long-folder-name/" * 8 + "differential_x.json"
     test = "tests/properties/test_differential.py::test_kernel_matches_oracle[x]"
     examples = [{"test": test, "labels": [f"label {i}" for i in range(40)], "repro": repro}]
-    lines = cli.summary(junit, examples).splitlines()
+    header = ["rpa-harness 0.1.0: target t", "  known issues declared: " + ", ".join(f"issue-{i}" for i in range(30))]
+    lines = cli.summary(junit, examples, {"header": header}).splitlines()
     assert all(len(line) <= cli.SUMMARY_WIDTH for line in lines if repro not in line), lines
+    assert "issue-29" in "".join(lines)
     assert f"    repro: {repro}" in lines  # a path is never broken
     rows = [line.split()[0] for line in lines if line.startswith("test_")]
     assert rows == sorted(rows) and len(rows) == 3, rows
