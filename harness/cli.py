@@ -20,6 +20,7 @@ A usage error (an unknown option, or a bad value given on the command line) is o
 import argparse
 import collections
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -264,7 +265,7 @@ def run(args) -> int:
         if code in PYTEST_RAN and _ran_tests(junit):  # otherwise pytest's own message is the whole story
             print(summary(junit, runlog.read(scratch), runlog.read_session(scratch)))
             print(known_issues_summary(runlog.read_events(scratch)))
-            print("pytest command:", " ".join(command))
+            print("pytest command:", shlex.join(command))
     return code
 
 
