@@ -167,7 +167,9 @@ def check_updated_cache(cache, arrays: dict, label: str) -> None:
     if mismatch is None:
         return
     kv_lens = np.asarray(arrays["kv_lens"])
-    owners = [] if mismatch.slots is None else np.unique(expected.slot_owner[mismatch.slots])
+    owners: list[int] | np.ndarray = (
+        [] if mismatch.slots is None else np.unique(expected.slot_owner[mismatch.slots])
+    )
     raise located(CacheMismatch, [kv_lens[owner] for owner in owners if owner >= 0])(
         str(mismatch), mismatch.slots, mismatch.stale
     )
