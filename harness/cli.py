@@ -143,6 +143,8 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
 
 
 def _recorded(repro: repro_files.Repro) -> str:
+    if repro.in_flight:
+        return "in flight when its process ended (a crash: no verdict was recorded)"
     if repro.hang:
         return f"a hang (no return within {repro.hang['seconds']:g} s)"
     if repro.error:
@@ -193,6 +195,9 @@ def replay(args) -> int:
     if declared:
         print(f"rpa-harness replay: cannot run here: target {target_name} {declared}", file=sys.stderr)
         return CANNOT_RUN
+    if repro.in_flight:  # the standalone program loads the arrays from a file: the rebuilt ones
+        repro.arrays_file = path.with_suffix(".npz")
+        repro_files.write_arrays(repro.arrays, repro.arrays_file)
     program = snippet(repro, path, target_name, backend)
     if args.script:
         Path(args.script).write_text(program)
@@ -204,6 +209,8 @@ def replay(args) -> int:
     )
     if repro.case is not None:
         print(f"case:     {repro.case.describe()}")
+    if repro.in_flight:
+        print(f"arrays:   rebuilt from the case (checksum matches) into {repro.arrays_file}")
     if args.script:
         print(f"script:   {args.script}")
 
@@ -250,6 +257,11 @@ def replay(args) -> int:
         return CANNOT_RUN
     if repro.hang:
         print(f"\npasses now (recorded: {_recorded(repro)}; returned within {timeout:g} s)")
+    elif repro.in_flight:
+        print(
+            "\npasses now: whatever ended the recorded process did not recur in this one (its cause is in that "
+            "process's stderr: memory, a signal, the interpreter)"
+        )
     else:
         print("\npasses now")
     return PASSES

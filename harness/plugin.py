@@ -578,8 +578,9 @@ def pytest_report_header(config):
 
 
 def _hang_note(config, nodeid: str, started: float) -> str:
-    """Names the hang repro a crashed worker's watchdog left for this test (if any)."""
+    """Names the hang repro a crashed worker's watchdog left for this test, else the example it had in flight."""
     directory = Path(config.getoption("--rpa-repro-dir"))
+    in_flight = None
     for path in sorted(directory.glob("*.json")):
         if path.stat().st_mtime < started:  # left by an earlier run
             continue
@@ -592,4 +593,11 @@ def _hang_note(config, nodeid: str, started: float) -> str:
                 f"\nHANG: a kernel call did not return within {written.hang['seconds']:g} s (RPA_CALL_TIMEOUT)"
                 f"\n  repro: {path}\n  replay: rpa-harness replay {path}"
             )
+        if written.in_flight and written.test == nodeid:
+            in_flight = path
+    if in_flight is not None:
+        return (
+            "\n(no hang repro names this test: the worker ended for another reason; see its stderr above)"
+            f"\n  example in flight: {in_flight}\n  replay: rpa-harness replay {in_flight}"
+        )
     return "\n(no hang repro names this test: the worker ended for another reason; see its stderr above)"

@@ -8,7 +8,9 @@ timeout). The NPZ holds the exact input arrays (as raw bits, so bfloat16 and fp8
 each dtype). Both are written atomically.
 
 ``NAME.pending.json`` is the example in flight, written before the kernel runs (see ``write_pending``);
-when the watchdog takes a call for a hang, the example is written as the pair, marked ``hang``.
+when the watchdog takes a call for a hang, the example is written as the pair, marked ``hang``. When the
+process ends some other way (a crash), the pending file is what is left: ``read`` rebuilds its arrays from
+its case when their checksum says they are the case's own.
 """
 
 import dataclasses
@@ -18,6 +20,7 @@ import os
 import platform
 import re
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,7 @@ class Repro:
     tpu_generation: str = "none"  # the TPU generation the interpreter emulated (rpa_harness.generations)
     kind: str = ""  # which check re-runs it (``property_names.KINDS``); empty: read from ``property``
     arrays_file: Path | None = None  # the NPZ ``read`` took the arrays from
+    in_flight: bool = False  # a pending file's example, its arrays rebuilt from its case
 
     def __post_init__(self):
         if not self.kind:
@@ -106,9 +110,16 @@ def write(repro: Repro, directory: str | os.PathLike) -> Path:
     """Writes NAME.json and NAME.npz (one pair per property); returns the JSON path."""
     json_path = path_for(repro.property, directory)
     json_path.parent.mkdir(parents=True, exist_ok=True)
+    write_arrays(repro.arrays, json_path.with_suffix(".npz"))
+    _atomic_write(json_path, _metadata(repro, json_path))
+    return json_path
+
+
+def write_arrays(arrays: dict, npz_path: Path) -> None:
+    """The NPZ of a repro pair: each array as its raw bits (the JSON names each dtype)."""
     buffer = io.BytesIO()
     bits: dict[str, Any] = {}  # Any: unpacked into savez, whose allow_pickle mypy would match an array to
-    for name, value in repro.arrays.items():
+    for name, value in arrays.items():
         value = np.asarray(value)
         bits[name] = (
             value.view(f"u{value.dtype.itemsize}")
@@ -116,9 +127,7 @@ def write(repro: Repro, directory: str | os.PathLike) -> Path:
             else value
         )
     np.savez(buffer, **bits)
-    _atomic_write(json_path.with_suffix(".npz"), buffer.getvalue())
-    _atomic_write(json_path, _metadata(repro, json_path))
-    return json_path
+    _atomic_write(npz_path, buffer.getvalue())
 
 
 def write_pending(repro: Repro, directory: str | os.PathLike) -> Path:
@@ -126,14 +135,25 @@ def write_pending(repro: Repro, directory: str | os.PathLike) -> Path:
 
     Only the JSON: it is written before every example, and the arrays (~2 MB, ~15 ms to write) stay in
     memory until a hang needs them (``write`` of the example marked as a hang, from the watchdog thread).
-    A process that dies some other way still leaves the case (``case_repr`` rebuilds it) on disk.
+    A process that dies some other way still leaves the case on disk, with the arrays' checksum (~0.5 ms for
+    2 MB), so that ``read`` can rebuild them from the case and tell whether they are the ones that ran.
     """
     pending = path_for(repro.property, directory, pending=True)
-    _atomic_write(pending, _metadata(repro, None))
+    _atomic_write(pending, _metadata(repro, None, checksum=arrays_checksum(repro.arrays)))
     return pending
 
 
-def _metadata(repro: Repro, json_path: Path | None) -> bytes:
+def arrays_checksum(arrays: dict) -> int:
+    """CRC-32 of the arrays' names, dtypes, shapes and bytes."""
+    crc = 0
+    for name in sorted(arrays):
+        value = np.ascontiguousarray(arrays[name])
+        crc = zlib.crc32(f"{name}:{value.dtype}:{value.shape};".encode(), crc)
+        crc = zlib.crc32(value.view(np.uint8).reshape(-1).data if value.size else b"", crc)
+    return crc
+
+
+def _metadata(repro: Repro, json_path: Path | None, checksum: int | None = None) -> bytes:
     meta = {
         "schema": SCHEMA,
         "property": repro.property,
@@ -155,6 +175,7 @@ def _metadata(repro: Repro, json_path: Path | None) -> bytes:
         "hang": repro.hang,
         "test": repro.test,
         "arrays": json_path.with_suffix(".npz").name if json_path else None,
+        "arrays_crc32": checksum,
     }
     return (json.dumps(meta, indent=2, default=_json_default) + "\n").encode()
 
@@ -185,24 +206,23 @@ def read(path: str | os.PathLike) -> Repro:
                 f"{path}: not a repro: missing field {', '.join(map(repr, missing))} "
                 f"(a repro JSON has {', '.join(REQUIRED_FIELDS)})"
             )
+        case = Case.from_json(meta["case"]) if meta.get("case") else None
         if meta["arrays"] is None:
-            raise ReproError(
-                f"{path}: the example in flight when its process ended, without its arrays; "
-                f"its case is in the file's case_repr"
-            )
-        arrays_file = _arrays_beside(path, meta["arrays"])
-        stored = np.load(arrays_file)
-        arrays = {
-            name: stored[name].view(_dtype_by_name(dtype)).reshape(stored[name].shape)
-            for name, dtype in meta["dtypes"].items()
-        }
+            arrays, arrays_file = _rebuilt_in_flight(path, meta, case), None
+        else:
+            arrays_file = _arrays_beside(path, meta["arrays"])
+            stored = np.load(arrays_file)
+            arrays = {
+                name: stored[name].view(_dtype_by_name(dtype)).reshape(stored[name].shape)
+                for name, dtype in meta["dtypes"].items()
+            }
         return Repro(
             property=meta["property"],
             target=meta["target"],
             backend=meta["backend"],
             arrays=arrays,
             options={k: _option_from_json(v) for k, v in meta["options"].items()},
-            case=Case.from_json(meta["case"]) if meta.get("case") else None,
+            case=case,
             expected_error=meta.get("expected_error"),
             stage=meta.get("stage"),
             failure=meta.get("failure", ""),
@@ -215,6 +235,7 @@ def read(path: str | os.PathLike) -> Repro:
             precision=tuple(meta["precision"]) if meta.get("precision") is not None else None,
             kind=meta.get("kind", ""),
             arrays_file=arrays_file,
+            in_flight=meta["arrays"] is None,
         )
     except FileNotFoundError as error:
         raise ReproError(
@@ -222,6 +243,19 @@ def read(path: str | os.PathLike) -> Repro:
         ) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ReproError(f"{path}: not a readable repro file ({type(error).__name__}: {error})") from None
+
+
+def _rebuilt_in_flight(path: Path, meta: dict, case: Case | None) -> dict[str, np.ndarray]:
+    """A pending file's arrays, rebuilt from its case: only when they are the ones that ran (a validation
+    property's arrays break a rule after the case built them, and no checksum predates it)."""
+    arrays = case.arrays() if case is not None else None
+    if arrays is None or meta.get("arrays_crc32") is None or arrays_checksum(arrays) != meta["arrays_crc32"]:
+        raise ReproError(
+            f"{path}: the example in flight when its process ended, without its arrays, and they cannot be "
+            "rebuilt from its case (the property changed them after drawing it); its case is in the file's "
+            "case_repr"
+        )
+    return arrays
 
 
 def _arrays_beside(json_path: Path, recorded: str) -> Path:

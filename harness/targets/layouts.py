@@ -80,14 +80,20 @@ def _array(function: str, name: str, value, ndim: int, layout: str) -> np.ndarra
     return array
 
 
-def _index_array(function: str, name: str, value, ndim: int, layout: str) -> np.ndarray:
-    """An integer array of ``ndim`` dimensions, as int32 (what kernels take for indices and lengths)."""
+def _integer_array(function: str, name: str, value, ndim: int, layout: str) -> np.ndarray:
+    """An integer array of ``ndim`` dimensions, as int64 (no range check)."""
     array = _array(function, name, value, ndim, layout)
     if array.dtype.kind not in "iu":
         raise LayoutError(
             f"{function}: {name} has dtype {array.dtype}; page indices and lengths are integers: pass an "
             f"int32 array ({layout})"
         )
+    return array.astype(np.int64)
+
+
+def _index_array(function: str, name: str, value, ndim: int, layout: str) -> np.ndarray:
+    """An integer array of ``ndim`` dimensions, as int32 (what kernels take for indices and lengths)."""
+    array = _integer_array(function, name, value, ndim, layout)
     if array.size and (array.min() < INT32.min or array.max() > INT32.max):
         raise LayoutError(
             f"{function}: {name} holds {int(array.min())}..{int(array.max())}, outside int32; pass int32 values"
@@ -472,7 +478,9 @@ def distribution(q_lens, num_seqs, *, chunk_prefill_size: int | None = None) -> 
     leading sequences with ``q_len == 1`` (its decode kernel runs them), then those with ``q_len ==
     chunk_prefill_size`` (its prefill kernel), then the rest. ``q_lens`` are the live sequences' query
     lengths (``NewTokens.q_lens``); ``num_seqs`` is passed on as given, so that a kernel's validators see it."""
-    q_lens = _index_array("distribution", "q_lens", q_lens, 1, "[live sequences]")
+    # Any integers: a q_len is a difference of two int32 entries of cu_q_lens, which (on invalid input) may
+    # not fit in int32 itself, and the kernel's validators, not this converter, must reject that input.
+    q_lens = _integer_array("distribution", "q_lens", q_lens, 1, "[live sequences]")
     decodes = 0
     while decodes < len(q_lens) and q_lens[decodes] == 1:
         decodes += 1

@@ -240,3 +240,24 @@ def test_the_repro_profile_without_its_example_database_is_one_usage_error(tmp_p
     )  # fmt: skip
     assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"RPA_HYPOTHESIS_DB={missing}: no such folder" in result.stderr and not missing.exists()
+
+
+def test_a_worker_that_dies_names_its_example_in_flight_and_its_replay_is_no_verdict(
+    tmp_path, pytestconfig, capsys, monkeypatch
+):
+    root, marker = pytestconfig.rootpath, tmp_path / "died"
+    env = {"RPA_DIES_ONCE_MARKER": str(marker)}
+    result = run_properties("dies_once", [DIFFERENTIAL], tmp_path, root, "-n", "1", env=env)
+    output = result.stdout + result.stderr
+    path = tmp_path / "differential_fast-interpret.pending.json"
+    assert result.returncode == 1 and marker.exists(), output[-3000:]
+    assert "crashed while running" in result.stdout and f"example in flight: {path}" in result.stdout, output[
+        -3000:
+    ]
+    hang_case(path)  # the case it died on, not an earlier one
+    # Rebuilt from its case, it runs in this process; the crash does not recur, and that is no verdict.
+    monkeypatch.setenv("RPA_DIES_ONCE_MARKER", str(marker))
+    assert cli.main(["replay", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "recorded: in flight when its process ended" in out and "did not recur" in out, out
+    assert path.with_suffix(".npz").exists(), "the standalone program's arrays are written beside it"

@@ -1,5 +1,6 @@
 """End to end: a buggy target fails, leaves a repro pair, and `rpa-harness replay` pins it down."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -120,6 +121,24 @@ def test_replay_of_a_missing_or_malformed_file_is_one_clear_error(tmp_path, caps
     assert code == 2, out + err
     assert "missing field 'backend', 'options', 'dtypes', 'arrays'" in err
     assert err.count("\n") == 1 and "KeyError" not in err
+
+
+def test_a_pending_file_rebuilds_its_arrays_only_when_they_are_its_cases_own(tmp_path, capsys):
+    """A crash leaves only NAME.pending.json: its arrays come back from its case when their checksum matches,
+    never otherwise (a validation property breaks a rule in the arrays after drawing the case)."""
+    case = Case(max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=2, total_num_pages=4, page_size=4,
+                num_q_heads=2, num_kv_heads=1, head_dim=64, q_lens=(2,), kv_lens=(5,))  # fmt: skip
+    example = repro_files.Repro("differential[fast-interpret]", "rpa_harness.kernel", "fast-interpret",
+                                case.arrays(), case.options(), case=case)  # fmt: skip
+    pending = repro_files.write_pending(example, tmp_path)
+    read = repro_files.read(pending)
+    assert read.in_flight and read.arrays_file is None
+    assert repro_files.arrays_checksum(read.arrays) == repro_files.arrays_checksum(example.arrays)
+    broken = case.arrays()
+    broken["num_seqs"][0] = 3
+    repro_files.write_pending(dataclasses.replace(example, arrays=broken), tmp_path)
+    code, _, err = replay(pending, capsys=capsys)
+    assert code == 2 and "cannot be rebuilt from its case" in err and err.count("\n") == 1, err
 
 
 def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path, capsys):
@@ -322,7 +341,10 @@ def test_the_summary_fits_120_columns_orders_rows_and_names_expected_failures(tm
     repro = "/a/" + "very-long-folder-name/" * 8 + "differential_x.json"
     test = "tests/properties/test_differential.py::test_kernel_matches_oracle[x]"
     examples = [{"test": test, "labels": [f"label {i}" for i in range(40)], "repro": repro}]
-    header = ["rpa-harness 0.1.0: target t", "  known issues declared: " + ", ".join(f"issue-{i}" for i in range(30))]
+    header = [
+        "rpa-harness 0.1.0: target t",
+        "  known issues declared: " + ", ".join(f"issue-{i}" for i in range(30)),
+    ]
     lines = cli.summary(junit, examples, {"header": header}).splitlines()
     assert all(len(line) <= cli.SUMMARY_WIDTH for line in lines if repro not in line), lines
     assert "issue-29" in "".join(lines)

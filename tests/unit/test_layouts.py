@@ -425,6 +425,8 @@ def test_dtype_errors(call, message):
         ((1, 1, 5, 5, 3), None, (2, 2, 5)),
         ((5, 1, 1), 5, (0, 1, 3)),  # a decode after a prefill is not a leading decode
         ((), None, (0, 0, 0)),
+        # Garbage cu_q_lens (invalid input the kernel's validators must reject) give q_lens outside int32.
+        ((1, 2**31 + 5, -(2**31) - 7), None, (1, 1, 3)),
     ],
 )
 def test_distribution_counts_leading_decodes_then_chunked_prefills(q_lens, chunk_prefill_size, expected):
