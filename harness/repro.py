@@ -248,12 +248,17 @@ def read(path: str | os.PathLike) -> Repro:
 def _rebuilt_in_flight(path: Path, meta: dict, case: Case | None) -> dict[str, np.ndarray]:
     """A pending file's arrays, rebuilt from its case: only when they are the ones that ran (a validation
     property's arrays break a rule after the case built them, and no checksum predates it)."""
-    arrays = case.arrays() if case is not None else None
-    if arrays is None or meta.get("arrays_crc32") is None or arrays_checksum(arrays) != meta["arrays_crc32"]:
+    recorded = meta.get("arrays_crc32")
+    arrays = case.arrays() if case is not None and recorded is not None else None
+    if arrays is None or arrays_checksum(arrays) != recorded:
+        why = (
+            "the property changed them after drawing it"
+            if arrays is not None
+            else "the file has no case or no checksum of them"
+        )
         raise ReproError(
             f"{path}: the example in flight when its process ended, without its arrays, and they cannot be "
-            "rebuilt from its case (the property changed them after drawing it); its case is in the file's "
-            "case_repr"
+            f"rebuilt from its case ({why}); its case is in the file's case_repr"
         )
     return arrays
 
