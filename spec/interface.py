@@ -34,6 +34,17 @@ MASK_VALUE_MEANINGS = (MASK_ADDED, MASK_REPLACES)
 
 ARRAY_NAMES = ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
 
+# Latent attention (DeepSeek's MLA in its absorbed form) in upstream's layout. Its key is the latent vector
+# and the rotary part side by side, [kv_c ; k_pe] (head_dim = lkv + r), its value the latent vector alone,
+# kv_c (lkv dims), its query split the same way, [ql_nope ; q_pe]. Stated here as one extra fact of the
+# inputs, not an option: the value slot of each KV head holds the key's first ``value_head_dim`` dims and
+# zeros after them, in every slot of the cache. Upstream's formula then is MLA's, unchanged: logits over
+# head_dim dims (the two dot products of widths lkv and r summed), and an output whose dims past
+# ``value_head_dim`` are exactly zero. A kernel that returns only the value's dims is judged on those, its
+# adapter filling the rest with zeros. A target declares the (head_dim, value_head_dim) pairs it takes
+# (``Capabilities.value_head_dims``); cases carry ``value_head_dim`` (``Case``).
+VALUE_IS_KEY_PREFIX = "the value is the key's first value_head_dim dims, zero after them"
+
 # Field metadata: an option that only tunes how the kernel runs (block sizes, VMEM); the output is the same.
 TUNING = {"tuning": True}
 # Field metadata: semantics beyond upstream's interface that some targets have. Not in

@@ -60,7 +60,7 @@ class LongBucket:
     max_model_len: int = 131072  # page_size * pages_per_seq
     page_sizes: tuple[int, ...] = (16, 32, 64, 128, 256)
     max_q_heads: int = 8
-    head_dims: tuple[int, ...] = (64, 128, 256)
+    head_dims: tuple[int, ...] = (64, 128, 192, 256, 576)  # 192 and 576: latent attention (lkv + r)
     kv_cache_bytes: int = 256 * 2**20
     max_work: int = 1 << 26  # sum over sequences of q_len * kv_len * num_q_heads
     boundaries: tuple[int, ...] = (1 << 15, 1 << 16)

@@ -24,6 +24,10 @@ class Capabilities:
     """What a target supports; strategies draw only inside it. Defaults: the whole specified space."""
 
     head_dims: tuple[int, ...] = (64, 128, 256)
+    # Latent attention (rpa_harness.spec.interface.VALUE_IS_KEY_PREFIX): (head_dim, value_head_dim) pairs,
+    # key lkv + r dims and value lkv; every head_dim of the target is then one of them, and every case drawn
+    # for it has its value as its key's prefix. Empty: ordinary attention, key and value of head_dim dims.
+    value_head_dims: tuple[tuple[int, int], ...] = ()
     page_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     q_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     kv_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2")
@@ -92,13 +96,15 @@ class Capabilities:
         """Capabilities only narrow the specified space: each choice is a non-empty subset of the default
         (buckets: of BUCKETS). Checked here, once, so that a typo is one clear error instead of a strategy
         that draws nothing or a dtype no case can build."""
+        self._check_value_head_dims()
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, tuple) or field.name == "tpu_generations":  # jax knows the names
+            if not isinstance(value, tuple) or field.name in ("tpu_generations", "value_head_dims"):
                 continue
             allowed = {
                 "buckets": tuple(BUCKETS),
                 "runtime_options": RUNTIME_OPTIONS,
+                "head_dims": tuple(h for h, _ in self.value_head_dims) or field.default,
             }.get(field.name, field.default)
             unknown = [v for v in value if v not in allowed]
             if unknown or (not value and field.name != "runtime_options"):
@@ -118,6 +124,27 @@ class Capabilities:
                 f"Capabilities(num_kv_heads={self.num_kv_heads!r}, even_kv_heads_for_fp8=True, kv_dtypes "
                 f"{fp8}): no even num_kv_heads for the 8-bit KV dtypes; add one or drop those dtypes."
             )
+
+    def _check_value_head_dims(self) -> None:
+        for pair in self.value_head_dims:
+            if not (
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and all(isinstance(d, int) for d in pair)
+                and 0 < pair[1] < pair[0]
+            ):
+                raise ValueError(
+                    f"Capabilities(value_head_dims={self.value_head_dims!r}): {pair!r} is not a (head_dim, "
+                    "value_head_dim) pair of integers with 0 < value_head_dim < head_dim, e.g. (576, 512)."
+                )
+        if len({h for h, _ in self.value_head_dims}) != len(self.value_head_dims):
+            raise ValueError(
+                f"Capabilities(value_head_dims={self.value_head_dims!r}): one value_head_dim per head_dim."
+            )
+
+    def value_head_dim_for(self, head_dim: int) -> int | None:
+        """The value's width for keys of ``head_dim`` dims: a latent attention pair's, else None."""
+        return dict(self.value_head_dims).get(head_dim)
 
 
 WHOLE_SPACE = Capabilities()  # the default of every strategy: the whole specified space

@@ -47,6 +47,9 @@ class Case(Options):
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
+    # Latent attention (MLA, absorbed): the value is the key's first value_head_dim dims, the rest of it
+    # zero (rpa_harness.spec.interface.VALUE_IS_KEY_PREFIX). None: key and value are drawn apart.
+    value_head_dim: int | None = None
     q_dtype: str = "float32"
     kv_dtype: str = "float32"
     # Ragged layout: one entry per live sequence (num_seqs = len(q_lens)).
@@ -72,6 +75,10 @@ class Case(Options):
             raise ValueError(f"values={self.values!r} must be one of {sorted(VALUE_PROFILES)}")
         if any(not INT32.min <= value <= INT32.max for value in self.garbage_values):
             raise ValueError(f"garbage_values={self.garbage_values} must all fit in int32")
+        if self.value_head_dim is not None and not 0 < self.value_head_dim < self.head_dim:
+            raise ValueError(
+                f"value_head_dim={self.value_head_dim} must be in (0, head_dim={self.head_dim}) or None"
+            )
 
     def __repr__(self):
         """Evaluable, in reading order: shapes and layout, then the options that are set, then the data."""
@@ -172,6 +179,10 @@ class Case(Options):
             self._values(values_rng, (int(live.sum()), *kv_shape[2:]), self.kv_dtype, self.kv_value_scale),
             live,
         )
+        if self.value_head_dim is not None:  # every slot, padding included: V = [K[:d] ; 0]
+            d = self.value_head_dim
+            kv_pages[:, :, 1::2, :d] = kv_pages[:, :, 0::2, :d]
+            kv_pages[:, :, 1::2, d:] = 0
         return {
             "q": q,
             "kv_pages": kv_pages,
@@ -224,7 +235,9 @@ class Case(Options):
         seqs = ", ".join(f"({q},{kv})" for q, kv in zip(self.q_lens, self.kv_lens, strict=True))
         return (
             f"{self.num_seqs} seqs [(q_len,kv_len): {seqs}] T={self.max_num_batched_tokens} "
-            f"heads={self.num_q_heads}/{self.num_kv_heads} head_dim={self.head_dim} page_size={self.page_size} "
+            f"heads={self.num_q_heads}/{self.num_kv_heads} head_dim={self.head_dim}"
+            f"{'' if self.value_head_dim is None else f' value_head_dim={self.value_head_dim}'} "
+            f"page_size={self.page_size} "
             f"pages_per_seq={self.pages_per_seq} q={self.q_dtype} kv={self.kv_dtype} values={self.values} "
             f"options={self.options()}"
         )

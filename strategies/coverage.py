@@ -41,6 +41,8 @@ def coverage_labels(case: Case) -> list[str]:
         labels.append("q_scale")
     if case.attention_sink is not None:
         labels.append("attention sink")
+    if case.value_head_dim is not None:
+        labels.append(f"latent attention: value {case.value_head_dim} of key {case.head_dim} dims")
     if not case.use_causal_mask:
         labels.append("non-causal" + (", KV mask skipped" if case.skip_kv_mask else ""))
     if case.out_dtype is not None:

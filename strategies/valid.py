@@ -151,6 +151,7 @@ def _valid_cases(
         )
     case = Case(
         **config,
+        value_head_dim=capabilities.value_head_dim_for(config["head_dim"]),
         **opts,
         q_lens=q_lens,
         kv_lens=kv_lens,

@@ -149,7 +149,7 @@ def break_num_seqs_shape(arrays, options, case, param):
 def break_head_dim(arrays, options, case, param):
     """q's head_dim halved: q and the cache disagree."""
     head_dim = case.head_dim // 2
-    arrays["q"] = dataclasses.replace(case, head_dim=head_dim).arrays()["q"]
+    arrays["q"] = dataclasses.replace(case, head_dim=head_dim, value_head_dim=None).arrays()["q"]
     return dict(q_head_dim=head_dim, kv_head_dim=case.head_dim)
 
 

@@ -62,6 +62,7 @@ UPSTREAM_TARGET = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
 V3_TARGET = "rpa_harness.targets.tpu_inference_v3"
 V3_HD64_TARGET = "rpa_harness.targets.tpu_inference_v3_hd64"
 V2_TARGET = "rpa_harness.targets.tpu_inference_v2"
+MLA_V1_TARGET = "rpa_harness.targets.tpu_inference_mla_v1"
 REQUIRED_FUNCTIONS = ("ragged_paged_attention",)
 VALIDATOR = "dynamic_validate_inputs"  # optional: a kernel without one declares only static rules
 
@@ -84,6 +85,7 @@ SHIPPED = (
     Shipped(V3_TARGET, aliases=("rpa_harness.tpu_inference_v3",)),
     Shipped(V3_HD64_TARGET, aliases=("rpa_harness.tpu_inference_v3_hd64",)),
     Shipped(V2_TARGET, aliases=("rpa_harness.tpu_inference_v2",)),
+    Shipped(MLA_V1_TARGET, aliases=("rpa_harness.tpu_inference_mla_v1",)),
 )
 # Profile modules of targets that do not declare their own (module attributes as above).
 PROFILES = {name: s.profile for s in SHIPPED if s.profile for name in (s.name, *s.also_modules)}

@@ -1,0 +1,43 @@
+"""MLA v1's rule table: v3's rules where MLA v1's validators share v3's checks and messages (its dynamic
+checks are v3's, word for word), its own where they differ (the query's and the key's widths, block sizes
+that must be given and positive). Rules about several KV heads and K/V shapes have no MLA counterpart: a
+latent cache has one KV head and no separate value."""
+
+from rpa_harness.strategies import violations as shared
+from rpa_harness.strategies.violations import Rule
+from rpa_harness.targets.tpu_inference_mla_v1.adapter import latent_dim
+from rpa_harness.targets.tpu_inference_v3 import messages
+from rpa_harness.targets.tpu_inference_v3.rules import RULES as V3_RULES
+
+
+def head_dim_mismatch_message(q_head_dim, kv_head_dim) -> str:
+    """The query is split where the key is (at lkv): whichever half then disagrees is reported."""
+    lkv = latent_dim(kv_head_dim)
+    if q_head_dim < lkv:
+        return f"Expected ql_nope.shape[2]={q_head_dim} to be equal to new_kv_c.shape[1]={lkv}"
+    return f"Expected q_pe.shape[2]={q_head_dim - lkv} to be equal to new_k_pe.shape[1]={kv_head_dim - lkv}"
+
+
+def _positive(name):
+    return lambda value: messages.not_positive_message(name, value)
+
+
+_SHARED_WITH_V3 = (
+    "index dtype", "kv_lens shape", "cu_q_lens shape", "sliding_window not positive", "soft_cap zero",
+    "chunk_prefill_size not positive", "vmem_limit_bytes not positive", "negative num_seqs",
+    "num_seqs over max_num_seqs", "too many q tokens", "q_len over kv_len", "q_len zero",
+    "decreasing cu_q_lens", "too few pages per sequence", "page index out of range",
+)  # fmt: skip
+
+RULES: dict[str, Rule] = {
+    "head_dim mismatch": Rule("static", shared.break_head_dim, head_dim_mismatch_message),
+    **{name: V3_RULES[name] for name in _SHARED_WITH_V3[:5]},
+    "chunk_prefill_size not positive": V3_RULES["chunk_prefill_size not positive"],
+    "num_kv_pages_per_block not positive": Rule(
+        "static", shared.break_kv_block_sign, _positive("num_kv_pages_per_block")
+    ),
+    "num_queries_per_block not positive": Rule(
+        "static", shared.break_query_block, _positive("num_queries_per_block")
+    ),
+    **{name: V3_RULES[name] for name in _SHARED_WITH_V3[6:]},
+}

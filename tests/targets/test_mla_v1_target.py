@@ -1,0 +1,111 @@
+"""tpu-inference's MLA v1 target: latent attention in the specification (the value a prefix of the key),
+the adapter's latent cache, the kernel against the oracle and its own reference, and its findings'
+predicates (each checked against the kernel, not assumed)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from rpa_harness import reference, targets
+from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
+from rpa_harness.checks import RaisedOnValidInput, check_differential
+from rpa_harness.strategies.capabilities import Capabilities
+from rpa_harness.strategies.case import Case
+
+from tests.cases import skip_without_tpu_inference
+
+skip_without_tpu_inference(module_level=True)
+
+from rpa_harness.targets import tpu_inference_mla_v1 as mla  # noqa: E402  (needs tpu-inference)
+from rpa_harness.targets.tpu_inference_mla_v1 import known_issues  # noqa: E402
+
+TARGET = targets.load(targets.MLA_V1_TARGET)
+# A decode, a prefill across two KV blocks, bfloat16 where the kernel can run it.
+LATENT = Case(
+    max_num_batched_tokens=8, max_num_seqs=3, pages_per_seq=4, total_num_pages=11, page_size=4, num_q_heads=4,
+    num_kv_heads=1, head_dim=192, value_head_dim=128, q_lens=(1, 5), kv_lens=(6, 13), num_kv_pages_per_block=2,
+    num_queries_per_block=4, mask_value_meaning="replaces", sm_scale=0.1,
+)  # fmt: skip
+
+
+def test_a_latent_cases_value_is_its_keys_prefix_in_every_slot():
+    kv = LATENT.arrays()["kv_pages"]
+    keys, values = kv[:, :, 0], kv[:, :, 1]
+    np.testing.assert_array_equal(values[..., :128], keys[..., :128])
+    assert not values[..., 128:].any()
+
+
+def test_the_oracles_output_past_the_values_dims_is_zero():
+    result = reference.oracle(**LATENT.arrays(), **LATENT.options())
+    rows = slice(0, LATENT.num_tokens)
+    assert not result.out[rows, :, 128:].any() and result.out[rows, :, :128].any()
+
+
+def test_value_head_dims_are_checked_where_declared():
+    with pytest.raises(ValueError, match=r"value_head_dims=\(\(192, 200\),\)"):
+        Capabilities(head_dims=(192,), value_head_dims=((192, 200),))
+    with pytest.raises(ValueError, match=r"head_dims=\(64, 192\).*\[64\] not in the specified space"):
+        Capabilities(head_dims=(64, 192), value_head_dims=((192, 128),))
+    assert Capabilities(head_dims=(192,), value_head_dims=((192, 128),)).value_head_dim_for(192) == 128
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_the_latent_cache_goes_there_and_back(kv_dtype):
+    case = dataclasses.replace(LATENT, kv_dtype=kv_dtype, poison=False)
+    kv = case.arrays()["kv_pages"]
+    cache = mla.latent_cache(kv, 128)
+    assert cache.shape == (11, 4 * kv.itemsize // 4, 4 // kv.itemsize, 256)
+    np.testing.assert_array_equal(mla.upstream_cache(cache, 128, 192), kv)
+
+
+@pytest.mark.parametrize("backend", [Backend(FAST_INTERPRET), Backend(INTERPRET)], ids=lambda b: b.label)
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
+def test_mla_v1_matches_the_oracle_and_writes_its_cache(backend, q_dtype):
+    if q_dtype not in TARGET.capabilities.q_dtypes:
+        pytest.skip(f"{q_dtype} queries need pltpu.reciprocal (jax 0.12)")
+    case = dataclasses.replace(LATENT, q_dtype=q_dtype, kv_dtype=q_dtype)
+    check_differential(TARGET, backend, case.arrays(), case.options())
+
+
+def test_mla_v1_agrees_with_its_own_reference():
+    """The kernel's reference on the adapter's inputs, against the target's output: the adapter maps the
+    case as the kernel's authors mean it."""
+    case = dataclasses.replace(LATENT, poison=False)
+    arrays = case.arrays()
+    inputs = mla.mla_inputs(**arrays, **case.options())
+    kwargs = {k: v for k, v in inputs.kwargs.items() if k not in ("chunk_prefill_size", "num_kv_pages_per_block",
+                                                                     "num_queries_per_block", "vmem_limit_bytes")}  # fmt: skip
+    expected, _ = mla.kernel().ref_mla_ragged_paged_attention(*inputs.args, **kwargs)
+    with Backend(FAST_INTERPRET).context():
+        out, _ = mla.ragged_paged_attention(**arrays, **case.options())
+    rows = slice(0, case.num_tokens)
+    np.testing.assert_allclose(out[rows, :, :128], np.asarray(expected)[rows, :, :128], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "heads, bq, q_dtype, chunk_prefill_size, fails",
+    [
+        (4, 4, "float32", None, False),
+        (4, 8, "float32", None, True),  # no decode in the batch: the decode path traces anyway
+        (3, 2, "float32", None, True),
+        (1, 2, "bfloat16", None, False),  # one head padded to bfloat16's two
+        (4, 4, "float32", 2, False),  # the chunked prefill path: 2 tokens of 4 heads, whole blocks of 4
+        (2, 4, "float32", 2, True),
+    ],
+)
+def test_the_query_block_predicate_is_the_kernels_rule(heads, bq, q_dtype, chunk_prefill_size, fails):
+    if q_dtype not in TARGET.capabilities.q_dtypes:
+        pytest.skip(f"{q_dtype} queries need pltpu.reciprocal (jax 0.12)")
+    case = dataclasses.replace(
+        LATENT, num_q_heads=heads, num_queries_per_block=bq, q_dtype=q_dtype, q_lens=(2, 5),
+        chunk_prefill_size=chunk_prefill_size,
+    )  # fmt: skip
+    predicted = known_issues.query_block_not_dividing_q_heads(case)
+    try:
+        check_differential(TARGET, Backend(FAST_INTERPRET), case.arrays(), case.options())
+        raised = False
+    except RaisedOnValidInput as failure:
+        raised = "flash_attention" in str(failure)
+    assert predicted == raised == fails
+    moved = known_issues.with_query_block_dividing_q_heads(case)
+    assert not known_issues.query_block_not_dividing_q_heads(moved)
