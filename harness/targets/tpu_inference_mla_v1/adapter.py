@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import types
 
-import jax
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from rpa_harness.spec.interface import options_taken
