@@ -82,7 +82,11 @@ class Case(Options):
 
     def __repr__(self):
         """Evaluable, in reading order: shapes and layout, then the options that are set, then the data."""
-        own = [f.name for f in dataclasses.fields(self) if f.name not in ALL_OPTION_NAMES]
+        own = [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name not in ALL_OPTION_NAMES and not (f.name == "value_head_dim" and self.value_head_dim is None)
+        ]
         data = own.index("seed")
         names = own[:data] + [n for n in ALL_OPTION_NAMES if n in self.options()] + own[data:]
         return f"Case({', '.join(f'{name}={getattr(self, name)!r}' for name in names)})"
