@@ -40,7 +40,8 @@ def query_block_not_dividing_q_heads(case: Case) -> bool:
 def with_query_block_dividing_q_heads(case: Case) -> Case:
     """The largest query block at most the case's that divides the padded q heads (then every path's)."""
     heads = padded_q_heads(case)
-    bq = max(d for d in range(1, min(case.num_queries_per_block, heads) + 1) if heads % d == 0)
+    largest = min(case.num_queries_per_block or heads, heads)
+    bq = max(d for d in range(1, largest + 1) if heads % d == 0)
     return dataclasses.replace(case, num_queries_per_block=bq)
 
 
