@@ -595,9 +595,7 @@ def _hang_note(config, nodeid: str, started: float) -> str:
             )
         if written.in_flight and written.test == nodeid:
             in_flight = path
+    note = "\n(no hang repro names this test: the worker ended for another reason; see its stderr above)"
     if in_flight is not None:
-        return (
-            "\n(no hang repro names this test: the worker ended for another reason; see its stderr above)"
-            f"\n  example in flight: {in_flight}\n  replay: rpa-harness replay {in_flight}"
-        )
-    return "\n(no hang repro names this test: the worker ended for another reason; see its stderr above)"
+        note += f"\n  example in flight: {in_flight}\n  replay: rpa-harness replay {in_flight}"
+    return note

@@ -16,12 +16,11 @@ import types
 
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
-from rpa_harness.spec.interface import options_taken
+from rpa_harness.spec.interface import options_taken, values_per_word
 from rpa_harness.targets import layouts
 from rpa_harness.targets.tpu_inference_v3 import adapter as v3_adapter
 
 _KERNEL_MODULE = "tpu_inference.kernels.mla.v1.kernel"
-LANES = 128
 # (head_dim, lkv): lkv + r with r = 64 (DeepSeek's rotary dims), the latent 512 (DeepSeek's kv_lora_rank)
 # and two small ones that keep an interpreted call cheap.
 VALUE_HEAD_DIMS = ((96, 32), (192, 128), (576, 512))
@@ -44,20 +43,14 @@ def latent_dim(head_dim: int) -> int:
     return dict(VALUE_HEAD_DIMS).get(head_dim, max(head_dim - 64, 1))
 
 
-def _packing(dtype) -> int:
-    return 4 // np.dtype(dtype).itemsize
-
-
 def latent_cache(kv_pages, lkv: int) -> np.ndarray:
     """Upstream's one-KV-head cache ``[pages, page_size, 2, lkv + r]`` as MLA's ``[pages, page_size /
     packing, packing, align(lkv) + align(r)]``: each token's key split at lkv, each part padded to 128
     lanes (the value slot is the key's prefix: not stored)."""
     pages, page_size, _, head_dim = kv_pages.shape
     keys = kv_pages[:, :, 0, :]
-    row = np.concatenate(
-        [layouts.pad_lanes(keys[..., :lkv], LANES), layouts.pad_lanes(keys[..., lkv:], LANES)], axis=-1
-    )
-    packing = _packing(kv_pages.dtype)
+    row = np.concatenate([layouts.pad_lanes(keys[..., :lkv]), layouts.pad_lanes(keys[..., lkv:])], axis=-1)
+    packing = values_per_word(kv_pages.dtype)
     return row.reshape(pages, page_size // packing, packing, row.shape[-1])
 
 
@@ -66,7 +59,7 @@ def upstream_cache(cache, lkv: int, head_dim: int) -> np.ndarray:
     cache = np.asarray(cache)
     pages, rows, packing, _ = cache.shape
     row = cache.reshape(pages, rows * packing, cache.shape[-1])
-    lkv_lanes = -(-lkv // LANES) * LANES
+    lkv_lanes = -(-lkv // layouts.LANES) * layouts.LANES
     kv_c, k_pe = row[..., :lkv], row[..., lkv_lanes : lkv_lanes + head_dim - lkv]
     key = np.concatenate([kv_c, k_pe], axis=-1)
     value = np.concatenate([kv_c, np.zeros_like(k_pe)], axis=-1)

@@ -22,22 +22,22 @@ def _positive(name):
     return lambda value: messages.not_positive_message(name, value)
 
 
-_SHARED_WITH_V3 = (
-    "index dtype", "kv_lens shape", "cu_q_lens shape", "sliding_window not positive", "soft_cap zero",
-    "chunk_prefill_size not positive", "vmem_limit_bytes not positive", "negative num_seqs",
-    "num_seqs over max_num_seqs", "too many q tokens", "q_len over kv_len", "q_len zero",
-    "decreasing cu_q_lens", "too few pages per sequence", "page index out of range",
-)  # fmt: skip
-
-RULES: dict[str, Rule] = {
+_OWN: dict[str, Rule] = {
     "head_dim mismatch": Rule("static", shared.break_head_dim, head_dim_mismatch_message),
-    **{name: V3_RULES[name] for name in _SHARED_WITH_V3[:5]},
-    "chunk_prefill_size not positive": V3_RULES["chunk_prefill_size not positive"],
     "num_kv_pages_per_block not positive": Rule(
         "static", shared.break_kv_block_sign, _positive("num_kv_pages_per_block")
     ),
     "num_queries_per_block not positive": Rule(
         "static", shared.break_query_block, _positive("num_queries_per_block")
     ),
-    **{name: V3_RULES[name] for name in _SHARED_WITH_V3[6:]},
 }
+# In MLA v1's order: its own rules where they differ from v3's, v3's rule by that name elsewhere.
+_ORDER = (
+    "head_dim mismatch", "index dtype", "kv_lens shape", "cu_q_lens shape", "sliding_window not positive",
+    "soft_cap zero", "chunk_prefill_size not positive", "num_kv_pages_per_block not positive",
+    "num_queries_per_block not positive", "vmem_limit_bytes not positive", "negative num_seqs",
+    "num_seqs over max_num_seqs", "too many q tokens", "q_len over kv_len", "q_len zero",
+    "decreasing cu_q_lens", "too few pages per sequence", "page index out of range",
+)  # fmt: skip
+
+RULES: dict[str, Rule] = {name: _OWN.get(name) or V3_RULES[name] for name in _ORDER}
