@@ -1,0 +1,34 @@
+"""tpu-inference's MLA v2 as a harness target: ``--rpa-target=rpa_harness.targets.tpu_inference_mla_v2``.
+
+``mla_ragged_paged_attention`` from ``tpu_inference/kernels/mla/v2/kernel.py`` (PyPI ``tpu-inference``): MLA
+v1's computation rewritten for speed (batched decodes, split mixed queries, a two-step flash attention, an
+optional transposed cache) with MLA v1's API but for a head-major latent query. ``adapter`` maps upstream's
+latent cases onto it as MLA v1's adapter does, with ``s_dtype=float32`` (see there). Install as for v3:
+
+    pip install --no-deps tpu-inference==0.32.0
+"""
+
+from rpa_harness.targets.tpu_inference_mla_v1 import RPA_HARNESS_CAPABILITIES as V1_CAPABILITIES
+from rpa_harness.targets.tpu_inference_mla_v2 import known_issues as _known_issues
+from rpa_harness.targets.tpu_inference_mla_v2.adapter import (  # noqa: F401  (the adapter's public names)
+    PRECISION_OPTIONS,
+    call_mla,
+    kernel,
+    mla_inputs,
+    ragged_paged_attention,
+)
+from rpa_harness.targets.tpu_inference_mla_v2.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
+from rpa_harness.targets.tpu_inference_v3.adapter import installed_version
+
+RPA_HARNESS_UPDATES_CACHE = True  # it writes the new tokens into the cache it returns: judged bit for bit
+RPA_HARNESS_CAPABILITIES = dict(V1_CAPABILITIES)
+# With s_dtype=float32 (the adapter's): logits, the running max and sum and the accumulator float32; P
+# rounded to the cache's dtype before P @ V (p_same_dtype_as_v, its default); float32 outputs divide
+# exactly, narrower ones multiply by pltpu.reciprocal(l, approx=True).
+RPA_HARNESS_PRECISION = ("probabilities-in-value-dtype", "approx-reciprocal-for-narrow-output")
+RPA_HARNESS_VERSION = f"tpu-inference {installed_version()} (MLA v2, s_dtype=float32)"
+RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
+
+# Its known issues (docs/tpu-inference-mla-v2-findings/): their cases are not drawn.
+RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
+RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
