@@ -6,7 +6,7 @@ cu_q_lens[num_seqs], and the unused slots of kv_lens, cu_q_lens and page_indices
 
 import dataclasses
 
-from hypothesis import given
+from hypothesis import event, given, reject
 from hypothesis import strategies as st
 from rpa_harness.checks import check_determinism, check_padding_isolation
 from rpa_harness.property_names import DETERMINISM, PADDING, PropertyName
@@ -20,6 +20,12 @@ def test_padding_does_not_change_valid_rows(target, volume_backend, repro_dir, b
     cases = valid_cases(capabilities, pooled=True, excluding=issues, selection=bucket_selection)
     case = data.draw(cases, label="case")
     dirty = dataclasses.replace(case, poison=True, garbage=True)
+    # The padding is the case's to change: a known issue the dirty padding triggers (e.g. stale NaN that a
+    # kernel multiplies by a zero weight) is not drawn here either.
+    for issue in issues:
+        if issue.matches(dirty):
+            event(f"known issue rejected: {issue.name}")
+            reject()
     dirty_arrays = dirty.arrays()  # recorded and run: built once
     name = PropertyName(PADDING, label=volume_backend.label)
     with recorded(repro_dir, name, target, volume_backend, dirty_arrays, case.options(), case=dirty):
