@@ -73,6 +73,10 @@ class KnownIssue:
     # For the upstream report (``rpa-harness report``): where in the kernel it goes wrong and why, in a
     # maintainer's words (Markdown); empty where the report's facts speak for themselves.
     explanation: str = ""
+    # The backends that can see it (e.g. a read past a VMEM buffer whose value is unused: only the checking
+    # TPU interpreter reports it); empty for every backend. Elsewhere its cases are drawn, and its repro
+    # must pass.
+    backends: tuple[str, ...] = ()
 
     def __repr__(self) -> str:  # one line where Hypothesis and pytest print it (a parameter of a property)
         return f"KnownIssue({self.name!r})"
@@ -83,6 +87,10 @@ class KnownIssue:
             return case
         runlog.record_event("known-issue-avoided", issue=self.name)
         return self.nearest_outside(case)
+
+    def visible_on(self, backend_name: str) -> bool:
+        """Whether a run on ``backend_name`` can see the issue (``backends``)."""
+        return not self.backends or backend_name in self.backends
 
     def shows(self, failure: str) -> bool:
         """Whether a property failure is this issue's (and not some other failure of the repro)."""

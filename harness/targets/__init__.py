@@ -137,9 +137,10 @@ class Target:
         return self.capabilities
 
     def known_issues_on(self, backend) -> tuple:
-        """The known issues whose cases are not drawn on ``backend``, their predicates seeing its emulated
-        TPU generation (``known_issues.on_generation``)."""
-        return known_issues.on_generation(self.known_issues, backend.generation)
+        """The known issues whose cases are not drawn on ``backend`` (those it can see), their predicates
+        seeing its emulated TPU generation (``known_issues.on_generation``)."""
+        visible = tuple(issue for issue in self.known_issues if issue.visible_on(backend.name))
+        return known_issues.on_generation(visible, backend.generation)
 
     def validate(self, arrays: dict, options: dict) -> None:
         getattr(self.module, VALIDATOR)(**as_jax(arrays), **options)

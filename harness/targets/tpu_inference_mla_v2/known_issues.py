@@ -33,6 +33,48 @@ def with_kv_lens_ending_rows(case: Case) -> Case:
     return dataclasses.replace(case, kv_lens=kv_lens)
 
 
+def merge_reads_a_row_past_its_buffer(case: Case) -> bool:
+    """A packed cache and a KV block where the merge of a sequence's new tokens into the fetched block
+    (kv_utils.pack_new_kv) reads one row past the block's VMEM buffer.
+
+    Stated in the kernel's terms, per live sequence and KV block of ``B`` tokens: ``c`` cached and ``u``
+    new tokens in the block, the first new one at ``s`` in the flat new-token array. The merge reads rows
+    ``a .. a + n + 1`` of a buffer of ``B / packing + 2`` rows, with ``n = ceil((c % packing + u) /
+    packing)`` iterations and ``a = ceil(c / packing)``, one less where ``s % packing < c % packing``.
+    """
+    packing = values_per_word(case.kv_dtype)
+    if packing == 1:
+        return False
+    block = case.num_kv_pages_per_block * case.page_size
+    rows = block // packing + 2
+    q_end = 0
+    for q_len, kv_len in zip(case.q_lens, case.kv_lens, strict=True):
+        q_end += q_len
+        for start in range(0, kv_len, block):
+            left = kv_len - start
+            cached = min(max(left - q_len, 0), block)
+            new = min(block - cached, left - max(left - q_len, 0))
+            if new <= 0:
+                continue
+            first_new = q_end - kv_len + start + cached
+            row = -(-cached // packing) - (first_new % packing < cached % packing)
+            iterations = -(-(cached % packing + new) // packing)
+            if row + iterations + 1 >= rows:
+                return True
+    return False
+
+
+def with_cached_tokens_ending_rows(case: Case) -> Case:
+    """Each live sequence's cached part shortened to whole rows (fewer keys, the same pages suffice): the
+    new tokens then start a row, and the merge stays inside its buffer."""
+    packing = values_per_word(case.kv_dtype)
+    kv_lens = tuple(
+        kv_len - (kv_len - q_len) % packing if q_len else kv_len
+        for q_len, kv_len in zip(case.q_lens, case.kv_lens, strict=True)
+    )
+    return dataclasses.replace(case, kv_lens=kv_lens)
+
+
 def stale_slots_in_a_bfloat16_cache(case: Case) -> bool:
     """A packed cache with NaN in the slots past kv_len (a poisoned case) and a live sequence whose last KV
     block has such slots."""
@@ -61,11 +103,33 @@ RPA_HARNESS_CATALOGUE = (
         with_kv_lens_ending_rows,
         r"differs from the expected cache in \d+ slots? \(0 of \d+ new-token slots?,",
         explanation=(
-            "MLA v2 writes the new tokens into the cache as whole 32-bit rows of `kv_packing` tokens. Where a "
-            "sequence's new tokens end mid-row (kv_len not a multiple of the packing), the row's remaining "
-            "slot, past kv_len, gets another token's latent vector. MLA v1 writes exactly the new tokens' "
-            "slots. The slot holds no key yet, so attention is unaffected until it is written, but the "
+            "MLA v2 writes a block's new tokens back from VMEM as whole 32-bit rows of `kv_packing` tokens "
+            "(`_update_kv_cache`). Where a sequence's new tokens end mid-row (kv_len not a multiple of the "
+            "packing), the row's other slot, past kv_len, gets what the VMEM buffer holds beside the new "
+            "token (0 in the repro). MLA v1 writes exactly the new tokens' slots. The slot holds no key yet, so attention is unaffected until it is written, but the "
             "returned cache is not the input with the new tokens written."
+        ),
+    ),
+    KnownIssue(
+        "mla-v2-merge-reads-a-row-past-its-vmem-buffer",
+        "with a packed (bfloat16) cache, merging a sequence's new tokens into its KV block reads one row "
+        "past the block's VMEM buffer (the value is unused; the TPU interpreter stops it)",
+        FINDINGS / "mla-v2-merge-reads-a-row-past-its-vmem-buffer" / "differential-checked_interpret.json",
+        merge_reads_a_row_past_its_buffer,
+        with_cached_tokens_ending_rows,
+        r"Out-of-bounds read",
+        backends=("interpret",),
+        explanation=(
+            "`kv_utils.pack_new_kv` realigns the new tokens, fetched as whole 32-bit rows right after the "
+            "block's cached rows, to their slots: a loop of `n = cdiv(offset % kv_packing + update_sz, "
+            "kv_packing)` iterations over rows starting at `kv_packing_idx_new`, each ending with a look-"
+            "ahead read of the row after the next (`next_kvc_reg = bkvc_vmem_ref[kv_packing_idx_new + 1]`, "
+            "kv_utils.py:218). The last iteration's look-ahead is never used, but where the cached part of "
+            "the block does not end a row and the block is full enough, it reads row `bkv_sz / kv_packing "
+            "+ 2` of a buffer of `bkv_sz / kv_packing + 2` rows. The Pallas TPU interpreter raises an "
+            "out-of-bounds read; the generic interpreter clamps it and the output is right. On a TPU the "
+            "read lands in whatever VMEM follows the buffer (not run on hardware). A float32 cache (one "
+            "token per row) never reads past the buffer."
         ),
     ),
     KnownIssue(
