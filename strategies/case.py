@@ -85,7 +85,8 @@ class Case(Options):
         own = [
             f.name
             for f in dataclasses.fields(self)
-            if f.name not in ALL_OPTION_NAMES and not (f.name == "value_head_dim" and self.value_head_dim is None)
+            if f.name not in ALL_OPTION_NAMES
+            and not (f.name == "value_head_dim" and self.value_head_dim is None)
         ]
         data = own.index("seed")
         names = own[:data] + [n for n in ALL_OPTION_NAMES if n in self.options()] + own[data:]
@@ -106,6 +107,18 @@ class Case(Options):
     def kv_capacity(self) -> int:
         """Longest kv_len the page table can hold."""
         return self.pages_per_seq * self.page_size
+
+    @property
+    def block_steps(self) -> int:
+        """An upper bound on the (query block, KV block) pairs a blocked kernel visits: per sequence
+        ``cdiv(q_len, bq) * cdiv(kv_len, bkv)``, a block size left to the kernel counted as one query row
+        or one page. The TPU interpreter's cost grows with it (each pair is DMAs and a grid step)."""
+        rows = self.num_queries_per_block or 1
+        keys = (self.num_kv_pages_per_block or 1) * self.page_size
+        return sum(
+            -(-q_len // rows) * -(-kv_len // keys)
+            for q_len, kv_len in zip(self.q_lens, self.kv_lens, strict=True)
+        )
 
     def options(self) -> dict:
         """Keyword options that differ from the defaults (what a caller would pass); extension options

@@ -51,6 +51,7 @@ def valid_cases(
     excluding=(),
     long_corner: LongCorner | None = None,
     selection: tuple[str, ...] | None = None,
+    max_block_steps: int | None = None,
 ) -> st.SearchStrategy[Case]:
     """A valid case: from the whole static space, or (``pooled``) from the few configurations of POOL.
 
@@ -59,9 +60,11 @@ def valid_cases(
     that one; an error if it is not selected) with their layouts (``production_layouts``, ``long_layouts``)
     and block sizes left to the kernel or tuned (``production_block_sizes``). ``long_corner``: a long case in
     that corner of the long bucket (``long_corners``). ``excluding``: known issues of the target (see
-    ``outside_known_issues``) whose cases are not drawn. The arguments are checked here, before anything is
-    drawn: a mistake is one ValueError naming it.
+    ``outside_known_issues``) whose cases are not drawn. ``max_block_steps``: no case with more
+    (``Case.block_steps``), for an interpreter whose cost grows with them. The arguments are checked here,
+    before anything is drawn: a mistake is one ValueError naming it.
     """
+    _check_max_block_steps("valid_cases", max_block_steps)
     if not isinstance(capabilities, Capabilities):
         raise ValueError(
             f"valid_cases(capabilities={capabilities!r}): pass a Capabilities (Capabilities(**declared) for a "
@@ -110,12 +113,35 @@ def valid_cases(
         tuple(excluding),
         long_corner,
         selection,
+        max_block_steps,
     )
+
+
+def _check_max_block_steps(function: str, max_block_steps) -> None:
+    if max_block_steps is not None and (not isinstance(max_block_steps, int) or max_block_steps < 1):
+        raise ValueError(f"{function}(max_block_steps={max_block_steps!r}): pass a positive int, or None")
+
+
+def within_block_steps(case: Case, max_block_steps: int | None) -> bool:
+    """Whether ``case`` visits at most ``max_block_steps`` block pairs (always, for None); an event if not."""
+    if max_block_steps is None or case.block_steps <= max_block_steps:
+        return True
+    event(f"over {max_block_steps} block steps: not drawn")
+    return False
 
 
 @st.composite
 def _valid_cases(
-    draw, capabilities, pooled, large_buckets, with_options, values, excluding, long_corner, selection
+    draw,
+    capabilities,
+    pooled,
+    large_buckets,
+    with_options,
+    values,
+    excluding,
+    long_corner,
+    selection,
+    max_block_steps=None,
 ) -> Case:
     if pooled:
         config, opts = draw(st.sampled_from(pool(capabilities, selection)))
@@ -162,6 +188,8 @@ def _valid_cases(
     )
     case = fit_options_to_layout(case, chunk_from_layout=not pooled)
     case = outside_known_issues(case, excluding)
+    if not within_block_steps(case, max_block_steps):
+        reject()
     label_coverage(case)
     return case
 
@@ -192,7 +220,12 @@ def outside_known_issues(case: Case, known_issues) -> Case:
 
 
 def valid_case_groups(
-    capabilities: Capabilities = WHOLE_SPACE, *, max_cases: int = 4, excluding=(), selection=None
+    capabilities: Capabilities = WHOLE_SPACE,
+    *,
+    max_cases: int = 4,
+    excluding=(),
+    selection=None,
+    max_block_steps: int | None = None,
 ) -> st.SearchStrategy[list[Case]]:
     """1 to ``max_cases`` valid cases from the whole static space that share one static configuration and
     static options, so one compiled kernel serves them all: each has its own ragged layout and data, and
@@ -201,16 +234,22 @@ def valid_case_groups(
 
     The whole-space properties draw these: there a new configuration's compilation costs 10-100x a call,
     so more cases per configuration test more in the same time without narrowing what is drawn (the first
-    case is ``valid_cases``' own draw). The extra cases shrink away first.
+    case is ``valid_cases``' own draw). The extra cases shrink away first. ``max_block_steps``: as for
+    ``valid_cases``, each case.
     """
     if not isinstance(max_cases, int) or max_cases < 1:
         raise ValueError(f"max_cases={max_cases!r} must be an int of at least 1")
-    return _case_groups(capabilities, max_cases, excluding, selection)
+    _check_max_block_steps("valid_case_groups", max_block_steps)
+    return _case_groups(capabilities, max_cases, excluding, selection, max_block_steps)
 
 
 @st.composite
-def _case_groups(draw, capabilities: Capabilities, max_cases: int, excluding, selection) -> list[Case]:
-    first = draw(valid_cases(capabilities, excluding=excluding, selection=selection))
+def _case_groups(
+    draw, capabilities: Capabilities, max_cases: int, excluding, selection, max_block_steps
+) -> list[Case]:
+    first = draw(
+        valid_cases(capabilities, excluding=excluding, selection=selection, max_block_steps=max_block_steps)
+    )
     config = dict(
         page_size=first.page_size,
         pages_per_seq=first.pages_per_seq,
@@ -244,6 +283,7 @@ def _case_groups(draw, capabilities: Capabilities, max_cases: int, excluding, se
     cases = [first]
     for case in draw(st.lists(sharing, max_size=max_cases - 1)):
         case = outside_known_issues(fit_options_to_layout(case), excluding)
-        label_coverage(case)
-        cases.append(case)
+        if within_block_steps(case, max_block_steps):
+            label_coverage(case)
+            cases.append(case)
     return cases

@@ -16,6 +16,7 @@ from rpa_harness.properties.budget import (
     ANY_CONFIG_EXAMPLES,
     CHECKING_ANY_CONFIG_EXAMPLES,
     CHECKING_EXAMPLES,
+    CHECKING_MAX_BLOCK_STEPS,
     POOLED_EXAMPLES,
 )
 from rpa_harness.property_names import DIFFERENTIAL, PropertyName
@@ -26,20 +27,17 @@ from rpa_harness.strategies.valid import valid_case_groups, valid_cases
 CASES_PER_CONFIG = 6
 
 
-def draw_and_compare(target_, backend, repro_dir, data, selection, *, pooled, variant=""):
+def draw_and_compare(
+    target_, backend, repro_dir, data, selection, *, pooled, variant="", max_block_steps=None
+):
     """Draws valid cases (one from the pooled configurations, or a group sharing one configuration from
     the whole static space), compares each with the oracle, and targets the largest error/bound."""
     capabilities, issues = target_.capabilities_on(backend), target_.known_issues_on(backend)
+    bounds = dict(excluding=issues, selection=selection, max_block_steps=max_block_steps)
     if pooled:
-        cases = [
-            data.draw(
-                valid_cases(capabilities, pooled=True, excluding=issues, selection=selection), label="case"
-            )
-        ]
+        cases = [data.draw(valid_cases(capabilities, pooled=True, **bounds), label="case")]
     else:
-        groups = valid_case_groups(
-            capabilities, max_cases=CASES_PER_CONFIG, excluding=issues, selection=selection
-        )
+        groups = valid_case_groups(capabilities, max_cases=CASES_PER_CONFIG, **bounds)
         cases = data.draw(groups, label="cases")
     name = PropertyName(DIFFERENTIAL, variant, backend.label)
     ratios = []
@@ -72,7 +70,14 @@ def test_kernel_matches_oracle_any_config(target, volume_backend, repro_dir, buc
 @given(data=st.data())
 def test_kernel_matches_oracle_checked(target, checking_backend, repro_dir, bucket_selection, data):
     draw_and_compare(
-        target, checking_backend, repro_dir, data, bucket_selection, pooled=True, variant="checked"
+        target,
+        checking_backend,
+        repro_dir,
+        data,
+        bucket_selection,
+        pooled=True,
+        variant="checked",
+        max_block_steps=CHECKING_MAX_BLOCK_STEPS,
     )
 
 
@@ -89,6 +94,7 @@ def test_kernel_matches_oracle_checked_any_config(
         bucket_selection,
         pooled=False,
         variant="checked-any-config",
+        max_block_steps=CHECKING_MAX_BLOCK_STEPS,
     )
 
 

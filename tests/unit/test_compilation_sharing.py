@@ -1,5 +1,6 @@
 """Fewer compilations: our kernel compiles once for all values of its run-time options, a whole-space group
-of cases shares one static configuration, and jax's persistent cache serves a later process."""
+of cases shares one static configuration (its cases no costlier than asked), and jax's persistent cache
+serves a later process."""
 
 import dataclasses
 import json
@@ -91,3 +92,19 @@ def test_a_later_process_reads_the_fast_interpreters_kernel_from_the_cache(tmp_p
     # Every entry the first process wrote is read (the kernel's among them); an executable that compiled
     # just under the threshold there may be written here.
     assert warm["cache_hits"] >= cold["cache_writes"], (cold, warm)
+
+
+def test_block_steps_count_query_and_kv_block_pairs():
+    given_blocks = dataclasses.replace(SMALL, num_queries_per_block=2, num_kv_pages_per_block=2)
+    assert given_blocks.block_steps == 2 * 2 + 1 * 1  # (3 rows, 20 keys) and (1, 9) in blocks of 2 rows, 16 keys
+    assert SMALL.block_steps == 3 * 3 + 1 * 2  # blocks left to the kernel: one row, one 8-key page
+
+
+@given(cases=valid_case_groups(OUR_KERNEL, max_cases=6, max_block_steps=8))
+def test_no_drawn_case_has_more_block_steps_than_asked(cases):
+    assert all(case.block_steps <= 8 for case in cases)
+
+
+def test_the_block_step_bound_is_checked_before_drawing():
+    with pytest.raises(ValueError, match=r"valid_case_groups\(max_block_steps=0\): pass a positive int"):
+        valid_case_groups(max_block_steps=0)
