@@ -62,6 +62,7 @@ class OracleResult:
     value_underflow: (
         np.ndarray
     )  # float64 [T, H, D]: sum_k min(p_k, half the value dtype's smallest subnormal) (|v_k| + |o|)
+    cache_underflow: np.ndarray  # float64 [T, H, D]: the same for the KV cache's dtype (v_scale or not)
     # For a running max stored and rescaled in the accumulator dtype (unit roundoff u = ``rescale_unit``):
     # with r_k the row's running max over whole pages through key k's page, m = max_k s_k, and n_k the
     # number of pages after k's where the running max rises (a KV block of whole pages rises at most as often):
@@ -267,7 +268,7 @@ def _attend(
     chunks,
     options: Options,
     semantics: _Scores,
-    value_subnormal,
+    subnormals: tuple[float, float],
     page_size,
     rescale_unit,
     q_doubt=None,
@@ -279,9 +280,11 @@ def _attend(
     [kv heads, rows, 1] each row's sink logit (or None). Two passes over the chunks: the first
     finds each row's max logit and softmax denominator (online, exact to float64 rounding), the second
     accumulates every weighted sum the result needs, so no [rows, kv_len] array is ever whole. A sink is a
-    key of value 0 before the first: it joins the max, the denominator and the weight errors. Returns the
-    ``OracleResult`` quantities for these rows, each [kv heads, rows, dim].
+    key of value 0 before the first: it joins the max, the denominator and the weight errors.
+    ``subnormals``: half the smallest subnormal of V's dtype and of the cache's (the underflow terms).
+    Returns the ``OracleResult`` quantities for these rows, each [kv heads, rows, dim].
     """
+    value_subnormal, cache_subnormal = subnormals
     head_dim = q_rows.shape[-1]
 
     def logits_of(chunk):
@@ -315,9 +318,20 @@ def _attend(
     # Weighted sums for the two deviation bounds: weights p * eps (logits) and p * A (dot products).
     sums = {
         name: np.zeros(out_shape)
-        for name in ("e_vv", "e_v", "e_abs", "a_vv", "a_v", "a_abs", "small_abs", "rescale_abs")
+        for name in (
+            "e_vv",
+            "e_v",
+            "e_abs",
+            "a_vv",
+            "a_v",
+            "a_abs",
+            "small_abs",
+            "cache_small_abs",
+            "rescale_abs",
+        )
     }
-    totals = {name: np.zeros(rows_shape) for name in ("e", "a", "small", "rescale")}
+    totals = {name: np.zeros(rows_shape) for name in ("e", "a", "small", "cache_small", "rescale")}
+    cache_apart = cache_subnormal != value_subnormal  # with a v_scale, V's dtype is q's
     max_dot_abs = np.zeros(rows_shape)
     doubt_sums = {name: np.zeros(out_shape) for name in ("vv", "v", "abs")}
     doubt_total, max_doubt = np.zeros(rows_shape), np.zeros(rows_shape)
@@ -338,15 +352,26 @@ def _attend(
             excess = np.expm1(page_exponents[..., chunk.positions // page_size])
             by_rescale = np.where(probs > 0, probs * excess, 0.0)
         small = np.minimum(probs, value_subnormal)
+        cache_small = np.minimum(probs, cache_subnormal) if cache_apart else small
         flushable = np.where(weights < 2.0**-125, probs, 0.0)
         # One matrix product per value operand, the weight blocks stacked along the rows (weights in
-        # the flush range are rare: that block joins only when some exist).
+        # the flush range are rare: that block joins only when some exist; the cache's underflow only
+        # where its dtype is not V's).
         n = probs.shape[1]
         any_flushable = bool(flushable.any())
         on_abs = (
             np.concatenate(
-                [probs, by_eps, by_dot, small, by_rescale, *([flushable] if any_flushable else [])], axis=1
-            )
+                [
+                    probs,
+                    by_eps,
+                    by_dot,
+                    small,
+                    by_rescale,
+                    *([cache_small] if cache_apart else []),
+                    *([flushable] if any_flushable else []),
+                ],
+                axis=1,
+            )  # fmt: skip
             @ chunk.abs_v
         )
         on_v = np.concatenate([probs, by_eps, by_dot], axis=1) @ chunk.v
@@ -357,8 +382,9 @@ def _attend(
         sums["a_abs"] += on_abs[:, 2 * n : 3 * n]
         sums["small_abs"] += on_abs[:, 3 * n : 4 * n]
         sums["rescale_abs"] += on_abs[:, 4 * n : 5 * n]
+        sums["cache_small_abs"] += on_abs[:, 5 * n : 6 * n] if cache_apart else on_abs[:, 3 * n : 4 * n]
         if any_flushable:
-            flushable_pv += on_abs[:, 5 * n :]
+            flushable_pv += on_abs[:, (6 if cache_apart else 5) * n :]
         sums["e_v"] += on_v[:, n : 2 * n]
         sums["a_v"] += on_v[:, 2 * n :]
         sums["e_vv"] += on_vv[:, :n]
@@ -366,6 +392,7 @@ def _attend(
         totals["e"] += by_eps.sum(axis=-1, keepdims=True)
         totals["a"] += by_dot.sum(axis=-1, keepdims=True)
         totals["small"] += small.sum(axis=-1, keepdims=True)
+        totals["cache_small"] += cache_small.sum(axis=-1, keepdims=True)
         totals["rescale"] += by_rescale.sum(axis=-1, keepdims=True)
         max_dot_abs = np.maximum(max_dot_abs, live_dot_abs.max(axis=-1, keepdims=True))
         if doubt is not None:  # rare (a few elements of q in doubt): its own products
@@ -386,6 +413,7 @@ def _attend(
         dot_sensitivity=_deviation_bound(totals["a"], sums["a_vv"], sums["a_v"], sums["a_abs"], o),
         max_dot_abs=np.broadcast_to(max_dot_abs, out_shape),
         value_underflow=sums["small_abs"] + np.abs(o) * totals["small"],
+        cache_underflow=sums["cache_small_abs"] + np.abs(o) * totals["cache_small"],
         rescale_excess=sums["rescale_abs"] + np.abs(o) * totals["rescale"],
         max_rises=np.broadcast_to(rises.astype(np.float64), out_shape),
         query_doubt_sensitivity=_deviation_bound(
@@ -445,12 +473,12 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
 
     shape = (num_tokens, num_q_heads, head_dim)
     quantities = ("out", "abs_pv", "flushable_pv", "logit_sensitivity", "dot_sensitivity", "max_dot_abs",
-                  "value_underflow", "rescale_excess", "max_rises", "query_doubt_sensitivity",
+                  "value_underflow", "cache_underflow", "rescale_excess", "max_rises", "query_doubt_sensitivity",
                   "max_query_doubt")  # fmt: skip
     results = {name: np.zeros(shape) for name in quantities}
     results["out"][:] = np.nan
     value_dtype = _value_dtype(kv_pages.dtype, options.v_scale, q.dtype)
-    value_subnormal = _half_smallest_subnormal(value_dtype)
+    subnormals = (_half_smallest_subnormal(value_dtype), _half_smallest_subnormal(kv_pages.dtype))
     accumulator_dtype = options.accumulator_dtype(q.dtype)
     rescale_unit = unit_roundoff(accumulator_dtype)
     row_sequence = np.full(num_tokens, -1)
@@ -499,7 +527,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
                 sequence_chunks or chunks(),
                 options,
                 semantics,
-                value_subnormal,
+                subnormals,
                 page_size,
                 rescale_unit,
                 doubt_block,

@@ -69,6 +69,9 @@ computed from the same float64 quantities; contracts combine by adding their ter
     at most u_v p_k, one below it by at most min(p_k, zeta_v) (zeta_v = half the smallest subnormal, 2**-10
     for e4m3): ``u_v (sum p|v| + |o|) + sum_k min(p_k, zeta_v) (|v_k| + |o|)`` (the |o| parts cover a
     normaliser summed from the rounded weights).
+``probabilities-in-cache-dtype``: the same rounding to the KV cache's dtype whatever ``v_scale`` (a kernel
+    that multiplies by v_scale after P @ V, where V is the cache as stored): ``u_c (sum p|v| + |o|) + sum_k
+    min(p_k, zeta_c) (|v_k| + |o|)`` for the cache's dtype c; a float32 cache adds nothing.
 ``accumulators-in-output-dtype``: the running max m, the running sum l and the unnormalised output acc are
     stored in the accumulator dtype (the ``out_dtype`` option, else q's), and the per-block updates are
     done in it:
@@ -162,6 +165,7 @@ def half_ulp(x, dtype):
 
 FLOAT32 = "float32"
 PROBABILITIES_IN_VALUE_DTYPE = "probabilities-in-value-dtype"
+PROBABILITIES_IN_CACHE_DTYPE = "probabilities-in-cache-dtype"
 ACCUMULATORS_IN_OUTPUT_DTYPE = "accumulators-in-output-dtype"
 BF16_MATMUL = "bf16-matmul"
 BF16X3_MATMUL = "bf16x3-matmul"
@@ -170,6 +174,7 @@ APPROX_RECIPROCAL_FOR_NARROW_OUTPUT = "approx-reciprocal-for-narrow-output"
 CONTRACTS = {
     FLOAT32: "float32 logits, softmax, accumulation and matrix products, exact division (the default)",
     PROBABILITIES_IN_VALUE_DTYPE: "P rounded to V's dtype before P @ V",
+    PROBABILITIES_IN_CACHE_DTYPE: "P rounded to the KV cache's dtype before P @ V (v_scale applied after)",
     ACCUMULATORS_IN_OUTPUT_DTYPE: "running max, sum and accumulator stored and updated in the output dtype",
     BF16_MATMUL: "float32 operands of both matrix products rounded to bfloat16, float32 accumulation",
     BF16X3_MATMUL: "float32 operands of both matrix products as bfloat16 hi + lo, three passes",
@@ -274,6 +279,9 @@ def contract_error(result, precision=DEFAULT_PRECISION, out_dtype=None):
     if PROBABILITIES_IN_VALUE_DTYPE in precision and result.value_dtype != F32:
         u_value = unit_roundoff(result.value_dtype)
         error = error + u_value * (result.abs_pv + np.abs(result.out)) + result.value_underflow
+    if PROBABILITIES_IN_CACHE_DTYPE in precision and result.kv_dtype != F32:
+        u_cache = unit_roundoff(result.kv_dtype)
+        error = error + u_cache * (result.abs_pv + np.abs(result.out)) + result.cache_underflow
     if ACCUMULATORS_IN_OUTPUT_DTYPE in precision:
         error = error + _accumulator_error(result, np.dtype(result.accumulator_dtype))
     if BF16_MATMUL in precision:

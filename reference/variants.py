@@ -6,6 +6,7 @@ contract in ``precision`` switches on the choice it names, the way production ke
 
 - probabilities-in-value-dtype: the block's unnormalised weights are rounded to V's dtype for P @ V (the
   normaliser is summed from the float32 weights);
+- probabilities-in-cache-dtype: the same, rounded to the KV cache's dtype whatever v_scale;
 - accumulators-in-output-dtype: flash attention with its running state in the output dtype: the block's
   row max is rounded to the output dtype before it updates the stored max, the weights are float32 against
   that max, the row sum and P @ V are rounded, the rescale factor is exp of the difference of the two stored
@@ -34,6 +35,7 @@ from rpa_harness.reference.tolerance import (
     APPROX_RECIPROCAL_FOR_NARROW_OUTPUT,
     BF16_MATMUL,
     BF16X3_MATMUL,
+    PROBABILITIES_IN_CACHE_DTYPE,
     PROBABILITIES_IN_VALUE_DTYPE,
     parse_precision,
 )
@@ -149,6 +151,8 @@ def contract_attention(
             row_sum = weights.sum(axis=-1, keepdims=True)
             if PROBABILITIES_IN_VALUE_DTYPE in precision:
                 weights = _round(weights, value_dtype)
+            if PROBABILITIES_IN_CACHE_DTYPE in precision:
+                weights = _round(weights, kv_pages.dtype)
             block_pv = _product(weights, v[keys], "hqk,khd->hqd", passes)
             if keep_out_dtype:
                 rescale = _round(np.exp(_round(m - m_new, out_dtype)), out_dtype)

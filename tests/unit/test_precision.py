@@ -25,6 +25,7 @@ from rpa_harness.reference.tolerance import (
     BF16_MATMUL,
     BF16X3_MATMUL,
     FLOAT32,
+    PROBABILITIES_IN_CACHE_DTYPE,
     PROBABILITIES_IN_VALUE_DTYPE,
     contract_error,
 )
@@ -143,6 +144,18 @@ def test_variant_fails_under_float32_passes_under_its_contract_and_is_diagnosed(
     declared = compare(out, result, label=contract, precision=(contract,))
     assert declared.ok and not declared.diagnosis, str(declared)
     assert f"(precision {contract})" in str(declared)
+
+
+def test_the_cache_dtype_contract_rounds_p_to_the_cache_whatever_v_scale():
+    """With a v_scale V's dtype is q's (float32 here), so rounding P to the bfloat16 cache, as a kernel that
+    scales after P @ V does, is outside probabilities-in-value-dtype and inside probabilities-in-cache-dtype."""
+    arrays = long_case(F32, BF16)
+    result = oracle(**arrays, sm_scale=0.25, v_scale=2.0)
+    out = contract_attention(**arrays, sm_scale=0.25, v_scale=2.0, precision=(PROBABILITIES_IN_CACHE_DTYPE,))
+    as_value = compare(out, result, precision=(PROBABILITIES_IN_VALUE_DTYPE,))
+    assert not as_value.ok and as_value.max_ratio > 2, str(as_value)
+    declared = compare(out, result, precision=(PROBABILITIES_IN_CACHE_DTYPE,))
+    assert declared.ok, str(declared)
 
 
 def test_bf16x3_variant_passes_under_its_contract():

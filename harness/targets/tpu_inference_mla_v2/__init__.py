@@ -23,9 +23,9 @@ from rpa_harness.targets.tpu_inference_v3.adapter import installed_version
 RPA_HARNESS_UPDATES_CACHE = True  # it writes the new tokens into the cache it returns: judged bit for bit
 RPA_HARNESS_CAPABILITIES = dict(V1_CAPABILITIES)
 # With s_dtype=float32 (the adapter's): logits, the running max and sum and the accumulator float32; P
-# rounded to the cache's dtype before P @ V (p_same_dtype_as_v, its default); float32 outputs divide
-# exactly, narrower ones multiply by pltpu.reciprocal(l, approx=True).
-RPA_HARNESS_PRECISION = ("probabilities-in-value-dtype", "approx-reciprocal-for-narrow-output")
+# rounded to the cache's dtype before P @ V (p_same_dtype_as_v, its default), v_scale multiplying P @ V
+# after; float32 outputs divide exactly, narrower ones multiply by pltpu.reciprocal(l, approx=True).
+RPA_HARNESS_PRECISION = ("probabilities-in-cache-dtype", "approx-reciprocal-for-narrow-output")
 RPA_HARNESS_VERSION = f"tpu-inference {installed_version()} (MLA v2, s_dtype=float32)"
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
 

@@ -6,7 +6,8 @@ attention head-major (``[H, T, lkv]``); it has no dynamic validator; and it take
 own. The adapter passes ``s_dtype=float32``: with its default (bfloat16) v2 rounds the logits to bfloat16 and
 takes the running max and the softmax weights in bfloat16, a precision choice no contract of the harness
 states yet, so the default is not what this target judges. ``p_same_dtype_as_v`` keeps its default (P
-rounded to the cache's dtype before P @ V: the ``probabilities-in-value-dtype`` contract).
+rounded to the cache's dtype before P @ V, v_scale applied after: the ``probabilities-in-cache-dtype``
+contract).
 
 Its modules import ``sympy`` (``transpose.py``: ``divisors``) and, through ``tpu_inference.logger``, vllm; where
 those are not installed (``pip install --no-deps``), ``kernel()`` stands in for the two names it uses.
