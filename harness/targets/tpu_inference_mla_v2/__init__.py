@@ -32,3 +32,11 @@ RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only wher
 # Its known issues (docs/tpu-inference-mla-v2-findings/): their cases are not drawn.
 RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
 RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
+
+
+def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
+    """MLA's report (``tpu_inference_mla_v1.report``) with v2's call: imported when a report is asked for."""
+    from rpa_harness.targets.tpu_inference_mla_v1 import report
+    from rpa_harness.targets.tpu_inference_mla_v2.report import MLA_V2
+
+    return report.render(MLA_V2, *args, **kwargs)

@@ -27,7 +27,7 @@ from rpa_harness.targets.tpu_inference_v3 import adapter as v3_adapter
 
 _KERNEL_MODULE = "tpu_inference.kernels.mla.v2.kernel"
 # The precision options the adapter passes (see the module's docstring).
-PRECISION_OPTIONS = {"s_dtype": jnp.float32}
+PRECISION_OPTIONS = {"s_dtype": jnp.dtype(jnp.float32)}
 # v2's only chip-dependent code is its default VMEM limit (vmem_limit_bytes=None reads the chip's VMEM
 # capacity). A tuning option, which does not change the output: off a TPU the adapter passes v3's default.
 DEFAULT_VMEM_LIMIT_BYTES = v3_adapter.DEFAULT_VMEM_LIMIT_BYTES

@@ -229,7 +229,7 @@ def cache_in_words(kernel: ReportedKernel, observation: Observation) -> list[str
     new = int((mismatch.slots & inputs.new_slots).sum())
     lines = [
         f"Cache: the returned cache differs from the expected one (the input cache with every new token "
-        f"written to its slot) in {len(slots)} slots, {new} of them new tokens' slots "
+        f"written to its slot) in {len(slots)} slot{'s' * (len(slots) != 1)}, {new} of them new tokens' slots "
         f"(of {int(inputs.new_slots.sum())}):",
         "",
         "| page | slot | sequence, key position | slot's role | returned slot |",
