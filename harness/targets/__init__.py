@@ -64,6 +64,7 @@ V3_HD64_TARGET = "rpa_harness.targets.tpu_inference_v3_hd64"
 V2_TARGET = "rpa_harness.targets.tpu_inference_v2"
 MLA_V1_TARGET = "rpa_harness.targets.tpu_inference_mla_v1"
 MLA_V2_TARGET = "rpa_harness.targets.tpu_inference_mla_v2"
+V3_CP_TARGET = "rpa_harness.targets.tpu_inference_rpa_v3_cp"
 REQUIRED_FUNCTIONS = ("ragged_paged_attention",)
 VALIDATOR = "dynamic_validate_inputs"  # optional: a kernel without one declares only static rules
 
@@ -88,6 +89,7 @@ SHIPPED = (
     Shipped(V2_TARGET, aliases=("rpa_harness.tpu_inference_v2",)),
     Shipped(MLA_V1_TARGET, aliases=("rpa_harness.tpu_inference_mla_v1",)),
     Shipped(MLA_V2_TARGET, aliases=("rpa_harness.tpu_inference_mla_v2",)),
+    Shipped(V3_CP_TARGET, aliases=("rpa_harness.tpu_inference_rpa_v3_cp",)),
 )
 # Profile modules of targets that do not declare their own (module attributes as above).
 PROFILES = {name: s.profile for s in SHIPPED if s.profile for name in (s.name, *s.also_modules)}

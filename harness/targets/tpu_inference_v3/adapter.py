@@ -145,11 +145,12 @@ def shared_kv_inputs(tokens, kv_pages):
 
 
 def v3_default_block_sizes(
-    q, kv_cache, num_kv_heads: int, max_num_seqs: int, pages_per_seq: int, case
+    q, kv_cache, num_kv_heads: int, max_num_seqs: int, pages_per_seq: int, case, *, module=None
 ) -> tuple[int, int, int, int]:
-    """(bq, bkv, bq_chunk, bkv_chunk) that v3 chooses for its ``case`` kernel (``RpaCase.DECODE`` or
-    ``MIXED``) on the chip it sees (its ``get_default_block_sizes``, called with the arguments v3 passes)."""
-    sizes = kernel().get_default_block_sizes(
+    """(bq, bkv, bq_chunk, bkv_chunk) that v3 (or ``module``, a kernel with v3's API) chooses for its
+    ``case`` kernel (``RpaCase.DECODE`` or ``MIXED``) on the chip it sees (its ``get_default_block_sizes``,
+    called with the arguments v3 passes)."""
+    sizes = (module or kernel()).get_default_block_sizes(
         q.dtype,
         kv_cache.dtype,
         q.shape[1],
@@ -186,8 +187,19 @@ def replacing_mask_value(mask_value: float | None, mask_value_meaning: str) -> f
     )
 
 
-def v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywords) -> V3Inputs:
-    """Maps an upstream-style call to v3's.
+def v3_inputs(
+    q,
+    kv_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    module: types.ModuleType | None = None,
+    **keywords,
+) -> V3Inputs:
+    """Maps an upstream-style call to v3's (or to ``module``'s, a kernel with v3's API: its validator and
+    default block sizes).
 
     ``mask_value`` is v3's when ``mask_value_meaning`` is ``replaces``; with upstream's meaning (added)
     only its defaults, which mask fully under both meanings, have a v3 counterpart (v3's default).
@@ -252,10 +264,13 @@ def v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keyword
         # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,
         # not an assertion of the sizing helpers. (Its prefill kernel's defaults are its mixed kernel's:
         # get_default_block_sizes tells only the decode case apart.)
-        kernel().static_validate_inputs(*args, **validator_options(kwargs))
+        module = module or kernel()
+        module.static_validate_inputs(*args, **validator_options(kwargs))
         decode_sizes, mixed_sizes = (
-            v3_default_block_sizes(q, packed_cache, tokens.keys.shape[1], len(kv_lens), pages_per_seq, case)
-            for case in (kernel().RpaCase.DECODE, kernel().RpaCase.MIXED)
+            v3_default_block_sizes(
+                q, packed_cache, tokens.keys.shape[1], len(kv_lens), pages_per_seq, case, module=module
+            )
+            for case in (module.RpaCase.DECODE, module.RpaCase.MIXED)
         )
     else:
         decode_sizes = mixed_sizes = passed

@@ -1,0 +1,41 @@
+"""tpu-inference's context-parallel fork of RPA v3 as a harness target:
+``--rpa-target=rpa_harness.targets.tpu_inference_rpa_v3_cp``.
+
+``ragged_paged_attention`` from ``tpu_inference/kernels/experimental/rpa_v3_cp/kernel.py`` (PyPI
+``tpu-inference``) is v3 with decode and prefill context parallelism added: keyword-only arguments (the
+CP group and rank, the PCP position arrays, a ring over devices) that, left None, give v3's computation on
+one device. That path is what this target tests, with v3's adapter, properties and rule table (the fork
+keeps v3's validators' messages; it drops only a check the adapter cannot break, that q, k and v have as
+many tokens); the fork's own validator and default block sizes decide what it runs. The CP paths need
+several devices and a mesh: not drawn (docs/experimental-kernels.md). Install as for v3:
+
+    pip install --no-deps tpu-inference==0.32.0
+"""
+
+from rpa_harness.targets import tpu_inference_v3 as v3_target
+from rpa_harness.targets.tpu_inference_rpa_v3_cp.adapter import (  # noqa: F401  (the adapter's public names)
+    call_cp,
+    cp_inputs,
+    dynamic_validate_inputs,
+    kernel,
+    ragged_paged_attention,
+)
+from rpa_harness.targets.tpu_inference_rpa_v3_cp.both_outputs import check_both_outputs, judge  # noqa: F401
+from rpa_harness.targets.tpu_inference_v3.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
+
+RPA_HARNESS_CAPABILITIES = v3_target.RPA_HARNESS_CAPABILITIES
+# v3's: l, m and the accumulator are allocated in out_dtype (return_lse, which makes l and m float32, is
+# a CP option), logits and P float32.
+RPA_HARNESS_PRECISION = v3_target.RPA_HARNESS_PRECISION
+RPA_HARNESS_PROPERTIES = dict.fromkeys((v3_target.ATTENTION_AND_CACHE, v3_target.HANG), check_both_outputs)
+RPA_HARNESS_VERSION = f"tpu-inference {v3_target.installed_version()} (experimental rpa_v3_cp, no CP)"
+RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
+RPA_HARNESS_KNOWN_ISSUES = v3_target.RPA_HARNESS_KNOWN_ISSUES
+
+
+def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
+    """v3's report with the fork's module (``report.CP``): imported when a report is asked for."""
+    from rpa_harness.targets.tpu_inference_rpa_v3_cp.report import CP
+    from rpa_harness.targets.tpu_inference_v3 import report as v3_report
+
+    return v3_report.render(CP, *args, **kwargs)

@@ -1,0 +1,26 @@
+"""The context-parallel fork's ``rpa-harness report``: v3's report (``tpu_inference_v3.report``) with the
+fork's module, whose reference, options and cache layout are v3's."""
+
+import dataclasses
+
+from rpa_harness.targets import tpu_inference_rpa_v3_cp as cp
+from rpa_harness.targets.tpu_inference_v3 import report as v3_report
+
+# Lines of the script's loader: the fork's package, as the loader stubs v3's.
+SCRIPT_STUBS = """\
+    for depth in (3, 4):
+        parts = ("tpu_inference", "kernels", "experimental", "rpa_v3_cp")[:depth]
+        package = types.ModuleType(".".join(parts))
+        package.__path__ = [os.path.join(root, *parts[1:])]
+        sys.modules.setdefault(package.__name__, package)
+"""
+
+CP = dataclasses.replace(
+    v3_report.V3,
+    name="tpu-inference RPA v3 CP (experimental, no CP)",
+    module=cp.kernel(),
+    inputs=cp.cp_inputs,
+    call=cp.call_cp,
+    precision=cp.RPA_HARNESS_PRECISION,
+    script_stubs=SCRIPT_STUBS,
+)
