@@ -473,7 +473,7 @@ def known_issues_summary(events: list[dict]) -> str:
         f"{'issue':<{width}}  {'avoided':>7}  replay",
     ]
     for n in names:
-        row = f"{n:<{width}}  {avoided.get(n, 0):>7}  {', '.join(sorted(replays.get(n, ['not run'])))}"
+        row = f"{n:<{width}}  {avoided.get(n, 0):>7}  {', '.join(sorted(set(replays.get(n, ['not run']))))}"
         indent = " " * (width + 11)
         lines += textwrap.wrap(
             row, SUMMARY_WIDTH, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False

@@ -15,6 +15,7 @@ skip_without_tpu_inference(module_level=True)
 
 from rpa_harness.targets import tpu_inference_rpa_v3_cp as cp  # noqa: E402  (needs tpu-inference)
 from rpa_harness.targets import tpu_inference_v3 as v3  # noqa: E402
+from rpa_harness.targets.tpu_inference_v3 import known_issues as v3_known_issues  # noqa: E402
 
 TARGET = targets.load(targets.V3_CP_TARGET)
 # A decode and a prefill across two KV blocks.
@@ -59,3 +60,17 @@ def test_the_forks_default_blocks_keep_v3s_rules_where_v3s_do_not():
         cp_sizes = cp.cp_inputs(**arrays, **case.options()).mixed_block_sizes
     assert v3_sizes[1] % v3_sizes[3] != 0
     assert cp_sizes[1] % cp_sizes[3] == 0
+
+
+def test_v3s_findings_declared_by_the_fork_read_its_choices():
+    """The fork's entries of v3's findings restate the fork's block sizes: v3's rule-breaking defaults for
+    the case above match v3's finding, the fork's (which keep the rules) do not."""
+    issue = next(i for i in v3.RPA_HARNESS_CATALOGUE if i.name == "default-blocks-break-v3s-own-rules")
+    case = dataclasses.replace(
+        CASE, num_kv_pages_per_block=None, num_queries_per_block=None, page_size=16, pages_per_seq=3,
+        total_num_pages=7, q_lens=(1, 5), kv_lens=(6, 40),
+    )  # fmt: skip
+    with generations.emulated("v6e"):
+        assert issue.matches(case)
+        assert not v3_known_issues.for_module(issue, cp.kernel).matches(case)
+    assert issue.name not in {i.name for i in TARGET.known_issues}

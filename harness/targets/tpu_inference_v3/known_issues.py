@@ -5,15 +5,19 @@ sequence, query blocks of bq rows (one row per block for the leading decodes, v3
 query block walks KV blocks of bkv keys from max(first position - window, 0) // bkv (0 without a window)
 up to its effective length min(kv_len, first position + bq), each block in compute chunks of bkv_chunk
 keys up to that length. The block sizes are the v3 target's mapping of the case (``v3_inputs``): the
-case's, or v3's defaults for the chip a generation emulates.
+case's, or v3's defaults for the chip a generation emulates. A fork with v3's API declares these issues
+with its own kernel's choices read instead (``for_module``).
 """
 
+import contextvars
 import dataclasses
 import functools
 import math
 import os
 import subprocess
 import sys
+import types
+from collections.abc import Callable
 from typing import NamedTuple
 
 import ml_dtypes
@@ -40,14 +44,42 @@ from rpa_harness.targets.tpu_inference_v3.both_outputs import unwritten_by_slidi
 FINDINGS = findings_dir("tpu-inference-v3-findings")
 
 
+# The kernel module whose validator and default block sizes the predicates restate: None for v3's, a
+# loader of a fork's while its entries (``for_module``) judge a case.
+_MODULE: contextvars.ContextVar[Callable[[], types.ModuleType] | None] = contextvars.ContextVar(
+    "module", default=None
+)
+
+
 def _v3_inputs(case: Case) -> v3.V3Inputs:
-    """The case in v3's terms on the chip seen now (predicates read it; built once per case and chip)."""
-    return _v3_inputs_on(case, generations.current())
+    """The case in v3's terms on the chip seen now (predicates read it; built once per case, chip and
+    kernel module)."""
+    return _v3_inputs_on(case, generations.current(), _MODULE.get())
 
 
 @functools.lru_cache(maxsize=1)
-def _v3_inputs_on(case: Case, generation: str) -> v3.V3Inputs:
-    return v3.v3_inputs(**case_arrays(case), **case.options())
+def _v3_inputs_on(case: Case, generation: str, module) -> v3.V3Inputs:
+    return v3.v3_inputs(**case_arrays(case), **case.options(), module=None if module is None else module())
+
+
+def for_module(issue: KnownIssue, module: Callable[[], types.ModuleType]) -> KnownIssue:
+    """``issue`` as a fork of v3 with v3's API has it: its predicates read the fork's choices (``module()``,
+    its kernel module: its validator and default block sizes) where they read v3's."""
+
+    def reading(function):
+        @functools.wraps(function)
+        def with_the_module(case):
+            token = _MODULE.set(module)
+            try:
+                return function(case)
+            finally:
+                _MODULE.reset(token)
+
+        return with_the_module
+
+    return dataclasses.replace(
+        issue, matches=reading(issue.matches), nearest_outside=reading(issue.nearest_outside)
+    )
 
 
 class QueryBlock(NamedTuple):
