@@ -40,7 +40,8 @@ class Capabilities:
     # The smallest page size at which the long bucket may leave block sizes to the kernel (None); 0: any.
     # For a kernel whose default KV block at long contexts is a fixed number of keys, copied page by page
     # (each copy unrolled), small pages make one call take the interpreters minutes; below this page size
-    # the long bucket draws tuned block sizes (the small buckets still draw None).
+    # the long bucket draws tuned block sizes, and the small buckets draw given ones where a sequence has
+    # more than 32 pages (``options.MAX_UNROLLED_PAGE_COPIES``).
     min_page_size_for_long_default_blocks: int = 0
     # Whether k_scale and v_scale must be given together when q's dtype differs from the KV dtype
     # (upstream casts only the scaled side to q's dtype, then fails `assert k.dtype == v.dtype`).

@@ -109,6 +109,21 @@ def sinks_for(logits: tuple[float, ...], num_q_heads: int) -> tuple[float, ...]:
     return tuple(logits[h % len(logits)] for h in range(num_q_heads))
 
 
+# The most pages a KV block may copy one by one where the target's default block is a fixed number of keys
+# and its page copies are unrolled (``Capabilities.min_page_size_for_long_default_blocks``): 97 one-key
+# pages compile for about 290 s on the fast interpreter.
+MAX_UNROLLED_PAGE_COPIES = 32
+
+
+def many_page_copies(capabilities: Capabilities, config: dict) -> bool:
+    """Whether the kernel's own KV block could be more small pages than ``MAX_UNROLLED_PAGE_COPIES``: then
+    the block sizes are given, not left to it."""
+    return (
+        config["page_size"] < capabilities.min_page_size_for_long_default_blocks
+        and config["pages_per_seq"] > MAX_UNROLLED_PAGE_COPIES
+    )
+
+
 def kv_scales_paired(capabilities: Capabilities, config: dict) -> bool:
     return capabilities.paired_kv_scales_for_mixed_dtypes and config["q_dtype"] != config["kv_dtype"]
 
@@ -152,7 +167,7 @@ def options(draw, config: dict, capabilities: Capabilities = WHOLE_SPACE) -> dic
         drawn["k_scale"] = drawn["v_scale"] = None
     kv_blocks = st.integers(1, min(4, config["pages_per_seq"])) | st.just(config["pages_per_seq"])
     query_blocks = st.sampled_from(QUERY_BLOCKS)
-    if capabilities.needs_block_sizes:
+    if capabilities.needs_block_sizes or many_page_copies(capabilities, config):
         drawn["num_kv_pages_per_block"] = draw(kv_blocks)
         drawn["num_queries_per_block"] = draw(query_blocks)
     else:

@@ -24,7 +24,11 @@ from rpa_harness.strategies.buckets import (
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import DTYPES
 from rpa_harness.strategies.coverage import coverage_labels, long_corner_of
-from rpa_harness.strategies.options import TUNED_KV_PAGES_PER_BLOCK, TUNED_QUERIES_PER_BLOCK
+from rpa_harness.strategies.options import (
+    MAX_UNROLLED_PAGE_COPIES,
+    TUNED_KV_PAGES_PER_BLOCK,
+    TUNED_QUERIES_PER_BLOCK,
+)
 from rpa_harness.strategies.shapes import page_bytes, select_buckets
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import UPSTREAM_TARGET
@@ -326,3 +330,20 @@ def test_a_bucket_not_drawn_says_whether_it_is_undeclared_or_unselected():
     assert "does not declare the long bucket" in undeclared and "buckets=(..., 'long')" in undeclared
     assert "is not selected" in why_not_drawn(OUR_KERNEL, ("small",), "long")
     assert why_not_drawn(OUR_KERNEL, ("small", "long"), "long") is None
+
+
+UNROLLED_COPIES = Capabilities(min_page_size_for_long_default_blocks=256)
+
+
+def many_small_pages(case) -> bool:
+    return case.page_size < 256 and case.pages_per_seq > MAX_UNROLLED_PAGE_COPIES
+
+
+@given(case=valid_cases(UNROLLED_COPIES))
+def test_a_kernel_copying_pages_one_by_one_gets_given_blocks_over_many_small_pages(case):
+    if many_small_pages(case):
+        assert case.num_kv_pages_per_block is not None
+
+
+def test_such_cases_are_drawn():
+    assert find(valid_cases(UNROLLED_COPIES), many_small_pages).num_kv_pages_per_block is not None

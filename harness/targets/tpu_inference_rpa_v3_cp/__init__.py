@@ -25,9 +25,10 @@ from rpa_harness.targets.tpu_inference_v3 import known_issues as v3_known_issues
 from rpa_harness.targets.tpu_inference_v3.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
 
 RPA_HARNESS_CAPABILITIES = v3_target.RPA_HARNESS_CAPABILITIES
-# v3's: l, m and the accumulator are allocated in out_dtype (return_lse, which makes l and m float32, is
-# a CP option), logits and P float32.
-RPA_HARNESS_PRECISION = v3_target.RPA_HARNESS_PRECISION
+# v3's accumulators (l, m and acc allocated in out_dtype; return_lse, which makes l and m float32, is a CP
+# option), and unlike v3 P rounded to the cache's dtype (`p = exp(s - m).astype(v.dtype)`, the row sum
+# taken from it), v_scale multiplying P @ V after.
+RPA_HARNESS_PRECISION = ("probabilities-in-cache-dtype", "accumulators-in-output-dtype")
 RPA_HARNESS_PROPERTIES = dict.fromkeys((v3_target.ATTENTION_AND_CACHE, v3_target.HANG), check_both_outputs)
 RPA_HARNESS_VERSION = f"tpu-inference {v3_target.installed_version()} (experimental rpa_v3_cp, no CP)"
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
