@@ -13,7 +13,6 @@ only jax, numpy and tpu-inference and exits 1 while the kernel disagrees with th
 import base64
 import dataclasses
 import io
-import tempfile
 import types
 from collections.abc import Callable
 
@@ -23,7 +22,7 @@ from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend, Deadlock
 from rpa_harness.checks import CacheMismatch, check_updated_cache, expected_upstream_cache
 from rpa_harness.generations import NONE
-from rpa_harness.report_sections import NothingToReport, case_in_words, environment, found_by, script_output
+from rpa_harness.report_sections import NothingToReport, case_in_words, environment, found_by
 from rpa_harness.targets import first_line_of_error
 from rpa_harness.targets import tpu_inference_mla_v1 as mla_v1
 from rpa_harness.targets import tpu_inference_v3 as v3
@@ -352,15 +351,7 @@ def render(
     attention judged under ``precision`` (the contract the repro failed under)."""
     kernel = dataclasses.replace(kernel, precision=precision)
     observation = observe(kernel, repro, backend)
-    if not v3_report.reproduces(observation, repro, issue):
-        what = (
-            f"the call raises `{observation.error}`, not what was recorded (a crash of the interpreter or "
-            "of the harness is not a reproduced bug)"
-            if observation.error is not None
-            else "the attention is within the kernel's precision contract and its returned cache is right"
-        )
-        raise NothingToReport(f"{path}: it does not reproduce on {backend.label}: {what}; nothing to report "
-                              f"(replay it with `rpa-harness replay {shown_path}`)")  # fmt: skip
+    v3_report.check_reproduces(observation, repro, issue, path, backend, shown_path)
     heading = v3_report.title(kernel, observation, issue)
     description = issue.description if issue is not None else heading.removeprefix(f"{kernel.name} ")
     inputs: CallInputs = observation.inputs
@@ -412,12 +403,7 @@ def render(
         "```",
     ]
     if with_script_output:
-        with tempfile.TemporaryDirectory(prefix="rpa-mla-report-") as directory:
-            status, output = v3_report.run_script(program, backend.name, backend.generation, directory)
-        verdict = "reproduces" if status != 0 and v3_report.REPRODUCES in output else "does not reproduce"
-        sections += script_output(
-            f"Output of the script on this report's machine (exit status {status}: {verdict}):", output
-        )
+        sections += v3_report.script_run(program, backend)
     return "\n".join(sections + found_by(shown_path)) + "\n"
 
 

@@ -123,6 +123,19 @@ def judge(arrays: dict, options: dict, backend: Backend = CHECKING, *, precision
     return Verdict(comparison, error, SLIDING_WINDOW_FINDING if known else None)
 
 
+def judge_with(name: str, map_inputs: Callable[..., KernelInputs], call):
+    """``judge`` for another kernel with v3's outputs (``map_inputs`` and ``call`` as ``judged_call``
+    takes them, ``name`` for its messages); it attributes no cache error to a finding."""
+
+    def judge_outputs(arrays: dict, options: dict, backend: Backend = CHECKING, *, precision) -> Verdict:
+        comparison, error, _ = judged_call(
+            name, map_inputs, call, arrays, options, backend, precision=precision
+        )
+        return Verdict(comparison, error, None)
+
+    return judge_outputs
+
+
 def checks_both_outputs(judge_outputs):
     """The property ``judge_outputs(arrays, options, backend, precision=...)`` (a ``Verdict``) decides, as a
     check ``check(target, backend, arrays, options)`` (what ``rpa_harness.checks.recheck`` runs for this

@@ -516,6 +516,30 @@ def run_script(program: str, backend_name: str, generation: str, directory) -> t
     return result.returncode, output.strip()
 
 
+def check_reproduces(observation: Observation, repro, issue, path, backend: Backend, shown_path: str) -> None:
+    """Raises ``NothingToReport`` (saying what happened instead) unless the repro reproduces."""
+    if reproduces(observation, repro, issue):
+        return
+    what = (
+        f"the call raises `{observation.error}`, not what was recorded (a crash of the interpreter or of the "
+        "harness is not a reproduced bug)"
+        if observation.error is not None
+        else "the attention is within the kernel's precision contract and its returned cache is right"
+    )
+    raise NothingToReport(f"{path}: it does not reproduce on {backend.label}: {what}; nothing to report "
+                          f"(replay it with `rpa-harness replay {shown_path}`)")  # fmt: skip
+
+
+def script_run(program: str, backend: Backend) -> list[str]:
+    """The report's section with the output of its script, run as the report says to."""
+    with tempfile.TemporaryDirectory(prefix="rpa-tpu-inference-report-") as directory:
+        status, output = run_script(program, backend.name, backend.generation, directory)
+    verdict = "reproduces" if status != 0 and REPRODUCES in output else "does not reproduce"
+    return script_output(
+        f"Output of the script on this report's machine (exit status {status}: {verdict}):", output
+    )
+
+
 def title(kernel: ReportedKernel, observation: Observation, issue) -> str:
     if issue is not None:
         return f"{kernel.name}: {issue.description}"
@@ -544,15 +568,7 @@ def render(
     the attention judged under ``precision`` (the contract the repro failed under)."""
     kernel = dataclasses.replace(kernel, precision=precision)
     observation = observe(kernel, repro, backend)
-    if not reproduces(observation, repro, issue):
-        what = (
-            f"the call raises `{observation.error}`, not what was recorded (a crash of the interpreter or "
-            "of the harness is not a reproduced bug)"
-            if observation.error is not None
-            else "the attention is within the kernel's precision contract and its returned cache is right"
-        )
-        raise NothingToReport(f"{path}: it does not reproduce on {backend.label}: {what}; nothing to report "
-                              f"(replay it with `rpa-harness replay {shown_path}`)")  # fmt: skip
+    check_reproduces(observation, repro, issue, path, backend, shown_path)
     heading = title(kernel, observation, issue)
     description = issue.description if issue is not None else heading.removeprefix(f"{kernel.name} ")
     program = script(kernel, observation.inputs, description, backend.generation)
@@ -607,12 +623,7 @@ def render(
         "```",
     ]
     if with_script_output:
-        with tempfile.TemporaryDirectory(prefix="rpa-tpu-inference-report-") as directory:
-            status, output = run_script(program, backend.name, backend.generation, directory)
-        verdict = "reproduces" if status != 0 and REPRODUCES in output else "does not reproduce"
-        sections += script_output(
-            f"Output of the script on this report's machine (exit status {status}: {verdict}):", output
-        )
+        sections += script_run(program, backend)
     return "\n".join(sections + found_by(shown_path)) + "\n"
 
 
