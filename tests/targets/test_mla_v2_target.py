@@ -2,6 +2,7 @@
 and its findings' predicates (each checked against the kernel, not assumed)."""
 
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -103,3 +104,14 @@ def test_the_row_partner_predicate_is_the_kernels_rule(kv_lens, overwrites):
         mismatch = True
     assert mismatch == overwrites
     assert not known_issues.packed_cache_row_past_kv_len(known_issues.with_kv_lens_ending_rows(case))
+
+
+def test_one_logger_stand_in_serves_every_kernel_module():
+    """MLA v2 and the head_dim-64 kernel's tuned table import vllm's logger (through tpu_inference.logger);
+    without vllm one stand-in serves both, whichever loads first: warning and warning_once alike."""
+    mla_v2.kernel()
+    from rpa_harness.targets.tpu_inference_v3_hd64 import kernel as hd64_kernel
+
+    hd64_kernel()
+    logger = sys.modules["tpu_inference.logger"].init_logger("a kernel module")
+    assert all(callable(getattr(logger, name)) for name in ("warning", "info", "warning_once", "info_once"))

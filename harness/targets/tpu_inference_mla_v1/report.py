@@ -15,6 +15,7 @@ import dataclasses
 import io
 import types
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from rpa_harness import reference
@@ -277,13 +278,12 @@ def embedded_inputs(inputs: mla_v1.MlaInputs) -> str | None:
     exceeds v3's report's limit (``MAX_EMBEDDED_BYTES``)."""
     buffer = io.BytesIO()
     names = ("ql_nope", "q_pe", "new_kv_c", "new_k_pe", "cache_kv")
-    np.savez_compressed(
-        buffer,
-        **{
-            n: np.asarray(a).view(f"u{np.asarray(a).dtype.itemsize}")
-            for n, a in zip(names, inputs.args[:5], strict=True)
-        },
-    )
+    # Any: unpacked into savez_compressed, whose allow_pickle mypy would match an array to.
+    bits: dict[str, Any] = {
+        n: np.asarray(a).view(f"u{np.asarray(a).dtype.itemsize}")
+        for n, a in zip(names, inputs.args[:5], strict=True)
+    }
+    np.savez_compressed(buffer, **bits)
     if buffer.tell() > v3_report.MAX_EMBEDDED_BYTES:
         return None
     return base64.b64encode(buffer.getvalue()).decode()

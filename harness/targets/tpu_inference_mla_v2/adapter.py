@@ -15,7 +15,6 @@ those are not installed (``pip install --no-deps``), ``kernel()`` stands in for 
 
 import functools
 import importlib.util
-import logging
 import sys
 import types
 
@@ -44,10 +43,7 @@ def _stand_in_for_missing_imports() -> None:
         sympy = types.ModuleType("sympy")
         sympy.divisors = _divisors  # type: ignore[attr-defined]
         sys.modules["sympy"] = sympy
-    if importlib.util.find_spec("vllm") is None and "tpu_inference.logger" not in sys.modules:
-        logger = types.ModuleType("tpu_inference.logger")
-        logger.init_logger = logging.getLogger  # type: ignore[attr-defined]
-        sys.modules["tpu_inference.logger"] = logger
+    v3_adapter.stand_in_for_tpu_inference_logger()
 
 
 @functools.cache

@@ -45,6 +45,8 @@ def merge_reads_a_row_past_its_buffer(case: Case) -> bool:
     packing = values_per_word(case.kv_dtype)
     if packing == 1:
         return False
+    if case.num_kv_pages_per_block is None:  # the kernel refuses the call
+        return False
     block = case.num_kv_pages_per_block * case.page_size
     rows = block // packing + 2
     q_end = 0

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import sys
 import types
@@ -51,6 +52,39 @@ def load_kernel_module(name: str) -> types.ModuleType:
             stub.__path__ = [path]
             sys.modules.setdefault(package, stub)
     return importlib.import_module(name)
+
+
+class OnceLogger:
+    """What tpu-inference's kernel modules ask of its logger (vllm's): a ``logging.Logger`` with
+    ``warning_once`` and ``info_once`` (the head_dim-64 kernel's tuned table)."""
+
+    def __init__(self, name: str):
+        self._logger = logging.getLogger(name)
+        self._said: set = set()
+
+    def _once(self, level, message, *args):
+        if (message, args) not in self._said:
+            self._said.add((message, args))
+            self._logger.log(level, message, *args)
+
+    def warning_once(self, message, *args):
+        self._once(logging.WARNING, message, *args)
+
+    def info_once(self, message, *args):
+        self._once(logging.INFO, message, *args)
+
+    def __getattr__(self, name):  # warning, info, ...: the logger's own
+        return getattr(self._logger, name)
+
+
+def stand_in_for_tpu_inference_logger() -> None:
+    """Where vllm is not installed (``--no-deps``), ``tpu_inference.logger`` (vllm's logger, which some of
+    tpu-inference's kernel modules import) as a module whose ``init_logger`` gives an ``OnceLogger``: one
+    stand-in for every kernel module loaded in the process."""
+    if importlib.util.find_spec("vllm") is None and "tpu_inference.logger" not in sys.modules:
+        logger = types.ModuleType("tpu_inference.logger")
+        logger.init_logger = OnceLogger  # type: ignore[attr-defined]
+        sys.modules["tpu_inference.logger"] = logger
 
 
 def installed_version() -> str:

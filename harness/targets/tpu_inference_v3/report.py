@@ -28,7 +28,7 @@ import tempfile
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from rpa_harness import reference
@@ -77,11 +77,23 @@ class ReportedKernel:
         return f"{self.module.__name__}.{self.function}"
 
 
+class Reported(Protocol):
+    """What the report's words read of a reported kernel (``ReportedKernel``, MLA's ``ReportedMla``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def reference(self) -> str: ...
+
+
 @dataclasses.dataclass
 class Observation:
     """What the kernel does on the repro's inputs now, on the repro's backend."""
 
-    inputs: v3.KernelInputs  # the target's inputs (v3.V3Inputs, or the hd64 target's)
+    # The target's inputs (v3.V3Inputs, the hd64 target's, MLA's): the cache's words read their new_slots,
+    # slot_owner and slot_position.
+    inputs: Any
     hang: str | None = None  # the TPU interpreter's deadlock account
     error: str | None = None  # the exception the call raised
     comparison: reference.Comparison | None = None  # the attention against the float64 oracle
@@ -192,7 +204,7 @@ def call_in_words(kernel: ReportedKernel, inputs) -> list[str]:
     ]
 
 
-def attention_in_words(kernel: ReportedKernel, observation: Observation) -> list[str]:
+def attention_in_words(kernel: Reported, observation: Observation) -> list[str]:
     c = observation.comparison
     assert c is not None  # the call returned (expected_vs_actual)
     if c.ok:
@@ -220,7 +232,7 @@ def attention_in_words(kernel: ReportedKernel, observation: Observation) -> list
     ]
 
 
-def cache_in_words(kernel: ReportedKernel, observation: Observation) -> list[str]:
+def cache_in_words(kernel: Reported, observation: Observation) -> list[str]:
     inputs, mismatch = observation.inputs, observation.cache_error
     if mismatch is None:
         return ["Cache: right (bit for bit: every new token in its slot, nothing else changed)."]
@@ -249,7 +261,7 @@ def cache_in_words(kernel: ReportedKernel, observation: Observation) -> list[str
     return lines
 
 
-def expected_vs_actual(kernel: ReportedKernel, observation: Observation) -> list[str]:
+def expected_vs_actual(kernel: Reported, observation: Observation) -> list[str]:
     rejects = (
         f"Its own `{kernel.reference}` rejects these inputs (its `dynamic_validate_inputs`: "
         f"`{observation.reference_rejects}`), which the kernel does not run: the call must return or fail."
@@ -540,7 +552,7 @@ def script_run(program: str, backend: Backend) -> list[str]:
     )
 
 
-def title(kernel: ReportedKernel, observation: Observation, issue) -> str:
+def title(kernel: Reported, observation: Observation, issue) -> str:
     if issue is not None:
         return f"{kernel.name}: {issue.description}"
     if observation.hang is not None:

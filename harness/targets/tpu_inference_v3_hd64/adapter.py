@@ -4,7 +4,6 @@ head's K and V side by side in one 128-lane row, sinks as a ninth array, upstrea
 import dataclasses
 import functools
 import importlib.util
-import logging
 import sys
 import types
 
@@ -16,25 +15,6 @@ from rpa_harness.targets import layouts
 from rpa_harness.targets.tpu_inference_v3 import adapter as v3_target
 
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel_hd64"
-
-
-class _OnceLogger:
-    """What the tuned table asks of tpu-inference's logger (vllm's): ``warning_once`` and ``info_once``."""
-
-    def __init__(self, name: str):
-        self._logger = logging.getLogger(name)
-        self._said: set = set()
-
-    def _once(self, level, message, *args):
-        if (message, args) not in self._said:
-            self._said.add((message, args))
-            self._logger.log(level, message, *args)
-
-    def warning_once(self, message, *args):
-        self._once(logging.WARNING, message, *args)
-
-    def info_once(self, message, *args):
-        self._once(logging.INFO, message, *args)
 
 
 def tpu_device_name() -> str:
@@ -59,14 +39,11 @@ def _stub_tuned_table_imports() -> None:
     vllm) for one name each. Where vllm is not installed (``--no-deps``) they are stubbed with those names."""
     if importlib.util.find_spec("vllm") is not None:
         return
-    for name, attribute, value in (
-        ("tpu_inference.logger", "init_logger", _OnceLogger),
-        ("tpu_inference.utils", "get_device_name", tpu_device_name),
-    ):
-        if name not in sys.modules:
-            stub = types.ModuleType(name)
-            setattr(stub, attribute, value)
-            sys.modules[name] = stub
+    v3_target.stand_in_for_tpu_inference_logger()
+    if "tpu_inference.utils" not in sys.modules:
+        stub = types.ModuleType("tpu_inference.utils")
+        stub.get_device_name = tpu_device_name  # type: ignore[attr-defined]
+        sys.modules["tpu_inference.utils"] = stub
 
 
 @functools.cache
