@@ -41,7 +41,6 @@ class ReportedMla:
     module: types.ModuleType  # the kernel's module
     inputs: Callable  # (arrays, options of a repro) -> the target's MlaInputs
     call: Callable  # MlaInputs -> the kernel's (attention, cache), on the caller's backend
-    upstream_outputs: Callable  # (kernel outputs, MlaInputs) -> (attention [T, H, head_dim], upstream cache)
     precision: tuple[str, ...]  # the target's precision contract
     head_major: bool  # the kernel takes ql_nope and returns the attention [H, T, lkv] (MLA v2)
     script_stubs: str = ""  # Python lines the script's loader runs before it imports the kernel
@@ -87,7 +86,7 @@ def observe(kernel: ReportedMla, repro: repro_files.Repro, backend: Backend) -> 
             observation.error = first_line_of_error(error)
     else:
         observation = v3_report.Observation(_call_inputs(mapped[0], expected))
-        attention, cache = kernel.upstream_outputs(outputs, mapped[0])
+        attention, cache = upstream_outputs(kernel, outputs, mapped[0])
         observation.comparison = reference.compare(
             attention,
             reference.oracle(**repro.arrays, **repro.options),
@@ -407,11 +406,11 @@ def render(
     return "\n".join(sections + found_by(shown_path)) + "\n"
 
 
-def _v1_upstream_outputs(outputs, inputs: mla_v1.MlaInputs):
+def upstream_outputs(kernel: ReportedMla, outputs, inputs: mla_v1.MlaInputs):
+    """The kernel's (attention, cache) in upstream's layout: ``[T, H, head_dim]`` and the target's cache."""
     out, cache = outputs
-    return _padded(np.asarray(out), inputs.head_dim), mla_v1.upstream_cache(
-        cache, inputs.lkv, inputs.head_dim
-    )
+    attention = np.asarray(out).transpose(1, 0, 2) if kernel.head_major else np.asarray(out)
+    return _padded(attention, inputs.head_dim), mla_v1.upstream_cache(cache, inputs.lkv, inputs.head_dim)
 
 
 MLA_V1 = ReportedMla(
@@ -419,7 +418,6 @@ MLA_V1 = ReportedMla(
     module=mla_v1.kernel(),
     inputs=mla_v1.mla_inputs,
     call=mla_v1.call_mla,
-    upstream_outputs=_v1_upstream_outputs,
     precision=mla_v1.RPA_HARNESS_PRECISION,
     head_major=False,
 )

@@ -20,7 +20,6 @@ import types
 
 import jax.numpy as jnp
 import numpy as np
-from rpa_harness import generations
 from rpa_harness.targets.tpu_inference_mla_v1 import adapter as v1
 from rpa_harness.targets.tpu_inference_v3 import adapter as v3_adapter
 
@@ -28,8 +27,7 @@ _KERNEL_MODULE = "tpu_inference.kernels.mla.v2.kernel"
 # The precision options the adapter passes (see the module's docstring).
 PRECISION_OPTIONS = {"s_dtype": jnp.dtype(jnp.float32)}
 # v2's only chip-dependent code is its default VMEM limit (vmem_limit_bytes=None reads the chip's VMEM
-# capacity). A tuning option, which does not change the output: off a TPU the adapter passes v3's default.
-DEFAULT_VMEM_LIMIT_BYTES = v3_adapter.DEFAULT_VMEM_LIMIT_BYTES
+# capacity), as v3's: off a TPU the adapter passes v3's default (``v3_adapter.vmem_limit``).
 
 
 def _divisors(n: int) -> list[int]:
@@ -59,8 +57,7 @@ def mla_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **option
     inputs = v1.mla_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
     ql_nope, *rest = inputs.args
     kwargs = {**inputs.kwargs, **PRECISION_OPTIONS}
-    if kwargs["vmem_limit_bytes"] is None and not generations.on_a_tpu_generation():
-        kwargs["vmem_limit_bytes"] = DEFAULT_VMEM_LIMIT_BYTES
+    kwargs["vmem_limit_bytes"] = v3_adapter.vmem_limit(kwargs["vmem_limit_bytes"])
     return v1.MlaInputs(
         (np.ascontiguousarray(ql_nope.transpose(1, 0, 2)), *rest),
         kwargs,

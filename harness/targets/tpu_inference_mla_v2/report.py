@@ -1,8 +1,6 @@
 """MLA v2's ``rpa-harness report``: MLA's report (``tpu_inference_mla_v1.report``) with v2's call, its
 head-major query and attention, and the stand-ins its imports need where sympy and vllm are absent."""
 
-import numpy as np
-from rpa_harness.targets import tpu_inference_mla_v1 as mla_v1
 from rpa_harness.targets import tpu_inference_mla_v2 as mla_v2
 from rpa_harness.targets.tpu_inference_mla_v1 import report as mla_report
 
@@ -17,20 +15,11 @@ SCRIPT_STUBS = """\
 """
 
 
-def upstream_outputs(outputs, inputs: mla_v1.MlaInputs):
-    out, cache = outputs
-    attention = np.asarray(out).transpose(1, 0, 2)
-    return mla_report._padded(attention, inputs.head_dim), mla_v1.upstream_cache(
-        cache, inputs.lkv, inputs.head_dim
-    )
-
-
 MLA_V2 = mla_report.ReportedMla(
     name="tpu-inference MLA v2",
     module=mla_v2.kernel(),
     inputs=mla_v2.mla_inputs,
     call=mla_v2.call_mla,
-    upstream_outputs=upstream_outputs,
     precision=mla_v2.RPA_HARNESS_PRECISION,
     head_major=True,
     script_stubs=SCRIPT_STUBS,

@@ -199,7 +199,7 @@ def v3_default_block_sizes(
     return sizes["bq_sz"], sizes["bkv_sz"], sizes["bq_csz"], sizes["bkv_csz"]
 
 
-def _vmem_limit(vmem_limit_bytes: int | None) -> int | None:
+def vmem_limit(vmem_limit_bytes: int | None) -> int | None:
     """v3 takes its default VMEM limit from the chip (``pltpu.get_tpu_info()``): off a TPU generation,
     which has none, the target passes ``DEFAULT_VMEM_LIMIT_BYTES``."""
     if vmem_limit_bytes is None and not generations.on_a_tpu_generation():
@@ -277,7 +277,7 @@ def v3_inputs(
         d_block_sizes=passed,
         p_block_sizes=passed,
         m_block_sizes=passed,
-        vmem_limit_bytes=_vmem_limit(options.vmem_limit_bytes),
+        vmem_limit_bytes=vmem_limit(options.vmem_limit_bytes),
         use_causal_mask=options.use_causal_mask,
         skip_kv_mask=options.skip_kv_mask,
         out_dtype=None if options.out_dtype is None else jnp.dtype(options.out_dtype),
