@@ -34,6 +34,12 @@ past a dimension's end for a range entirely out of bounds, the empty one include
 writes' rule: an empty slice starting at the end reads nothing (NumPy's ``x[n:n]``); one starting past the
 end is still out of bounds.
 
+Gap ``tpu-wait-for-nothing``: with race detection on, a wait for a copy of no elements on a semaphore that
+nothing has signalled on that core fails ``assert clock is not None`` (``Semaphore.wait``): the count (0)
+is reached at once, and the wait then takes the semaphore's vector clock, which only a signal sets. A TPU
+returns from such a wait at once (batched and stacked RPA wait for their empty copies). The patch returns
+from it without a clock: nothing has signalled, so there is no ordering to take.
+
 Race detection and views: an access through a reshape/bitcast view is reported to the race detector as an
 access to the smallest box of the region the view was taken of (the ref before its first reshape/bitcast)
 that holds every element it touches (``views.touched_box``): taking one slot of a bitcast double buffer
@@ -969,4 +975,55 @@ EMPTY_COPY_AT_END = Gap(
     patches=_empty_copy_patches,
 )
 
-GAPS = (REF_VIEWS, MASKED_SWAP, RACE_HISTORY, CALLBACK_ARGUMENTS, CLOCK_ORDER, DEADLOCK, EMPTY_COPY_AT_END)
+# ---------------------------------------------------------------------------------------------------------
+# Gap tpu-wait-for-nothing (a wait for no elements on a semaphore never signalled).
+
+
+class _RaceDetectingSharedMemory(_FakeSharedMemory):
+    detect_races = True
+    enable_logging = False
+
+
+def _wait_for_nothing_probe() -> bool:
+    """Whether a wait for 0 on a semaphore nothing has signalled fails with race detection on."""
+    semaphore = _semaphore_class()(_RaceDetectingSharedMemory(), 0)
+    try:
+        semaphore.wait(0, 0)
+    except AssertionError:
+        return True
+    return False
+
+
+def _wait_for_nothing_internals() -> None:
+    semaphore_class = _semaphore_class()
+    require_parameters(semaphore_class.wait, ["self", "value", "global_core_id"], "Semaphore.wait")
+    semaphore = semaphore_class(_RaceDetectingSharedMemory(), 0)
+    require(
+        getattr(semaphore, "clocks", None) == [None],
+        "a race-detecting Semaphore no longer starts with one clock per core, None until signalled",
+    )
+
+
+def _wait_for_nothing_patches() -> list[Patch]:
+    semaphore_class = _semaphore_class()
+    original_wait = semaphore_class.wait
+
+    @functools.wraps(original_wait)
+    def wait(self, value, global_core_id, *args, **kwargs):
+        if int(value) == 0 and self.detect_races and self.clocks[int(global_core_id)] is None:
+            return None
+        return original_wait(self, value, global_core_id, *args, **kwargs)
+
+    return [Patch(semaphore_class, "wait", wait)]
+
+
+WAIT_FOR_NOTHING = Gap(
+    name="tpu-wait-for-nothing",
+    interpreter="tpu",
+    symptom="with race detection, a wait for a copy of no elements on a semaphore never signalled fails an assertion",
+    probe=_wait_for_nothing_probe,
+    check_internals=_wait_for_nothing_internals,
+    patches=_wait_for_nothing_patches,
+)
+
+GAPS = (REF_VIEWS, MASKED_SWAP, RACE_HISTORY, CALLBACK_ARGUMENTS, CLOCK_ORDER, DEADLOCK, EMPTY_COPY_AT_END, WAIT_FOR_NOTHING)

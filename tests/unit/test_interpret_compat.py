@@ -611,6 +611,43 @@ def test_a_copy_of_no_rows_from_the_end_of_its_source_is_in_bounds_and_one_past_
         copy_of_no_rows_after_four(9)
 
 
+def wait_for_no_rows(copy_ref, x_hbm, o_ref, semaphore, unsignalled):
+    """Rows 0-3 of ``x``, then a wait for a copy of ``copy_ref[0]`` rows, never started, on a semaphore
+    nothing has signalled (batched RPA's wait for its new tokens' copy when a block has none): on a TPU a
+    wait for nothing returns."""
+    rows = pltpu.make_async_copy(x_hbm.at[pl.ds(0, 4)], o_ref.at[pl.ds(0, 4)], semaphore)
+    rows.start()
+    rows.wait()
+    none = copy_ref[0]
+    pltpu.make_async_copy(x_hbm.at[pl.ds(4, none)], o_ref.at[pl.ds(4, none)], unsignalled).wait()
+    o_ref[pl.ds(4, 4)] = jnp.full((4, o_ref.shape[1]), -1, o_ref.dtype)
+
+
+def wait_for_no_rows_with_race_detection() -> np.ndarray:
+    """``wait_for_no_rows`` on ``PAGES[:8]`` on the TPU interpreter, race detection on (the checking backend)."""
+
+    def call(copy, x):
+        return pl.pallas_call(
+            wait_for_no_rows,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(())],
+        )(copy, x)
+
+    try:
+        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(detect_races=True)):
+            return np.asarray(jax.jit(call)(jnp.array([0], jnp.int32), PAGES[:8]))
+    except Exception:
+        pltpu.reset_tpu_interpret_mode_state()
+        raise
+
+
+def test_a_wait_for_no_rows_returns_with_race_detection_on():
+    got = wait_for_no_rows_with_race_detection()
+    np.testing.assert_array_equal(got[:4], np.asarray(PAGES)[:4])
+    assert (got[4:] == -1).all()
+
+
 def copy_columns_and_count(copy_ref, x_hbm, o_ref, count_ref, buffer, semaphore):
     """v3's query fetch: two DMAs of data-dependent sizes into columns of one buffer (axis 1, like
     ``q_hbm_ref.at[:, pl.ds(start, size)]``), the semaphore's count after both starts, then one wait on a
@@ -869,6 +906,10 @@ def test_gap_masked_swap_still_in_tpu_interpreter():
 
 def test_gap_empty_copy_at_end_still_in_tpu_interpreter():
     assert_gap("tpu-empty-copy-at-end", lambda: copy_of_no_rows_after_four(8), "Out-of-bounds read")
+
+
+def test_gap_wait_for_nothing_still_in_tpu_interpreter():
+    assert_gap("tpu-wait-for-nothing", wait_for_no_rows_with_race_detection, "CpuCallback error")
 
 
 def test_gap_literal_index_still_in_generic_interpreter():
