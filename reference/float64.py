@@ -18,7 +18,13 @@ import dataclasses
 
 import ml_dtypes
 import numpy as np
-from rpa_harness.reference.tolerance import key_error_units, sink_error_units, unit_roundoff
+from rpa_harness.reference.tolerance import (
+    key_error_units,
+    rounded_logit_roundings,
+    rounded_logit_units,
+    sink_error_units,
+    unit_roundoff,
+)
 from rpa_harness.spec.interface import (
     MASK_REPLACES,
     Options,
@@ -74,6 +80,10 @@ class OracleResult:
     # known only to Q_k = |scale| sum_i delta_i |k_i|:
     query_doubt_sensitivity: np.ndarray  # float64 [T, H, D]: bound on sum_k p_k Q_k |v_k - o|
     max_query_doubt: np.ndarray  # float64 [T, H, D]: max of Q_k over keys with p_k > 0 (constant along D)
+    # For logits and weights computed in the accumulator dtype, each weight off by a factor within
+    # exp(+-u rho_k) (rho_k: ``rounded_logit_units``):
+    rounded_logit_sensitivity: np.ndarray  # float64 [T, H, D]: sum_k p_k rho_k (|v_k| + |o|)
+    max_rounded_logit_units: np.ndarray  # float64 [T, H, D]: max of rho_k over keys with p_k > 0
 
     @property
     def owned_rows(self) -> np.ndarray:
@@ -286,6 +296,7 @@ def _attend(
     """
     value_subnormal, cache_subnormal = subnormals
     head_dim = q_rows.shape[-1]
+    roundings = rounded_logit_roundings(k_scale=options.k_scale, q_scale=options.q_scale, soft_cap=options.soft_cap)
 
     def logits_of(chunk):
         keys = chunk.positions[None, :]
@@ -328,9 +339,11 @@ def _attend(
             "small_abs",
             "cache_small_abs",
             "rescale_abs",
+            "rounded_abs",
         )
     }
-    totals = {name: np.zeros(rows_shape) for name in ("e", "a", "small", "cache_small", "rescale")}
+    totals = {name: np.zeros(rows_shape) for name in ("e", "a", "small", "cache_small", "rescale", "rounded")}
+    max_rounded = np.zeros(rows_shape)
     cache_apart = cache_subnormal != value_subnormal  # with a v_scale, V's dtype is q's
     max_dot_abs = np.zeros(rows_shape)
     doubt_sums = {name: np.zeros(out_shape) for name in ("vv", "v", "abs")}
@@ -339,6 +352,9 @@ def _attend(
         with np.errstate(invalid="ignore"):
             sink_probs = np.where(np.isneginf(sinks), 0.0, np.exp(sinks - top) / denominator)
             totals["e"] += np.where(sink_probs > 0, sink_probs * sink_error_units(top - sinks), 0.0)
+            sink_rho = np.where(sink_probs > 0, rounded_logit_units(0.0, sinks, top - sinks, (0, 0)), 0.0)
+            totals["rounded"] += sink_probs * sink_rho
+            max_rounded = np.maximum(max_rounded, sink_rho)
     for chunk in chunks:
         raw, logits, dot_abs, doubt = single if single is not None else logits_of(chunk)
         weights = np.exp(logits - top)
@@ -346,6 +362,8 @@ def _attend(
         with np.errstate(invalid="ignore", over="ignore"):
             eps = key_error_units(dot_abs, raw, logits, top - logits, head_dim)
             by_eps = np.where(probs > 0, probs * eps, 0.0)
+            rho = np.where(probs > 0, rounded_logit_units(raw, logits, top - logits, roundings), 0.0)
+            by_rho = probs * rho
         live_dot_abs = np.where(probs > 0, dot_abs, 0.0)
         by_dot = probs * live_dot_abs
         with np.errstate(invalid="ignore", over="ignore"):  # pages no live key is on may have no finite bound
@@ -367,6 +385,7 @@ def _attend(
                     by_dot,
                     small,
                     by_rescale,
+                    by_rho,
                     *([cache_small] if cache_apart else []),
                     *([flushable] if any_flushable else []),
                 ],
@@ -382,9 +401,10 @@ def _attend(
         sums["a_abs"] += on_abs[:, 2 * n : 3 * n]
         sums["small_abs"] += on_abs[:, 3 * n : 4 * n]
         sums["rescale_abs"] += on_abs[:, 4 * n : 5 * n]
-        sums["cache_small_abs"] += on_abs[:, 5 * n : 6 * n] if cache_apart else on_abs[:, 3 * n : 4 * n]
+        sums["rounded_abs"] += on_abs[:, 5 * n : 6 * n]
+        sums["cache_small_abs"] += on_abs[:, 6 * n : 7 * n] if cache_apart else on_abs[:, 3 * n : 4 * n]
         if any_flushable:
-            flushable_pv += on_abs[:, (6 if cache_apart else 5) * n :]
+            flushable_pv += on_abs[:, (7 if cache_apart else 6) * n :]
         sums["e_v"] += on_v[:, n : 2 * n]
         sums["a_v"] += on_v[:, 2 * n :]
         sums["e_vv"] += on_vv[:, :n]
@@ -394,6 +414,8 @@ def _attend(
         totals["small"] += small.sum(axis=-1, keepdims=True)
         totals["cache_small"] += cache_small.sum(axis=-1, keepdims=True)
         totals["rescale"] += by_rescale.sum(axis=-1, keepdims=True)
+        totals["rounded"] += by_rho.sum(axis=-1, keepdims=True)
+        max_rounded = np.maximum(max_rounded, rho.max(axis=-1, keepdims=True))
         max_dot_abs = np.maximum(max_dot_abs, live_dot_abs.max(axis=-1, keepdims=True))
         if doubt is not None:  # rare (a few elements of q in doubt): its own products
             live_doubt = np.where(probs > 0, doubt, 0.0)
@@ -420,6 +442,8 @@ def _attend(
             doubt_total, doubt_sums["vv"], doubt_sums["v"], doubt_sums["abs"], o
         ),
         max_query_doubt=np.broadcast_to(max_doubt, out_shape),
+        rounded_logit_sensitivity=sums["rounded_abs"] + np.abs(o) * totals["rounded"],
+        max_rounded_logit_units=np.broadcast_to(max_rounded, out_shape),
     )
 
 
@@ -474,7 +498,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
     shape = (num_tokens, num_q_heads, head_dim)
     quantities = ("out", "abs_pv", "flushable_pv", "logit_sensitivity", "dot_sensitivity", "max_dot_abs",
                   "value_underflow", "cache_underflow", "rescale_excess", "max_rises", "query_doubt_sensitivity",
-                  "max_query_doubt")  # fmt: skip
+                  "max_query_doubt", "rounded_logit_sensitivity", "max_rounded_logit_units")  # fmt: skip
     results = {name: np.zeros(shape) for name in quantities}
     results["out"][:] = np.nan
     value_dtype = _value_dtype(kv_pages.dtype, options.v_scale, q.dtype)

@@ -99,6 +99,19 @@ computed from the same float64 quantities; contracts combine by adding their ter
     anything there). Storing the max alone would cost nothing (softmax is shift-invariant); computing alpha
     from the rounded maxima in the output dtype is what costs. It is a worst case that grows linearly in B:
     small pages make it loose. A float32 output adds nothing.
+``softmax-in-output-dtype``: the logits and the weights are computed in the accumulator dtype (u = its
+    unit roundoff): the float32 q.K product is rounded to it, then each scaling (sm_scale, k_scale,
+    q_scale) and the soft cap's steps round, and P = exp(s - m) is computed from the rounded logits and
+    rounded. Key k's weight is then off by a factor within exp(+-u rho_k), rho_k = n_r |r_k| + n_s |s_k| +
+    min(m - s_k, 125 ln 2) + 2 (``rounded_logit_units``: the product, sm_scale's product, each other
+    scale and the soft cap's division move the logit by u |r_k| each (n_r = 2 to 5), the tanh and the
+    cap's product by u |s_k| each (n_s = 2 with a soft cap, else 0), the subtraction of the max by u (m -
+    s_k), the exp and its rounding by 2 u; a common error of the max cancels between P and its sum, and
+    weights past the gap limit are flushed ones). As for the quantised query, the output moves by
+    at most ``e^D (e^D - 1) / D * u sum_k p_k rho_k (|v_k| + |o|)`` with D = u max_k rho_k (the oracle's
+    ``rounded_logit_sensitivity`` and ``max_rounded_logit_units``). Large logits make it large: a bfloat16
+    logit of 32 is known only to 0.125. The row sum and P @ V rounded to the output dtype are
+    ``accumulators-in-output-dtype``'s; a float32 output adds nothing.
 ``bf16-matmul``: every float32 operand of q @ K^T and P @ V is rounded to bfloat16 (one bf16 pass, float32
     accumulation: a TPU dot at default precision). bf16 and fp8 operands are exact in bf16. A logit moves by
     at most ``a A_k`` with ``a = u_q + u_k + u_q u_k`` (u_q = 2**-8 if q is float32, else 0; u_k likewise for
@@ -148,6 +161,34 @@ def key_error_units(dot_abs, raw_logit, logit, gap, head_dim):
     return head_dim * dot_abs + 4.0 * np.abs(raw_logit) + 2.0 * np.abs(logit) + 2.0 * gap + 8.0
 
 
+# A weight exp(s - m) below 2**-125 (s - m < -125 ln 2) is in the flush term whatever its error: the gap
+# to the max that ``rounded_logit_units`` counts stops there.
+FLUSHED_GAP = 125 * float(np.log(2.0))
+
+
+def rounded_logit_roundings(*, k_scale, q_scale, soft_cap) -> tuple[int, int]:
+    """(roundings of the raw logit, of the capped one) when the logits are computed in the output dtype:
+    the float32 q.K product and sm_scale's product, one per other scale, the soft cap's division; the
+    soft cap's tanh and product."""
+    capped = soft_cap is not None
+    return 2 + (k_scale is not None) + (q_scale is not None) + capped, 2 * capped
+
+
+def rounded_logit_units(raw_logit, logit, gap, roundings: tuple[int, int]):
+    """Relative error, in units of the output dtype's roundoff (rho_k), that computing the logits and the
+    weights in the output dtype may put on one key's weight (contract ``softmax-in-output-dtype``): each
+    rounding of the raw logit r_k moves it by |r_k|, each of the capped one s_k by |s_k|
+    (``rounded_logit_roundings``), the subtraction of the max by the gap m - s_k (up to ``FLUSHED_GAP``),
+    the exp and its rounding by 2."""
+    raw_roundings, capped_roundings = roundings
+    return (
+        raw_roundings * np.abs(raw_logit)
+        + capped_roundings * np.abs(logit)
+        + np.minimum(gap, FLUSHED_GAP)
+        + 2.0
+    )
+
+
 def sink_error_units(gap):
     """Relative error a float32 pipeline may put on an attention sink's weight exp(sink - m), in units of
     u32: the sink is a float32 logit with no product, so only the subtraction of the max and the exp."""
@@ -167,6 +208,7 @@ FLOAT32 = "float32"
 PROBABILITIES_IN_VALUE_DTYPE = "probabilities-in-value-dtype"
 PROBABILITIES_IN_CACHE_DTYPE = "probabilities-in-cache-dtype"
 ACCUMULATORS_IN_OUTPUT_DTYPE = "accumulators-in-output-dtype"
+SOFTMAX_IN_OUTPUT_DTYPE = "softmax-in-output-dtype"
 BF16_MATMUL = "bf16-matmul"
 BF16X3_MATMUL = "bf16x3-matmul"
 APPROX_RECIPROCAL = "approx-reciprocal"
@@ -176,6 +218,7 @@ CONTRACTS = {
     PROBABILITIES_IN_VALUE_DTYPE: "P rounded to V's dtype before P @ V",
     PROBABILITIES_IN_CACHE_DTYPE: "P rounded to the KV cache's dtype before P @ V (v_scale applied after)",
     ACCUMULATORS_IN_OUTPUT_DTYPE: "running max, sum and accumulator stored and updated in the output dtype",
+    SOFTMAX_IN_OUTPUT_DTYPE: "logits rounded to the output dtype after the q.K product, weights computed in it",
     BF16_MATMUL: "float32 operands of both matrix products rounded to bfloat16, float32 accumulation",
     BF16X3_MATMUL: "float32 operands of both matrix products as bfloat16 hi + lo, three passes",
     APPROX_RECIPROCAL: "the normaliser's reciprocal with relative error <= 2**-8",
@@ -262,6 +305,17 @@ def _accumulator_error(result, accumulator_dtype):
     return np.where(grow < 1.0, error, np.inf)
 
 
+def _rounded_softmax_error(result):
+    """What computing the logits and the weights in the accumulator dtype adds: see the module docstring."""
+    u_out = unit_roundoff(result.accumulator_dtype)
+    if u_out <= U32:
+        return 0.0
+    extent = u_out * result.max_rounded_logit_units
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        growth = np.where(extent > 0, np.exp(extent) * np.expm1(extent) / extent, 1.0)
+    return growth * u_out * result.rounded_logit_sensitivity
+
+
 def query_doubt_error(result):
     """What a quantised query known only to an ulp (``q_scale``: see the module docstring) may move the
     output by, under every contract."""
@@ -284,6 +338,8 @@ def contract_error(result, precision=DEFAULT_PRECISION, out_dtype=None):
         error = error + u_cache * (result.abs_pv + np.abs(result.out)) + result.cache_underflow
     if ACCUMULATORS_IN_OUTPUT_DTYPE in precision:
         error = error + _accumulator_error(result, np.dtype(result.accumulator_dtype))
+    if SOFTMAX_IN_OUTPUT_DTYPE in precision:
+        error = error + _rounded_softmax_error(result)
     if BF16_MATMUL in precision:
         error = error + _matmul_error(result, three_pass=False)
     if BF16X3_MATMUL in precision:

@@ -12,6 +12,8 @@ contract in ``precision`` switches on the choice it names, the way production ke
   that max, the row sum and P @ V are rounded, the rescale factor is exp of the difference of the two stored
   maxima, both in the output dtype, and each of l = alpha l + row sum and acc = alpha acc + P @ V rounds
   the product and the sum (a target that declares it says where its kernel does so);
+- softmax-in-output-dtype: the float32 q.K product rounded to the output dtype, then each scaling and
+  the soft cap's steps, the masked logits, the subtraction of the max and the weights rounded to it;
 - bf16-matmul / bf16x3-matmul: float32 operands of both products rounded to bf16 / split into bf16 hi + lo
   (three products, lo * lo dropped), float32 accumulation;
 - approx-reciprocal: the output is acc * (1 / l) * (1 + rho) with |rho| = the stated maximum (sign drawn per
@@ -37,6 +39,7 @@ from rpa_harness.reference.tolerance import (
     BF16X3_MATMUL,
     PROBABILITIES_IN_CACHE_DTYPE,
     PROBABILITIES_IN_VALUE_DTYPE,
+    SOFTMAX_IN_OUTPUT_DTYPE,
     parse_precision,
 )
 from rpa_harness.spec.interface import MASK_REPLACES, Options
@@ -108,6 +111,8 @@ def contract_attention(
     value_dtype = q.dtype if v_scale is not None else kv_pages.dtype
     passes = 3 if BF16X3_MATMUL in precision else 1 if BF16_MATMUL in precision else 0
     keep_out_dtype = ACCUMULATORS_IN_OUTPUT_DTYPE in precision
+    rounded_softmax = SOFTMAX_IN_OUTPUT_DTYPE in precision
+    scalings = [np.float32(f) for f in (sm_scale, q_scale) if f is not None]
     rng = np.random.default_rng(seed)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_combined, _ = kv_pages.shape
@@ -133,9 +138,17 @@ def contract_attention(
         acc = np.zeros((num_q_heads, end - start, head_dim), np.float32)
         for first in range(0, kv_len, block_keys):
             keys = np.arange(first, min(kv_len, first + block_keys))
-            logits = _product(rows, k[keys], "qhd,khd->hqk", passes) * score_scale
-            if soft_cap is not None:
-                logits = np.float32(soft_cap) * np.tanh(logits / np.float32(soft_cap))
+            if rounded_softmax:
+                logits = _round(_product(rows, k[keys], "qhd,khd->hqk", passes), out_dtype)
+                for factor in scalings:
+                    logits = _round(logits * factor, out_dtype)
+                if soft_cap is not None:
+                    cap = np.float32(soft_cap)
+                    logits = _round(cap * _round(np.tanh(_round(logits / cap, out_dtype)), out_dtype), out_dtype)
+            else:
+                logits = _product(rows, k[keys], "qhd,khd->hqk", passes) * score_scale
+                if soft_cap is not None:
+                    logits = np.float32(soft_cap) * np.tanh(logits / np.float32(soft_cap))
             masked = (keys[None, :] > positions[:, None]) & use_causal_mask
             if sliding_window is not None:
                 masked |= positions[:, None] - sliding_window >= keys[None, :]
@@ -147,7 +160,12 @@ def contract_attention(
             if keep_out_dtype:
                 block_max = _round(block_max, out_dtype)
             m_new = np.maximum(m, block_max)
-            weights = np.exp(logits - m_new)
+            if rounded_softmax:
+                logits = _round(logits, out_dtype)  # a replaced logit: the mask value in the output dtype
+                m_new = np.maximum(m, _round(block_max, out_dtype))
+                weights = _round(np.exp(_round(logits - m_new, out_dtype)), out_dtype)
+            else:
+                weights = np.exp(logits - m_new)
             row_sum = weights.sum(axis=-1, keepdims=True)
             if PROBABILITIES_IN_VALUE_DTYPE in precision:
                 weights = _round(weights, value_dtype)

@@ -27,6 +27,7 @@ from rpa_harness.reference.tolerance import (
     FLOAT32,
     PROBABILITIES_IN_CACHE_DTYPE,
     PROBABILITIES_IN_VALUE_DTYPE,
+    SOFTMAX_IN_OUTPUT_DTYPE,
     contract_error,
 )
 from rpa_harness.reference.variants import contract_attention
@@ -156,6 +157,20 @@ def test_the_cache_dtype_contract_rounds_p_to_the_cache_whatever_v_scale():
     assert not as_value.ok and as_value.max_ratio > 2, str(as_value)
     declared = compare(out, result, precision=(PROBABILITIES_IN_CACHE_DTYPE,))
     assert declared.ok, str(declared)
+
+
+def test_a_softmax_in_the_output_dtype_is_its_contract_and_not_the_accumulators():
+    """Logits and weights in bfloat16 (batched RPA) at logits of a few units: outside float32's bound and
+    outside accumulators-in-output-dtype's, inside its own contract."""
+    arrays = long_case(BF16, F32)
+    result = oracle(**arrays, sm_scale=1.0)
+    out = contract_attention(**arrays, sm_scale=1.0, precision=(SOFTMAX_IN_OUTPUT_DTYPE,))
+    undeclared = compare(out, result)
+    assert not undeclared.ok and undeclared.max_ratio > 2, str(undeclared)
+    assert not compare(out, result, precision=(ACCUMULATORS_IN_OUTPUT_DTYPE,)).ok
+    assert compare(out, result, precision=(SOFTMAX_IN_OUTPUT_DTYPE,)).ok
+    both = (SOFTMAX_IN_OUTPUT_DTYPE, ACCUMULATORS_IN_OUTPUT_DTYPE)
+    assert compare(contract_attention(**arrays, sm_scale=1.0, precision=both), result, precision=both).ok
 
 
 def test_bf16x3_variant_passes_under_its_contract():
