@@ -31,12 +31,19 @@ class Capabilities:
     page_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     q_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     kv_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+    # (q dtype, KV dtype) pairs not drawn though each dtype is: a pair the kernel, or the platform it runs
+    # on, cannot run (every KV dtype keeps a q dtype).
+    excluded_dtype_pairs: tuple[tuple[str, str], ...] = ()
     num_kv_heads: tuple[int, ...] = (1, 2, 4, 8)
     gqa_ratios: tuple[int, ...] = (1, 2, 3, 4, 8)
     # Whether num_kv_heads must be even for 8-bit KV (upstream: combined heads must tile the packing).
     even_kv_heads_for_fp8: bool = False
     # Whether both block sizes must be given (upstream's default lookup needs a TPU).
     needs_block_sizes: bool = False
+    # Whether the interpreters may leave the block sizes to the kernel where it sees a TPU generation
+    # (False: its own are sized to fill the chip's VMEM whatever the problem, which XLA:CPU takes minutes
+    # to compile; only a real TPU then draws them).
+    kernel_block_sizes_on_interpreters: bool = True
     # The smallest page size at which the long bucket may leave block sizes to the kernel (None); 0: any.
     # For a kernel whose default KV block at long contexts is a fixed number of keys, copied page by page
     # (each copy unrolled), small pages make one call take the interpreters minutes; below this page size
@@ -100,7 +107,11 @@ class Capabilities:
         self._check_value_head_dims()
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, tuple) or field.name in ("tpu_generations", "value_head_dims"):
+            if not isinstance(value, tuple) or field.name in (
+                "tpu_generations",
+                "value_head_dims",
+                "excluded_dtype_pairs",
+            ):
                 continue
             allowed = {
                 "buckets": tuple(BUCKETS),
@@ -119,11 +130,30 @@ class Capabilities:
             raise ValueError(
                 f"Capabilities(mask_value_meaning={self.mask_value_meaning!r}): choose one of {MASK_VALUE_MEANINGS}."
             )
+        self._check_excluded_dtype_pairs()
         fp8 = [d for d in self.kv_dtypes if d.startswith("float8")]
         if self.even_kv_heads_for_fp8 and fp8 and not any(h % 2 == 0 for h in self.num_kv_heads):
             raise ValueError(
                 f"Capabilities(num_kv_heads={self.num_kv_heads!r}, even_kv_heads_for_fp8=True, kv_dtypes "
                 f"{fp8}): no even num_kv_heads for the 8-bit KV dtypes; add one or drop those dtypes."
+            )
+
+    def q_dtypes_for(self, kv_dtype: str) -> tuple[str, ...]:
+        """The q dtypes drawn with ``kv_dtype``."""
+        return tuple(q for q in self.q_dtypes if (q, kv_dtype) not in self.excluded_dtype_pairs)
+
+    def _check_excluded_dtype_pairs(self) -> None:
+        for pair in self.excluded_dtype_pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and pair[0] in self.q_dtypes and pair[1] in self.kv_dtypes):
+                raise ValueError(
+                    f"Capabilities(excluded_dtype_pairs={self.excluded_dtype_pairs!r}): {pair!r} is not a (q dtype, "
+                    f"KV dtype) pair of the drawn dtypes {self.q_dtypes} and {self.kv_dtypes}."
+                )
+        stranded = [kv for kv in self.kv_dtypes if not self.q_dtypes_for(kv)]
+        if stranded:
+            raise ValueError(
+                f"Capabilities(excluded_dtype_pairs={self.excluded_dtype_pairs!r}): no q dtype is left for the "
+                f"KV dtypes {stranded}; drop them from kv_dtypes or exclude fewer pairs."
             )
 
     def _check_value_head_dims(self) -> None:

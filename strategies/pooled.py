@@ -56,10 +56,10 @@ def pool(capabilities: Capabilities = WHOLE_SPACE, selection=None) -> list[tuple
     entries = []
     for layout, opts in POOL:
         layout = dict(layout)
-        if layout["q_dtype"] not in capabilities.q_dtypes:
-            layout["q_dtype"] = capabilities.q_dtypes[0]
         if layout["kv_dtype"] not in capabilities.kv_dtypes:
             layout["kv_dtype"] = capabilities.kv_dtypes[0]
+        if layout["q_dtype"] not in capabilities.q_dtypes_for(layout["kv_dtype"]):
+            layout["q_dtype"] = capabilities.q_dtypes_for(layout["kv_dtype"])[0]
         layout["head_dim"] = _nearest(layout["head_dim"], capabilities.head_dims)
         layout["page_size"] = _nearest(layout["page_size"], page_sizes_for(capabilities, layout["kv_dtype"]))
         layout["num_kv_heads"] = _nearest(

@@ -125,7 +125,7 @@ def bucketed_configs(
     num_kv_heads = draw(st.sampled_from(kv_heads_for(capabilities, kv_dtype)))
     ratio = draw(st.sampled_from(capabilities.gqa_ratios))
     head_dim = draw(st.sampled_from(capabilities.head_dims))
-    q_dtype = draw(st.sampled_from(capabilities.q_dtypes))
+    q_dtype = draw(st.sampled_from(capabilities.q_dtypes_for(kv_dtype)))
     return bucket, make_config(bucket, page_size, num_kv_heads, ratio, head_dim, q_dtype, kv_dtype)
 
 
@@ -171,7 +171,7 @@ def production_configs(draw, capabilities: Capabilities, bucket: ProductionBucke
     kv_dtype = draw(
         st.sampled_from([d for d in capabilities.kv_dtypes if production_heads(capabilities, bucket, d)])
     )
-    q_dtype = draw(st.sampled_from(capabilities.q_dtypes))
+    q_dtype = draw(st.sampled_from(capabilities.q_dtypes_for(kv_dtype)))
     num_kv_heads, ratio = draw(st.sampled_from(production_heads(capabilities, bucket, kv_dtype)))
     head_dim = draw(st.sampled_from([d for d in capabilities.head_dims if d in bucket.head_dims]))
 
@@ -255,12 +255,18 @@ def long_configs(
             p for p in page_sizes_for(capabilities, kv_dtype) if p in bucket.page_sizes and p >= smallest_page
         ]
 
+    def q_dtypes(kv_dtype):
+        return [
+            d for d in capabilities.q_dtypes_for(kv_dtype) if corner is None or is_packed(d) == corner.packed_queries
+        ]
+
     kv_dtypes = [
-        d for d in capabilities.kv_dtypes if long_layouts_of(capabilities, bucket, d) and page_sizes(d)
+        d
+        for d in capabilities.kv_dtypes
+        if long_layouts_of(capabilities, bucket, d) and page_sizes(d) and q_dtypes(d)
     ]
     kv_dtype = draw(st.sampled_from(kv_dtypes))
-    q_dtypes = [d for d in capabilities.q_dtypes if corner is None or is_packed(d) == corner.packed_queries]
-    q_dtype = draw(st.sampled_from(q_dtypes))
+    q_dtype = draw(st.sampled_from(q_dtypes(kv_dtype)))
     num_kv_heads, ratio, head_dim = draw(st.sampled_from(long_layouts_of(capabilities, bucket, kv_dtype)))
     page_size = draw(st.sampled_from(page_sizes(kv_dtype)))
     max_num_seqs = draw(st.sampled_from(bucket.seq_slots))

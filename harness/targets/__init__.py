@@ -52,6 +52,7 @@ from pathlib import Path
 
 import jax
 from rpa_harness import generations, known_issues, property_names
+from rpa_harness.backends import TPU
 from rpa_harness.reference.tolerance import DEFAULT_PRECISION, PrecisionError, parse_precision
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.violations import RULES, check_table
@@ -65,6 +66,7 @@ V2_TARGET = "rpa_harness.targets.tpu_inference_v2"
 MLA_V1_TARGET = "rpa_harness.targets.tpu_inference_mla_v1"
 MLA_V2_TARGET = "rpa_harness.targets.tpu_inference_mla_v2"
 V3_CP_TARGET = "rpa_harness.targets.tpu_inference_rpa_v3_cp"
+BATCHED_RPA_TARGET = "rpa_harness.targets.tpu_inference_batched_rpa"
 REQUIRED_FUNCTIONS = ("ragged_paged_attention",)
 VALIDATOR = "dynamic_validate_inputs"  # optional: a kernel without one declares only static rules
 
@@ -90,6 +92,7 @@ SHIPPED = (
     Shipped(MLA_V1_TARGET, aliases=("rpa_harness.tpu_inference_mla_v1",)),
     Shipped(MLA_V2_TARGET, aliases=("rpa_harness.tpu_inference_mla_v2",)),
     Shipped(V3_CP_TARGET, aliases=("rpa_harness.tpu_inference_rpa_v3_cp",)),
+    Shipped(BATCHED_RPA_TARGET, aliases=("rpa_harness.tpu_inference_batched_rpa",)),
 )
 # Profile modules of targets that do not declare their own (module attributes as above).
 PROFILES = {name: s.profile for s in SHIPPED if s.profile for name in (s.name, *s.also_modules)}
@@ -133,7 +136,10 @@ class Target:
 
     def capabilities_on(self, backend) -> Capabilities:
         """What is drawn for the target on ``backend``: where kernels see a TPU generation (a real chip or
-        an emulated one), block sizes that default to a per-chip table may be left to it."""
+        an emulated one), block sizes that default to a per-chip table may be left to it, unless the target
+        keeps its own off the interpreters (``kernel_block_sizes_on_interpreters``)."""
+        if backend.name != TPU and not self.capabilities.kernel_block_sizes_on_interpreters:
+            return dataclasses.replace(self.capabilities, needs_block_sizes=True)
         if backend.has_tpu_generation and self.capabilities.needs_block_sizes:
             return dataclasses.replace(self.capabilities, needs_block_sizes=False)
         return self.capabilities

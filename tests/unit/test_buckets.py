@@ -347,3 +347,31 @@ def test_a_kernel_copying_pages_one_by_one_gets_given_blocks_over_many_small_pag
 
 def test_such_cases_are_drawn():
     assert find(valid_cases(UNROLLED_COPIES), many_small_pages).num_kv_pages_per_block is not None
+
+
+# batched RPA's exclusion on a CPU: bfloat16 queries with a bfloat16 cache are not drawn, every other pair is.
+WITHOUT_BF16_PAIR = Capabilities(
+    excluded_dtype_pairs=(("bfloat16", "bfloat16"),), buckets=("tiny", "small", "long"), needs_block_sizes=True
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    case=valid_cases(WITHOUT_BF16_PAIR, large="long", selection=("tiny", "small", "long"))
+    | valid_cases(WITHOUT_BF16_PAIR, pooled=True)
+)
+def test_an_excluded_dtype_pair_is_never_drawn(case):
+    assert (case.q_dtype, case.kv_dtype) != ("bfloat16", "bfloat16")
+
+
+@pytest.mark.parametrize("pair", [("bfloat16", "float32"), ("float32", "bfloat16"), ("bfloat16", "float8_e4m3fn")])
+def test_every_other_dtype_pair_is_drawn(pair):
+    case = find(valid_cases(WITHOUT_BF16_PAIR), lambda c: (c.q_dtype, c.kv_dtype) == pair)
+    assert (case.q_dtype, case.kv_dtype) == pair
+
+
+def test_a_kv_dtype_left_without_a_q_dtype_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"no q dtype is left for the KV dtypes \['bfloat16'\]"):
+        Capabilities(q_dtypes=("bfloat16",), excluded_dtype_pairs=(("bfloat16", "bfloat16"),))
+    with pytest.raises(ValueError, match="is not a \\(q dtype, KV dtype\\) pair"):
+        Capabilities(excluded_dtype_pairs=(("float16", "bfloat16"),))

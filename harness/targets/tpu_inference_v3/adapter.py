@@ -178,6 +178,26 @@ def shared_kv_inputs(tokens, kv_pages):
     return unused, kv_pages
 
 
+def v3_arguments(
+    q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, update_kv_cache: bool, chunk_prefill_size
+) -> tuple[layouts.NewTokens, tuple]:
+    """The positional arguments of a kernel with v3's API for an upstream-style case (``v3_inputs`` says
+    how the new tokens and the cache are laid out), and the new tokens they hold."""
+    q, kv_pages = np.asarray(q), np.asarray(kv_pages)
+    # The kernel receives the metadata as given (its validators judge dtypes and shapes); the split reads
+    # only the entries that exist: invalid metadata is the kernel's validators' business.
+    tokens = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if update_kv_cache:
+        packed_cache = layouts.pack_cache(tokens.poisoned_cache(kv_pages))
+    else:
+        tokens, cache = shared_kv_inputs(tokens, kv_pages)
+        packed_cache = layouts.pack_cache(cache)
+    args = kernel_arguments(
+        q, tokens, packed_cache, kv_lens, page_indices, cu_q_lens, num_seqs, chunk_prefill_size=chunk_prefill_size
+    )
+    return tokens, args
+
+
 def v3_default_block_sizes(
     q, kv_cache, num_kv_heads: int, max_num_seqs: int, pages_per_seq: int, case, *, module=None
 ) -> tuple[int, int, int, int]:
@@ -250,15 +270,18 @@ def v3_inputs(
     options = options_taken(keywords, by="v3_inputs", without=("attention_sink",))
     v3_mask_value = replacing_mask_value(options.mask_value, options.mask_value_meaning)
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
-    # v3 receives the metadata as given (its validators judge dtypes and shapes); the split reads only the
-    # entries that exist: invalid metadata is v3's validators' business.
-    tokens = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    tokens, args = v3_arguments(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        update_kv_cache=options.update_kv_cache,
+        chunk_prefill_size=options.chunk_prefill_size,
+    )
+    packed_cache = args[3]
     page_size, pages_per_seq = kv_pages.shape[1], np.asarray(page_indices).shape[1]
-    if options.update_kv_cache:
-        packed_cache = layouts.pack_cache(tokens.poisoned_cache(kv_pages))
-    else:
-        tokens, cache = shared_kv_inputs(tokens, kv_pages)
-        packed_cache = layouts.pack_cache(cache)
     given = given_block_options(options.num_queries_per_block, options.num_kv_pages_per_block, pages_per_seq)
     passed: tuple[int, int, int, int] | None = None  # None: v3's own for the chip, known once it validated
     if given is not None:
@@ -283,16 +306,6 @@ def v3_inputs(
         out_dtype=None if options.out_dtype is None else jnp.dtype(options.out_dtype),
         chunk_prefill_size=options.chunk_prefill_size,
         update_kv_cache=options.update_kv_cache,
-    )
-    args = kernel_arguments(
-        q,
-        tokens,
-        packed_cache,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        chunk_prefill_size=options.chunk_prefill_size,
     )
     if passed is None:
         # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,
