@@ -11,6 +11,7 @@ other findings' reports (docs/tpu-inference-v3-findings/*/report.md, each with i
 """
 
 import ast
+import importlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,14 +24,21 @@ from rpa_harness import repro as repro_files  # noqa: E402
 from rpa_harness.backends import INTERPRET, Backend  # noqa: E402
 from rpa_harness.report_sections import NothingToReport  # noqa: E402
 from rpa_harness.strategies.case import Case  # noqa: E402
+from rpa_harness.targets import tpu_inference_batched_rpa as batched  # noqa: E402
 from rpa_harness.targets import tpu_inference_v3 as v3  # noqa: E402
+from rpa_harness.targets.tpu_inference_batched_rpa.report import BATCHED  # noqa: E402
 from rpa_harness.targets import tpu_inference_v3_hd64 as hd64  # noqa: E402
 from rpa_harness.targets.tpu_inference_v3_hd64.report import HD64  # noqa: E402
 
 FINDINGS = {issue.name: issue for issue in v3.RPA_HARNESS_CATALOGUE}
 HD64_FINDINGS = {issue.name: issue for issue in hd64.RPA_HARNESS_CATALOGUE}
-ISSUES = {**FINDINGS, **HD64_FINDINGS}
-KERNELS = {**dict.fromkeys(FINDINGS, v3_report.V3), **dict.fromkeys(HD64_FINDINGS, HD64)}
+BATCHED_FINDINGS = {issue.name: issue for issue in batched.RPA_HARNESS_CATALOGUE}
+ISSUES = {**FINDINGS, **HD64_FINDINGS, **BATCHED_FINDINGS}
+KERNELS = {
+    **dict.fromkeys(FINDINGS, v3_report.V3),
+    **dict.fromkeys(HD64_FINDINGS, HD64),
+    **dict.fromkeys(BATCHED_FINDINGS, BATCHED),
+}
 STANDALONE_IMPORTS = {"base64", "importlib", "io", "os", "sys", "threading", "types", "warnings"} | {
     "jax",
     "numpy",
@@ -47,7 +55,7 @@ def script_of(issue, kernel=v3_report.V3) -> tuple[str, object]:
 def options_of(program: str) -> dict:
     """The keyword options a script passes, evaluated as the script evaluates them."""
     line = next(line for line in program.splitlines() if line.startswith("options = "))
-    return eval(line.removeprefix("options = "), {"jnp": jnp, "np": np})
+    return eval(line.removeprefix("options = "), {"jnp": jnp, "np": np, "importlib": importlib})
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
@@ -61,7 +69,8 @@ def test_every_findings_script_is_standalone_and_makes_the_repros_call(name):
                 for alias in node.names}  # fmt: skip
     assert imported <= STANDALONE_IMPORTS and not any(isinstance(n, ast.ImportFrom) for n in ast.walk(tree))
     assert f'importlib.import_module("{kernel.module.__name__}")' in program
-    assert f"kernel.{kernel.reference}(" in program and f"kernel.{kernel.function}(" in program
+    assert f'reference = importlib.import_module("{kernel.reference_functions.__name__}")' in program
+    assert f"reference.{kernel.reference}(" in program and f"kernel.{kernel.function}(" in program
     assert options_of(program) == kernel.script_options(inputs)
     sinks = inputs.args[8] if len(inputs.args) > 8 else None
     assert ("attention_sink = np.array(" in program) == (sinks is not None)

@@ -63,3 +63,12 @@ RPA_HARNESS_PROPERTIES = dict.fromkeys((v3_judge.ATTENTION_AND_CACHE, v3_judge.H
 # Its known issues (docs/tpu-inference-batched-rpa-findings/): their cases are not drawn.
 RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
 RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
+
+
+def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
+    """v3's report with batched RPA's call and v3's reference (``report.BATCHED``): imported when a report
+    is asked for."""
+    from rpa_harness.targets.tpu_inference_batched_rpa.report import BATCHED
+    from rpa_harness.targets.tpu_inference_v3 import report as v3_report
+
+    return v3_report.render(BATCHED, *args, **kwargs)

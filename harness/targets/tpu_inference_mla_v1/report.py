@@ -46,10 +46,15 @@ class ReportedMla:
     script_stubs: str = ""  # Python lines the script's loader runs before it imports the kernel
     function: str = "mla_ragged_paged_attention"
     reference: str = "ref_mla_ragged_paged_attention"  # MLA v1's: v2 ships none
+    reference_owner: str = "its own"  # the words that name whose reference it is
 
     @property
     def qualified_function(self) -> str:
         return f"{self.module.__name__}.{self.function}"
+
+    @property
+    def reference_in_words(self) -> str:
+        return f"{self.reference_owner} `{self.reference}`"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,4 +23,5 @@ MLA_V2 = mla_report.ReportedMla(
     precision=mla_v2.RPA_HARNESS_PRECISION,
     head_major=True,
     script_stubs=SCRIPT_STUBS,
+    reference_owner="MLA v1's",
 )

@@ -21,6 +21,7 @@ recorded) gets no report: ``NothingToReport``.
 
 import base64
 import dataclasses
+import enum
 import io
 import subprocess
 import sys
@@ -71,10 +72,22 @@ class ReportedKernel:
     off_a_tpu: str  # what the chip line says of a case observed on a CPU device
     on_a_generation: str  # ... and of one observed on an emulated generation ({generation})
     script_stubs: str = ""  # Python lines the script's loader runs before it imports the kernel
+    # Where its reference (and the cache helpers the script's random data uses) lives, for a kernel that
+    # ships none (batched RPA: v3's), with the words that name its owner.
+    reference_module: types.ModuleType | None = None
+    reference_owner: str = "its own"
 
     @property
     def qualified_function(self) -> str:
         return f"{self.module.__name__}.{self.function}"
+
+    @property
+    def reference_functions(self) -> types.ModuleType:
+        return self.reference_module or self.module
+
+    @property
+    def reference_in_words(self) -> str:
+        return f"{self.reference_owner} `{self.reference}`"
 
 
 class Reported(Protocol):
@@ -85,6 +98,9 @@ class Reported(Protocol):
 
     @property
     def reference(self) -> str: ...
+
+    @property
+    def reference_in_words(self) -> str: ...  # "its own `ref_...`", or whose reference it is
 
 
 @dataclasses.dataclass
@@ -142,7 +158,7 @@ def observe(kernel: ReportedKernel, repro: repro_files.Repro, backend: Backend) 
             observation.cache_error = mismatch
     inputs = observation.inputs
     try:
-        own_out, own_cache = getattr(kernel.module, kernel.reference)(
+        own_out, own_cache = getattr(kernel.reference_functions, kernel.reference)(
             *v3.device_arrays(inputs.args),
             **{k: v for k, v in inputs.kwargs.items() if k not in kernel.tuning_options},
         )
@@ -204,6 +220,10 @@ def call_in_words(kernel: ReportedKernel, inputs) -> list[str]:
     ]
 
 
+def capitalized(words: str) -> str:
+    return words[:1].upper() + words[1:]
+
+
 def attention_in_words(kernel: Reported, observation: Observation) -> list[str]:
     c = observation.comparison
     assert c is not None  # the call returned (expected_vs_actual)
@@ -225,7 +245,7 @@ def attention_in_words(kernel: Reported, observation: Observation) -> list[str]:
             expected="expected (float64 oracle)",
             own_reference=None
             if own is None
-            else (f"its own `{kernel.reference}`", own[w.row, w.head, w.dim]),
+            else (kernel.reference_in_words, own[w.row, w.head, w.dim]),
             actual="actual (the kernel)",
         ),
         *error_map_block(c),
@@ -257,13 +277,13 @@ def cache_in_words(kernel: Reported, observation: Observation) -> list[str]:
         lines.append(f"| ... | | {len(slots) - MAX_SLOT_ROWS} more slots | | |")
     if observation.own_reference_cache_matches is not None:
         verdict = "returns" if observation.own_reference_cache_matches else "does not return either"
-        lines += ["", f"Its own `{kernel.reference}` {verdict} the expected cache, bit for bit."]
+        lines += ["", f"{capitalized(kernel.reference_in_words)} {verdict} the expected cache, bit for bit."]
     return lines
 
 
 def expected_vs_actual(kernel: Reported, observation: Observation) -> list[str]:
     rejects = (
-        f"Its own `{kernel.reference}` rejects these inputs (its `dynamic_validate_inputs`: "
+        f"{capitalized(kernel.reference_in_words)} rejects these inputs (its `dynamic_validate_inputs`: "
         f"`{observation.reference_rejects}`), which the kernel does not run: the call must return or fail."
     )
     if observation.hang is not None:
@@ -283,8 +303,8 @@ def expected_vs_actual(kernel: Reported, observation: Observation) -> list[str]:
 
 SCRIPT = '''"""{name}: {description}
 
-Runs as written on {where}: `python repro.py` exits 1 while the kernel disagrees with its own
-{reference} (or does not return), 0 otherwise. {data_words}; the lengths, page
+Runs as written on {where}: `python repro.py` exits 1 while the kernel disagrees with {reference_words}
+(or does not return), 0 otherwise. {data_words}; the lengths, page
 table, block sizes and options are the failing case's.
 """
 
@@ -315,6 +335,7 @@ def load_kernel():
 
 
 kernel = load_kernel()
+reference = importlib.import_module("{reference_module}")
 warnings.filterwarnings("ignore", "Some donated buffers were not usable")  # on CPU; the kernel donates its inputs
 q_dtype, kv_dtype = jnp.{q_dtype}, jnp.{kv_dtype}
 tokens, q_heads, kv_heads, head_dim = {tokens}, {q_heads}, {kv_heads}, {head_dim}
@@ -330,7 +351,7 @@ rows = int(cu_q_lens[distribution[2]])
 
 tuning = {tuning!r}
 try:
-    expected_out, expected_cache = kernel.{reference}(
+    expected_out, expected_cache = reference.{reference}(
         *map(jnp.asarray, arrays), **{{k: v for k, v in options.items() if k not in tuning}}
     )
 except ValueError as error:  # the kernel does not run this validator: it must still return
@@ -388,9 +409,9 @@ for i in range(int(distribution[2])):  # slot by slot: whose key each differing 
             print(f"  page {{page}}, slot {{slot}} (sequence {{i}}, key position {{position}}, {{role}}): the kernel {{held}}")
 
 if wrong.any() or differs.any():
-    print("{reproduces}: the kernel disagrees with its own reference")
+    print("{reproduces}: the kernel disagrees with {reference_words}")
     sys.exit(1)
-print("does not reproduce: the kernel agrees with its reference")
+print("does not reproduce: the kernel agrees with {reference_words}")
 '''
 
 
@@ -402,8 +423,8 @@ values = rng.standard_normal((tokens, kv_heads, head_dim)).astype(kv_dtype)
 queries[rows:], keys[rows:], values[rows:] = 0, 0, 0
 cached_k = rng.standard_normal((pages * page_size, kv_heads, head_dim)).astype(kv_dtype)
 cached_v = rng.standard_normal((pages * page_size, kv_heads, head_dim)).astype(kv_dtype)
-cache_shape = kernel.get_kv_cache_shape(pages, page_size, kv_heads, head_dim, kv_dtype)
-kv_cache = np.asarray(kernel.merge_kv(jnp.asarray(cached_k), jnp.asarray(cached_v))).reshape(cache_shape)
+cache_shape = reference.get_kv_cache_shape(pages, page_size, kv_heads, head_dim, kv_dtype)
+kv_cache = np.asarray(reference.merge_kv(jnp.asarray(cached_k), jnp.asarray(cached_v))).reshape(cache_shape)
 """
 EXACT_DATA = """\
 # The failing case's own inputs (raw bits of numpy arrays, compressed): queries, new keys and values, cache.
@@ -432,9 +453,16 @@ def embedded_inputs(inputs) -> str | None:
 
 
 def value_source(value) -> str:
-    """``value`` as the script's Python source: dtypes as jnp's names, non-finite floats spelled out."""
+    """``value`` as the script's Python source: dtypes as jnp's names, non-finite floats spelled out, a
+    kernel's configuration objects (dataclasses, enums) built from their module."""
     if isinstance(value, np.dtype):
         return f"jnp.{value.name}"
+    owner = f"importlib.import_module({type(value).__module__!r}).{type(value).__qualname__}"
+    if isinstance(value, enum.Enum):
+        return f"{owner}.{value.name}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ", ".join(f"{f.name}={value_source(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        return f"{owner}({fields})"
     if isinstance(value, float) and not np.isfinite(value):
         return f"float({str(value)!r})"
     return repr(value)
@@ -461,6 +489,8 @@ def script(kernel: ReportedKernel, inputs, description: str, generation: str) ->
         module=kernel.module.__name__,
         function=kernel.function,
         reference=kernel.reference,
+        reference_module=kernel.reference_functions.__name__,
+        reference_words=kernel.reference_in_words,
         stubs=kernel.script_stubs,
         sink_lines=f"attention_sink = np.array([{sink_values}], np.float32)  # one logit per q head\n"
         if given_sinks
@@ -618,7 +648,7 @@ def render(
         f"The script needs only jax, numpy and tpu-inference. It runs as written on "
         f"{'a TPU ' + backend.generation if backend.generation != NONE else 'a TPU'}"
         f" (`python repro.py`); its data is {data}, its lengths, page table, block sizes and options "
-        f"the case's. It compares the kernel with its own `{kernel.reference}`, the attention "
+        f"the case's. It compares the kernel with {kernel.reference_in_words}, the attention "
         "within a tolerance and the returned cache slot by slot, and exits 1 while they disagree.",
         "",
         "```python",
