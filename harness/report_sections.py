@@ -11,6 +11,19 @@ class NothingToReport(Exception):
     message says what happened instead and how to replay it."""
 
 
+# The most entries of a page table row the case's words list; a longer row is cut, its length said.
+MAX_LISTED_PAGES = 64
+
+
+def page_table_row(row) -> str:
+    """One sequence's page table row in the report's words: whole, or its first ``MAX_LISTED_PAGES`` entries
+    and how many follow (a row of thousands of pages is a long page table, not a list to read)."""
+    entries = [int(page) for page in row]
+    if len(entries) <= MAX_LISTED_PAGES:
+        return f"`{entries}`"
+    return f"`{entries[:MAX_LISTED_PAGES]}` and {len(entries) - MAX_LISTED_PAGES:,} more"
+
+
 def case_in_words(repro: repro_files.Repro) -> list[str]:
     arrays, options = repro.arrays, repro.options
     q, kv_pages = arrays["q"], arrays["kv_pages"]
@@ -26,7 +39,7 @@ def case_in_words(repro: repro_files.Repro) -> list[str]:
         f"- heads: {q.shape[1]} query, {combined // 2} KV (combined K/V axis {combined}), head_dim {head_dim}",
         f"- dtypes: q {q.dtype}, KV cache {kv_pages.dtype}",
         f"- paged cache: {total_pages} pages of {page_size} tokens, `pages_per_seq = {pages.shape[1]}`; "
-        "page table rows of the sequences: " + ", ".join(f"`{pages[i].tolist()}`" for i in range(n)),
+        "page table rows of the sequences: " + ", ".join(page_table_row(pages[i]) for i in range(n)),
         "- options: " + (", ".join(f"`{k}={v!r}`" for k, v in options.items()) or "none (defaults)"),
     ]
     if repro.case is not None:

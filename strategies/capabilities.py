@@ -44,6 +44,10 @@ class Capabilities:
     # (False: its own are sized to fill the chip's VMEM whatever the problem, which XLA:CPU takes minutes
     # to compile; only a real TPU then draws them).
     kernel_block_sizes_on_interpreters: bool = True
+    # The most pages a given KV block holds (0: any): for a kernel whose compiled code grows with the pages
+    # of a block (a copy unrolled per page and per batched sequence), which the interpreters take minutes to
+    # compile past a few pages.
+    max_kv_pages_per_block: int = 0
     # The smallest page size at which the long bucket may leave block sizes to the kernel (None); 0: any.
     # For a kernel whose default KV block at long contexts is a fixed number of keys, copied page by page
     # (each copy unrolled), small pages make one call take the interpreters minutes; below this page size
@@ -131,6 +135,11 @@ class Capabilities:
                 f"Capabilities(mask_value_meaning={self.mask_value_meaning!r}): choose one of {MASK_VALUE_MEANINGS}."
             )
         self._check_excluded_dtype_pairs()
+        if not isinstance(self.max_kv_pages_per_block, int) or self.max_kv_pages_per_block < 0:
+            raise ValueError(
+                f"Capabilities(max_kv_pages_per_block={self.max_kv_pages_per_block!r}): give a number of pages "
+                "(0: any)."
+            )
         fp8 = [d for d in self.kv_dtypes if d.startswith("float8")]
         if self.even_kv_heads_for_fp8 and fp8 and not any(h % 2 == 0 for h in self.num_kv_heads):
             raise ValueError(

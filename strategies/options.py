@@ -76,11 +76,18 @@ TUNED_QUERIES_PER_BLOCK = (32, 64, 128, 256)
 TUNED_MAX_BLOCK_KEYS = 4096
 
 
-def tuned_block_sizes(config: dict) -> st.SearchStrategy[dict]:
-    """A (num_kv_pages_per_block, num_queries_per_block) pair from upstream's tuned values for a config."""
+def kv_pages_cap(capabilities: Capabilities, config: dict) -> int:
+    """The most pages a given KV block may hold for ``config``: its pages per sequence, or fewer where the
+    target declares ``max_kv_pages_per_block``."""
+    return min(config["pages_per_seq"], capabilities.max_kv_pages_per_block or config["pages_per_seq"])
+
+
+def tuned_block_sizes(config: dict, capabilities: Capabilities = WHOLE_SPACE) -> st.SearchStrategy[dict]:
+    """A (num_kv_pages_per_block, num_queries_per_block) pair from upstream's tuned values for a config
+    (the KV block clipped to the target's ``max_kv_pages_per_block``)."""
     kv_pages = sorted(
         {
-            min(p, config["pages_per_seq"])
+            min(p, kv_pages_cap(capabilities, config))
             for p in TUNED_KV_PAGES_PER_BLOCK
             if p * config["page_size"] <= TUNED_MAX_BLOCK_KEYS
         }
@@ -101,7 +108,7 @@ def production_block_sizes(
     values."""
     if kernel_defaults and not capabilities.needs_block_sizes and draw(st.booleans()) is False:
         return dict(num_kv_pages_per_block=None, num_queries_per_block=None)
-    return draw(tuned_block_sizes(config))
+    return draw(tuned_block_sizes(config, capabilities))
 
 
 def sinks_for(logits: tuple[float, ...], num_q_heads: int) -> tuple[float, ...]:
@@ -165,7 +172,8 @@ def options(draw, config: dict, capabilities: Capabilities = WHOLE_SPACE) -> dic
         drawn["k_scale"] = drawn["v_scale"] = None
     if kv_scales_unspecified(capabilities, config):
         drawn["k_scale"] = drawn["v_scale"] = None
-    kv_blocks = st.integers(1, min(4, config["pages_per_seq"])) | st.just(config["pages_per_seq"])
+    cap = kv_pages_cap(capabilities, config)
+    kv_blocks = st.integers(1, min(4, cap)) | st.just(cap)
     query_blocks = st.sampled_from(QUERY_BLOCKS)
     if capabilities.needs_block_sizes or many_page_copies(capabilities, config):
         drawn["num_kv_pages_per_block"] = draw(kv_blocks)

@@ -8,7 +8,7 @@ from rpa_harness.spec.interface import (
 )
 from rpa_harness.strategies.buckets import drawn_buckets
 from rpa_harness.strategies.capabilities import WHOLE_SPACE, Capabilities
-from rpa_harness.strategies.options import kv_scales_paired, kv_scales_unspecified, sinks_for
+from rpa_harness.strategies.options import kv_pages_cap, kv_scales_paired, kv_scales_unspecified, sinks_for
 from rpa_harness.strategies.shapes import kv_heads_for, make_config, page_sizes_for
 
 # A fixed pool of compiled configurations (static config + options) that together touch every feature.
@@ -83,7 +83,7 @@ def pool(capabilities: Capabilities = WHOLE_SPACE, selection=None) -> list[tuple
         if capabilities.needs_block_sizes:
             opts = {**required_block_sizes(config), **opts}
         if "num_kv_pages_per_block" in opts:
-            opts["num_kv_pages_per_block"] = min(opts["num_kv_pages_per_block"], config["pages_per_seq"])
+            opts["num_kv_pages_per_block"] = min(opts["num_kv_pages_per_block"], kv_pages_cap(capabilities, config))
         if kv_scales_paired(capabilities, config) and ("k_scale" in opts) != ("v_scale" in opts):
             opts.pop("k_scale", None)
             opts.pop("v_scale", None)

@@ -158,7 +158,7 @@ def _valid_cases(
         if long_corner is not None and long_corner.leaves_blocks_to_the_kernel(capabilities):
             opts = {**opts, "num_kv_pages_per_block": None, "num_queries_per_block": None}
         elif long_corner is not None:
-            opts = {**opts, **draw(tuned_block_sizes(config))}
+            opts = {**opts, **draw(tuned_block_sizes(config, capabilities))}
         elif isinstance(bucket, ProductionBucket | LongBucket):
             defaults = (
                 not isinstance(bucket, LongBucket)

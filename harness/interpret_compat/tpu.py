@@ -40,6 +40,12 @@ is reached at once, and the wait then takes the semaphore's vector clock, which 
 returns from such a wait at once (batched and stacked RPA wait for their empty copies). The patch returns
 from it without a clock: nothing has signalled, so there is no ordering to take.
 
+Gap ``tpu-empty-access-race``: the race detector takes an access of no elements for one that overlaps
+another whose range holds its start (``_slices_overlap``: ``start1 <= start2 < stop1``, with jax's own
+question "Do we need to handle zero-length slices?"), so a copy of no rows raced with a write of the rows
+around it (batched RPA's query fetch of no tokens while the previous step's output is written back). An
+empty range touches nothing: the patch says it overlaps nothing.
+
 Race detection and views: an access through a reshape/bitcast view is reported to the race detector as an
 access to the smallest box of the region the view was taken of (the ref before its first reshape/bitcast)
 that holds every element it touches (``views.touched_box``): taking one slot of a bitcast double buffer
@@ -1026,4 +1032,66 @@ WAIT_FOR_NOTHING = Gap(
     patches=_wait_for_nothing_patches,
 )
 
-GAPS = (REF_VIEWS, MASKED_SWAP, RACE_HISTORY, CALLBACK_ARGUMENTS, CLOCK_ORDER, DEADLOCK, EMPTY_COPY_AT_END, WAIT_FOR_NOTHING)
+# ---------------------------------------------------------------------------------------------------------
+# Gap tpu-empty-access-race (an access of no elements taken for a race).
+
+
+def _empty_access_probe() -> bool:
+    """Whether the unpatched detector has an empty slice overlap a slice that holds its start."""
+    return bool(_internals().races._slices_overlap(slice(0, 0, 1), slice(0, 8, 1)))
+
+
+def _empty_access_internals() -> None:
+    races = _internals().races
+    require_parameters(races._slices_overlap, ["slice_or_idx1", "slice_or_idx2"], "_slices_overlap")
+    code = races._ranges_overlap.__code__
+    names = set(code.co_names).union(*(c.co_names for c in code.co_consts if isinstance(c, types.CodeType)))
+    require(
+        "_slices_overlap" in names,
+        "_ranges_overlap no longer compares ranges slice by slice through _slices_overlap",
+    )
+
+
+def _is_empty_range(slice_or_index) -> bool:
+    """A slice of known bounds with no elements (an index, or a whole axis, is never empty here)."""
+    return (
+        isinstance(slice_or_index, slice)
+        and slice_or_index.start is not None
+        and slice_or_index.stop is not None
+        and int(slice_or_index.stop) <= int(slice_or_index.start)
+    )
+
+
+def _empty_access_patches() -> list[Patch]:
+    races = _internals().races
+    original = races._slices_overlap
+
+    def slices_overlap(slice_or_idx1, slice_or_idx2):
+        """jax's overlap test, with an empty slice overlapping nothing."""
+        if _is_empty_range(slice_or_idx1) or _is_empty_range(slice_or_idx2):
+            return False
+        return original(slice_or_idx1, slice_or_idx2)
+
+    return [Patch(races, "_slices_overlap", slices_overlap)]
+
+
+EMPTY_ACCESS_RACE = Gap(
+    name="tpu-empty-access-race",
+    interpreter="tpu",
+    symptom="with race detection, an access of no elements is reported as racing with one around its start",
+    probe=_empty_access_probe,
+    check_internals=_empty_access_internals,
+    patches=_empty_access_patches,
+)
+
+GAPS = (
+    REF_VIEWS,
+    MASKED_SWAP,
+    RACE_HISTORY,
+    CALLBACK_ARGUMENTS,
+    CLOCK_ORDER,
+    DEADLOCK,
+    EMPTY_COPY_AT_END,
+    WAIT_FOR_NOTHING,
+    EMPTY_ACCESS_RACE,
+)

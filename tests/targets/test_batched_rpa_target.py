@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from rpa_harness import targets
+from rpa_harness import generations, targets
+from rpa_harness import repro as repro_files
+from rpa_harness.checks import RaisedOnValidInput, check_differential
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend
 from rpa_harness.strategies.case import Case
 
@@ -71,6 +73,17 @@ def test_batched_rpa_matches_the_oracle_and_writes_its_cache(backend, dtypes):
     assert verdict.cache_error is None, str(verdict.cache_error)
 
 
+def test_a_query_block_of_no_tokens_races_with_nothing():
+    """One 17-token prefill over 8-row query blocks: the kernel fetches an empty query block while the
+    previous step's output is written back, which the TPU interpreter took for a race (tpu-empty-access-race)."""
+    case = dataclasses.replace(
+        CASE, q_lens=(17,), kv_lens=(17,), num_q_heads=8, num_kv_heads=4, head_dim=64, kv_dtype="bfloat16",
+        max_num_batched_tokens=32, pages_per_seq=8, total_num_pages=9,
+    )  # fmt: skip
+    verdict = batched.judge(case.arrays(), case.options(), Backend(INTERPRET, generation="v6e"), precision=TARGET.precision)
+    assert verdict.comparison.ok and verdict.cache_error is None, str(verdict.comparison)
+
+
 def test_batched_rpa_agrees_with_v3s_reference():
     """It has no reference of its own; v3's, on the same arguments, is a second oracle."""
     arrays = dataclasses.replace(CASE, poison=False).arrays()
@@ -103,3 +116,19 @@ def test_the_interpreters_give_the_blocks_a_tpu_leaves_them_to_the_kernel():
 def test_bfloat16_queries_with_a_bfloat16_cache_are_drawn_only_off_the_cpu():
     excluded = TARGET.capabilities.excluded_dtype_pairs
     assert excluded == ((("bfloat16", "bfloat16"),) if jax.default_backend() == "cpu" else ())
+
+
+def test_the_schedule_overrun_is_seen_where_bounds_are_checked_and_predicted():
+    """A page table of 240,000 entries leaves the schedule kernel SMEM for 384 steps: its write-back of
+    1,024 entries reads past a 768-entry array (the checking interpreter); the generic interpreter checks
+    no bounds and gets the attention right. The predicate restates the kernel's sizes: it matches the repro
+    and not the case it moves to."""
+    issue = next(i for i in batched.RPA_HARNESS_CATALOGUE if "schedule-write-back" in i.name)
+    case = repro_files.read(issue.repro).case
+    with generations.emulated("v6e"):
+        assert issue.matches(case)
+        assert not issue.matches(issue.nearest_outside(case))
+    arrays, options = case.arrays(), case.options()
+    with pytest.raises(RaisedOnValidInput, match="Out-of-bounds read of .* smem"):
+        check_differential(TARGET, Backend(INTERPRET, generation="v6e"), arrays, options)
+    check_differential(TARGET, Backend(FAST_INTERPRET, generation="v6e"), arrays, options)

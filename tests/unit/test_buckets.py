@@ -375,3 +375,19 @@ def test_a_kv_dtype_left_without_a_q_dtype_is_one_clear_error():
         Capabilities(q_dtypes=("bfloat16",), excluded_dtype_pairs=(("bfloat16", "bfloat16"),))
     with pytest.raises(ValueError, match="is not a \\(q dtype, KV dtype\\) pair"):
         Capabilities(excluded_dtype_pairs=(("float16", "bfloat16"),))
+
+
+FEW_PAGES_PER_BLOCK = Capabilities(max_kv_pages_per_block=3, buckets=("tiny", "small", "long"))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    case=valid_cases(FEW_PAGES_PER_BLOCK, large="long", selection=("tiny", "small", "long"))
+    | valid_cases(FEW_PAGES_PER_BLOCK, pooled=True)
+)
+def test_a_given_kv_block_keeps_to_the_declared_pages(case):
+    assert case.num_kv_pages_per_block is None or case.num_kv_pages_per_block <= 3
+
+
+def test_the_declared_pages_are_reached():
+    assert find(valid_cases(FEW_PAGES_PER_BLOCK), lambda c: c.num_kv_pages_per_block == 3).pages_per_seq >= 3

@@ -912,6 +912,24 @@ def test_gap_wait_for_nothing_still_in_tpu_interpreter():
     assert_gap("tpu-wait-for-nothing", wait_for_no_rows_with_race_detection, "CpuCallback error")
 
 
+def test_an_access_of_no_elements_overlaps_nothing():
+    """The race detector's overlap test, which the layer patches and the probe runs unpatched: an empty
+    range overlaps nothing, any other range what it shares elements with (batched RPA's fetch of a query
+    block of no tokens, beside the previous step's write-back: tests/targets/test_batched_rpa_target.py)."""
+    from jax._src.pallas.mosaic.interpret import race_detection_state as races
+
+    assert not races._slices_overlap(slice(0, 0, 1), slice(0, 8, 1))
+    assert not races._slices_overlap(slice(0, 8, 1), slice(3, 3, 1))
+    assert races._slices_overlap(slice(0, 4, 1), slice(3, 8, 1)) and races._slices_overlap(2, slice(0, 8, 1))
+    assert not races._slices_overlap(slice(0, 4, 1), slice(4, 8, 1))
+    assert races._ranges_overlap((slice(0, 4, 1), slice(0, 2, 1)), (slice(0, 4, 1), slice(1, 8, 1)))
+    assert not races._ranges_overlap((slice(0, 4, 1), slice(0, 0, 1)), (slice(0, 4, 1), slice(0, 8, 1)))
+    with layer_off():
+        assert races._slices_overlap(slice(0, 0, 1), slice(0, 8, 1)) == (
+            gap_state("tpu-empty-access-race") != interpret_compat.CLOSED
+        )
+
+
 def test_gap_literal_index_still_in_generic_interpreter():
     def kernel(x_ref, o_ref):
         o_ref[...] = jnp.zeros_like(o_ref)

@@ -42,6 +42,10 @@ RPA_HARNESS_CAPABILITIES = dict(
     # case gives them; a TPU draws its own too.
     needs_block_sizes=True,
     kernel_block_sizes_on_interpreters=False,
+    # Its code grows with a KV block's pages (a copy per page, per batched sequence and buffer): a block of
+    # 16 two-key pages took 144 s to compile, of 4 52 s, of 1 28 s (a loaded machine); 49 outlived the
+    # watchdog's 300 s, a slow compilation taken for a hang.
+    max_kv_pages_per_block=8,
     update_kv_cache=True,
     backends=("interpret", "fast-interpret", "tpu"),
     # It reads the chip (pltpu.get_tpu_info) for its layout's alignment, SMEM budget and position integers

@@ -19,6 +19,7 @@ from rpa_harness.targets.tpu_inference_v3 import adapter as v3
 
 _WRAPPER = "tpu_inference.kernels.experimental.batched_rpa.wrapper"
 _CONFIGS = "tpu_inference.kernels.experimental.batched_rpa.configs"
+_SCHEDULE = "tpu_inference.kernels.experimental.batched_rpa.schedule"
 
 # The kernel's own choices (tuned_params.calculate_block_sizes) batch eight decodes or two mixed sequences
 # per grid step with three buffers, and grow the query and KV blocks until they fill the chip's VMEM
@@ -40,9 +41,15 @@ def kernel() -> types.ModuleType:
 
 
 def configs() -> types.ModuleType:
-    """batched RPA's configuration module (``BlockSizes``, ``KVLayout``)."""
+    """batched RPA's configuration module (``BlockSizes``, ``KVLayout``, ``RpaConfigs``)."""
     kernel()
     return v3.load_kernel_module(_CONFIGS)
+
+
+def schedule() -> types.ModuleType:
+    """batched RPA's schedule module (``RpaSchedule``: the step arrays its schedule kernel fills)."""
+    kernel()
+    return v3.load_kernel_module(_SCHEDULE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -341,7 +341,7 @@ q_dtype, kv_dtype = jnp.{q_dtype}, jnp.{kv_dtype}
 tokens, q_heads, kv_heads, head_dim = {tokens}, {q_heads}, {kv_heads}, {head_dim}
 pages, page_size = {pages}, {page_size}
 kv_lens = np.array({kv_lens}, np.int32)
-page_indices = np.array({page_indices}, np.int32)  # flat: [max_num_seqs * pages_per_seq]
+page_indices = {page_indices}  # flat: [max_num_seqs * pages_per_seq]
 cu_q_lens = np.array({cu_q_lens}, np.int32)
 distribution = np.array({distribution}, np.int32)  # decode-only sequences, then mixed; num_seqs
 options = {options}
@@ -452,6 +452,22 @@ def embedded_inputs(inputs) -> str | None:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+# The longest int32 array a script spells out; a longer one (a long page table) is embedded compressed.
+MAX_LISTED_ENTRIES = 1024
+
+
+def array_source(array) -> str:
+    """An int32 array as the script's source: its entries listed, or, past ``MAX_LISTED_ENTRIES``, the
+    base64 of a compressed NPZ of them."""
+    array = np.asarray(array, np.int32)
+    if array.size <= MAX_LISTED_ENTRIES:
+        return f"np.array({array.tolist()}, np.int32)"
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, entries=array)
+    encoded = base64.b64encode(buffer.getvalue()).decode()
+    return f'np.load(io.BytesIO(base64.b64decode("{encoded}")))["entries"]'
+
+
 def value_source(value) -> str:
     """``value`` as the script's Python source: dtypes as jnp's names, non-finite floats spelled out, a
     kernel's configuration objects (dataclasses, enums) built from their module."""
@@ -507,7 +523,7 @@ def script(kernel: ReportedKernel, inputs, description: str, generation: str) ->
         pages=pages,
         page_size=page_size,
         kv_lens=kv_lens.tolist(),
-        page_indices=page_indices.tolist(),
+        page_indices=array_source(page_indices),
         cu_q_lens=cu_q_lens.tolist(),
         distribution=distribution.tolist(),
         options=options_source(kernel.script_options(inputs)),
