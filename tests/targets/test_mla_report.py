@@ -67,7 +67,7 @@ def test_mla_v2s_cache_finding_report_lists_the_slot_and_its_script_reproduces()
     expected = report.split("## Expected and actual", 1)[1].split("## Why", 1)[0]
     assert "Attention: right" in expected and "in 1 slot, 0 of them new tokens' slots" in expected
     assert "| 2 | 1 | 0, 1 | must stay unchanged | other values |" in expected
-    assert "Its own `ref_mla_ragged_paged_attention` returns the expected cache, bit for bit." in expected
+    assert "MLA v1's `ref_mla_ragged_paged_attention` returns the expected cache, bit for bit." in expected
     assert "`ql_nope` (1, 8, 32) ([H, T, lkv], head-major)" in report
     output = report.split("Output of the script", 1)[1]
     assert "(exit status 1: reproduces)" in output
