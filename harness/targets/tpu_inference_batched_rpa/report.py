@@ -10,12 +10,7 @@ from rpa_harness.targets.tpu_inference_v3 import report as v3_report
 
 # Lines of the script's loader: batched RPA's package, as the loader stubs v3's, and a stand-in for
 # tpu_inference.logger (vllm's logger), which its tuned parameters import.
-SCRIPT_STUBS = """\
-    for depth in (3, 4):
-        parts = ("tpu_inference", "kernels", "experimental", "batched_rpa")[:depth]
-        package = types.ModuleType(".".join(parts))
-        package.__path__ = [os.path.join(root, *parts[1:])]
-        sys.modules.setdefault(package.__name__, package)
+SCRIPT_STUBS = v3_report.package_stubs("experimental", "batched_rpa") + """\
     if "tpu_inference.logger" not in sys.modules and importlib.util.find_spec("vllm") is None:
         sys.modules["tpu_inference.logger"] = types.ModuleType("tpu_inference.logger")
         sys.modules["tpu_inference.logger"].init_logger = __import__("logging").getLogger

@@ -7,13 +7,7 @@ from rpa_harness.targets import tpu_inference_rpa_v3_cp as cp
 from rpa_harness.targets.tpu_inference_v3 import report as v3_report
 
 # Lines of the script's loader: the fork's package, as the loader stubs v3's.
-SCRIPT_STUBS = """\
-    for depth in (3, 4):
-        parts = ("tpu_inference", "kernels", "experimental", "rpa_v3_cp")[:depth]
-        package = types.ModuleType(".".join(parts))
-        package.__path__ = [os.path.join(root, *parts[1:])]
-        sys.modules.setdefault(package.__name__, package)
-"""
+SCRIPT_STUBS = v3_report.package_stubs("experimental", "rpa_v3_cp")
 
 CP = dataclasses.replace(
     v3_report.V3,

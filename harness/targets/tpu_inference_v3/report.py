@@ -452,6 +452,19 @@ def embedded_inputs(inputs) -> str | None:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+def package_stubs(*parts: str) -> str:
+    """Lines of a script's loader (``ReportedKernel.script_stubs``) that make the packages of a kernel under
+    ``tpu_inference/kernels/`` importable without their ``__init__.py``, as the loader does for v3's."""
+    path = ("tpu_inference", "kernels", *parts)
+    return (
+        f"    for depth in range(3, {len(path) + 1}):\n"
+        f"        parts = {path!r}[:depth]\n"
+        "        package = types.ModuleType(\".\".join(parts))\n"
+        "        package.__path__ = [os.path.join(root, *parts[1:])]\n"
+        "        sys.modules.setdefault(package.__name__, package)\n"
+    )
+
+
 # The longest int32 array a script spells out; a longer one (a long page table) is embedded compressed.
 MAX_LISTED_ENTRIES = 1024
 
