@@ -77,7 +77,7 @@ def with_room_for_the_schedule(case: Case) -> Case:
     page; then the page table cut to the pages the live sequences use (it takes SMEM from the steps); then
     the batch without its longest sequence, until it fits."""
     while schedule_write_back_overruns_its_buffers(case) and (case.num_kv_pages_per_block or 1) > 1:
-        case = dataclasses.replace(case, num_kv_pages_per_block=case.num_kv_pages_per_block // 2)
+        case = dataclasses.replace(case, num_kv_pages_per_block=(case.num_kv_pages_per_block or 1) // 2)
     if schedule_write_back_overruns_its_buffers(case):
         used = max([math.ceil(kv_len / case.page_size) for kv_len in case.kv_lens] or [1])
         pages_per_seq = max(used, case.num_kv_pages_per_block or 1)
