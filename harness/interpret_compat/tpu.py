@@ -48,7 +48,7 @@ empty range touches nothing: the patch says it overlaps nothing.
 
 Race detection and views: an access through a reshape/bitcast view is reported to the race detector as an
 access to the smallest box of the region the view was taken of (the ref before its first reshape/bitcast)
-that holds every element it touches (``views.touched_box``): taking one slot of a bitcast double buffer
+that holds every element it touches (``views.touched_box``; an empty box for an access of no elements): taking one slot of a bitcast double buffer
 records that slot only. Stores through a view read the region without a record and write back that box.
 """
 

@@ -204,8 +204,9 @@ def _view_key(transform) -> tuple:
 
 
 def touched_box(region_shape: tuple[int, ...], region_dtype, views: tuple) -> tuple[slice, ...] | None:
-    """The smallest box of ``region`` that holds every element an access through ``views`` touches, or None
-    when that is the whole region (or the views leave its bounds, which the access itself reports)."""
+    """The smallest box of ``region`` that holds every element an access through ``views`` touches (an
+    empty box, ``slice(0, 0)`` on every axis, for an access of no elements), or None when that is the whole
+    region (or the views leave its bounds, which the access itself reports)."""
     key = tuple(_view_key(transform) for transform in views)
     return _touched_box(tuple(region_shape), _bit_width(region_dtype), key)
 
@@ -241,7 +242,7 @@ def _touched_box(region_shape: tuple[int, ...], region_bits: int, views: tuple) 
                 ids = np.repeat(ids, source_bits // target_bits, axis=-3)
             bits = target_bits
     if ids.size == 0:
-        return None
+        return tuple(slice(0, 0) for _ in region_shape)
     positions = np.unravel_index(ids.ravel(), region_shape)
     box = tuple(slice(int(axis.min()), int(axis.max()) + 1) for axis in positions)
     if all(part.stop - part.start == size for part, size in zip(box, region_shape, strict=True)):

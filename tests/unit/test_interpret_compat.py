@@ -454,6 +454,10 @@ def test_touched_box_follows_reshape_bitcast_and_indexing():
     words_4_to_7_as_halves = (("bitcast", 16), ("index", ((4, 8, 1),)))
     assert _touched_box((16, 128), 32, words_4_to_7_as_halves) == (slice(2, 4), slice(0, 128))
     assert _touched_box((2, 16, 128), 16, (("bitcast", 32),)) is None  # the whole region
+    # No rows of a reshape (batched RPA's copy of a block whose write-back it skips: size 0): an empty box,
+    # which races with nothing (tpu-empty-access-race), not the whole region, which races with every access.
+    no_rows_of_a_reshape = (("reshape", (32, 128)), ("index", ((8, 8, 1), (0, 128, 1))))
+    assert _touched_box((2, 16, 128), 32, no_rows_of_a_reshape) == (slice(0, 0), slice(0, 0), slice(0, 0))
 
 
 # --- scalar-prefetch state across grid steps ------------------------------------------------------------
