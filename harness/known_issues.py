@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 from rpa_harness import generations, runlog
 from rpa_harness.strategies.case import Case
 
@@ -77,6 +79,12 @@ class KnownIssue:
     # TPU interpreter reports it); empty for every backend. Elsewhere its cases are drawn, and its repro
     # must pass.
     backends: tuple[str, ...] = ()
+    # The releases of the kernel's distribution that have it, as a PEP 440 specifier (``>=0.18.0,<0.23.0``),
+    # each range checked by replaying the repro inside and outside it; empty for every release.
+    releases: str = ""
+
+    def __post_init__(self):
+        SpecifierSet(self.releases)  # raises InvalidSpecifier for a malformed range, at import
 
     def __repr__(self) -> str:  # one line where Hypothesis and pytest print it (a parameter of a property)
         return f"KnownIssue({self.name!r})"
@@ -91,6 +99,16 @@ class KnownIssue:
     def visible_on(self, backend_name: str) -> bool:
         """Whether a run on ``backend_name`` can see the issue (``backends``)."""
         return not self.backends or backend_name in self.backends
+
+    def affects(self, version: str) -> bool:
+        """Whether release ``version`` has the issue (``releases``). A development or local build
+        (``0.23.0.dev4``, ``0.22.1+tpu``) counts as its release; a version that is not PEP 440 (or none
+        installed) counts as affected, so that no issue is dropped for want of a number."""
+        try:
+            release = Version(Version(version).base_version)
+        except InvalidVersion:
+            return True
+        return SpecifierSet(self.releases).contains(release, prereleases=True)
 
     def shows(self, failure: str) -> bool:
         """Whether a property failure is this issue's (and not some other failure of the repro)."""

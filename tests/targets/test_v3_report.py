@@ -26,8 +26,8 @@ from rpa_harness.report_sections import NothingToReport  # noqa: E402
 from rpa_harness.strategies.case import Case  # noqa: E402
 from rpa_harness.targets import tpu_inference_batched_rpa as batched  # noqa: E402
 from rpa_harness.targets import tpu_inference_v3 as v3  # noqa: E402
-from rpa_harness.targets.tpu_inference_batched_rpa.report import BATCHED  # noqa: E402
 from rpa_harness.targets import tpu_inference_v3_hd64 as hd64  # noqa: E402
+from rpa_harness.targets.tpu_inference_batched_rpa.report import BATCHED  # noqa: E402
 from rpa_harness.targets.tpu_inference_v3_hd64.report import HD64  # noqa: E402
 
 FINDINGS = {issue.name: issue for issue in v3.RPA_HARNESS_CATALOGUE}

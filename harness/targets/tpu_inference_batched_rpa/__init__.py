@@ -13,6 +13,7 @@ Install as for v3:
 
 import jax
 from rpa_harness.spec.interface import MASK_REPLACES
+from rpa_harness.targets.tpu_inference_batched_rpa import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_batched_rpa.adapter import (  # noqa: F401  (the adapter's public names)
     BatchedInputs,
     batched_inputs,
@@ -20,7 +21,6 @@ from rpa_harness.targets.tpu_inference_batched_rpa.adapter import (  # noqa: F40
     kernel,
     ragged_paged_attention,
 )
-from rpa_harness.targets.tpu_inference_batched_rpa import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_batched_rpa.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
 from rpa_harness.targets.tpu_inference_v3 import both_outputs as v3_judge
 from rpa_harness.targets.tpu_inference_v3.adapter import installed_version

@@ -28,6 +28,7 @@ from rpa_harness.targets.tpu_inference_v3.adapter import (  # noqa: F401  (the a
     DEFAULT_QUERIES_PER_BLOCK,
     DEFAULT_VMEM_LIMIT_BYTES,
     INSTALL_COMMAND,
+    PINNED_RELEASE,
     UPSTREAM_DEFAULT_MASK_VALUE,
     KernelInputs,
     V3Inputs,
@@ -35,6 +36,7 @@ from rpa_harness.targets.tpu_inference_v3.adapter import (  # noqa: F401  (the a
     device_arrays,
     dynamic_validate_inputs,
     given_block_options,
+    install_command,
     installed_version,
     jitted,
     kernel,
@@ -57,7 +59,10 @@ from rpa_harness.targets.tpu_inference_v3.both_outputs import (  # noqa: F401  (
     judge,
     unwritten_by_sliding_window,
 )
+from rpa_harness.targets.tpu_inference_v3.releases import run_header, v3_api
 from rpa_harness.targets.tpu_inference_v3.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
+
+_api = v3_api()  # the installed release's (None without tpu-inference)
 
 # What the strategies draw for v3 (fields of rpa_harness.strategies.valid.Capabilities). Outside of it: q_len == 0 (v3
 # forbids it and hangs on it: tests/targets/test_v3_target.py) and page sizes v3 rejects for a KV dtype.
@@ -85,7 +90,8 @@ RPA_HARNESS_CAPABILITIES = dict(
     out_dtype=True,
     skip_kv_mask=True,
     chunk_prefill_size=True,
-    update_kv_cache=True,
+    # Drawn where the installed release takes it (0.22.1 on: releases.py).
+    update_kv_cache=_api is not None and _api.update_kv_cache,
     buckets=("tiny", "small", "long"),
     # At long contexts v3's default decode block is 16,384 keys for a bfloat16 cache (32,768 for fp8),
     # copied page by page, each copy unrolled: with small pages one call outlives the watchdog on the fast
@@ -101,8 +107,10 @@ RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype",)
 RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
 check_both_outputs = checks_both_outputs(judge)
 RPA_HARNESS_PROPERTIES = dict.fromkeys((ATTENTION_AND_CACHE, HANG), check_both_outputs)
-RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
-RPA_HARNESS_VERSION = f"tpu-inference {installed_version()}"
+RPA_HARNESS_KNOWN_ISSUES = tuple(
+    issue.name for issue in RPA_HARNESS_CATALOGUE if issue.affects(installed_version())
+)
+RPA_HARNESS_VERSION = run_header()
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
 
 

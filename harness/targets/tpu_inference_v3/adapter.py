@@ -8,8 +8,8 @@ cache that already holds every key) to v3's, with the cache v3 must return; ``ca
 
 import dataclasses
 import functools
-import importlib.metadata
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -21,8 +21,10 @@ import numpy as np
 from rpa_harness import generations
 from rpa_harness.spec.interface import MASK_REPLACES, options_taken
 from rpa_harness.targets import layouts
+from rpa_harness.targets.tpu_inference_v3.releases import NOT_INSTALLED, V3Api, installed_version
 
-INSTALL_COMMAND = "pip install --no-deps tpu-inference==0.32.0"
+PINNED_RELEASE = "0.32.0"  # the release CI tests and the findings' reports were made on
+INSTALL_COMMAND = f"pip install --no-deps tpu-inference=={PINNED_RELEASE}"
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel"
 # Upstream's default mask value; v3's default (finfo(out_dtype).min, replacing the logit) masks as fully.
 UPSTREAM_DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -87,12 +89,10 @@ def stand_in_for_tpu_inference_logger() -> None:
         sys.modules["tpu_inference.logger"] = logger
 
 
-def installed_version() -> str:
-    """tpu-inference's installed version, or ``not installed``."""
-    try:
-        return importlib.metadata.version("tpu-inference")
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+def install_command() -> str:
+    """How to install the release installed here (the pinned one where none is)."""
+    version = installed_version()
+    return INSTALL_COMMAND if version == NOT_INSTALLED else f"pip install --no-deps tpu-inference=={version}"
 
 
 @functools.cache
@@ -193,7 +193,14 @@ def v3_arguments(
         tokens, cache = shared_kv_inputs(tokens, kv_pages)
         packed_cache = layouts.pack_cache(cache)
     args = kernel_arguments(
-        q, tokens, packed_cache, kv_lens, page_indices, cu_q_lens, num_seqs, chunk_prefill_size=chunk_prefill_size
+        q,
+        tokens,
+        packed_cache,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        chunk_prefill_size=chunk_prefill_size,
     )
     return tokens, args
 
@@ -289,6 +296,7 @@ def v3_inputs(
         bq, bq_chunk = block_sizes(bq, 1)
         bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
         passed = (bq, bkv, bq_chunk, bkv_chunk)
+    module = module or kernel()
     kwargs = dict(
         sm_scale=options.sm_scale,
         sliding_window=options.sliding_window,
@@ -305,13 +313,12 @@ def v3_inputs(
         skip_kv_mask=options.skip_kv_mask,
         out_dtype=None if options.out_dtype is None else jnp.dtype(options.out_dtype),
         chunk_prefill_size=options.chunk_prefill_size,
-        update_kv_cache=options.update_kv_cache,
+        **update_kv_cache_option(options.update_kv_cache, api_of(module)),
     )
     if passed is None:
         # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,
         # not an assertion of the sizing helpers. (Its prefill kernel's defaults are its mixed kernel's:
         # get_default_block_sizes tells only the decode case apart.)
-        module = module or kernel()
         module.static_validate_inputs(*args, **validator_options(kwargs))
         decode_sizes, mixed_sizes = (
             v3_default_block_sizes(
@@ -332,6 +339,24 @@ def v3_inputs(
         decode_sizes,
         mixed_sizes,
     )
+
+
+def api_of(module: types.ModuleType) -> V3Api:
+    """What ``module``'s ``ragged_paged_attention`` takes (the release's API, ``releases``)."""
+    return V3Api(tuple(inspect.signature(module.ragged_paged_attention).parameters))
+
+
+def update_kv_cache_option(update_kv_cache: bool, api: V3Api) -> dict:
+    """``update_kv_cache`` for a kernel that takes it (tpu-inference 0.22.1 on); one that does not always
+    writes the new tokens, so only the default has a counterpart there."""
+    if api.update_kv_cache:
+        return dict(update_kv_cache=update_kv_cache)
+    if not update_kv_cache:
+        raise ValueError(
+            f"update_kv_cache=False: the installed tpu-inference {installed_version()} has no such option "
+            "(its kernel always writes the new tokens to the cache; the option exists from 0.22.1 on)"
+        )
+    return {}
 
 
 def validator_options(kwargs: dict) -> dict:

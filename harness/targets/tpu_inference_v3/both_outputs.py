@@ -29,7 +29,7 @@ def unwritten_by_sliding_window(inputs: V3Inputs) -> np.ndarray:
     """
     window = inputs.kwargs["sliding_window"]
     unwritten = np.zeros_like(inputs.new_slots)
-    if window is None or not inputs.kwargs["update_kv_cache"]:
+    if window is None or not inputs.kwargs.get("update_kv_cache", True):
         return unwritten
     _, _, _, _, kv_lens, page_indices, cu_q_lens, distribution = inputs.args
     page_size = inputs.new_slots.shape[1]

@@ -243,9 +243,7 @@ def attention_in_words(kernel: Reported, observation: Observation) -> list[str]:
         *worst_element_table(
             c,
             expected="expected (float64 oracle)",
-            own_reference=None
-            if own is None
-            else (kernel.reference_in_words, own[w.row, w.head, w.dim]),
+            own_reference=None if own is None else (kernel.reference_in_words, own[w.row, w.head, w.dim]),
             actual="actual (the kernel)",
         ),
         *error_map_block(c),
@@ -459,7 +457,7 @@ def package_stubs(*parts: str) -> str:
     return (
         f"    for depth in range(3, {len(path) + 1}):\n"
         f"        parts = {path!r}[:depth]\n"
-        "        package = types.ModuleType(\".\".join(parts))\n"
+        '        package = types.ModuleType(".".join(parts))\n'
         "        package.__path__ = [os.path.join(root, *parts[1:])]\n"
         "        sys.modules.setdefault(package.__name__, package)\n"
     )
@@ -490,7 +488,9 @@ def value_source(value) -> str:
     if isinstance(value, enum.Enum):
         return f"{owner}.{value.name}"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = ", ".join(f"{f.name}={value_source(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        fields = ", ".join(
+            f"{f.name}={value_source(getattr(value, f.name))}" for f in dataclasses.fields(value)
+        )
         return f"{owner}({fields})"
     if isinstance(value, float) and not np.isfinite(value):
         return f"float({str(value)!r})"
@@ -650,7 +650,7 @@ def render(
         "",
         "## Environment",
         "",
-        f"- {v3.RPA_HARNESS_VERSION} (`{kernel.qualified_function}`, installed with `{v3.INSTALL_COMMAND}`)",
+        f"- {v3.RPA_HARNESS_VERSION} (`{kernel.qualified_function}`, installed with `{v3.install_command()}`)",
         *environment(repro.versions, leave_out=("hypothesis",)),
         f"- chip: {chip_words(kernel, backend.generation)}",
         f"- observed on: {interpreter.get(backend.name, 'a TPU')}"

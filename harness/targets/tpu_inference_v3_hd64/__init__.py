@@ -18,6 +18,7 @@ the new tokens split from the cache, the distribution, the replacing mask value,
 
 from rpa_harness.targets import tpu_inference_v3 as v3_target
 from rpa_harness.targets.tpu_inference_v3.both_outputs import ATTENTION_AND_CACHE
+from rpa_harness.targets.tpu_inference_v3.releases import run_header
 from rpa_harness.targets.tpu_inference_v3_hd64 import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_v3_hd64.adapter import (  # noqa: F401  (the adapter's public names)
     HAS_TPU_RECIPROCAL,
@@ -57,7 +58,7 @@ RPA_HARNESS_CAPABILITIES = dict(
 RPA_HARNESS_PRECISION = ("approx-reciprocal-for-narrow-output",)
 
 
-RPA_HARNESS_VERSION = f"tpu-inference {v3_target.installed_version()} (kernel_hd64)"
+RPA_HARNESS_VERSION = run_header(kernel_file="kernel_hd64.py")
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
 
 # Its known issues (docs/tpu-inference-v3-findings/hd64-*): their cases are not drawn.
@@ -68,7 +69,8 @@ RPA_HARNESS_PROPERTIES = {ATTENTION_AND_CACHE: check_both_outputs}
 RPA_HARNESS_KNOWN_ISSUES = tuple(
     issue.name
     for issue in RPA_HARNESS_CATALOGUE
-    if HAS_TPU_RECIPROCAL or issue.name != "hd64-sink-on-padded-q-heads"
+    if issue.affects(v3_target.installed_version())
+    and (HAS_TPU_RECIPROCAL or issue.name != "hd64-sink-on-padded-q-heads")
 )
 
 
