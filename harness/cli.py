@@ -198,6 +198,10 @@ def replay(args) -> int:
     if repro.in_flight:  # the standalone program loads the arrays from a file: the rebuilt ones
         repro.arrays_file = path.with_suffix(".npz")
         repro_files.write_arrays(repro.arrays, repro.arrays_file)
+    elif repro.arrays_from_case:  # likewise, outside the repro's folder (a findings folder stays small)
+        repro.arrays_file = Path(tempfile.gettempdir()) / "rpa-harness-arrays" / path.with_suffix(".npz").name
+        repro.arrays_file.parent.mkdir(exist_ok=True)
+        repro_files.write_arrays(repro.arrays, repro.arrays_file)
     program = snippet(repro, path, target_name, backend)
     if args.script:
         Path(args.script).write_text(program)
@@ -209,7 +213,7 @@ def replay(args) -> int:
     )
     if repro.case is not None:
         print(f"case:     {repro.case.describe()}")
-    if repro.in_flight:
+    if repro.in_flight or repro.arrays_from_case:
         print(f"arrays:   rebuilt from the case (checksum matches) into {repro.arrays_file}")
     if args.script:
         print(f"script:   {args.script}")

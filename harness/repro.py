@@ -7,6 +7,10 @@ report, the exception raised on valid input (``error``: type and message), or a 
 timeout). The NPZ holds the exact input arrays (as raw bits, so bfloat16 and fp8 survive; the JSON names
 each dtype). Both are written atomically.
 
+Where the arrays are large (a long context's cache: hundreds of MiB) and the case rebuilds them bit for
+bit, the JSON stands alone: it keeps the case and the arrays' checksum, and ``read`` rebuilds them
+(``arrays_from_case``). A repro of a long context then fits in a findings folder and a CI artifact.
+
 ``NAME.pending.json`` is the example in flight, written before the kernel runs (see ``write_pending``);
 when the watchdog takes a call for a hang, the example is written as the pair, marked ``hang``. When the
 process ends some other way (a crash), the pending file is what is left: ``read`` rebuilds its arrays from
@@ -60,6 +64,7 @@ class Repro:
     kind: str = ""  # which check re-runs it (``property_names.KINDS``); empty: read from ``property``
     arrays_file: Path | None = None  # the NPZ ``read`` took the arrays from
     in_flight: bool = False  # a pending file's example, its arrays rebuilt from its case
+    arrays_from_case: bool = False  # its arrays were too large to store and are rebuilt from its case
 
     def __post_init__(self):
         if not self.kind:
@@ -68,6 +73,8 @@ class Repro:
 
 REQUIRED_FIELDS = ("property", "target", "backend", "options", "dtypes", "arrays")
 PENDING_SUFFIX = ".pending"
+# Arrays of more bytes than this are not stored where the case rebuilds them bit for bit.
+LARGEST_STORED_ARRAYS = 32 * 2**20
 
 
 def versions() -> dict:
@@ -107,12 +114,28 @@ def path_for(property_name: str, directory: str | os.PathLike, *, pending: bool 
 
 
 def write(repro: Repro, directory: str | os.PathLike) -> Path:
-    """Writes NAME.json and NAME.npz (one pair per property); returns the JSON path."""
+    """Writes NAME.json and NAME.npz (one pair per property), or NAME.json alone where the arrays are
+    large and the case rebuilds them; returns the JSON path."""
     json_path = path_for(repro.property, directory)
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    write_arrays(repro.arrays, json_path.with_suffix(".npz"))
-    _atomic_write(json_path, _metadata(repro, json_path))
+    checksum = checksum_if_rebuilt(repro)
+    if checksum is None:
+        write_arrays(repro.arrays, json_path.with_suffix(".npz"))
+        _atomic_write(json_path, _metadata(repro, json_path))
+    else:
+        _atomic_write(json_path, _metadata(repro, None, checksum=checksum, from_case=True))
+        json_path.with_suffix(".npz").unlink(missing_ok=True)  # a larger example's, written before
     return json_path
+
+
+def checksum_if_rebuilt(repro: Repro) -> int | None:
+    """The arrays' checksum where they are larger than ``LARGEST_STORED_ARRAYS`` and the case rebuilds
+    them bit for bit (a property may change the arrays after drawing the case); None otherwise."""
+    size = sum(np.asarray(value).nbytes for value in repro.arrays.values())
+    if repro.case is None or size <= LARGEST_STORED_ARRAYS:
+        return None
+    checksum = arrays_checksum(repro.arrays)
+    return checksum if arrays_checksum(repro.case.arrays()) == checksum else None
 
 
 def write_arrays(arrays: dict, npz_path: Path) -> None:
@@ -153,7 +176,9 @@ def arrays_checksum(arrays: dict) -> int:
     return crc
 
 
-def _metadata(repro: Repro, json_path: Path | None, checksum: int | None = None) -> bytes:
+def _metadata(
+    repro: Repro, json_path: Path | None, checksum: int | None = None, *, from_case: bool = False
+) -> bytes:
     meta = {
         "schema": SCHEMA,
         "property": repro.property,
@@ -176,6 +201,7 @@ def _metadata(repro: Repro, json_path: Path | None, checksum: int | None = None)
         "test": repro.test,
         "arrays": json_path.with_suffix(".npz").name if json_path else None,
         "arrays_crc32": checksum,
+        "arrays_from_case": from_case,
     }
     return (json.dumps(meta, indent=2, default=_json_default) + "\n").encode()
 
@@ -207,8 +233,9 @@ def read(path: str | os.PathLike) -> Repro:
                 f"(a repro JSON has {', '.join(REQUIRED_FIELDS)})"
             )
         case = Case.from_json(meta["case"]) if meta.get("case") else None
+        from_case = bool(meta.get("arrays_from_case"))
         if meta["arrays"] is None:
-            arrays, arrays_file = _rebuilt_in_flight(path, meta, case), None
+            arrays, arrays_file = _rebuilt(path, meta, case), None
         else:
             arrays_file = _arrays_beside(path, meta["arrays"])
             stored = np.load(arrays_file)
@@ -235,7 +262,8 @@ def read(path: str | os.PathLike) -> Repro:
             precision=tuple(meta["precision"]) if meta.get("precision") is not None else None,
             kind=meta.get("kind", ""),
             arrays_file=arrays_file,
-            in_flight=meta["arrays"] is None,
+            in_flight=meta["arrays"] is None and not from_case,
+            arrays_from_case=from_case,
         )
     except FileNotFoundError as error:
         raise ReproError(
@@ -245,22 +273,25 @@ def read(path: str | os.PathLike) -> Repro:
         raise ReproError(f"{path}: not a readable repro file ({type(error).__name__}: {error})") from None
 
 
-def _rebuilt_in_flight(path: Path, meta: dict, case: Case | None) -> dict[str, np.ndarray]:
-    """A pending file's arrays, rebuilt from its case: only when they are the ones that ran (a validation
-    property's arrays break a rule after the case built them, and no checksum predates it)."""
+def _rebuilt(path: Path, meta: dict, case: Case | None) -> dict[str, np.ndarray]:
+    """The arrays of a pending file or of a repro too large to store them, rebuilt from its case: only when
+    they are the ones that ran (a validation property's arrays break a rule after the case built them, and
+    no checksum predates it)."""
     recorded = meta.get("arrays_crc32")
     arrays = case.arrays() if case is not None and recorded is not None else None
-    if arrays is None or arrays_checksum(arrays) != recorded:
-        why = (
-            "the property changed them after drawing it"
-            if arrays is not None
-            else "the file has no case or no checksum of them"
-        )
-        raise ReproError(
-            f"{path}: the example in flight when its process ended, without its arrays, and they cannot be "
-            f"rebuilt from its case ({why}); its case is in the file's case_repr"
-        )
-    return arrays
+    if arrays is not None and arrays_checksum(arrays) == recorded:
+        return arrays
+    if meta.get("arrays_from_case"):
+        what = "a repro stored without its arrays (too large)"
+        why = f"this NumPy and harness build other arrays from it than the ones recorded ({meta.get('versions')})"
+    else:
+        what = "the example in flight when its process ended, without its arrays"
+        why = "the property changed them after drawing it"
+    if arrays is None:
+        why = "the file has no case or no checksum of them"
+    raise ReproError(
+        f"{path}: {what}, and they cannot be rebuilt from its case ({why}); its case is in the file's case_repr"
+    )
 
 
 def _arrays_beside(json_path: Path, recorded: str) -> Path:

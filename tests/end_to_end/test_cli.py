@@ -141,6 +141,28 @@ def test_a_pending_file_rebuilds_its_arrays_only_when_they_are_its_cases_own(tmp
     assert code == 2 and "cannot be rebuilt from its case" in err and err.count("\n") == 1, err
 
 
+def test_a_repro_too_large_to_store_keeps_its_case_and_replays_from_it(tmp_path, monkeypatch, capsys):
+    """Arrays over ``LARGEST_STORED_ARRAYS`` that the case rebuilds are not written (a long context's cache:
+    hundreds of MiB); arrays a property changed after drawing the case always are."""
+    monkeypatch.setattr(repro_files, "LARGEST_STORED_ARRAYS", 0)
+    case = Case(max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=2, total_num_pages=4, page_size=4,
+                num_q_heads=2, num_kv_heads=1, head_dim=64, q_lens=(2,), kv_lens=(5,))  # fmt: skip
+    example = repro_files.Repro("differential[fast-interpret]", "rpa_harness.kernel", "fast-interpret",
+                                case.arrays(), case.options(), case=case)  # fmt: skip
+    path = repro_files.write(example, tmp_path)
+    assert not path.with_suffix(".npz").exists()
+    read = repro_files.read(path)
+    assert read.arrays_from_case and not read.in_flight
+    assert repro_files.arrays_checksum(read.arrays) == repro_files.arrays_checksum(example.arrays)
+    code, out, err = replay(path, capsys=capsys)
+    assert code == 0 and "rebuilt from the case" in out, out + err
+    assert not path.with_suffix(".npz").exists()  # the standalone program's arrays went elsewhere
+    broken = case.arrays()
+    broken["q"][0] += 1
+    path = repro_files.write(dataclasses.replace(example, arrays=broken), tmp_path)
+    assert path.with_suffix(".npz").exists() and not repro_files.read(path).arrays_from_case
+
+
 def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path, capsys):
     path, root = failing_repro
     script = tmp_path / "repro.py"
