@@ -130,11 +130,12 @@ def test_a_dominating_sink_takes_every_weight_and_minus_inf_none(repro_dir):
     assert comparison.ok, str(comparison)
 
 
-def test_bfloat16_queries_need_a_jax_with_pltpu_reciprocal():
-    """Bfloat16 queries are drawn exactly where this jax has ``pltpu.reciprocal`` (jax 0.12; not 0.10.2),
-    and where it lacks it the kernel fails to trace for them with that reason."""
-    assert ("bfloat16" in CAPABILITIES.q_dtypes) == hd64target.HAS_TPU_RECIPROCAL
-    if hd64target.HAS_TPU_RECIPROCAL:
+def test_bfloat16_queries_need_a_jax_with_the_kernels_reciprocal():
+    """Bfloat16 queries are drawn exactly where this jax has the reciprocal the installed kernel calls
+    (0.32.0: ``pltpu.reciprocal``, in jax 0.12 but not 0.10.2), and where it lacks it the kernel fails to
+    trace for them with that reason."""
+    assert ("bfloat16" in CAPABILITIES.q_dtypes) == hd64target.NARROW_OUTPUT_TRACES
+    if hd64target.NARROW_OUTPUT_TRACES:
         return
     case = dataclasses.replace(BASE, q_dtype="bfloat16", kv_dtype="bfloat16")
     with pytest.raises(AttributeError, match="has no attribute 'reciprocal'"):
@@ -335,7 +336,7 @@ def test_hd64_issues_are_narrow():
     collect()
     for issue in hd64target.RPA_HARNESS_CATALOGUE:
         share = sum(issue.matches(case) for case in cases) / len(cases)
-        if issue.name == "hd64-sink-on-padded-q-heads" and not hd64target.HAS_TPU_RECIPROCAL:
+        if issue.name == "hd64-sink-on-padded-q-heads" and not hd64target.NARROW_OUTPUT_TRACES:
             assert share == 0, issue.name  # bfloat16 queries only: not drawn on this jax
         else:
             assert 0 < share <= 1 / 3, (issue.name, share)

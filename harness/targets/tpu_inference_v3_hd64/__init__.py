@@ -21,8 +21,8 @@ from rpa_harness.targets.tpu_inference_v3.both_outputs import ATTENTION_AND_CACH
 from rpa_harness.targets.tpu_inference_v3.releases import run_header
 from rpa_harness.targets.tpu_inference_v3_hd64 import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_v3_hd64.adapter import (  # noqa: F401  (the adapter's public names)
-    HAS_TPU_RECIPROCAL,
     HEAD_DIM,
+    NARROW_OUTPUT_TRACES,
     Hd64Inputs,
     call_hd64,
     dynamic_validate_inputs,
@@ -36,7 +36,7 @@ from rpa_harness.targets.tpu_inference_v3_hd64.rules import RULES as RPA_HARNESS
 
 RPA_HARNESS_CAPABILITIES = dict(
     v3_target.RPA_HARNESS_CAPABILITIES,
-    q_dtypes=("float32", "bfloat16") if HAS_TPU_RECIPROCAL else ("float32",),
+    q_dtypes=("float32", "bfloat16") if NARROW_OUTPUT_TRACES else ("float32",),
     head_dims=(HEAD_DIM,),  # its static validator: "Expected actual_head_dim=... to be 64."
     attention_sink=True,
     # Of v3's options it takes chunk_prefill_size only: it is always causal, accumulates in float32 and
@@ -70,7 +70,7 @@ RPA_HARNESS_KNOWN_ISSUES = tuple(
     issue.name
     for issue in RPA_HARNESS_CATALOGUE
     if issue.affects(v3_target.installed_version())
-    and (HAS_TPU_RECIPROCAL or issue.name != "hd64-sink-on-padded-q-heads")
+    and (NARROW_OUTPUT_TRACES or issue.name != "hd64-sink-on-padded-q-heads")
 )
 
 

@@ -4,6 +4,7 @@ head's K and V side by side in one 128-lane row, sinks as a ninth array, upstrea
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import sys
 import types
 
@@ -13,6 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 from rpa_harness.spec.interface import options_taken
 from rpa_harness.targets import layouts
 from rpa_harness.targets.tpu_inference_v3 import adapter as v3_target
+from rpa_harness.targets.tpu_inference_v3 import releases
 
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel_hd64"
 
@@ -54,10 +56,18 @@ def kernel() -> types.ModuleType:
 
 
 HEAD_DIM = 64
-# The kernel normalises an output narrower than float32 with pltpu.reciprocal, which jax 0.10.2 lacks (it
-# has pl.reciprocal only): there it fails to trace for bfloat16 queries, on every backend, and only float32
-# queries are drawn.
-HAS_TPU_RECIPROCAL = hasattr(pltpu, "reciprocal")
+
+
+def narrow_output_traces() -> bool:
+    """Whether the installed kernel can normalise an output narrower than float32 on this jax: 0.32.0's
+    calls ``pltpu.reciprocal``, which jax 0.10.2 lacks (there it fails to trace for bfloat16 queries, on
+    every backend, and only float32 queries are drawn); 0.12.0 to 0.31.0 call ``pl.reciprocal``, which every
+    supported jax has. Read from the installed kernel's source (``releases``)."""
+    source = releases.v3_file("kernel_hd64.py")
+    return hasattr(pltpu, "reciprocal") or source is None or "pltpu.reciprocal(" not in source.read_text()
+
+
+NARROW_OUTPUT_TRACES = narrow_output_traces()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,9 +158,11 @@ def tuned_block_sizes(
     """(num_kv_pages_per_block, num_queries_per_block) the kernel's tuned table chooses on the chip it sees
     for ``q`` ([tokens, q heads, head_dim]), called with the arguments the kernel passes."""
     num_tokens, num_q_heads, head_dim = q.shape
-    return kernel().get_tuned_block_sizes(
-        q.dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim, page_size, num_tokens, pages_per_seq,
-        sliding_window,
+    table = kernel().get_tuned_block_sizes
+    # 0.12.0's table takes no window (its kernel passes none); later ones take it last.
+    window = (sliding_window,) if "sliding_window" in inspect.signature(table).parameters else ()
+    return table(
+        q.dtype, kv_dtype, num_q_heads, num_kv_heads, head_dim, page_size, num_tokens, pages_per_seq, *window
     )  # fmt: skip
 
 
