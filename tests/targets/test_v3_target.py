@@ -404,7 +404,11 @@ def test_v3_issue_matches_its_own_repro(issue):
 
 DEFAULT_BLOCKS = CATALOGUE["default-blocks-break-v3s-own-rules"]
 # Issues of code v3 runs on some TPU generations only (its own block sizes, its int16 positions).
-ON_A_GENERATION_ONLY = ("default-blocks-break-v3s-own-rules", "sliding-window-wraps-int16-positions")
+ON_A_GENERATION_ONLY = (
+    "default-blocks-break-v3s-own-rules",
+    "sliding-window-wraps-int16-positions",
+    "int16-positions-wrap-past-32767-keys",
+)
 
 
 @settings(max_examples=60, deadline=None)

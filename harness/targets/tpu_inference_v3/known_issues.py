@@ -341,6 +341,41 @@ def with_a_window_within_int16(case: Case) -> Case:
     return dataclasses.replace(case, sliding_window=max(1, INT16_MAX - case.kv_capacity))
 
 
+def v3_positions_wrap_in_int16(case: Case) -> bool:
+    """tpu-inference 0.18.0 to 0.22.1 compute key and query positions in int16 for packed queries on TPU v6
+    and later whatever the page table's length (0.23.0 does so only for tables of at most 32,767 keys): a
+    query block that visits a key past position 32,767 (its effective kv length cast with them) wraps to
+    negative positions, and its masks keep or drop the wrong keys; a window's test wraps where the window
+    takes a visited key's position past 32,767."""
+    kernel = v3.kernel()
+    if kernel.get_dtype_packing(np.dtype(case.q_dtype)) == 1 or kernel.get_tpu_version() < 6:
+        return False
+    window = case.sliding_window or 0
+    return any(
+        block.effective > INT16_MAX or block.end - 1 + window > INT16_MAX for block in _v3_query_blocks(case)
+    )
+
+
+def within_int16_positions(case: Case) -> Case:
+    """Each sequence cut to the whole KV blocks that end within int16 (its queries with it), and a window
+    that could still wrap dropped where it covers every key, else narrowed; dtypes and blocks are kept, so
+    that the case stays a long one of the same kernel (float32 queries would take another branch, and at
+    tens of thousands of keys a slower one on the interpreters)."""
+    blocks = {block.seq: block.bkv for block in _v3_query_blocks(case)}
+    kv_lens = tuple(
+        min(kv_len, INT16_MAX // blocks.get(seq, 1) * blocks.get(seq, 1))
+        for seq, kv_len in enumerate(case.kv_lens)
+    )
+    cut = dataclasses.replace(
+        case, kv_lens=kv_lens, q_lens=tuple(min(q, kv) for q, kv in zip(case.q_lens, kv_lens, strict=True))
+    )
+    if cut.sliding_window is not None and v3_positions_wrap_in_int16(cut):
+        widest = INT16_MAX + 1 - max(block.end for block in _v3_query_blocks(cut))
+        covers_every_key = cut.sliding_window >= max(kv_lens, default=0)
+        cut = dataclasses.replace(cut, sliding_window=None if covers_every_key else max(1, widest))
+    return cut
+
+
 def _replay_v3_hang(issue, target, backend, repro) -> None:
     """Replays the hang in a child process (``rpa-harness replay``, on the TPU interpreter): fails while it
     hangs, whether the interpreter's deadlock check says so (in seconds) or the replay's watchdog ends the
@@ -480,6 +515,28 @@ RPA_HARNESS_CATALOGUE = (
         ),
     ),
     KnownIssue(
+        "int16-positions-wrap-past-32767-keys",
+        "on TPU v6 and later, with packed queries, a sequence whose KV blocks reach past key position 32,767 "
+        "wraps in the kernel's int16 position arithmetic: its rows come out NaN or weight the wrong keys",
+        FINDINGS
+        / "int16-positions-wrap-past-32767-keys"
+        / "differential-long-packed-upto-2to15-given-blocks_fast-interpret-v6e.json",
+        v3_positions_wrap_in_int16,
+        within_int16_positions,
+        rf"non-finite values|{NUMERIC_MISMATCH}",
+        explanation=(
+            "`flash_attention_step1_qk_softmax` picks `int_ty = jnp.int16` when `get_dtype_packing(q_dtype) != "
+            "1 and get_tpu_version() >= 6` and casts `processed_q_len`, `processed_kv_len` and "
+            "`effective_kv_len` to it, with the key and value iotas built in it. Past 32,767 the positions "
+            "wrap to negative values: an `effective_kv_len` of 32,768 or more is negative, so `k_span < "
+            "effective_kv_len_int` drops every key of the block (a row with no key: NaN), and keys past "
+            "32,767 compare as early ones. Long-context serving (32k and more) with bfloat16 queries on v6e "
+            "and 7x is the case. 0.23.0 keeps int16 only where `pages_per_seq * page_size <= 32767`, which "
+            "fixes it; float32 queries and v5e take int32."
+        ),
+        releases=">=0.18.0,<0.23.0",
+    ),
+    KnownIssue(
         "sliding-window-wraps-int16-positions",
         "on TPU v6 and later, with packed queries and at most 32,767 keys per sequence, a sliding window "
         "that takes a key position past 32,767 wraps in v3's int16 position arithmetic and masks the keys",
@@ -495,5 +552,6 @@ RPA_HARNESS_CATALOGUE = (
             "and every logit is replaced by the mask value. Any window with `sliding_window + key position > "
             "32767` does it; v5e, float32 queries and a window that stays within int16 are right."
         ),
+        releases=">=0.18.0",  # the releases before it compute positions in int32
     ),
 )
