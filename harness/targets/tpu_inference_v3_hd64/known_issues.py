@@ -146,6 +146,7 @@ RPA_HARNESS_CATALOGUE = (
             "`num_kv_pages_per_block`, so a caller learns the rule from a reshape error. The tuned table's "
             "blocks are whole tiles; given ones need not be."
         ),
+        releases=">=0.13.0",  # 0.12.0's prologue has no such reshape (its repro passes there)
     ),
     KnownIssue(
         "hd64-finite-mask-value-weights-keys-by-block",
