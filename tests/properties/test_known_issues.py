@@ -5,16 +5,19 @@ the issue's repro pair against the target on every chosen backend, under the TPU
 records. Still failing with the issue's symptom is an expected failure (xfail); passing fails the run, as a
 strict xfail does, asking to remove the entry; failing in another way (e.g. a crash instead of a wrong
 value) fails the run too, since that is news. On a backend that cannot see the issue (``KnownIssue.backends``:
-a read past a buffer whose value is unused shows only where bounds are checked) the repro must pass.
+a read past a buffer whose value is unused shows only where bounds are checked) the repro must pass. A repro
+of a long or production case replays where its property runs, on the volume backends only: the checking
+interpreter takes minutes per call at that scale (docs/production-and-long-shapes.md).
 """
 
 import pytest
+from rpa_harness import property_names, runlog
 from rpa_harness import repro as repro_files
-from rpa_harness import runlog
 from rpa_harness.checks import recheck
 from rpa_harness.known_issues import OPTION
-from rpa_harness.plugin import settings_of
+from rpa_harness.plugin import VOLUME, settings_of
 from rpa_harness.run_settings import for_repro
+from rpa_harness.strategies.buckets import LARGE_BUCKETS
 
 
 def pytest_generate_tests(metafunc):
@@ -41,6 +44,13 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue):
             "known-issue-replay", issue=known_issue.name, backend=replay_backend.label, outcome=outcome
         )
 
+    bucket = large_bucket_of(repro)
+    if bucket is not None and replay_backend.name not in VOLUME:
+        record("not run (a large case)")
+        pytest.skip(
+            f"{where}: its repro is a {bucket}-bucket case, which runs on {', '.join(VOLUME)} only, as the "
+            f"{bucket} bucket's properties do"
+        )
     visible = known_issue.visible_on(replay_backend.name)
     try:
         if known_issue.replay is not None:  # a target's own property (e.g. v3's attention and cache)
@@ -71,4 +81,12 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue):
         f"{known_issue.name} is fixed in {target.name} (its repro {known_issue.repro} passes on "
         f"{replay_backend.label}): remove it from the known issues (the module's RPA_HARNESS_KNOWN_ISSUES, "
         f"or {OPTION})"
+    )
+
+
+def large_bucket_of(repro: repro_files.Repro) -> str | None:
+    """The large bucket (long, production) whose property recorded the repro, or None."""
+    detail = property_names.parse(repro.property).detail
+    return next(
+        (bucket for bucket in LARGE_BUCKETS if detail == bucket or detail.startswith(f"{bucket}-")), None
     )

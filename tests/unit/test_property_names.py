@@ -66,3 +66,19 @@ def test_a_pair_renamed_together_still_reads(tmp_path):
     shutil.copy(renamed, copy)
     shutil.move(renamed.with_suffix(".npz"), path.with_suffix(".npz"))
     assert repro_files.read(copy).arrays["q"].shape == (2, 1, 4)
+
+
+def test_a_large_cases_repro_is_known_by_its_propertys_bucket():
+    """The known-issue replay keeps a long or production case off the checking interpreter, as its
+    property does (rpa_harness.properties.test_known_issues)."""
+    from rpa_harness.properties.test_known_issues import large_bucket_of
+    from rpa_harness.repro import Repro
+
+    def of(name: str) -> str | None:
+        return large_bucket_of(Repro(name, "target", "fast-interpret", {}, {}))
+
+    assert of("differential-long-packed-upto-2to15-given-blocks[fast-interpret-v6e]") == "long"
+    assert of("differential-production[fast-interpret]") == "production"
+    assert of("differential-any-config[interpret]") is None
+    assert of("differential-longer[interpret]") is None
+    assert of("v3-attention-and-cache[interpret]") is None
