@@ -22,6 +22,8 @@ Install v3 without its dependencies (its ``__init__`` imports vllm, and it pins 
 """
 
 from rpa_harness.spec.interface import MASK_REPLACES
+from rpa_harness.targets.tpu_inference_v3 import early_known_issues as _early_known_issues
+from rpa_harness.targets.tpu_inference_v3 import early_rules as _early_rules
 from rpa_harness.targets.tpu_inference_v3 import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_v3.adapter import (  # noqa: F401  (the adapter's public names)
     DEFAULT_KV_PAGES_PER_BLOCK,
@@ -59,10 +61,14 @@ from rpa_harness.targets.tpu_inference_v3.both_outputs import (  # noqa: F401  (
     judge,
     unwritten_by_sliding_window,
 )
+from rpa_harness.targets.tpu_inference_v3.early_api import kernel_mask_value_meaning
 from rpa_harness.targets.tpu_inference_v3.releases import run_header, v3_api
-from rpa_harness.targets.tpu_inference_v3.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
+from rpa_harness.targets.tpu_inference_v3.rules import RULES as _RULES
 
 _api = v3_api()  # the installed release's (None without tpu-inference)
+# tpu-inference 0.11.1 to 0.13.x: upstream's block options, none of the options below from non_causal on
+# (early_api).
+_early = _api is not None and not _api.block_tuples
 
 # What the strategies draw for v3 (fields of rpa_harness.strategies.valid.Capabilities). Outside of it: q_len == 0 (v3
 # forbids it and hangs on it: tests/targets/test_v3_target.py) and page sizes v3 rejects for a KV dtype.
@@ -70,8 +76,9 @@ RPA_HARNESS_CAPABILITIES = dict(
     head_dims=(64, 128, 256),
     page_size_multiple_of_kv_packing=True,
     empty_sequences=False,
-    # v3 replaces a masked logit with mask_value (default finfo(out_dtype).min); upstream adds it.
-    mask_value_meaning=MASK_REPLACES,
+    # v3 replaces a masked logit with mask_value (default finfo(out_dtype).min); upstream adds it, and so
+    # do 0.11.1 and 0.12.0 (read from the installed kernel: early_api.kernel_mask_value_meaning).
+    mask_value_meaning=kernel_mask_value_meaning() if _early else MASK_REPLACES,
     # v3's quantised query: q / q_scale clipped to the KV dtype's range, cast to it; logits times q_scale.
     q_scale=True,
     # v3 folds k_scale into the score scale and applies v_scale after P @ V, without upstream's rounding
@@ -86,9 +93,9 @@ RPA_HARNESS_CAPABILITIES = dict(
     tpu_generations=("v5e", "v5p", "v6e", "7x"),
     # v3's options beyond upstream's, as the specification's extensions: use_causal_mask, out_dtype (the
     # accumulators' dtype; the output stays q's), skip_kv_mask, chunk_prefill_size, update_kv_cache.
-    non_causal=True,
-    out_dtype=True,
-    skip_kv_mask=True,
+    non_causal=not _early,
+    out_dtype=not _early,
+    skip_kv_mask=not _early,
     chunk_prefill_size=True,
     # Drawn where the installed release takes it (0.22.1 on: releases.py).
     update_kv_cache=_api is not None and _api.update_kv_cache,
@@ -103,8 +110,13 @@ RPA_HARNESS_CAPABILITIES = dict(
 # queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).
 # Its kernel computes logits and P in float32 and does not round P to V's dtype (its reference does).
 RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype",)
+if _early:
+    # 0.11.1 to 0.13.x keep m, l and acc in float32 (their scratch) and do not round P before P @ V; they
+    # normalise a float32 output with lax.div and a narrower one with pl.reciprocal(l, approx=True).
+    RPA_HARNESS_PRECISION = ("approx-reciprocal-for-narrow-output",)
+RPA_HARNESS_RULES = _early_rules.RULES if _early else _RULES
 
-RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
+RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE + _early_known_issues.RPA_HARNESS_CATALOGUE
 check_both_outputs = checks_both_outputs(judge)
 RPA_HARNESS_PROPERTIES = dict.fromkeys((ATTENTION_AND_CACHE, HANG), check_both_outputs)
 RPA_HARNESS_KNOWN_ISSUES = tuple(
@@ -116,6 +128,6 @@ RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only wher
 
 def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
     """v3's own report (``report.render``): imported when a report is asked for, not with the target."""
-    from rpa_harness.targets.tpu_inference_v3 import report
+    from rpa_harness.targets.tpu_inference_v3 import early_api, report
 
-    return report.render(report.V3, *args, **kwargs)
+    return report.render(early_api.reported_kernel(report.V3) if _early else report.V3, *args, **kwargs)

@@ -53,6 +53,9 @@ def load_kernel_module(name: str) -> types.ModuleType:
             stub = types.ModuleType(package)
             stub.__path__ = [path]
             sys.modules.setdefault(package, stub)
+    from rpa_harness.targets.tpu_inference_v3 import early_api  # it imports this module
+
+    early_api.prepare_to_load()  # 0.11.1 to 0.13.x: a jax name they call, the tuned table's imports
     return importlib.import_module(name)
 
 
@@ -274,6 +277,13 @@ def v3_inputs(
     v3's prefill kernel (``chunk_prefill_size``) gets the block sizes its decode and mixed kernels get.
     ``keywords``: the specification's options (``spec.interface.Options``), all but ``attention_sink``.
     """
+    module = module or kernel()
+    if not api_of(module).block_tuples:  # tpu-inference 0.11.1 to 0.13.x
+        from rpa_harness.targets.tpu_inference_v3 import early_api  # it imports this module
+
+        return early_api.early_v3_inputs(
+            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, module=module, **keywords
+        )
     options = options_taken(keywords, by="v3_inputs", without=("attention_sink",))
     v3_mask_value = replacing_mask_value(options.mask_value, options.mask_value_meaning)
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
@@ -296,7 +306,6 @@ def v3_inputs(
         bq, bq_chunk = block_sizes(bq, 1)
         bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
         passed = (bq, bkv, bq_chunk, bkv_chunk)
-    module = module or kernel()
     kwargs = dict(
         sm_scale=options.sm_scale,
         sliding_window=options.sliding_window,

@@ -411,6 +411,7 @@ RPA_HARNESS_CATALOGUE = (
             "further back (a prefix-cache hit inside the skipped range, a layer sharing the cache without "
             "the window, a swap or copy of the pages) does not get those keys."
         ),
+        releases=">=0.18.0",  # 0.11.1 and 0.12.0 write every new token; 0.13.x's block walk is finding early-window-past-block-0-desyncs-kv-prefetch
     ),
     KnownIssue(
         "q-len-zero-before-a-live-sequence-hangs",
@@ -448,6 +449,7 @@ RPA_HARNESS_CATALOGUE = (
             "default `finfo(out_dtype).min`) or a query block visits exactly `[0, kv_len)`; otherwise the "
             "output depends on the block sizes, which are tuning parameters."
         ),
+        releases=">=0.18.0",  # earlier kernels weight the slots past kv_len: the early-finite-mask-value findings
     ),
     KnownIssue(
         "row-sum-accumulated-in-bfloat16",
@@ -472,6 +474,7 @@ RPA_HARNESS_CATALOGUE = (
             "interpreters XLA adds a short row in order and a long one in several partial sums; the order a "
             "TPU's reduction takes has not been checked on hardware."
         ),
+        releases=">=0.18.0",  # earlier kernels accumulate in float32 (both repros pass there)
     ),
     KnownIssue(
         "default-blocks-break-v3s-own-rules",
@@ -495,6 +498,7 @@ RPA_HARNESS_CATALOGUE = (
             "Sequences with fewer keys, and the query chunk twice the block (the kernel clamps a query chunk "
             "to the rows of its block), come out right. On 7x the same case gets valid sizes and is right."
         ),
+        releases=">=0.18.0",  # earlier kernels take upstream's block options (their tuned table's blocks are whole)
     ),
     KnownIssue(
         "out-dtype-other-than-q-dtype-fails-to-trace",
@@ -513,6 +517,7 @@ RPA_HARNESS_CATALOGUE = (
             "`static_validate_inputs` deletes `out_dtype` unchecked, and the reference "
             "(`ref_ragged_paged_attention`) accepts it and returns its output in `out_dtype`."
         ),
+        releases=">=0.18.0",  # earlier kernels take no out_dtype
     ),
     KnownIssue(
         "int16-positions-wrap-past-32767-keys",
