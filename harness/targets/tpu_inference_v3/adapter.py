@@ -92,6 +92,37 @@ def stand_in_for_tpu_inference_logger() -> None:
         sys.modules["tpu_inference.logger"] = logger
 
 
+def tpu_device_name() -> str:
+    """The chip as tpu-inference's tuned tables name it (``TPU v5e``, ``TPU v6e``, ``TPU v5``, ``TPU v7``),
+    read from ``jax.devices()`` at each call so that TPU generation emulation answers; off a TPU the
+    ``RuntimeError`` tpu-inference's ``get_device_name`` raises."""
+    kind = jax.devices()[0].device_kind
+    if "TPU" not in kind:
+        raise RuntimeError("Expected TPU devices")
+    suffix = ""
+    for ending, letter in ((" lite", "e"), ("e", "e"), ("p", "p"), ("i", "i")):
+        if kind.endswith(ending):
+            kind, suffix = kind[: -len(ending)], letter
+            break
+    if kind.startswith("TPU7") or kind.startswith("TPU8"):
+        kind = f"TPU v{kind[3]}"
+    return kind + suffix
+
+
+def stand_in_for_tpu_inference_utils() -> None:
+    """The tuned tables (hd64's; v3's before 0.18.0) import ``tpu_inference.logger`` (vllm's logger) and
+    ``tpu_inference.utils`` (torch, vllm) for one name each. Where vllm is not installed (``--no-deps``)
+    both are stood in: ``init_logger`` (``stand_in_for_tpu_inference_logger``) and ``get_device_name``
+    (``tpu_device_name``)."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    stand_in_for_tpu_inference_logger()
+    if "tpu_inference.utils" not in sys.modules:
+        utils = types.ModuleType("tpu_inference.utils")
+        utils.get_device_name = tpu_device_name  # type: ignore[attr-defined]
+        sys.modules["tpu_inference.utils"] = utils
+
+
 def install_command() -> str:
     """How to install the release installed here (the pinned one where none is)."""
     version = installed_version()

@@ -17,9 +17,7 @@ replaces it with ``mask_value`` (while its own reference, ``ref_ragged_paged_att
 import ast
 import dataclasses
 import functools
-import importlib.util
 import inspect
-import sys
 import types
 from pathlib import Path
 
@@ -45,27 +43,11 @@ def provide_dtypes_bit_width() -> None:
         setattr(jax_dtypes, "bit_width", jax_dtypes.itemsize_bits)  # noqa: B010  (a name mypy does not know)
 
 
-def stand_in_for_tpu_inference_utils() -> None:
-    """The early tuned tables import ``get_device_name`` from ``tpu_inference.utils`` (torch, vllm) and
-    ``init_logger`` from ``tpu_inference.logger`` (vllm): where vllm is not installed (``--no-deps``), those
-    two names as the head_dim-64 target stands them in (the chip's name read at each call, so that TPU
-    generation emulation answers)."""
-    if importlib.util.find_spec("vllm") is not None:
-        return
-    adapter.stand_in_for_tpu_inference_logger()
-    if "tpu_inference.utils" not in sys.modules:
-        from rpa_harness.targets.tpu_inference_v3_hd64.adapter import tpu_device_name
-
-        utils = types.ModuleType("tpu_inference.utils")
-        utils.get_device_name = tpu_device_name  # type: ignore[attr-defined]
-        sys.modules["tpu_inference.utils"] = utils
-
-
 def prepare_to_load() -> None:
     """What an early release's v3 package needs before it is imported here (later releases need neither; both
     are harmless to them)."""
     provide_dtypes_bit_width()
-    stand_in_for_tpu_inference_utils()
+    adapter.stand_in_for_tpu_inference_utils()
 
 
 @functools.cache
@@ -159,7 +141,7 @@ def early_v3_inputs(
     api = adapter.api_of(module)
     check_options_taken(options, api)
     mask_value = early_mask_value(
-        options, kernel_mask_value_meaning(Path(module.__file__)), module.DEFAULT_MASK_VALUE
+        options, _mask_value_meaning_of(Path(inspect.getfile(module))), module.DEFAULT_MASK_VALUE
     )
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
     tokens, args = adapter.v3_arguments(

@@ -76,6 +76,7 @@ def with_whole_tile_kv_blocks(case: Case) -> Case:
 
 def _window_start_blocks(case: Case) -> list[int]:
     """Per live sequence, the KV block 0.13.x starts its prefetches at: its window's first block."""
+    assert case.sliding_window is not None  # asked only of a case with a window
     bkv = _kv_block(case)
     return [
         max(kv_len - q_len - case.sliding_window, 0) // bkv

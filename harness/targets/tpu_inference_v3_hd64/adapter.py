@@ -3,55 +3,24 @@ head's K and V side by side in one 128-lane row, sinks as a ninth array, upstrea
 
 import dataclasses
 import functools
-import importlib.util
 import inspect
-import sys
 import types
 
-import jax
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from rpa_harness.spec.interface import options_taken
 from rpa_harness.targets import layouts
 from rpa_harness.targets.tpu_inference_v3 import adapter as v3_target
 from rpa_harness.targets.tpu_inference_v3 import releases
+from rpa_harness.targets.tpu_inference_v3.adapter import tpu_device_name  # noqa: F401  (a public name)
 
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel_hd64"
-
-
-def tpu_device_name() -> str:
-    """The chip as tpu-inference's tuned tables name it (``TPU v5e``, ``TPU v6e``, ``TPU v5``, ``TPU v7``),
-    read from ``jax.devices()`` at each call so that TPU generation emulation answers; off a TPU the
-    ``RuntimeError`` tpu-inference's ``get_device_name`` raises."""
-    kind = jax.devices()[0].device_kind
-    if "TPU" not in kind:
-        raise RuntimeError("Expected TPU devices")
-    suffix = ""
-    for ending, letter in ((" lite", "e"), ("e", "e"), ("p", "p"), ("i", "i")):
-        if kind.endswith(ending):
-            kind, suffix = kind[: -len(ending)], letter
-            break
-    if kind.startswith("TPU7") or kind.startswith("TPU8"):
-        kind = f"TPU v{kind[3]}"
-    return kind + suffix
-
-
-def _stub_tuned_table_imports() -> None:
-    """The tuned table imports ``tpu_inference.logger`` (vllm's logger) and ``tpu_inference.utils`` (torch,
-    vllm) for one name each. Where vllm is not installed (``--no-deps``) they are stubbed with those names."""
-    if importlib.util.find_spec("vllm") is not None:
-        return
-    v3_target.stand_in_for_tpu_inference_logger()
-    if "tpu_inference.utils" not in sys.modules:
-        stub = types.ModuleType("tpu_inference.utils")
-        stub.get_device_name = tpu_device_name  # type: ignore[attr-defined]
-        sys.modules["tpu_inference.utils"] = stub
 
 
 @functools.cache
 def kernel() -> types.ModuleType:
     """The head_dim-64 kernel's module, imported on first use (as v3's: ``tpu_inference_v3.adapter.kernel``)."""
-    _stub_tuned_table_imports()
+    v3_target.stand_in_for_tpu_inference_utils()
     return v3_target.load_kernel_module(_KERNEL_MODULE)
 
 
