@@ -16,6 +16,7 @@ the new tokens split from the cache, the distribution, the replacing mask value,
     pip install --no-deps tpu-inference==0.32.0
 """
 
+from rpa_harness.spec.interface import MASK_REPLACES
 from rpa_harness.targets import tpu_inference_v3 as v3_target
 from rpa_harness.targets.tpu_inference_v3.both_outputs import ATTENTION_AND_CACHE
 from rpa_harness.targets.tpu_inference_v3.releases import run_header
@@ -41,6 +42,9 @@ RPA_HARNESS_CAPABILITIES = dict(
     attention_sink=True,
     # Of v3's options it takes chunk_prefill_size only: it is always causal, accumulates in float32 and
     # writes the new tokens to the cache.
+    # It replaces a masked logit with mask_value in every release (v3's kernel added it before 0.13.0: v3's
+    # own capabilities read the installed v3 kernel, not this one).
+    mask_value_meaning=MASK_REPLACES,
     non_causal=False,
     out_dtype=False,
     skip_kv_mask=False,
