@@ -9,6 +9,8 @@ label) or, for a validation property, which rule and variant. Repros store the k
 
 import dataclasses
 
+from rpa_harness.strategies.buckets import LARGE_BUCKETS
+
 DIFFERENTIAL = "differential"  # the kernel's output against the float64 oracle, under the tolerance
 VALIDATION = "validation"  # an invalid input raises the specified ValueError with its exact message
 PADDING = "padding-isolation"  # valid rows do not change with what the padding holds
@@ -41,3 +43,12 @@ def parse(name: str) -> PropertyName:
     if not head:
         raise ValueError(f"not a property name: {name!r} (expected KIND[-DETAIL][LABEL])")
     return PropertyName(head, "", label)
+
+
+def large_bucket(name: str) -> str | None:
+    """The large bucket (long, production) whose property ``name`` is (its detail starts with the bucket), or
+    None: the known-issue replay keeps such a repro off the checking interpreter, as its property does."""
+    detail = parse(name).detail
+    return next(
+        (bucket for bucket in LARGE_BUCKETS if detail == bucket or detail.startswith(f"{bucket}-")), None
+    )

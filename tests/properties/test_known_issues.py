@@ -17,7 +17,6 @@ from rpa_harness.checks import recheck
 from rpa_harness.known_issues import OPTION
 from rpa_harness.plugin import VOLUME, settings_of
 from rpa_harness.run_settings import for_repro
-from rpa_harness.strategies.buckets import LARGE_BUCKETS
 
 
 def pytest_generate_tests(metafunc):
@@ -44,7 +43,7 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue):
             "known-issue-replay", issue=known_issue.name, backend=replay_backend.label, outcome=outcome
         )
 
-    bucket = large_bucket_of(repro)
+    bucket = property_names.large_bucket(repro.property)
     if bucket is not None and replay_backend.name not in VOLUME:
         record("not run (a large case)")
         pytest.skip(
@@ -81,12 +80,4 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue):
         f"{known_issue.name} is fixed in {target.name} (its repro {known_issue.repro} passes on "
         f"{replay_backend.label}): remove it from the known issues (the module's RPA_HARNESS_KNOWN_ISSUES, "
         f"or {OPTION})"
-    )
-
-
-def large_bucket_of(repro: repro_files.Repro) -> str | None:
-    """The large bucket (long, production) whose property recorded the repro, or None."""
-    detail = property_names.parse(repro.property).detail
-    return next(
-        (bucket for bucket in LARGE_BUCKETS if detail == bucket or detail.startswith(f"{bucket}-")), None
     )

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from rpa_harness import property_names
 from rpa_harness import repro as repro_files
-from rpa_harness.property_names import DIFFERENTIAL, PADDING, VALIDATION, PropertyName
+from rpa_harness.property_names import DIFFERENTIAL, PADDING, VALIDATION, PropertyName, large_bucket
 
 
 @pytest.mark.parametrize(
@@ -68,17 +68,11 @@ def test_a_pair_renamed_together_still_reads(tmp_path):
     assert repro_files.read(copy).arrays["q"].shape == (2, 1, 4)
 
 
-def test_a_large_cases_repro_is_known_by_its_propertys_bucket():
+def test_a_large_cases_property_is_known_by_its_bucket():
     """The known-issue replay keeps a long or production case off the checking interpreter, as its
     property does (rpa_harness.properties.test_known_issues)."""
-    from rpa_harness.properties.test_known_issues import large_bucket_of
-    from rpa_harness.repro import Repro
-
-    def of(name: str) -> str | None:
-        return large_bucket_of(Repro(name, "target", "fast-interpret", {}, {}))
-
-    assert of("differential-long-packed-upto-2to15-given-blocks[fast-interpret-v6e]") == "long"
-    assert of("differential-production[fast-interpret]") == "production"
-    assert of("differential-any-config[interpret]") is None
-    assert of("differential-longer[interpret]") is None
-    assert of("v3-attention-and-cache[interpret]") is None
+    assert large_bucket("differential-long-packed-upto-2to15-given-blocks[fast-interpret-v6e]") == "long"
+    assert large_bucket("differential-production[fast-interpret]") == "production"
+    assert large_bucket("differential-any-config[interpret]") is None
+    assert large_bucket("differential-longer[interpret]") is None
+    assert large_bucket("v3-attention-and-cache[interpret]") is None
