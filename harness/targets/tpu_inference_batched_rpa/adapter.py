@@ -104,13 +104,8 @@ def batched_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **ke
         np.asarray(page_indices).shape[1],
     )
     kwargs = dict(
-        sm_scale=options.sm_scale,
-        sliding_window=options.sliding_window,
-        soft_cap=options.soft_cap,
+        **v3.score_options(options),
         mask_value=v3.replacing_mask_value(options.mask_value, options.mask_value_meaning),
-        q_scale=options.q_scale,
-        k_scale=options.k_scale,
-        v_scale=options.v_scale,
         chunk_prefill_size=options.chunk_prefill_size,
         decode_block_sizes=decode,
         prefill_block_sizes=mixed,
@@ -120,16 +115,7 @@ def batched_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **ke
         update_kv_cache=options.update_kv_cache,
         kv_layout=configs().KVLayout.HEAD_ALONG_SUBLANE,  # v3's packed cache, whatever the environment says
     )
-    return BatchedInputs(
-        args,
-        kwargs,
-        layouts.pack_cache(kv_pages),
-        tokens.new_slots,
-        tokens.slot_owner,
-        tokens.slot_position,
-        decode,
-        mixed,
-    )
+    return BatchedInputs.of_tokens(args, kwargs, layouts.pack_cache(kv_pages), tokens, decode, mixed)
 
 
 def call_batched(inputs: BatchedInputs):

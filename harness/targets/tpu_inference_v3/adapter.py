@@ -148,6 +148,28 @@ class KernelInputs:
     slot_owner: np.ndarray  # int [pages, page_size]: sequence whose page holds the slot, -1 for none
     slot_position: np.ndarray  # int [pages, page_size]: the key position of the slot in its sequence
 
+    @classmethod
+    def of_tokens(cls, args: tuple, kwargs: dict, expected_cache: np.ndarray, tokens, *block_sizes):
+        """The inputs whose new tokens' slots are ``tokens``' (``layouts.split_new_tokens``), followed by the
+        subclass's block sizes."""
+        return cls(
+            args, kwargs, expected_cache, tokens.new_slots, tokens.slot_owner, tokens.slot_position, *block_sizes
+        )
+
+
+def score_options(options) -> dict:
+    """The options every v3-derived kernel takes under the specification's names: how a logit is scaled,
+    capped and windowed and how a quantized query and cache are scaled. (The mask value each target maps
+    to its kernel's meaning itself.)"""
+    return dict(
+        sm_scale=options.sm_scale,
+        sliding_window=options.sliding_window,
+        soft_cap=options.soft_cap,
+        q_scale=options.q_scale,
+        k_scale=options.k_scale,
+        v_scale=options.v_scale,
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class V3Inputs(KernelInputs):
@@ -338,13 +360,8 @@ def v3_inputs(
         bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
         passed = (bq, bkv, bq_chunk, bkv_chunk)
     kwargs = dict(
-        sm_scale=options.sm_scale,
-        sliding_window=options.sliding_window,
-        soft_cap=options.soft_cap,
+        **score_options(options),
         mask_value=v3_mask_value,
-        q_scale=options.q_scale,
-        k_scale=options.k_scale,
-        v_scale=options.v_scale,
         d_block_sizes=passed,
         p_block_sizes=passed,
         m_block_sizes=passed,
@@ -368,14 +385,11 @@ def v3_inputs(
         )
     else:
         decode_sizes = mixed_sizes = passed
-    expected_cache = layouts.pack_cache(kv_pages)
-    return V3Inputs(
+    return V3Inputs.of_tokens(
         args,
         kwargs,
-        expected_cache,
-        tokens.new_slots,
-        tokens.slot_owner,
-        tokens.slot_position,
+        layouts.pack_cache(kv_pages),
+        tokens,
         decode_sizes,
         mixed_sizes,
     )

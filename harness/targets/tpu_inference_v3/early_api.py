@@ -153,13 +153,8 @@ def early_v3_inputs(
         options.num_queries_per_block, options.num_kv_pages_per_block, pages_per_seq
     )
     kwargs = dict(
-        sm_scale=options.sm_scale,
-        sliding_window=options.sliding_window,
-        soft_cap=options.soft_cap,
+        **adapter.score_options(options),
         mask_value=mask_value,
-        q_scale=options.q_scale,
-        k_scale=options.k_scale,
-        v_scale=options.v_scale,
         chunk_prefill_size=options.chunk_prefill_size,
         num_kv_pages_per_block=None if given is None else given[1],
         num_queries_per_block=None if given is None else given[0],
@@ -172,13 +167,11 @@ def early_v3_inputs(
             module, q, args[3], tokens.keys.shape[1], pages_per_seq, sliding_window=options.sliding_window
         )
     bq, bkv = given[0], given[1] * page_size
-    return adapter.V3Inputs(
+    return adapter.V3Inputs.of_tokens(
         args,
         kwargs,
         layouts.pack_cache(kv_pages),
-        tokens.new_slots,
-        tokens.slot_owner,
-        tokens.slot_position,
+        tokens,
         (bq, bkv, bq, bkv),
         (bq, bkv, bq, bkv),
     )

@@ -74,12 +74,7 @@ def hd64_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywo
     )  # None: the tuned table's, below
     num_queries_per_block, num_kv_pages_per_block = given or (None, None)
     kwargs = dict(
-        sm_scale=options.sm_scale,
-        sliding_window=options.sliding_window,
-        soft_cap=options.soft_cap,
-        q_scale=options.q_scale,
-        k_scale=options.k_scale,
-        v_scale=options.v_scale,
+        **v3_target.score_options(options),
         num_kv_pages_per_block=num_kv_pages_per_block,
         num_queries_per_block=num_queries_per_block,
         vmem_limit_bytes=options.vmem_limit_bytes,
@@ -110,15 +105,7 @@ def hd64_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywo
         )
     else:
         block_sizes = (given[1], given[0])
-    return Hd64Inputs(
-        args,
-        kwargs,
-        layouts.pack_cache_side_by_side(kv_pages),
-        tokens.new_slots,
-        tokens.slot_owner,
-        tokens.slot_position,
-        block_sizes,
-    )
+    return Hd64Inputs.of_tokens(args, kwargs, layouts.pack_cache_side_by_side(kv_pages), tokens, block_sizes)
 
 
 def tuned_block_sizes(
