@@ -32,6 +32,12 @@ BACKENDS = (INTERPRET, FAST_INTERPRET, TPU)
 # ignores signals, and a Python thread cannot be stopped): the process ends, and pytest-xdist replaces the worker.
 CALL_TIMEOUT_SECONDS = float(os.environ.get("RPA_CALL_TIMEOUT", "300"))
 HANG_EXIT_CODE = 70
+# Unless the TPU interpreter is still stepping through the kernel (its callbacks keep returning): a large
+# checked case on a loaded machine, not a wait. Its watch is then extended, a timeout at a time, up to this
+# many timeouts in all; a call still running then ends the process as too slow to judge, an error of the
+# run (exit 71, no hang repro), not a verdict on the kernel.
+SLOW_CALL_TIMEOUTS = 4
+SLOW_EXIT_CODE = 71
 
 # The TPU interpreter's parameters on the checking backend (also written into replay's standalone snippet).
 CHECKING_INTERPRET_PARAMS = dict(detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan")
@@ -77,10 +83,32 @@ def call_timeout(seconds: float):
         CALL_TIMEOUT_SECONDS = previous
 
 
+def _interpreter_steps() -> int:
+    """The TPU interpreter's returned callbacks so far (constant where the compatibility layer is off)."""
+    from rpa_harness.interpret_compat.tpu import returned_callbacks
+
+    return returned_callbacks()
+
+
 @contextlib.contextmanager
-def watchdog(what: str, seconds: float | None = None):
-    """Ends the process if the enclosed call has not returned after ``seconds`` (default RPA_CALL_TIMEOUT)."""
+def watchdog(what: str, seconds: float | None = None, *, slow_timeouts: int = SLOW_CALL_TIMEOUTS):
+    """Ends the process if the enclosed call has not returned after ``seconds`` (default RPA_CALL_TIMEOUT)
+    in which the TPU interpreter made no step: as a hang. A call that is still stepping is watched for
+    another ``seconds``, up to ``slow_timeouts`` in all, then ends the process as too slow."""
     seconds = CALL_TIMEOUT_SECONDS if seconds is None else seconds
+
+    def too_slow(steps: int):
+        message = (
+            f"rpa-harness: TOO SLOW: {what} was still running after {seconds * slow_timeouts:g} s "
+            f"({slow_timeouts} x RPA_CALL_TIMEOUT; the TPU interpreter made {steps} steps in the last "
+            f"{seconds:g} s): not a hang, and no verdict on the kernel. Run it on a less loaded machine or "
+            "raise RPA_CALL_TIMEOUT."
+        )
+        if _release_captured_output is not None:
+            _release_captured_output()
+        sys.stderr.write(f"\n{message}\n")
+        sys.stderr.flush()
+        os._exit(SLOW_EXIT_CODE)
 
     def expire():
         message, code = (
@@ -100,13 +128,24 @@ def watchdog(what: str, seconds: float | None = None):
         sys.stderr.flush()
         os._exit(code)
 
-    timer = threading.Timer(seconds, expire)
-    timer.daemon = True
-    timer.start()
+    returned = threading.Event()
+
+    def watch():
+        steps = _interpreter_steps()
+        for _ in range(slow_timeouts):
+            if returned.wait(seconds):
+                return
+            steps, before = _interpreter_steps(), steps
+            if steps == before:
+                expire()
+        too_slow(steps - before)
+
+    watcher = threading.Thread(target=watch, name="rpa-harness watchdog", daemon=True)
+    watcher.start()
     try:
         yield
     finally:
-        timer.cancel()
+        returned.set()
 
 
 # jax's persistent compilation cache: compiled executables on disk, reused by later processes (CI restores the

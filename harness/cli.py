@@ -549,7 +549,8 @@ def parser() -> argparse.ArgumentParser:
         "(property, examples, result, repros, coverage, known issues) and the pytest command it ran.",
         epilog="exit codes (pytest's): 0 every property held; 1 a property failed (its repro is named); 2 "
         "interrupted; 3 internal error; 4 usage error (one line: what was wrong and what to pass); 5 no "
-        "numeric property ran (NOT GREEN). A hang without xdist (-n 0) ends the run with 70.",
+        "numeric property ran (NOT GREEN). Without xdist (-n 0) a hang ends the run with 70, a call too slow to "
+        "judge (still stepping after four RPA_CALL_TIMEOUTs) with 71.",
     )  # fmt: skip
     run_parser.add_argument(
         "--profile", default="ci", choices=("dev", "ci", "nightly", "repro"),

@@ -618,16 +618,30 @@ RACE_HISTORY = Gap(
 # Gap tpu-callback-arguments (a cost, not an error).
 
 
+# How many of the TPU interpreter's callbacks (its loads, stores, DMAs, semaphore operations) have returned
+# in this process: the sign that a long kernel call is still running, not stuck in a wait (``backends.watchdog``).
+_returned_callbacks = 0
+
+
+def returned_callbacks() -> int:
+    """The count of the TPU interpreter's callbacks that have returned so far (0 where this layer is off)."""
+    return _returned_callbacks
+
+
 @dataclasses.dataclass(frozen=True)
 class _InterpreterCallback:
-    """A callback the TPU interpreter makes: its arguments may reach it as NumPy arrays.
+    """A callback the TPU interpreter makes: its arguments may reach it as NumPy arrays; each one that
+    returns is counted (``returned_callbacks``).
 
     Equal when the wrapped functions are equal, as jax's own callback parameters are (jaxpr caching)."""
 
     function: Callable
 
     def __call__(self, *args, **kwargs):
-        return self.function(*args, **kwargs)
+        global _returned_callbacks
+        result = self.function(*args, **kwargs)
+        _returned_callbacks += 1  # a racy increment at worst misses a count; any change shows progress
+        return result
 
 
 class _MarkingCallbackModule(types.ModuleType):

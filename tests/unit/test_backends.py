@@ -77,6 +77,59 @@ def test_watchdog_kills_a_hung_call_with_a_message():
     )
 
 
+# A kernel that adds 1 to its output n times (n from SMEM): on the TPU interpreter each step is a few
+# callbacks, so a large n is a call that runs for seconds while the interpreter keeps stepping. The script
+# compiles it with n = 1 first, so that the watched call only runs.
+STEPPING_CALL = """
+import sys, time
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from rpa_harness.backends import INTERPRET, Backend, watchdog
+
+def kernel(n_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+    def add_one(i, carry):
+        o_ref[...] = o_ref[...] + 1.0
+        return carry
+
+    jax.lax.fori_loop(0, n_ref[0], add_one, 0)
+
+@jax.jit
+def call(n):
+    x = jnp.zeros((8, 128), jnp.float32)
+    smem, vmem = pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), in_specs=[smem, vmem],
+                          out_specs=vmem)(n, x)
+
+backend = Backend(INTERPRET)
+with backend.context():
+    call(jnp.array([1], jnp.int32)).block_until_ready()
+seconds, slow_timeouts, n = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+started = time.monotonic()
+with backend.context(), watchdog("a stepping call", seconds, slow_timeouts=slow_timeouts):
+    out = jax.block_until_ready(call(jnp.array([n], jnp.int32)))
+print(f"returned {float(out[0, 0]):g} after {time.monotonic() - started:.1f} s")
+"""
+
+
+def test_watchdog_lets_a_call_that_keeps_stepping_run_past_its_timeout():
+    """A long call on the TPU interpreter whose steps keep returning is slow, not stuck: it is not ended
+    at its timeout (a loaded machine made such calls look like hangs)."""
+    result = run_python("-c", STEPPING_CALL, "0.3", "1000000", "3000", cwd=".", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    value, seconds = result.stdout.split()[1], float(result.stdout.split()[3])
+    assert value == "3000" and seconds > 3 * 0.3, f"the call did not outlive its timeout: {result.stdout}"
+
+
+def test_watchdog_ends_a_call_still_stepping_after_its_longest_watch_as_too_slow_not_a_hang():
+    result = run_python("-c", STEPPING_CALL, "0.3", "2", "10000000", cwd=".", timeout=300)
+    assert result.returncode == backends.SLOW_EXIT_CODE, result.stdout[-1000:] + result.stderr[-2000:]
+    assert "TOO SLOW: a stepping call was still running after 0.6 s" in result.stderr, result.stderr[-2000:]
+    assert "not a hang" in result.stderr and "HANG" not in result.stderr
+
+
 def test_faster_cpu_compilation_keeps_the_users_flags(monkeypatch):
     flags = {"xla_cpu_one": ("false", "true"), "xla_cpu_two": ("4", "1")}
     monkeypatch.setattr(backends, "faster_cpu_compilation_flags", lambda: flags)
