@@ -28,6 +28,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -227,6 +228,7 @@ def replay(args) -> int:
             CANNOT_RUN,
         )
 
+    started = time.monotonic()
     try:
         # The watchdog's timeout and hang handler of every kernel call this replay makes.
         with backends.on_hang(on_hang), backends.call_timeout(timeout):
@@ -260,7 +262,13 @@ def replay(args) -> int:
         print(f"\ncannot run here: the replay itself crashed: {first_line_of_error(error)}")
         return CANNOT_RUN
     if repro.hang:
-        print(f"\npasses now (recorded: {_recorded(repro)}; returned within {timeout:g} s)")
+        took = time.monotonic() - started
+        returned = (
+            f"returned within {timeout:g} s"
+            if took <= timeout
+            else f"returned after {took:.0f} s, still stepping at each {timeout:g} s: slow, not stuck"
+        )
+        print(f"\npasses now (recorded: {_recorded(repro)}; {returned})")
     elif repro.in_flight:
         print(
             "\npasses now: whatever ended the recorded process did not recur in this one (its cause is in that "
