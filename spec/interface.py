@@ -41,8 +41,9 @@ ARRAY_NAMES = ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seq
 # zeros after them, in every slot of the cache. Upstream's formula then is MLA's, unchanged: logits over
 # head_dim dims (the two dot products of widths lkv and r summed), and an output whose dims past
 # ``value_head_dim`` are exactly zero. A kernel that returns only the value's dims is judged on those, its
-# adapter filling the rest with zeros. A target declares the (head_dim, value_head_dim) pairs it takes
-# (``Capabilities.value_head_dims``); cases carry ``value_head_dim`` (``Case``).
+# adapter filling the rest with zeros. ``value_head_dim == head_dim`` is one latent vector used whole as key
+# and value (DeepSeek-V4's sliding-window attention). A target declares the (head_dim, value_head_dim)
+# pairs it takes (``Capabilities.value_head_dims``); cases carry ``value_head_dim`` (``Case``).
 VALUE_IS_KEY_PREFIX = "the value is the key's first value_head_dim dims, zero after them"
 
 # Field metadata: an option that only tunes how the kernel runs (block sizes, VMEM); the output is the same.

@@ -17,6 +17,9 @@ __all__ = [  # what an adapter imports (docs/targets.md)
 
 # The options a target may take at run time (Capabilities.runtime_options): the ones that only weigh numbers.
 RUNTIME_OPTIONS = ("sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale")
+# The options a target may declare it does not take (Capabilities.options_not_taken): each has a default
+# that leaves the attention as if it did not exist.
+OPTIONS_A_TARGET_MAY_NOT_TAKE = ("soft_cap", "mask_value", "k_scale", "v_scale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +28,9 @@ class Capabilities:
 
     head_dims: tuple[int, ...] = (64, 128, 256)
     # Latent attention (rpa_harness.spec.interface.VALUE_IS_KEY_PREFIX): (head_dim, value_head_dim) pairs,
-    # key lkv + r dims and value lkv; every head_dim of the target is then one of them, and every case drawn
-    # for it has its value as its key's prefix. Empty: ordinary attention, key and value of head_dim dims.
+    # key lkv + r dims and value lkv (value_head_dim == head_dim: the value is the whole key, one latent
+    # vector used as both); every head_dim of the target is then one of them, and every case drawn for it
+    # has its value as its key's prefix. Empty: ordinary attention, key and value of head_dim dims.
     value_head_dims: tuple[tuple[int, int], ...] = ()
     page_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     q_dtypes: tuple[str, ...] = ("float32", "bfloat16")
@@ -66,6 +70,9 @@ class Capabilities:
     # a masked logit, a target may replace the logit with it. Cases carry the meaning (mask_value_meaning)
     # so that the judges compute it.
     mask_value_meaning: str = MASK_ADDED
+    # Upstream's options the target does not take (its API has no such keyword), of soft_cap, mask_value,
+    # k_scale and v_scale: drawn only at their defaults (no cap, the default mask, no scales).
+    options_not_taken: tuple[str, ...] = ()
     # Whether the target takes q_scale (an extension option: a quantised query).
     q_scale: bool = False
     # Whether the target takes attention_sink (an extension option: one logit per q head that joins the
@@ -120,10 +127,11 @@ class Capabilities:
             allowed = {
                 "buckets": tuple(BUCKETS),
                 "runtime_options": RUNTIME_OPTIONS,
+                "options_not_taken": OPTIONS_A_TARGET_MAY_NOT_TAKE,
                 "head_dims": tuple(h for h, _ in self.value_head_dims) or field.default,
             }.get(field.name, field.default)
             unknown = [v for v in value if v not in allowed]
-            if unknown or (not value and field.name != "runtime_options"):
+            if unknown or (not value and field.name not in ("runtime_options", "options_not_taken")):
                 problem = (
                     f"{unknown} not in the specified space" if unknown else "empty, so nothing can be drawn"
                 )
@@ -171,11 +179,11 @@ class Capabilities:
                 isinstance(pair, tuple)
                 and len(pair) == 2
                 and all(isinstance(d, int) for d in pair)
-                and 0 < pair[1] < pair[0]
+                and 0 < pair[1] <= pair[0]
             ):
                 raise ValueError(
                     f"Capabilities(value_head_dims={self.value_head_dims!r}): {pair!r} is not a (head_dim, "
-                    "value_head_dim) pair of integers with 0 < value_head_dim < head_dim, e.g. (576, 512)."
+                    "value_head_dim) pair of integers with 0 < value_head_dim <= head_dim, e.g. (576, 512)."
                 )
         if len({h for h, _ in self.value_head_dims}) != len(self.value_head_dims):
             raise ValueError(

@@ -75,9 +75,9 @@ class Case(Options):
             raise ValueError(f"values={self.values!r} must be one of {sorted(VALUE_PROFILES)}")
         if any(not INT32.min <= value <= INT32.max for value in self.garbage_values):
             raise ValueError(f"garbage_values={self.garbage_values} must all fit in int32")
-        if self.value_head_dim is not None and not 0 < self.value_head_dim < self.head_dim:
+        if self.value_head_dim is not None and not 0 < self.value_head_dim <= self.head_dim:
             raise ValueError(
-                f"value_head_dim={self.value_head_dim} must be in (0, head_dim={self.head_dim}) or None"
+                f"value_head_dim={self.value_head_dim} must be in (0, head_dim={self.head_dim}] or None"
             )
 
     def __repr__(self):

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from rpa_harness.spec.interface import (
     DEFAULT_MASK_VALUE,
     MASK_ADDED,
+    OPTION_DEFAULTS,
     OUT_DTYPES,
 )
 from rpa_harness.strategies.capabilities import WHOLE_SPACE, Capabilities
@@ -153,6 +154,8 @@ def options(draw, config: dict, capabilities: Capabilities = WHOLE_SPACE) -> dic
         v_scale=draw(optional(KV_SCALES)),
         vmem_limit_bytes=draw(optional(VMEM_LIMITS)),
     )
+    for name in capabilities.options_not_taken:
+        drawn[name] = getattr(OPTION_DEFAULTS, name)
     if capabilities.mask_value_meaning != MASK_ADDED:
         drawn["mask_value_meaning"] = capabilities.mask_value_meaning
     if capabilities.q_scale:

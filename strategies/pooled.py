@@ -69,7 +69,7 @@ def pool(capabilities: Capabilities = WHOLE_SPACE, selection=None) -> list[tuple
         if layout["bucket"] not in drawn_buckets(capabilities, selection):
             layout["bucket"] = drawn_buckets(capabilities, selection)[0]
         config = make_config(**layout)
-        opts = dict(opts)
+        opts = {name: value for name, value in opts.items() if name not in capabilities.options_not_taken}
         if capabilities.mask_value_meaning != MASK_ADDED:
             opts["mask_value_meaning"] = capabilities.mask_value_meaning
         if not capabilities.q_scale:
