@@ -67,6 +67,8 @@ MLA_V1_TARGET = "rpa_harness.targets.tpu_inference_mla_v1"
 MLA_V2_TARGET = "rpa_harness.targets.tpu_inference_mla_v2"
 V3_CP_TARGET = "rpa_harness.targets.tpu_inference_rpa_v3_cp"
 BATCHED_RPA_TARGET = "rpa_harness.targets.tpu_inference_batched_rpa"
+STACKED_RPA_TARGET = "rpa_harness.targets.tpu_inference_stacked_rpa"
+MLA_SWA_TARGET = "rpa_harness.targets.tpu_inference_mla_swa"
 REQUIRED_FUNCTIONS = ("ragged_paged_attention",)
 VALIDATOR = "dynamic_validate_inputs"  # optional: a kernel without one declares only static rules
 
@@ -93,6 +95,8 @@ SHIPPED = (
     Shipped(MLA_V2_TARGET, aliases=("rpa_harness.tpu_inference_mla_v2",)),
     Shipped(V3_CP_TARGET, aliases=("rpa_harness.tpu_inference_rpa_v3_cp",)),
     Shipped(BATCHED_RPA_TARGET, aliases=("rpa_harness.tpu_inference_batched_rpa",)),
+    Shipped(STACKED_RPA_TARGET, aliases=("rpa_harness.tpu_inference_stacked_rpa",)),
+    Shipped(MLA_SWA_TARGET, aliases=("rpa_harness.tpu_inference_mla_swa",)),
 )
 # Profile modules of targets that do not declare their own (module attributes as above).
 PROFILES = {name: s.profile for s in SHIPPED if s.profile for name in (s.name, *s.also_modules)}

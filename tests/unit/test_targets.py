@@ -172,7 +172,8 @@ def test_each_shipped_target_loads_by_its_name_and_its_aliases(shipped):
     try:
         loaded = targets.load(shipped.name)
     except targets.TargetError as error:
-        if "tpu-inference is not installed" not in str(error):
+        # Not installed, or a kernel that cannot run on this jax (stacked RPA on jax >= 0.12): its loader says.
+        if "tpu-inference is not installed" not in str(error) and "does not trace on jax" not in str(error):
             raise
         pytest.skip(str(error))
     assert loaded.version and [targets.load(alias).name for alias in shipped.aliases] == [loaded.name] * len(

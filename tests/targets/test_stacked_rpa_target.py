@@ -1,0 +1,156 @@
+"""tpu-inference's stacked RPA (experimental): its cache layout converted both ways, both outputs judged on
+the interpreters of jax 0.10 and 0.11, and on jax 0.12, where it does not trace, a usage error that says so."""
+
+import dataclasses
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from rpa_harness import reference
+from rpa_harness import repro as repro_files
+from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
+from rpa_harness.checks import CacheMismatch
+from rpa_harness.reference.tolerance import parse_precision
+from rpa_harness.strategies.case import Case
+from rpa_harness.targets.layouts import LayoutError
+
+from tests.cases import skip_without_tpu_inference
+
+skip_without_tpu_inference(module_level=True)
+
+from rpa_harness.targets import tpu_inference_stacked_rpa as stacked  # noqa: E402  (needs tpu-inference)
+from rpa_harness.targets.tpu_inference_stacked_rpa import adapter, layout  # noqa: E402
+
+NAME = "rpa_harness.targets.tpu_inference_stacked_rpa"
+PRECISION = parse_precision(stacked.RPA_HARNESS_PRECISION)
+TRACES_HERE = adapter.jax_version() < adapter.FIRST_JAX_IT_DOES_NOT_TRACE_ON
+needs_the_kernel = pytest.mark.skipif(
+    not TRACES_HERE, reason="stacked RPA does not trace on jax >= 0.12 (its emit_pipeline use; adapter.py)"
+)
+# A decode (its one new token at slot 99 of its first page) and a mixed sequence of five new tokens
+# across its second page; one KV head of two q heads, 128-key pages, the KV blocks one page each.
+CASE = Case(
+    max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=2, total_num_pages=5, page_size=128, num_q_heads=2,
+    num_kv_heads=1, head_dim=128, q_lens=(1, 5), kv_lens=(100, 200), num_kv_pages_per_block=1,
+    num_queries_per_block=8, mask_value_meaning="replaces",
+)  # fmt: skip
+
+
+def upstream_cache(dtype, head_dim: int) -> np.ndarray:
+    """A cache of 3 pages of 128 slots, 2 KV heads, every element distinct."""
+    return (np.arange(3 * 128 * 4 * head_dim) % 251 - 125).reshape(3, 128, 4, head_dim).astype(dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, padded",
+    [(np.float32, 64, 64), (ml_dtypes.bfloat16, 72, 80), (ml_dtypes.float8_e4m3fn, 72, 96)],
+    ids=["float32", "bfloat16", "fp8"],
+)
+def test_the_converter_pads_head_dim_to_sublane_tiles_and_round_trips(dtype, head_dim, padded):
+    kv_pages = upstream_cache(dtype, head_dim)
+    stacked_cache = layout.stack_cache(kv_pages)
+    assert stacked_cache.shape == (3, 4, padded, 128) and stacked_cache.dtype == kv_pages.dtype
+    # Slot 5 of page 1, V of KV head 1 (combined head 3), dim 7: the same element in both layouts.
+    assert stacked_cache[1, 3, 7, 5] == kv_pages[1, 5, 3, 7]
+    assert not stacked_cache[:, :, head_dim:, :].astype(np.float32).any()
+    np.testing.assert_array_equal(layout.unstack_cache(stacked_cache, head_dim=head_dim), kv_pages)
+    assert layout.slots_first(stacked_cache)[1, 5, 3, 7] == kv_pages[1, 5, 3, 7]
+
+
+def test_the_converter_refuses_a_cache_of_another_rank_or_width():
+    with pytest.raises(LayoutError, match=r"stack_cache: kv_pages has shape \(3, 128, 4\)"):
+        layout.stack_cache(np.zeros((3, 128, 4), np.float32))
+    with pytest.raises(LayoutError, match="cannot hold head_dim=72"):
+        layout.unstack_cache(np.zeros((3, 4, 64, 128), np.float32), head_dim=72)
+
+
+@pytest.mark.skipif(TRACES_HERE, reason="jax < 0.12 traces the kernel: the target loads")
+def test_on_jax_0_12_the_target_is_one_usage_error_naming_the_jax_to_use(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "rpa_harness.cli", "run", "--target", NAME, "-n", "0"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 4, result.stdout + result.stderr
+    error = result.stderr.strip().splitlines()
+    assert len(error) == 1 and result.stdout.strip() == "", result.stdout + result.stderr
+    assert "does not trace on jax" in error[0] and "pipeline.py:868" in error[0], error[0]
+    assert "run this target on jax 0.11.2" in error[0], error[0]
+
+
+@needs_the_kernel
+def test_the_case_gives_the_blocks_a_window_widens_the_decode_block():
+    inputs = stacked.stacked_inputs(**CASE.arrays(), **CASE.options())
+    decode, mixed = inputs.decode_block_sizes, inputs.mixed_block_sizes
+    assert (decode.bq_sz, decode.bkv_sz, decode.batch_size, decode.n_buffer) == (1, 128, 2, 2)
+    assert (mixed.bq_sz, mixed.bq_c_sz, mixed.bkv_sz, mixed.batch_size, mixed.n_buffer) == (8, 4, 128, 2, 2)
+    assert inputs.args[3].shape == (5, 2, 128, 128)
+    windowed = dataclasses.replace(CASE, sliding_window=200)
+    # The window and the query from the page boundary below: 200 + 1 keys span three pages; the sequence
+    # holds two.
+    assert stacked.stacked_inputs(**windowed.arrays(), **windowed.options()).decode_block_sizes.bkv_sz == 256
+
+
+@needs_the_kernel
+def test_a_wrong_cache_is_caught_slot_by_slot():
+    inputs = stacked.stacked_inputs(**CASE.arrays(), **CASE.options())
+    written = np.ascontiguousarray(inputs.expected_cache.transpose(0, 2, 3, 1))  # the kernel's layout
+    stacked.check_updated_cache(inputs, written)
+    page = int(np.asarray(CASE.arrays()["page_indices"])[1, 1])  # the mixed sequence's second page
+    unwritten = written.copy()
+    unwritten[page, :, :, 67] = inputs.args[3][page, :, :, 67]  # its first new token (position 195), as given
+    with pytest.raises(
+        CacheMismatch,
+        match=rf"page {page}, slot 67 \(a new token's slot; sequence 1, key position 195, left as it was\)",
+    ):
+        stacked.check_updated_cache(inputs, unwritten)
+    changed = written.copy()
+    changed[0, 1, 127, 0] = 1.0  # page 0, slot 0: V head 0, dim 127
+    with pytest.raises(CacheMismatch, match=r"page 0, slot 0 .* first at V head 0, dim 127"):
+        stacked.check_updated_cache(inputs, changed)
+
+
+@needs_the_kernel
+def test_the_generic_interpreter_gets_the_attention_right_and_the_cache_where_jax_keeps_aliased_writes():
+    """jax 0.10's generic interpreter drops writes into an aliased input: the cache comes back as given.
+    From jax 0.11 (0.11.2 is what tpu-inference 0.32.0 pins) it keeps them: both outputs are right."""
+    verdict = stacked.judge(
+        CASE.arrays(), CASE.options(), Backend(FAST_INTERPRET, generation="v6e"), precision=PRECISION
+    )
+    assert verdict.comparison.ok, str(verdict.comparison)
+    error = verdict.cache_error
+    if stacked.adapter.jax_version() >= (0, 11):
+        assert error is None, str(error)
+        return
+    assert error is not None and error.slots is not None and error.stale is not None
+    new_slots = stacked.stacked_inputs(**CASE.arrays(), **CASE.options()).new_slots
+    assert np.array_equal(error.slots, new_slots) and error.stale[new_slots].all(), str(error)
+
+
+@needs_the_kernel
+def test_the_tpu_interpreter_writes_every_new_token_and_keeps_every_live_key():
+    """On the TPU interpreter both outputs are right. The slots past kv_len, which the cache judge leaves
+    out, do change: the write-back's tile past each sequence's last new token takes the new-token rows
+    after it."""
+    inputs = stacked.stacked_inputs(**CASE.arrays(), **CASE.options())
+    out, cache = Backend(INTERPRET, generation="v6e").run(stacked.call_stacked, inputs)
+    comparison = reference.compare(
+        out, reference.oracle(**CASE.arrays(), **CASE.options()), label="stacked RPA", precision=PRECISION
+    )
+    assert comparison.ok, str(comparison)
+    stacked.check_updated_cache(inputs, cache)
+    past_kv_len = stacked.both_outputs.slots_past_kv_len(inputs)
+    returned = layout.slots_first(np.asarray(cache)).view(np.uint32)
+    assert (returned != inputs.given_cache.view(np.uint32))[past_kv_len].any()
+
+
+def test_the_finite_mask_value_finding_matches_its_repro_and_not_the_case_moved_out():
+    """Its predicate reads the case only (it runs on jax 0.12 too); the repro's replay is the known-issue
+    property's."""
+    (issue,) = stacked.RPA_HARNESS_CATALOGUE
+    case = repro_files.read(issue.repro).case
+    assert issue.matches(case) and case.mask_value == -2.0
+    assert not issue.matches(issue.nearest_outside(case))
+    whole_blocks = dataclasses.replace(case, mask_value=-2.0, kv_lens=(128,), q_lens=(1,), total_num_pages=3)
+    assert not issue.matches(whole_blocks)  # one decode, every slot of its block a key: nothing masked
