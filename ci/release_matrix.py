@@ -114,18 +114,34 @@ def install(release: str, *, cache_dir: Path) -> Path:
     return folder
 
 
+# A v3 module the kernel file imports from its own folder (its util.py, its tuned table).
+SIBLING_IMPORT = re.compile(r"ragged_paged_attention\.v3\.(\w+)")
+
+
 def kernel_digest(folder: Path, target: Target) -> str | None:
     """The full SHA-256 of the target's kernel file in an installed release; None where it has none."""
     path = folder.joinpath(*V3_FOLDER, target.kernel_file)
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
+def sibling_digests(folder: Path, target: Target) -> dict[str, str]:
+    """The full SHA-256 of each v3 module the target's kernel file imports (``util.py`` -> digest)."""
+    kernel = folder.joinpath(*V3_FOLDER, target.kernel_file)
+    names = sorted(set(SIBLING_IMPORT.findall(kernel.read_text()))) if kernel.is_file() else []
+    return {
+        f"{name}.py": hashlib.sha256(path.read_bytes()).hexdigest()
+        for name in names
+        if (path := kernel.with_name(f"{name}.py")).is_file()
+    }
+
+
 @dataclasses.dataclass
 class Group:
-    """The releases that ship one kernel file, byte for byte."""
+    """The releases that ship one kernel file and the same v3 modules it imports, byte for byte."""
 
     target: Target
-    digest: str
+    digest: str  # the kernel file's, as the run header names it
+    siblings: dict[str, str]  # the imported v3 modules' digests
     releases: list[str]  # oldest first
 
     @property
@@ -134,13 +150,16 @@ class Group:
 
 
 def group_by_kernel(folders: dict[str, Path], target: Target) -> list[Group]:
-    """The releases in ``folders`` (release -> installed folder) grouped by the digest of the target's
-    kernel file, in release order; releases without that file are in no group."""
-    groups: dict[str, Group] = {}
+    """The releases in ``folders`` (release -> installed folder) grouped by the digests of the target's
+    kernel file and of the v3 modules it imports (a release that changes only its util.py runs other code),
+    in release order; releases without that file are in no group."""
+    groups: dict[tuple, Group] = {}
     for release in sorted(folders, key=release_key):
         digest = kernel_digest(folders[release], target)
         if digest is not None:
-            groups.setdefault(digest, Group(target, digest, [])).releases.append(release)
+            siblings = sibling_digests(folders[release], target)
+            key = (digest, *sorted(siblings.items()))
+            groups.setdefault(key, Group(target, digest, siblings, [])).releases.append(release)
     return list(groups.values())
 
 
@@ -390,7 +409,10 @@ def render_groups(groups: list[Group], *, chosen: set[tuple[str, str]]) -> str:
         lines.append(f"{target.name} (v3/{target.kernel_file}): {len(mine)} distinct in {shipped} releases")
         for group in mine:
             releases = [f"{r}*" if (r, target.name) in chosen else r for r in group.releases]
-            lines.append(f"  {group.digest[:DIGEST_LENGTH]}  {', '.join(releases)}")
+            line = f"  {group.digest[:DIGEST_LENGTH]}  {', '.join(releases)}"
+            if sum(other.digest == group.digest for other in mine) > 1:  # the same kernel file, other modules
+                line += "  (" + ", ".join(f"{n} {d[:DIGEST_LENGTH]}" for n, d in group.siblings.items()) + ")"
+            lines.append(line)
     lines.append("* runs")
     return "\n".join(lines)
 

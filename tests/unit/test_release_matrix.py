@@ -144,6 +144,26 @@ def test_releases_are_grouped_by_their_kernel_files_digest(tmp_path):
     assert hd64.digest == sha256("hd64 X") and hd64.releases == ["0.19.0", "0.20.0", "0.21.0", "0.22.1"]
 
 
+def test_releases_with_one_kernel_file_but_another_module_it_imports_are_two_groups(tmp_path, capsys):
+    kernel = "from tpu_inference.kernels.ragged_paged_attention.v3.util import cdiv"
+    for release, util in (("0.25.0", "old util"), ("0.26.0", "new util"), ("0.31.0", "new util")):
+        folder = fake_release(tmp_path, release, hd64=kernel)
+        folder.joinpath(*matrix.V3_FOLDER, "util.py").write_text(util)
+    groups = matrix.group_by_kernel({r: tmp_path / r for r in ("0.25.0", "0.26.0", "0.31.0")}, HD64)
+    assert [(g.digest, g.siblings, g.releases) for g in groups] == [
+        (sha256(kernel), {"util.py": sha256("old util")}, ["0.25.0"]),
+        (sha256(kernel), {"util.py": sha256("new util")}, ["0.26.0", "0.31.0"]),
+    ]
+    releases = "0.25.0,0.26.0,0.31.0"
+    assert matrix.main(["--cache-dir", str(tmp_path), "--releases", releases, "--targets", "hd64", "--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "hd64 (v3/kernel_hd64.py): 2 distinct in 3 releases",
+        f"  {sha256(kernel)[:12]}  0.25.0*  (util.py {sha256('old util')[:12]})",
+        f"  {sha256(kernel)[:12]}  0.26.0*, 0.31.0*  (util.py {sha256('new util')[:12]})",
+        "* runs",
+    ]
+
+
 def test_releases_are_ordered_as_pypi_orders_them():
     releases = ["0.13.3", "0.9.0", "0.13.2.post6", "0.13.2", "0.32.0"]
     assert sorted(releases, key=matrix.release_key) == ["0.9.0", "0.13.2", "0.13.2.post6", "0.13.3", "0.32.0"]
