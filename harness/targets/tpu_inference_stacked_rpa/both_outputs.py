@@ -3,12 +3,10 @@ against the case's, bit for bit, slot by slot (its layout read slots first), but
 that its whole-tile write-back fills (``check_updated_cache``)."""
 
 import numpy as np
-from rpa_harness import reference
-from rpa_harness.backends import Backend
-from rpa_harness.checks import CacheMismatch, ExpectedCache, cache_mismatch
+from rpa_harness.checks import ExpectedCache, cache_mismatch
 from rpa_harness.targets.tpu_inference_stacked_rpa import layout
 from rpa_harness.targets.tpu_inference_stacked_rpa.adapter import StackedInputs, call_stacked, stacked_inputs
-from rpa_harness.targets.tpu_inference_v3.both_outputs import CHECKING, Verdict
+from rpa_harness.targets.tpu_inference_v3 import both_outputs as v3_judge
 
 NAME = "tpu-inference stacked RPA"
 
@@ -54,17 +52,6 @@ def slots_past_kv_len(inputs: StackedInputs) -> np.ndarray:
     return past
 
 
-def judge(arrays: dict, options: dict, backend: Backend = CHECKING, *, precision: tuple[str, ...]) -> Verdict:
-    """Runs stacked RPA once on an upstream-style case and judges both outputs. On jax 0.10's generic
-    interpreter the cache comes back as given (writes into an aliased input are lost there): judge the
-    cache on the TPU interpreter, or on jax 0.11."""
-    inputs = stacked_inputs(**arrays, **options)
-    out, cache = backend.run(call_stacked, inputs)
-    comparison = reference.compare(
-        out, reference.oracle(**arrays, **options), label=f"{NAME} on {backend.label}", precision=precision
-    )
-    try:
-        check_updated_cache(inputs, cache)
-    except CacheMismatch as error:
-        return Verdict(comparison, error, None)
-    return Verdict(comparison, None, None)
+# On jax 0.10's generic interpreter the cache comes back as given (writes into an aliased input are lost
+# there): judge the cache on the TPU interpreter, or on jax 0.11.
+judge = v3_judge.judge_with(NAME, stacked_inputs, call_stacked, check_cache=check_updated_cache)

@@ -87,17 +87,19 @@ def judged_call(
     backend: Backend,
     *,
     precision: tuple[str, ...],
+    check_cache: Callable = check_updated_cache,
 ) -> tuple[reference.Comparison, CacheMismatch | None, Inputs]:
     """One call of a v3-style kernel on ``backend`` (``map_inputs`` maps the upstream-style case, ``call``
-    runs it returning the attention and the updated cache), both outputs judged: (the attention's
-    comparison with the float64 oracle, the cache's mismatch or None, the mapped inputs)."""
+    runs it returning the attention and the updated cache), both outputs judged, the cache by
+    ``check_cache(inputs, cache)``: (the attention's comparison with the float64 oracle, the cache's
+    mismatch or None, the mapped inputs)."""
     inputs = map_inputs(**arrays, **options)
     out, cache = backend.run(call, inputs)
     comparison = reference.compare(
         out, reference.oracle(**arrays, **options), label=f"{name} on {backend.label}", precision=precision
     )
     try:
-        check_updated_cache(inputs, cache)
+        check_cache(inputs, cache)
     except CacheMismatch as error:
         return comparison, error, inputs
     return comparison, None, inputs
@@ -123,13 +125,15 @@ def judge(arrays: dict, options: dict, backend: Backend = CHECKING, *, precision
     return Verdict(comparison, error, SLIDING_WINDOW_FINDING if known else None)
 
 
-def judge_with(name: str, map_inputs: Callable[..., KernelInputs], call):
-    """``judge`` for another kernel with v3's outputs (``map_inputs`` and ``call`` as ``judged_call``
-    takes them, ``name`` for its messages); it attributes no cache error to a finding."""
+def judge_with(
+    name: str, map_inputs: Callable[..., KernelInputs], call, *, check_cache: Callable = check_updated_cache
+):
+    """``judge`` for another kernel with v3's outputs (``map_inputs``, ``call`` and ``check_cache`` as
+    ``judged_call`` takes them, ``name`` for its messages); it attributes no cache error to a finding."""
 
     def judge_outputs(arrays: dict, options: dict, backend: Backend = CHECKING, *, precision) -> Verdict:
         comparison, error, _ = judged_call(
-            name, map_inputs, call, arrays, options, backend, precision=precision
+            name, map_inputs, call, arrays, options, backend, precision=precision, check_cache=check_cache
         )
         return Verdict(comparison, error, None)
 
