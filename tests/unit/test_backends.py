@@ -117,10 +117,12 @@ print(f"returned {float(out[0, 0]):g} after {time.monotonic() - started:.1f} s")
 def test_watchdog_lets_a_call_that_keeps_stepping_run_past_its_timeout():
     """A long call on the TPU interpreter whose steps keep returning is slow, not stuck: it is not ended
     at its timeout (a loaded machine made such calls look like hangs)."""
-    result = run_python("-c", STEPPING_CALL, "0.3", "1000000", "3000", cwd=".", timeout=300)
+    # A timeout short against the call however loaded the machine (3,000 steps took 0.6 s on a quiet one,
+    # 6 s on a loaded one), so that the call outlives several timeouts either way.
+    result = run_python("-c", STEPPING_CALL, "0.05", "1000000", "10000", cwd=".", timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     value, seconds = result.stdout.split()[1], float(result.stdout.split()[3])
-    assert value == "3000" and seconds > 3 * 0.3, f"the call did not outlive its timeout: {result.stdout}"
+    assert value == "10000" and seconds > 3 * 0.05, f"the call did not outlive its timeout: {result.stdout}"
 
 
 def test_watchdog_ends_a_call_still_stepping_after_its_longest_watch_as_too_slow_not_a_hang():
