@@ -219,12 +219,19 @@ class CannotRun(Exception):
     """The target cannot run on this backend for a recognised reason (an interpreter limitation)."""
 
 
-def declared_unrunnable(target: Target, backend: Backend) -> str | None:
-    """The reason the target declares it does not run on the backend, or None."""
-    if backend.name not in target.capabilities.backends:
+def declared_unrunnable(target: Target, backend: Backend, *, by_default: bool = False) -> str | None:
+    """The reason the target declares it does not run on the backend, or None. ``by_default``: the backend
+    was not chosen by name (--rpa-backend=auto), so one the target declares slow does not run either."""
+    capabilities = target.capabilities
+    if backend.name not in capabilities.backends:
         return (
-            f"it declares backends={target.capabilities.backends} in RPA_HARNESS_CAPABILITIES "
+            f"it declares backends={capabilities.backends} in RPA_HARNESS_CAPABILITIES "
             f"(declared, not {backend.name})"
+        )
+    if by_default and backend.name in capabilities.slow_backends:
+        return (
+            f"it declares slow_backends={capabilities.slow_backends} in RPA_HARNESS_CAPABILITIES (too slow "
+            f"for a campaign; --rpa-backend={backend.name} runs it there)"
         )
     return None
 

@@ -28,7 +28,6 @@ import tempfile
 import textwrap
 import threading
 import time
-import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 

@@ -405,11 +405,13 @@ def pytest_runtest_setup(item):
 
 
 def _runnable_backend(config, backend):
-    """A backend the target can run on, or a skip with the declared reason (absent TPU, declared backends)."""
+    """A backend the target can run on, or a skip with the declared reason (absent TPU, declared backends,
+    a backend declared slow that --rpa-backend=auto chose)."""
     if backend.skip_reason:
         pytest.skip(backend.skip_reason)
-    target = settings_of(config).target
-    declared = checks.declared_unrunnable(target, backend)
+    settings = settings_of(config)
+    target = settings.target
+    declared = checks.declared_unrunnable(target, backend, by_default=settings.backends_by_default)
     if declared:
         raise CannotRunHere(target.name, backend.name, declared)
     return backend

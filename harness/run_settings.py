@@ -53,6 +53,8 @@ class RunSettings:
     profile: str  # the Hypothesis profile chosen (before RPA_MAX_EXAMPLES resizes it)
     # The buckets drawn: the strategies' ``selection`` (None: the defaults within the declaration).
     buckets: tuple[str, ...] | None = None
+    # The backends are --rpa-backend=auto's, not chosen by name: the target's slow ones are skipped.
+    backends_by_default: bool = False
 
     @property
     def interpreter_compat(self) -> bool:
@@ -109,6 +111,7 @@ def from_options(
         ),
         profile,
         selection,
+        backends_by_default=backend == backends.AUTO,
     )
 
 

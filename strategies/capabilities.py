@@ -98,6 +98,9 @@ class Capabilities:
     # The backends (rpa_harness.backends names) the target is declared to run on; elsewhere its numeric
     # properties are skipped as "cannot run" (declared). Any other error on valid input is a failure.
     backends: tuple[str, ...] = ("interpret", "fast-interpret", "tpu")
+    # Of those, the ones a call is too slow on for a campaign: under --rpa-backend=auto its properties skip
+    # there (declared slow); chosen explicitly (--rpa-backend, a repro's backend) they run.
+    slow_backends: tuple[str, ...] = ()
     # Opt-ins beyond the specified behaviour: the specification's stricter ValueErrors (the rules upstream
     # asserts or accepts), and lowering to Mosaic on CPU.
     strict_validation: bool = False
@@ -129,9 +132,11 @@ class Capabilities:
                 "runtime_options": RUNTIME_OPTIONS,
                 "options_not_taken": OPTIONS_A_TARGET_MAY_NOT_TAKE,
                 "head_dims": tuple(h for h, _ in self.value_head_dims) or field.default,
+                "slow_backends": self.backends,
             }.get(field.name, field.default)
             unknown = [v for v in value if v not in allowed]
-            if unknown or (not value and field.name not in ("runtime_options", "options_not_taken")):
+            may_be_empty = ("runtime_options", "options_not_taken", "slow_backends")
+            if unknown or (not value and field.name not in may_be_empty):
                 problem = (
                     f"{unknown} not in the specified space" if unknown else "empty, so nothing can be drawn"
                 )

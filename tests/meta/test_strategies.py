@@ -121,6 +121,9 @@ def test_every_coverage_label_occurs():
         (dict(buckets=("huge",)), r"\['huge'\] not in the specified space; choose a non-empty subset of "
          r"\('tiny', 'small', 'medium', 'long', 'production'\)"),
         (dict(num_kv_heads=(1,), even_kv_heads_for_fp8=True), r"no even num_kv_heads for the 8-bit KV dtypes"),
+        (dict(backends=("fast-interpret", "tpu"), slow_backends=("interpret",)),
+         r"Capabilities\(slow_backends=\('interpret',\)\): \['interpret'\] not in the specified space; choose a "
+         r"non-empty subset of \('fast-interpret', 'tpu'\)"),
     ],
 )  # fmt: skip
 def test_capabilities_outside_the_specified_space_are_one_clear_error(fields, message):

@@ -24,6 +24,8 @@ from rpa_harness.targets import tpu_inference_stacked_rpa as stacked  # noqa: E4
 from rpa_harness.targets.tpu_inference_stacked_rpa import adapter, layout  # noqa: E402
 
 NAME = "rpa_harness.targets.tpu_inference_stacked_rpa"
+CATALOGUE = {issue.name: issue for issue in stacked.RPA_HARNESS_CATALOGUE}
+WINDOW_WRITE_BACK = CATALOGUE[stacked.both_outputs.WINDOW_WRITE_BACK_FINDING]
 PRECISION = parse_precision(stacked.RPA_HARNESS_PRECISION)
 TRACES_HERE = adapter.jax_version() < adapter.FIRST_JAX_IT_DOES_NOT_TRACE_ON
 needs_the_kernel = pytest.mark.skipif(
@@ -148,9 +150,55 @@ def test_the_tpu_interpreter_writes_every_new_token_and_keeps_every_live_key():
 def test_the_finite_mask_value_finding_matches_its_repro_and_not_the_case_moved_out():
     """Its predicate reads the case only (it runs on jax 0.12 too); the repro's replay is the known-issue
     property's."""
-    (issue,) = stacked.RPA_HARNESS_CATALOGUE
+    issue = CATALOGUE["stacked-rpa-finite-mask-value-weights-keys-by-block"]
     case = repro_files.read(issue.repro).case
     assert issue.matches(case) and case.mask_value == -2.0
     assert not issue.matches(issue.nearest_outside(case))
     whole_blocks = dataclasses.replace(case, mask_value=-2.0, kv_lens=(128,), q_lens=(1,), total_num_pages=3)
     assert not issue.matches(whole_blocks)  # one decode, every slot of its block a key: nothing masked
+
+
+@pytest.mark.parametrize(
+    "q_len, kv_len, window, unwritten",
+    [
+        (2, 130, 32, [128, 129]),  # rows 0-1 never meet the second page's key positions 128-255
+        (3, 129, 64, [128]),  # rows 0-2 meet page 0 (positions 126-127, written), not page 1
+        (5, 200, 32, [195, 196, 197, 198, 199]),
+        (2, 2, 32, []),  # rows and key positions agree
+    ],
+)
+def test_the_window_write_back_restatement_gives_the_slots_the_kernel_left(q_len, kv_len, window, unwritten):
+    """The slots the TPU interpreter left unwritten for these sequences (each alone in its batch, query
+    blocks of 8 rows, 128-key pages): the restated schedule's own prediction."""
+    missed = stacked.both_outputs.window_unwritten_positions(
+        (q_len,), (kv_len,), range(1), window=window, bq=8, total_q_tokens=8, page_size=128, pages_per_seq=2
+    )
+    assert missed == ({0: unwritten} if unwritten else {})
+
+
+def test_the_window_write_back_finding_matches_its_repro_and_not_the_case_moved_out():
+    case = repro_files.read(WINDOW_WRITE_BACK.repro).case
+    assert WINDOW_WRITE_BACK.matches(case) and case.sliding_window is not None
+    assert not WINDOW_WRITE_BACK.matches(WINDOW_WRITE_BACK.nearest_outside(case))
+    assert not WINDOW_WRITE_BACK.matches(dataclasses.replace(case, sliding_window=None))
+    assert not WINDOW_WRITE_BACK.matches(dataclasses.replace(case, kv_lens=(2,)))  # rows are the positions
+    decode = dataclasses.replace(case, q_lens=(1,), kv_lens=(130,))  # the decode kernel writes its token
+    assert not WINDOW_WRITE_BACK.matches(decode)
+
+
+@needs_the_kernel
+def test_the_tpu_interpreter_leaves_the_predicted_window_slots_and_the_judge_names_the_finding():
+    """A decode, then a mixed sequence whose rows (1-3) meet its first page's new key positions (126-127)
+    but not its second's (128): that one slot stays as given, and the judge attributes exactly it."""
+    case = dataclasses.replace(
+        CASE, q_lens=(1, 3), kv_lens=(100, 129), sliding_window=64, num_q_heads=1, head_dim=64
+    )
+    assert WINDOW_WRITE_BACK.matches(case)
+    verdict = stacked.judge(
+        case.arrays(), case.options(), Backend(INTERPRET, generation="v6e"), precision=PRECISION
+    )
+    assert verdict.comparison.ok, str(verdict.comparison)
+    error = verdict.cache_error
+    assert error is not None and error.slots is not None and int(error.slots.sum()) == 1, str(error)
+    assert "key position 128, left as it was" in str(error)
+    assert verdict.known_finding == f"docs/tpu-inference-stacked-rpa-findings/{WINDOW_WRITE_BACK.name}"

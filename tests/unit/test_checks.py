@@ -8,8 +8,14 @@ import types
 import numpy as np
 import pytest
 from rpa_harness import targets
-from rpa_harness.backends import FAST_INTERPRET, Backend
-from rpa_harness.checks import CacheMismatch, RaisedOnValidInput, WrongOutputLayout, check_differential
+from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend
+from rpa_harness.checks import (
+    CacheMismatch,
+    RaisedOnValidInput,
+    WrongOutputLayout,
+    check_differential,
+    declared_unrunnable,
+)
 from rpa_harness.strategies.valid import Case
 from rpa_harness.targets import layouts
 
@@ -97,3 +103,21 @@ def test_a_jax_name_the_installed_jax_lacks_says_what_it_means(monkeypatch):
     message = str(raised.value)
     assert "has no jax.experimental.pallas.tpu.NO_SUCH_MEMORY_SPACE" in message, message
     assert "the kernel was written against another jax version" in message
+
+
+def test_a_backend_declared_slow_runs_only_when_chosen_by_name(monkeypatch):
+    """--rpa-backend=auto skips a target's slow backend with the reason; chosen by name (or by a repro), it
+    runs; a backend it does not declare never does."""
+    module = types.ModuleType("slow_target")
+    module.ragged_paged_attention = oracle_output
+    module.dynamic_validate_inputs = lambda *args, **kwargs: None
+    module.RPA_HARNESS_CAPABILITIES = dict(
+        backends=("interpret", "fast-interpret"), slow_backends=("interpret",)
+    )
+    monkeypatch.setitem(sys.modules, "slow_target", module)
+    target = targets.load("slow_target")
+    slow = declared_unrunnable(target, Backend(INTERPRET), by_default=True)
+    assert slow is not None and "slow_backends=('interpret',)" in slow and "--rpa-backend=interpret" in slow
+    assert declared_unrunnable(target, Backend(INTERPRET)) is None
+    assert declared_unrunnable(target, Backend(FAST_INTERPRET), by_default=True) is None
+    assert "(declared, not tpu)" in str(declared_unrunnable(target, Backend(TPU)))

@@ -47,9 +47,11 @@ RPA_HARNESS_CAPABILITIES = dict(
     max_kv_pages_per_block=2,
     update_kv_cache=True,
     # The generic interpreter judges the attention. The TPU interpreter (with the compat gap
-    # tpu-wait-for-nothing) takes 30-40 s a call, warm, too slow for a campaign: only the target's tests
-    # run it, to judge the cache where jax 0.10's generic interpreter returns it as given (0.11 writes it).
-    backends=("fast-interpret", "tpu"),
+    # tpu-wait-for-nothing) takes 8-50 s a call, too slow for a campaign: the target's tests and its
+    # findings' replays run it, to judge the cache where jax 0.10's generic interpreter returns it as
+    # given (0.11 writes it).
+    backends=("interpret", "fast-interpret", "tpu"),
+    slow_backends=("interpret",),
     # It reads the chip (pltpu.get_tpu_info) for lanes, sublanes, its MXU width, VMEM and position integers
     # (int16 for packed queries on v6 and v7). v6e is what an everyday run emulates; each compilation takes
     # XLA:CPU ~25 s, so v5e's paths (int32 positions, a 128-wide MXU) are not declared.

@@ -75,7 +75,7 @@ class Verdict:
 
     comparison: reference.Comparison  # of the attention with the float64 oracle
     cache_error: CacheMismatch | None  # None: the updated cache is the expected one, bit for bit
-    known_finding: str | None  # the documented finding that explains the cache error exactly, if any
+    known_finding: str | None  # the folder (docs/...) of the finding that explains the cache error exactly
 
 
 def judged_call(
@@ -114,15 +114,23 @@ def judge(arrays: dict, options: dict, backend: Backend = CHECKING, *, precision
     )
     if error is None:
         return Verdict(comparison, None, None)
-    predicted = unwritten_by_sliding_window(inputs)
-    known = (
-        error.slots is not None  # None: the cache's shape or dtype differs
-        and error.stale is not None
-        and predicted.any()
-        and np.array_equal(error.slots, predicted)
-        and error.stale[predicted].all()
+    finding = f"docs/tpu-inference-v3-findings/{SLIDING_WINDOW_FINDING}"
+    return Verdict(
+        comparison, error, finding if left_as_predicted(error, unwritten_by_sliding_window(inputs)) else None
     )
-    return Verdict(comparison, error, SLIDING_WINDOW_FINDING if known else None)
+
+
+def left_as_predicted(error: CacheMismatch, predicted: np.ndarray | None) -> bool:
+    """Whether a cache error is exactly a finding's unwritten slots (bool [pages, page_size], None where the
+    finding's rule cannot say): the slots that differ are those, and each still holds its input value."""
+    return (
+        predicted is not None
+        and error.slots is not None  # None: the cache's shape or dtype differs
+        and error.stale is not None
+        and bool(predicted.any())
+        and np.array_equal(error.slots, predicted)
+        and bool(error.stale[predicted].all())
+    )
 
 
 def judge_with(
@@ -156,11 +164,7 @@ def checks_both_outputs(judge_outputs):
                 str(deadlock),
             ) from None
         if verdict.cache_error is not None:
-            finding = (
-                f"\n  (exactly the slots of docs/tpu-inference-v3-findings/{verdict.known_finding})"
-                if verdict.known_finding
-                else ""
-            )
+            finding = f"\n  (exactly the slots of {verdict.known_finding})" if verdict.known_finding else ""
             attention = "" if verdict.comparison.ok else f"\n{verdict.comparison}"
             error = verdict.cache_error
             raise CacheMismatch(f"{error}{finding}{attention}", error.slots, error.stale) from None
