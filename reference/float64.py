@@ -84,6 +84,10 @@ class OracleResult:
     # exp(+-u rho_k) (rho_k: ``rounded_logit_units``):
     rounded_logit_sensitivity: np.ndarray  # float64 [T, H, D]: sum_k p_k rho_k (|v_k| + |o|)
     max_rounded_logit_units: np.ndarray  # float64 [T, H, D]: max of rho_k over keys with p_k > 0
+    # The values' hull, which bounds the output whatever its weights' errors (``tolerance.hull_error``):
+    # over the sequence's keys [0, kv_len), and 0 where a sink takes weight without a value,
+    value_spread: np.ndarray  # float64 [T, H, D]: max_k |v_k - o|
+    max_abs_value: np.ndarray  # float64 [T, H, D]: max_k |v_k|
 
     @property
     def owned_rows(self) -> np.ndarray:
@@ -240,6 +244,15 @@ def _key_chunks(kv_pages, pages, kv_len, chunk_keys, options: Options, q_dtype) 
         v = _scaled(kv[:, 1::2], options.v_scale, q_dtype).transpose(1, 0, 2)
         chunks.append(_KeyChunk(np.arange(first, last), k, v, np.abs(v), v * v))
     return chunks
+
+
+def _value_extremes(chunks, *, with_zero: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(lowest, highest) value per KV head and dim over the chunks' keys, 0 included when ``with_zero``."""
+    lowest = np.min([chunk.v.min(axis=1) for chunk in chunks], axis=0)
+    highest = np.max([chunk.v.max(axis=1) for chunk in chunks], axis=0)
+    if with_zero:
+        lowest, highest = np.minimum(lowest, 0.0), np.maximum(highest, 0.0)
+    return lowest, highest
 
 
 def _deviation_bound(weight_total, weighted_v_squared, weighted_v, weighted_abs_v, o):
@@ -498,7 +511,8 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
     shape = (num_tokens, num_q_heads, head_dim)
     quantities = ("out", "abs_pv", "flushable_pv", "logit_sensitivity", "dot_sensitivity", "max_dot_abs",
                   "value_underflow", "cache_underflow", "rescale_excess", "max_rises", "query_doubt_sensitivity",
-                  "max_query_doubt", "rounded_logit_sensitivity", "max_rounded_logit_units")  # fmt: skip
+                  "max_query_doubt", "rounded_logit_sensitivity", "max_rounded_logit_units", "value_spread",
+                  "max_abs_value")  # fmt: skip
     results = {name: np.zeros(shape) for name in quantities}
     results["out"][:] = np.nan
     value_dtype = _value_dtype(kv_pages.dtype, options.v_scale, q.dtype)
@@ -525,6 +539,8 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
             return _key_chunks(kv_pages, pages, kv_len, chunk_keys, options, q.dtype)
 
         sequence_chunks = chunks() if whole else None
+        # [kv heads, dim]: the extremes of the sequence's values, and 0 beside them where a sink is given.
+        lowest, highest = _value_extremes(sequence_chunks or chunks(), with_zero=sinks is not None)
         for first in range(0, q_len, block):
             last = min(q_len, first + block)
             rows = slice(q_start + first, q_start + last)
@@ -562,6 +578,10 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
                 results[name][rows] = (
                     value.reshape(to_rows).transpose(2, 0, 1, 3).reshape(last - first, -1, head_dim)
                 )
+            out = results["out"][rows]
+            per_q_head = np.repeat(lowest, group, axis=0), np.repeat(highest, group, axis=0)
+            results["value_spread"][rows] = np.maximum(per_q_head[1] - out, out - per_q_head[0])
+            results["max_abs_value"][rows] = np.maximum(np.abs(per_q_head[0]), np.abs(per_q_head[1]))
 
     return OracleResult(
         out_dtype=q.dtype,

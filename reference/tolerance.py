@@ -136,6 +136,24 @@ computed from the same float64 quantities; contracts combine by adding their ter
 All terms are first order in u_v, u_o and u_b except where a closed form is given; the float32 terms keep
 their margins (16 units per key in the accumulation) for the products of small errors.
 
+The values' hull
+----------------
+Every contract perturbs the weights exponentially in the logits' error (``e^D (e^D - 1) / D``), which
+explodes for large logits (a bfloat16 logit of 10,000 is known only to 40): past that point any weights
+are possible, and the bound above grows without limit (1e51 for an output of magnitude 2). But the weights
+stay nonnegative, so the output stays a convex combination of the values the kernel reads (and 0, for a
+sink's weight), up to the errors that reach the numerator and the denominator differently. With acc =
+sum_k c_k v_k (1 + theta_k), l = sum_k c_k (1 + phi_k), c_k >= 0 and |theta_k|, |phi_k| <= g:
+
+    |acc / l - o| <= max_k |v_k - o| + 2 g / (1 - g) max_k |v_k|        (``hull_error``)
+
+over the sequence's keys [0, kv_len) (a superset of those it attends; the oracle's ``value_spread`` and
+``max_abs_value``), with g the relative errors on the way: the float32 accumulation's (3 n + 16) u32, the
+accumulator dtype's (1 + u_o)**(B + 1 + N) - 1, a weight rounded to V's, the cache's or bfloat16's dtype for
+P @ V alone (u_v, u_c, bf16-matmul's 2 u_b), plus the subnormal roundings of those weights (absolute: the
+``value_underflow`` terms) and an approximate reciprocal (2**-8 of the result). The bound is the smaller of
+the two, element by element: where the logits are large it says "anything in the values' hull", no more.
+
 Measured (``benchmarks/tolerance_calibration.py``, unit-normal data): float32 bounds are 2e-5..7e-5 with
 sm_scale = 1/sqrt(d), i.e. >= 1000x below upstream's 0.15 + 0.15 |o|; with sm_scale = 1 at d = 128 (logits
 of std ~11) the d * A_k term dominates and the bound reaches ~1.6e-3 where the output cancels (~100x). In
@@ -352,6 +370,37 @@ def contract_error(result, precision=DEFAULT_PRECISION, out_dtype=None):
     return error
 
 
+def hull_error(result, precision=DEFAULT_PRECISION, out_dtype=None):
+    """The bound that holds whatever the weights' errors (see "The values' hull" above): the output is in
+    the values' hull but for the relative errors that reach its numerator and denominator differently."""
+    precision = parse_precision(precision)
+    out_dtype = np.dtype(result.out_dtype if out_dtype is None else out_dtype)
+    kv_len = result.row_kv_len[:, None, None]
+    g = (3.0 * kv_len + 16.0) * U32
+    absolute = np.zeros(result.out.shape)
+    if ACCUMULATORS_IN_OUTPUT_DTYPE in precision and np.dtype(result.accumulator_dtype) != F32:
+        blocks = -(-kv_len // result.page_size)
+        g = g + np.expm1((blocks + 1 + result.max_rises) * np.log1p(unit_roundoff(result.accumulator_dtype)))
+    if PROBABILITIES_IN_VALUE_DTYPE in precision and result.value_dtype != F32:
+        g = g + unit_roundoff(result.value_dtype)
+        absolute = absolute + result.value_underflow
+    if PROBABILITIES_IN_CACHE_DTYPE in precision and result.kv_dtype != F32:
+        g = g + unit_roundoff(result.kv_dtype)
+        absolute = absolute + result.cache_underflow
+    if BF16_MATMUL in precision:
+        g = g + 2 * U_BF16 + U_BF16**2
+    if BF16X3_MATMUL in precision:
+        g = g + 2 * (3 + U_BF16) * U_BF16**2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slack = np.where(g < 1.0, 2 * g / (1.0 - g), np.inf)
+    hull = result.value_spread + slack * result.max_abs_value + absolute
+    if APPROX_RECIPROCAL in precision or (
+        APPROX_RECIPROCAL_FOR_NARROW_OUTPUT in precision and out_dtype != F32
+    ):
+        hull = hull + APPROX_RECIPROCAL_ERROR * (np.abs(result.out) + hull)
+    return hull
+
+
 def error_bound(result, out_dtype=None, precision=DEFAULT_PRECISION):
     """Per-element bound ``[T, num_q_heads, head_dim]`` for ``result`` (an ``OracleResult``) under the
     precision contract(s) ``precision``; NaN in rows no sequence owns. ``out_dtype`` defaults to the
@@ -359,10 +408,11 @@ def error_bound(result, out_dtype=None, precision=DEFAULT_PRECISION):
     out_dtype = np.dtype(result.out_dtype if out_dtype is None else out_dtype)
     magnitude = np.abs(result.out)
     accumulation = (3.0 * result.row_kv_len + 16.0)[:, None, None] * (result.abs_pv + magnitude)
-    e32 = (
+    e32 = np.minimum(
         U32 * (result.logit_sensitivity + accumulation)
         + query_doubt_error(result)
-        + contract_error(result, precision, out_dtype)
+        + contract_error(result, precision, out_dtype),
+        hull_error(result, precision, out_dtype),
     )
     underflow = result.flushable_pv + result.row_kv_len[:, None, None] * TINY32
     # The result is rounded to the accumulator dtype, then stored in the output dtype: the narrower rounds.

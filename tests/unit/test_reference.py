@@ -435,3 +435,30 @@ def test_a_query_in_doubt_widens_the_bound_of_its_rows_only():
     assert doubted_rows.size and set(doubted_rows) <= set(range(case.num_tokens))
     widened = result.query_doubt_sensitivity.max(axis=(1, 2)) > 0
     assert set(np.flatnonzero(widened)) <= set(doubted_rows)
+
+
+# stacked RPA's contract on bfloat16 queries, an fp8 e5m2 cache of large values under a soft cap: raw logits
+# in the thousands, which bfloat16 knows only to tens, so any weights are possible (a case its strategies draw).
+LARGE_LOGITS = Case(
+    max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=2, total_num_pages=7, page_size=128, num_q_heads=6,
+    num_kv_heads=2, head_dim=256, q_dtype="bfloat16", kv_dtype="float8_e5m2", q_lens=(1,), kv_lens=(206,),
+    soft_cap=30.0, k_scale=2.0, mask_value_meaning="replaces", seed=351, values="large",
+)  # fmt: skip
+SOFTMAX_IN_BFLOAT16 = ("float32", "accumulators-in-output-dtype", "softmax-in-output-dtype")
+
+
+def test_the_values_hull_caps_a_bound_that_large_logits_explode():
+    """The weights' exponential error terms exceed 1e40 here; the output is still a convex combination of
+    the values, so the bound is at most their spread (with slack for the accumulation), and an output
+    outside the values' range fails."""
+    result = oracle(**LARGE_LOGITS.arrays(), **LARGE_LOGITS.options())
+    owned = result.owned_rows
+    bound = error_bound(result, precision=SOFTMAX_IN_BFLOAT16)[owned]
+    spread = result.value_spread[owned]
+    assert np.isfinite(bound).all() and (bound <= 1.1 * spread + 0.1).all(), (bound.max(), spread.max())
+    assert (result.value_spread[owned] >= np.abs(result.out[owned])).all()  # the hull holds o and every v
+    assert compare(result.out.astype(BF16), result, precision=SOFTMAX_IN_BFLOAT16).ok
+    outside = result.out.copy()
+    outside[owned] += 2 * result.max_abs_value[owned]
+    comparison = compare(outside.astype(BF16), result, precision=SOFTMAX_IN_BFLOAT16)
+    assert comparison.num_over == comparison.num_checked, str(comparison)
