@@ -413,7 +413,9 @@ def _runnable_backend(config, backend):
     target = settings.target
     declared = checks.declared_unrunnable(target, backend, by_default=settings.backends_by_default)
     if declared:
-        raise CannotRunHere(target.name, backend.name, declared)
+        raise CannotRunHere(
+            target.name, backend.name, in_cli_terms(declared) if os.environ.get(CLI_TERMS_ENV) else declared
+        )
     return backend
 
 
