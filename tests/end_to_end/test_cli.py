@@ -406,3 +406,22 @@ def test_run_with_one_worker_keeps_a_crash_in_the_worker():
     command = cli.pytest_command(parsed, Path("junit.xml"))
     assert command[command.index("-n") + 1] == "1" and command[-2:] == ["-k", "padding"]
     assert "-n" not in cli.pytest_command(cli.parser().parse_args(["run", "-n", "0"]), Path("junit.xml"))
+
+
+def test_a_bare_assert_is_the_recorded_one_by_file_and_function_not_line():
+    """A message-less exception is known by where it was raised; its line moves between releases and forks
+    (upstream's kernel.py:476, RPA v2's :462), its file and function stay. A repro that recorded one without
+    its site (an empty message) matches any of that type; a message is compared whole."""
+    _same_error = cli._same_error
+    site = "AssertionError (raised at kernel.py:476 in flash_attention)"
+    recorded = {
+        "type": "AssertionError",
+        "message": "AssertionError (raised at kernel.py:462 in flash_attention)",
+    }
+    assert _same_error(recorded, "AssertionError", site)
+    assert not _same_error(recorded, "AssertionError", "AssertionError (raised at kernel.py:476 in prefetch)")
+    assert not _same_error(recorded, "ValueError", site)
+    assert _same_error({"type": "AssertionError", "message": ""}, "AssertionError", site)
+    assert not _same_error({"type": "AssertionError", "message": ""}, "AssertionError", "shapes differ")
+    assert _same_error({"type": "ValueError", "message": "bad"}, "ValueError", "bad")
+    assert not _same_error({"type": "ValueError", "message": "bad"}, "ValueError", "worse")
