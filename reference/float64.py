@@ -246,15 +246,6 @@ def _key_chunks(kv_pages, pages, kv_len, chunk_keys, options: Options, q_dtype) 
     return chunks
 
 
-def _value_extremes(chunks, *, with_zero: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(lowest, highest) value per KV head and dim over the chunks' keys, 0 included when ``with_zero``."""
-    lowest = np.min([chunk.v.min(axis=1) for chunk in chunks], axis=0)
-    highest = np.max([chunk.v.max(axis=1) for chunk in chunks], axis=0)
-    if with_zero:
-        lowest, highest = np.minimum(lowest, 0.0), np.maximum(highest, 0.0)
-    return lowest, highest
-
-
 def _deviation_bound(weight_total, weighted_v_squared, weighted_v, weighted_abs_v, o):
     """Bound on sum_k w_k |v_k - o| (w >= 0) from the weighted sums: the smaller of the triangle inequality
     and Cauchy-Schwarz, sqrt(sum w * sum w (v - o)^2)."""
@@ -323,7 +314,12 @@ def _attend(
     denominator = np.zeros(rows_shape) if sinks is None else np.where(np.isneginf(sinks), 0.0, 1.0)
     single = None
     page_maxima = [] if sinks is None else [sinks]  # the sink: a page before the first
+    # [kv heads, 1, dim]: the values' extremes over the keys, 0 among them with a sink (the values' hull).
+    extremes_shape, start = (q_rows.shape[0], 1, head_dim), 0.0 if sinks is not None else np.inf
+    lowest, highest = np.full(extremes_shape, start), np.full(extremes_shape, -start)
     for chunk in chunks:
+        lowest = np.minimum(lowest, chunk.v.min(axis=1, keepdims=True))
+        highest = np.maximum(highest, chunk.v.max(axis=1, keepdims=True))
         scores = logits_of(chunk)
         page_maxima.append(_page_maxima(scores[1], page_size))
         new_top = np.maximum(top, scores[1].max(axis=-1, keepdims=True))
@@ -457,6 +453,8 @@ def _attend(
         max_query_doubt=np.broadcast_to(max_doubt, out_shape),
         rounded_logit_sensitivity=sums["rounded_abs"] + np.abs(o) * totals["rounded"],
         max_rounded_logit_units=np.broadcast_to(max_rounded, out_shape),
+        value_spread=np.maximum(highest - o, o - lowest),
+        max_abs_value=np.broadcast_to(np.maximum(np.abs(lowest), np.abs(highest)), out_shape),
     )
 
 
@@ -539,8 +537,6 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
             return _key_chunks(kv_pages, pages, kv_len, chunk_keys, options, q.dtype)
 
         sequence_chunks = chunks() if whole else None
-        # [kv heads, dim]: the extremes of the sequence's values, and 0 beside them where a sink is given.
-        lowest, highest = _value_extremes(sequence_chunks or chunks(), with_zero=sinks is not None)
         for first in range(0, q_len, block):
             last = min(q_len, first + block)
             rows = slice(q_start + first, q_start + last)
@@ -578,10 +574,6 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
                 results[name][rows] = (
                     value.reshape(to_rows).transpose(2, 0, 1, 3).reshape(last - first, -1, head_dim)
                 )
-            out = results["out"][rows]
-            per_q_head = np.repeat(lowest, group, axis=0), np.repeat(highest, group, axis=0)
-            results["value_spread"][rows] = np.maximum(per_q_head[1] - out, out - per_q_head[0])
-            results["max_abs_value"][rows] = np.maximum(np.abs(per_q_head[0]), np.abs(per_q_head[1]))
 
     return OracleResult(
         out_dtype=q.dtype,

@@ -4,6 +4,8 @@ that its whole-tile write-back fills (``check_updated_cache``). A cache error th
 its sliding-window write-back leaves unwritten is attributed to that finding (``unwritten_by_window_write_back``).
 """
 
+from typing import Any
+
 import numpy as np
 from rpa_harness.backends import Backend
 from rpa_harness.checks import ExpectedCache, cache_mismatch
@@ -139,14 +141,15 @@ def unwritten_by_window_write_back(inputs: StackedInputs) -> np.ndarray | None:
     window = inputs.kwargs["sliding_window"]
     if window is None or not inputs.kwargs["update_kv_cache"]:
         return unwritten
-    if inputs.mixed_block_sizes is None:
+    mixed_blocks: Any = inputs.mixed_block_sizes  # the kernel's prefill BlockSizes (imported with the kernel)
+    if mixed_blocks is None:
         return None
     q, _, _, _, kv_lens, page_indices, cu_q_lens, distribution = inputs.args
     pages_per_seq = len(page_indices) // len(kv_lens)
     page_size = inputs.new_slots.shape[1]
     missed = window_unwritten_positions(
         np.diff(cu_q_lens), kv_lens, range(int(distribution[1]), int(distribution[2])), window=window,
-        bq=inputs.mixed_block_sizes.bq_sz, total_q_tokens=q.shape[0], page_size=page_size,
+        bq=mixed_blocks.bq_sz, total_q_tokens=q.shape[0], page_size=page_size,
         pages_per_seq=pages_per_seq,
     )  # fmt: skip
     for i, positions in missed.items():
