@@ -303,6 +303,14 @@ def _matmul_error(result, three_pass):
     return logits + products
 
 
+def _accumulator_growth(result, u_out):
+    """g = (1 + u)**(B + 1 + N) - 1: the roundings on a key's path through l or acc, its block's row sum or
+    P @ V, its block's sum, then a sum per later block and a product per later rise of the max (alpha = 1
+    exactly elsewhere)."""
+    blocks = -(-result.row_kv_len // result.page_size)[:, None, None]
+    return np.expm1((blocks + 1 + result.max_rises) * np.log1p(u_out))
+
+
 def _accumulator_error(result, accumulator_dtype):
     """What storing m, l and acc in the accumulator dtype adds: see the module docstring."""
     if accumulator_dtype == F32:
@@ -314,10 +322,7 @@ def _accumulator_error(result, accumulator_dtype):
             f"accumulator dtype {result.accumulator_dtype}), less than {accumulator_dtype}'s {u_out:g}; judge "
             "an output accumulated in that dtype"
         )
-    blocks = -(-result.row_kv_len // result.page_size)[:, None, None]
-    # Roundings on a key's path through l or acc: its block's row sum or P @ V, its block's sum, then a sum
-    # per later block and a product per later rise of the max (alpha = 1 exactly elsewhere).
-    grow = np.expm1((blocks + 1 + result.max_rises) * np.log1p(u_out))
+    grow = _accumulator_growth(result, u_out)
     rescale = result.rescale_excess
     with np.errstate(divide="ignore", invalid="ignore"):
         error = rescale + grow * (result.abs_pv + np.abs(result.out) + 2 * rescale) / (1.0 - grow)
@@ -379,8 +384,7 @@ def hull_error(result, precision=DEFAULT_PRECISION, out_dtype=None):
     g = (3.0 * kv_len + 16.0) * U32
     absolute = np.zeros(result.out.shape)
     if ACCUMULATORS_IN_OUTPUT_DTYPE in precision and np.dtype(result.accumulator_dtype) != F32:
-        blocks = -(-kv_len // result.page_size)
-        g = g + np.expm1((blocks + 1 + result.max_rises) * np.log1p(unit_roundoff(result.accumulator_dtype)))
+        g = g + _accumulator_growth(result, unit_roundoff(result.accumulator_dtype))
     if PROBABILITIES_IN_VALUE_DTYPE in precision and result.value_dtype != F32:
         g = g + unit_roundoff(result.value_dtype)
         absolute = absolute + result.value_underflow

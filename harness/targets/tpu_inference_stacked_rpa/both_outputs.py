@@ -7,7 +7,6 @@ its sliding-window write-back leaves unwritten is attributed to that finding (``
 from typing import Any
 
 import numpy as np
-from rpa_harness.backends import Backend
 from rpa_harness.checks import ExpectedCache, cache_mismatch
 from rpa_harness.targets.tpu_inference_stacked_rpa import layout
 from rpa_harness.targets.tpu_inference_stacked_rpa.adapter import StackedInputs, call_stacked, stacked_inputs
@@ -58,6 +57,7 @@ def slots_past_kv_len(inputs: StackedInputs) -> np.ndarray:
 
 
 WINDOW_WRITE_BACK_FINDING = "stacked-rpa-window-write-back-placed-by-batch-row"
+WINDOW_WRITE_BACK_FOLDER = f"docs/tpu-inference-stacked-rpa-findings/{WINDOW_WRITE_BACK_FINDING}"
 LANES = 128  # every TPU generation's vreg lanes (pltpu.get_tpu_info().num_lanes)
 # The sliding-window mixed kernel's query blocks (prefill/sliding_window/block_sizes.py).
 MAX_WINDOW_QUERY_BLOCK, WINDOW_QUERY_BLOCK_ALIGNMENT = 256, 8
@@ -160,15 +160,10 @@ def unwritten_by_window_write_back(inputs: StackedInputs) -> np.ndarray | None:
 
 # On jax 0.10's generic interpreter the cache comes back as given (writes into an aliased input are lost
 # there): judge the cache on the TPU interpreter, or on jax 0.11.
-def judge(arrays: dict, options: dict, backend: Backend, *, precision: tuple[str, ...]) -> v3_judge.Verdict:
-    """Runs stacked RPA once on an upstream-style case and judges both outputs; a cache error is attributed
-    to the sliding-window write-back finding when it is exactly the slots that finding leaves unwritten."""
-    comparison, error, inputs = v3_judge.judged_call(
-        NAME, stacked_inputs, call_stacked, arrays, options, backend, precision=precision,
-        check_cache=check_updated_cache,
-    )  # fmt: skip
-    if error is None:
-        return v3_judge.Verdict(comparison, None, None)
-    known = v3_judge.left_as_predicted(error, unwritten_by_window_write_back(inputs))
-    finding = f"docs/tpu-inference-stacked-rpa-findings/{WINDOW_WRITE_BACK_FINDING}"
-    return v3_judge.Verdict(comparison, error, finding if known else None)
+judge = v3_judge.judge_with(
+    NAME,
+    stacked_inputs,
+    call_stacked,
+    check_cache=check_updated_cache,
+    finding=(WINDOW_WRITE_BACK_FOLDER, unwritten_by_window_write_back),
+)

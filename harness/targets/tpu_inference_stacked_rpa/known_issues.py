@@ -106,7 +106,7 @@ RPA_HARNESS_CATALOGUE = (
         FINDINGS / both_outputs.WINDOW_WRITE_BACK_FINDING / "v3-attention-and-cache_interpret-v6e.json",
         window_write_back_leaves_new_tokens_unwritten,
         cache_read_not_written,
-        rf"exactly the slots of docs/tpu-inference-stacked-rpa-findings/{both_outputs.WINDOW_WRITE_BACK_FINDING}",
+        rf"exactly the slots of {both_outputs.WINDOW_WRITE_BACK_FOLDER}",
         replay=_replay_where_the_cache_is_written,
         explanation=(
             "`compute_metadata` (stacked_rpa/prefill/sliding_window/schedule.py) bounds the lanes a query block "

@@ -105,21 +105,6 @@ def judged_call(
     return comparison, None, inputs
 
 
-def judge(arrays: dict, options: dict, backend: Backend = CHECKING, *, precision: tuple[str, ...]) -> Verdict:
-    """Runs v3 once on an upstream-style case and judges both outputs: the attention against the float64
-    oracle, the updated cache bit for bit. A cache error is attributed to a documented finding only when
-    the differing slots are exactly the ones the finding predicts and each still holds its input value."""
-    comparison, error, inputs = judged_call(
-        "tpu-inference v3", v3_inputs, call_v3, arrays, options, backend, precision=precision
-    )
-    if error is None:
-        return Verdict(comparison, None, None)
-    finding = f"docs/tpu-inference-v3-findings/{SLIDING_WINDOW_FINDING}"
-    return Verdict(
-        comparison, error, finding if left_as_predicted(error, unwritten_by_sliding_window(inputs)) else None
-    )
-
-
 def left_as_predicted(error: CacheMismatch, predicted: np.ndarray | None) -> bool:
     """Whether a cache error is exactly a finding's unwritten slots (bool [pages, page_size], None where the
     finding's rule cannot say): the slots that differ are those, and each still holds its input value."""
@@ -134,18 +119,39 @@ def left_as_predicted(error: CacheMismatch, predicted: np.ndarray | None) -> boo
 
 
 def judge_with(
-    name: str, map_inputs: Callable[..., KernelInputs], call, *, check_cache: Callable = check_updated_cache
+    name: str,
+    map_inputs: Callable[..., KernelInputs],
+    call,
+    *,
+    check_cache: Callable = check_updated_cache,
+    finding: tuple[str, Callable] | None = None,
 ):
-    """``judge`` for another kernel with v3's outputs (``map_inputs``, ``call`` and ``check_cache`` as
-    ``judged_call`` takes them, ``name`` for its messages); it attributes no cache error to a finding."""
+    """The judge of a kernel with v3's outputs (``map_inputs``, ``call`` and ``check_cache`` as
+    ``judged_call`` takes them, ``name`` for its messages): ``judge_outputs(arrays, options, backend,
+    precision=...)``, a ``Verdict``. ``finding``: (a finding's folder, ``unwritten(inputs)``, the slots it
+    leaves unwritten): a cache error that is exactly those, each as given, is attributed to it
+    (``left_as_predicted``); without one, no cache error is."""
 
     def judge_outputs(arrays: dict, options: dict, backend: Backend = CHECKING, *, precision) -> Verdict:
-        comparison, error, _ = judged_call(
+        comparison, error, inputs = judged_call(
             name, map_inputs, call, arrays, options, backend, precision=precision, check_cache=check_cache
         )
-        return Verdict(comparison, error, None)
+        attributed = None
+        if error is not None and finding is not None:
+            folder, unwritten = finding
+            attributed = folder if left_as_predicted(error, unwritten(inputs)) else None
+        return Verdict(comparison, error, attributed)
 
     return judge_outputs
+
+
+# v3 itself: both outputs judged, the cache errors of its sliding-window finding attributed to it.
+judge = judge_with(
+    "tpu-inference v3",
+    v3_inputs,
+    call_v3,
+    finding=(f"docs/tpu-inference-v3-findings/{SLIDING_WINDOW_FINDING}", unwritten_by_sliding_window),
+)
 
 
 def checks_both_outputs(judge_outputs):
