@@ -4,8 +4,6 @@ Nothing here runs a kernel or builds a production case's arrays: the draws are c
 """
 
 import functools
-import importlib
-import importlib.util
 import os
 from pathlib import Path
 
@@ -257,25 +255,6 @@ def test_production_configs_reach_the_scale_of_the_issue():
     assert _found(lambda c: c.num_q_heads == 64 and c.head_dim == 256)
     assert _found(lambda c: c.kv_capacity == 131072 and c.max_num_seqs == 512)
     assert _found(lambda c: c.page_size == 256)
-
-
-def _upstream_tuned_table():
-    spec = importlib.util.find_spec(
-        "jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes"
-    )
-    if spec is None:
-        pytest.skip("upstream's tuned block-size table is not installed")
-    module = importlib.import_module(spec.name)
-    return module
-
-
-def test_tuned_block_sizes_are_upstreams():
-    """The values drawn are the ones in jax's tuned table (v5e, v6e) plus its untuned default (128, 32)."""
-    table = _upstream_tuned_table().TUNED_BLOCK_SIZES
-    values = {value for device in ("TPU v5", "TPU v6") for value in table[device].values()}
-    assert {kv for kv, _ in values} | {128} == set(TUNED_KV_PAGES_PER_BLOCK)
-    assert {q for _, q in values} | {32} == set(TUNED_QUERIES_PER_BLOCK)
-    assert {key[5] for device in table.values() for key in device} == set(PRODUCTION.page_sizes)
 
 
 def test_production_case_arrays_are_deterministic_and_poisoned_outside_the_live_keys():

@@ -17,7 +17,9 @@ from jax.experimental.pallas import tpu as pltpu
 from rpa_harness import generations, repro, targets
 from rpa_harness.backends import FAST_INTERPRET, TPU, Backend
 from rpa_harness.checks import CannotRun, check_differential, run_valid
+from rpa_harness.strategies.buckets import BUCKETS
 from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.options import TUNED_KV_PAGES_PER_BLOCK, TUNED_QUERIES_PER_BLOCK
 
 from tests.cases import skip_without_tpu_inference
 from tests.processes import run_python
@@ -51,6 +53,17 @@ def test_upstreams_chip_lookup_answers_as_on_the_chip(generation):
     with generations.emulated(generation):
         assert (tuning.get_tpu_version(), tuning.get_device_name()) == UPSTREAM_SEES[generation]
         assert tuning.get_tuned_block_sizes(jnp.bfloat16, jnp.bfloat16, 8, 1, 128, 16, 512, 64)
+
+
+def test_the_tuned_block_sizes_drawn_are_upstreams():
+    """The block sizes the strategies draw as tuned are those of this jax's table for the generations the
+    harness emulates (v5e, v6e) plus its untuned default (128, 32), and the production bucket's page sizes
+    are the table's."""
+    table = importlib.import_module(UPSTREAM_TUNING).TUNED_BLOCK_SIZES
+    values = {value for device in ("TPU v5", "TPU v6") for value in table[device].values()}
+    assert {kv for kv, _ in values} | {128} == set(TUNED_KV_PAGES_PER_BLOCK)
+    assert {q for _, q in values} | {32} == set(TUNED_QUERIES_PER_BLOCK)
+    assert {key[5] for device in table.values() for key in device} == set(BUCKETS["production"].page_sizes)
 
 
 def test_v3s_chip_lookup_answers_as_on_the_chip():
