@@ -300,7 +300,9 @@ def _attend(
     """
     value_subnormal, cache_subnormal = subnormals
     head_dim = q_rows.shape[-1]
-    roundings = rounded_logit_roundings(k_scale=options.k_scale, q_scale=options.q_scale, soft_cap=options.soft_cap)
+    roundings = rounded_logit_roundings(
+        k_scale=options.k_scale, q_scale=options.q_scale, soft_cap=options.soft_cap
+    )
 
     def logits_of(chunk):
         keys = chunk.positions[None, :]

@@ -144,7 +144,9 @@ def contract_attention(
                     logits = _round(logits * factor, out_dtype)
                 if soft_cap is not None:
                     cap = np.float32(soft_cap)
-                    logits = _round(cap * _round(np.tanh(_round(logits / cap, out_dtype)), out_dtype), out_dtype)
+                    logits = _round(
+                        cap * _round(np.tanh(_round(logits / cap, out_dtype)), out_dtype), out_dtype
+                    )
             else:
                 logits = _product(rows, k[keys], "qhd,khd->hqk", passes) * score_scale
                 if soft_cap is not None:

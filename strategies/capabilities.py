@@ -166,7 +166,12 @@ class Capabilities:
 
     def _check_excluded_dtype_pairs(self) -> None:
         for pair in self.excluded_dtype_pairs:
-            if not (isinstance(pair, tuple) and len(pair) == 2 and pair[0] in self.q_dtypes and pair[1] in self.kv_dtypes):
+            if not (
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and pair[0] in self.q_dtypes
+                and pair[1] in self.kv_dtypes
+            ):
                 raise ValueError(
                     f"Capabilities(excluded_dtype_pairs={self.excluded_dtype_pairs!r}): {pair!r} is not a (q dtype, "
                     f"KV dtype) pair of the drawn dtypes {self.q_dtypes} and {self.kv_dtypes}."

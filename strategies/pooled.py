@@ -83,7 +83,9 @@ def pool(capabilities: Capabilities = WHOLE_SPACE, selection=None) -> list[tuple
         if capabilities.needs_block_sizes:
             opts = {**required_block_sizes(config), **opts}
         if "num_kv_pages_per_block" in opts:
-            opts["num_kv_pages_per_block"] = min(opts["num_kv_pages_per_block"], kv_pages_cap(capabilities, config))
+            opts["num_kv_pages_per_block"] = min(
+                opts["num_kv_pages_per_block"], kv_pages_cap(capabilities, config)
+            )
         if kv_scales_paired(capabilities, config) and ("k_scale" in opts) != ("v_scale" in opts):
             opts.pop("k_scale", None)
             opts.pop("v_scale", None)

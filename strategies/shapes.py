@@ -257,7 +257,9 @@ def long_configs(
 
     def q_dtypes(kv_dtype):
         return [
-            d for d in capabilities.q_dtypes_for(kv_dtype) if corner is None or is_packed(d) == corner.packed_queries
+            d
+            for d in capabilities.q_dtypes_for(kv_dtype)
+            if corner is None or is_packed(d) == corner.packed_queries
         ]
 
     kv_dtypes = [

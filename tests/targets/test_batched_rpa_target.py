@@ -59,7 +59,9 @@ def generic_interpreter_keeps_aliased_input_writes() -> bool:
 
 
 @pytest.mark.parametrize(
-    "backend", [Backend(FAST_INTERPRET, generation="v6e"), Backend(INTERPRET, generation="v6e")], ids=lambda b: b.label
+    "backend",
+    [Backend(FAST_INTERPRET, generation="v6e"), Backend(INTERPRET, generation="v6e")],
+    ids=lambda b: b.label,
 )
 @pytest.mark.parametrize("dtypes", [("float32", "float32"), ("bfloat16", "float32")], ids="/".join)
 def test_batched_rpa_matches_the_oracle_and_writes_its_cache(backend, dtypes):
@@ -80,7 +82,9 @@ def test_a_query_block_of_no_tokens_races_with_nothing():
         CASE, q_lens=(17,), kv_lens=(17,), num_q_heads=8, num_kv_heads=4, head_dim=64, kv_dtype="bfloat16",
         max_num_batched_tokens=32, pages_per_seq=8, total_num_pages=9,
     )  # fmt: skip
-    verdict = batched.judge(case.arrays(), case.options(), Backend(INTERPRET, generation="v6e"), precision=TARGET.precision)
+    verdict = batched.judge(
+        case.arrays(), case.options(), Backend(INTERPRET, generation="v6e"), precision=TARGET.precision
+    )
     assert verdict.comparison.ok and verdict.cache_error is None, str(verdict.comparison)
 
 

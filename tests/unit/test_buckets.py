@@ -330,7 +330,9 @@ def test_such_cases_are_drawn():
 
 # batched RPA's exclusion on a CPU: bfloat16 queries with a bfloat16 cache are not drawn, every other pair is.
 WITHOUT_BF16_PAIR = Capabilities(
-    excluded_dtype_pairs=(("bfloat16", "bfloat16"),), buckets=("tiny", "small", "long"), needs_block_sizes=True
+    excluded_dtype_pairs=(("bfloat16", "bfloat16"),),
+    buckets=("tiny", "small", "long"),
+    needs_block_sizes=True,
 )
 
 
@@ -343,7 +345,9 @@ def test_an_excluded_dtype_pair_is_never_drawn(case):
     assert (case.q_dtype, case.kv_dtype) != ("bfloat16", "bfloat16")
 
 
-@pytest.mark.parametrize("pair", [("bfloat16", "float32"), ("float32", "bfloat16"), ("bfloat16", "float8_e4m3fn")])
+@pytest.mark.parametrize(
+    "pair", [("bfloat16", "float32"), ("float32", "bfloat16"), ("bfloat16", "float8_e4m3fn")]
+)
 def test_every_other_dtype_pair_is_drawn(pair):
     case = find(valid_cases(WITHOUT_BF16_PAIR), lambda c: (c.q_dtype, c.kv_dtype) == pair)
     assert (case.q_dtype, case.kv_dtype) == pair

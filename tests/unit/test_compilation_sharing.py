@@ -96,7 +96,9 @@ def test_a_later_process_reads_the_fast_interpreters_kernel_from_the_cache(tmp_p
 
 def test_block_steps_count_query_and_kv_block_pairs():
     given_blocks = dataclasses.replace(SMALL, num_queries_per_block=2, num_kv_pages_per_block=2)
-    assert given_blocks.block_steps == 2 * 2 + 1 * 1  # (3 rows, 20 keys) and (1, 9) in blocks of 2 rows, 16 keys
+    assert (
+        given_blocks.block_steps == 2 * 2 + 1 * 1
+    )  # (3 rows, 20 keys) and (1, 9) in blocks of 2 rows, 16 keys
     assert SMALL.block_steps == 3 * 3 + 1 * 2  # blocks left to the kernel: one row, one 8-key page
 
 

@@ -155,7 +155,10 @@ def test_releases_with_one_kernel_file_but_another_module_it_imports_are_two_gro
         (sha256(kernel), {"util.py": sha256("new util")}, ["0.26.0", "0.31.0"]),
     ]
     releases = "0.25.0,0.26.0,0.31.0"
-    assert matrix.main(["--cache-dir", str(tmp_path), "--releases", releases, "--targets", "hd64", "--list"]) == 0
+    assert (
+        matrix.main(["--cache-dir", str(tmp_path), "--releases", releases, "--targets", "hd64", "--list"])
+        == 0
+    )
     assert capsys.readouterr().out.splitlines() == [
         "hd64 (v3/kernel_hd64.py): 2 distinct in 3 releases",
         f"  {sha256(kernel)[:12]}  0.25.0*  (util.py {sha256('old util')[:12]})",

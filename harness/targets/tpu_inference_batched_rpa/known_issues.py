@@ -120,7 +120,9 @@ RPA_HARNESS_CATALOGUE = (
         "batched-rpa-finite-mask-value-weights-keys-past-kv-len",
         "a finite mask_value weights the empty slots past kv_len in a sequence's last KV block, as v3's and "
         "MLA's kernels do",
-        FINDINGS / "batched-rpa-finite-mask-value-weights-keys-past-kv-len" / "differential-checked_interpret-v6e.json",
+        FINDINGS
+        / "batched-rpa-finite-mask-value-weights-keys-past-kv-len"
+        / "differential-checked_interpret-v6e.json",
         finite_mask_value_weights_keys_past_kv_len,
         with_v3_default_mask_value,
         NUMERIC_MISMATCH,
@@ -131,7 +133,7 @@ RPA_HARNESS_CATALOGUE = (
             "key position past every query's, so it is one more masked key and gets the weight "
             "`exp(mask_value - max)` with whatever value the block holds there. The default mask value "
             "(`finfo(out_dtype).min`) makes that weight 0; a finite one (the docstring's \"Value to use for "
-            "causal masking\") does not, and the output then depends on the KV block size, a tuning parameter."
+            'causal masking") does not, and the output then depends on the KV block size, a tuning parameter.'
         ),
     ),
 )

@@ -10,11 +10,14 @@ from rpa_harness.targets.tpu_inference_v3 import report as v3_report
 
 # Lines of the script's loader: batched RPA's package, as the loader stubs v3's, and a stand-in for
 # tpu_inference.logger (vllm's logger), which its tuned parameters import.
-SCRIPT_STUBS = v3_report.package_stubs("experimental", "batched_rpa") + """\
+SCRIPT_STUBS = (
+    v3_report.package_stubs("experimental", "batched_rpa")
+    + """\
     if "tpu_inference.logger" not in sys.modules and importlib.util.find_spec("vllm") is None:
         sys.modules["tpu_inference.logger"] = types.ModuleType("tpu_inference.logger")
         sys.modules["tpu_inference.logger"].init_logger = __import__("logging").getLogger
 """
+)
 
 
 def block_sizes_in_words(inputs: batched.BatchedInputs) -> str:

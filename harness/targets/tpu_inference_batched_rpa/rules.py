@@ -24,7 +24,9 @@ def _non_causal(arrays, options, case, param):
 
 RULES: dict[str, Rule] = {
     # The wrapper's refusals, before anything else (wrapper.py, ragged_paged_attention).
-    "non-causal attention refused": Rule("static", _non_causal, lambda: "Only causal attention is supported."),
+    "non-causal attention refused": Rule(
+        "static", _non_causal, lambda: "Only causal attention is supported."
+    ),
     "chunk_prefill_size refused": Rule(
         "static", _chunk_prefill_size, lambda: "Specifying chunk prefill size is not supported.", variants=2
     ),

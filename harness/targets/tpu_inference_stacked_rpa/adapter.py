@@ -142,7 +142,9 @@ def stacked_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **ke
         update_kv_cache=options.update_kv_cache,
     )
     expected_cache = layout.slots_first(layout.stack_cache(kv_pages))
-    return StackedInputs.of_tokens(args, kwargs, expected_cache, tokens, layout.slots_first(stacked), decode, mixed)
+    return StackedInputs.of_tokens(
+        args, kwargs, expected_cache, tokens, layout.slots_first(stacked), decode, mixed
+    )
 
 
 def call_stacked(inputs: StackedInputs):

@@ -153,7 +153,13 @@ class KernelInputs:
         """The inputs whose new tokens' slots are ``tokens``' (``layouts.split_new_tokens``), followed by the
         subclass's block sizes."""
         return cls(
-            args, kwargs, expected_cache, tokens.new_slots, tokens.slot_owner, tokens.slot_position, *block_sizes
+            args,
+            kwargs,
+            expected_cache,
+            tokens.new_slots,
+            tokens.slot_owner,
+            tokens.slot_position,
+            *block_sizes,
         )
 
 
