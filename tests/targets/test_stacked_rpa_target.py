@@ -184,6 +184,7 @@ def test_the_window_write_back_finding_matches_its_repro_and_not_the_case_moved_
     assert not WINDOW_WRITE_BACK.matches(dataclasses.replace(case, kv_lens=(2,)))  # rows are the positions
     decode = dataclasses.replace(case, q_lens=(1,), kv_lens=(130,))  # the decode kernel writes its token
     assert not WINDOW_WRITE_BACK.matches(decode)
+    assert not WINDOW_WRITE_BACK.matches(dataclasses.replace(case, q_lens=(), kv_lens=()))  # no sequence
 
 
 @needs_the_kernel

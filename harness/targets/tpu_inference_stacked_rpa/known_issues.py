@@ -5,6 +5,7 @@ sliding window its mixed kernel writes new tokens back by a schedule ``both_outp
 
 import dataclasses
 
+import numpy as np
 from rpa_harness.backends import INTERPRET, TPU, Backend
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
@@ -51,7 +52,8 @@ def window_write_back_leaves_new_tokens_unwritten(case: Case) -> bool:
     schedule, for the case's query block; any mixed sequence where the kernel chooses its own blocks)."""
     if case.sliding_window is None or not case.update_kv_cache:
         return False
-    mixed = range(int(layouts.distribution(case.q_lens, case.num_seqs)[1]), len(case.q_lens))
+    q_lens = np.asarray(case.q_lens, np.int32)  # a case of no sequences has q_lens ()
+    mixed = range(int(layouts.distribution(q_lens, case.num_seqs)[1]), len(case.q_lens))
     given = v3.given_block_options(
         case.num_queries_per_block, case.num_kv_pages_per_block, case.pages_per_seq
     )
