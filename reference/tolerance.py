@@ -303,6 +303,12 @@ def _matmul_error(result, three_pass):
     return logits + products
 
 
+def _float32_summation_roundings(result):
+    """(3 n + 16) per row: the float32 roundings P @ V and the denominator take over a row's n keys, with
+    the per-block rescaling (the ``e32`` term of the module docstring)."""
+    return (3.0 * result.row_kv_len + 16.0)[:, None, None]
+
+
 def _accumulator_growth(result, u_out):
     """g = (1 + u)**(B + 1 + N) - 1: the roundings on a key's path through l or acc, its block's row sum or
     P @ V, its block's sum, then a sum per later block and a product per later rise of the max (alpha = 1
@@ -380,8 +386,7 @@ def hull_error(result, precision=DEFAULT_PRECISION, out_dtype=None):
     the values' hull but for the relative errors that reach its numerator and denominator differently."""
     precision = parse_precision(precision)
     out_dtype = np.dtype(result.out_dtype if out_dtype is None else out_dtype)
-    kv_len = result.row_kv_len[:, None, None]
-    g = (3.0 * kv_len + 16.0) * U32
+    g = _float32_summation_roundings(result) * U32
     absolute = np.zeros(result.out.shape)
     if ACCUMULATORS_IN_OUTPUT_DTYPE in precision and np.dtype(result.accumulator_dtype) != F32:
         g = g + _accumulator_growth(result, unit_roundoff(result.accumulator_dtype))
@@ -411,7 +416,7 @@ def error_bound(result, out_dtype=None, precision=DEFAULT_PRECISION):
     specified output dtype, q's."""
     out_dtype = np.dtype(result.out_dtype if out_dtype is None else out_dtype)
     magnitude = np.abs(result.out)
-    accumulation = (3.0 * result.row_kv_len + 16.0)[:, None, None] * (result.abs_pv + magnitude)
+    accumulation = _float32_summation_roundings(result) * (result.abs_pv + magnitude)
     e32 = np.minimum(
         U32 * (result.logit_sensitivity + accumulation)
         + query_doubt_error(result)
