@@ -59,6 +59,10 @@ _TARGET_ROWS_PER_BLOCK = 1024
 _TARGET_KEYS_PER_BLOCK = 512
 # ... while the double-buffered KV scratch stays under this many bytes of VMEM.
 _KV_BUFFER_BUDGET_BYTES = 4 * 1024 * 1024
+# Without a vmem_limit_bytes from the caller, the kernel may use this share of the chip's VMEM: the
+# compiler's default scoped limit (16 MiB on v5e) is smaller than what block sizes a caller may pass need
+# (128 pages of 32 float32 keys at head_dim 256 take 16 MiB of KV buffers alone).
+_DEFAULT_VMEM_SHARE = 0.75
 
 _CPU_WITHOUT_INTERPRET_MESSAGE = (
     "ragged_paged_attention is a Pallas TPU kernel and is being compiled for the CPU backend outside "
@@ -156,6 +160,14 @@ def default_num_kv_pages_per_block(
     return max(1, min(pages_per_seq, max_keys // page_size))
 
 
+def default_vmem_limit_bytes() -> int | None:
+    """The scoped VMEM limit when the caller gives none: ``_DEFAULT_VMEM_SHARE`` of the chip's VMEM; None
+    (the compiler's default) in interpret mode, where no chip is asked."""
+    if _interpret_mode_forced():
+        return None
+    return int(pltpu.get_tpu_info().vmem_capacity_bytes * _DEFAULT_VMEM_SHARE)
+
+
 def _matmul_dtype(q_dtype, kv_dtype, scaled):
     """Operand dtype of q @ K^T: q's dtype for scaled K (cast to it), else the wider of q and K.
 
@@ -223,7 +235,14 @@ def _rpa_kernel(
     block_start = query_block * block_q
     block_end = block_start + block_q
     num_seqs = num_seqs_ref[0]
-    head_start = pl.multiple_of(head_block * combined_heads_per_block, combined_heads_per_block)
+    # The K/V heads this step copies. With one head block that is the whole axis, sliced statically: a
+    # dynamic offset into a tiled axis must be provably tile-aligned, and Mosaic cannot prove 0 * width
+    # aligned to the cache's tile (4 rows of fp8), so one KV head of fp8 would not compile.
+    if combined_heads_per_block == kv_hbm_ref.shape[2]:
+        kv_heads_slice = pl.ds(0, combined_heads_per_block)
+    else:
+        head_start = pl.multiple_of(head_block * combined_heads_per_block, combined_heads_per_block)
+        kv_heads_slice = pl.ds(head_start, combined_heads_per_block)
 
     def seq_layout(seq) -> _SeqLayout:
         s = jnp.clip(seq, 0, max_num_seqs - 1)
@@ -260,7 +279,7 @@ def _rpa_kernel(
         def start_page_copy(i, carry):
             page = page_indices_ref[layout.seq_index * pages_per_seq + first_page + i]
             pltpu.make_async_copy(
-                kv_hbm_ref.at[page, :, pl.ds(head_start, combined_heads_per_block), :],
+                kv_hbm_ref.at[page, :, kv_heads_slice, :],
                 kv_buf.at[slot, i],
                 sems.at[slot],
             ).start()
@@ -485,7 +504,8 @@ def _ragged_paged_attention(
             ],
         ),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=options.vmem_limit_bytes
+            dimension_semantics=("parallel", "parallel"),
+            vmem_limit_bytes=options.vmem_limit_bytes or default_vmem_limit_bytes(),
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="rpa_harness_ragged_paged_attention",
