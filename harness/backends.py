@@ -26,6 +26,9 @@ FAST_INTERPRET = "fast-interpret"
 TPU = "tpu"
 AUTO = "auto"
 BACKENDS = (INTERPRET, FAST_INTERPRET, TPU)
+# Not a place a kernel runs, and no --rpa-backend choice: the TPU compiler on this host, compiling for one
+# generation (rpa_harness.ahead_of_time). The compile property's backend, named in its repros.
+TPU_COMPILER = "tpu-compiler"
 
 
 # A kernel call that takes longer is taken for a hang (a DMA wait with nothing pending never returns and
@@ -367,6 +370,10 @@ class Backend:
                 f"{generations.OPTION}={self.generation} with the tpu backend: a real TPU is the chip it is; "
                 "emulate a generation on an interpreter"
             )
+        if self.name == TPU_COMPILER and self.generation == generations.NONE:
+            raise generations.GenerationError(
+                f"the {TPU_COMPILER} backend compiles for a TPU generation: name one with {generations.OPTION}"
+            )
 
     def _repr_pretty_(self, printer, cycle: bool) -> None:  # one line in Hypothesis's failing example
         printer.text(repr(self))
@@ -383,6 +390,10 @@ class Backend:
 
     @property
     def skip_reason(self) -> str | None:
+        if self.name == TPU_COMPILER:
+            from rpa_harness import ahead_of_time
+
+            return ahead_of_time.unavailable_reason()
         if self.name == TPU and not tpu_available():
             return "--rpa-backend=tpu: no TPU is visible to jax (jax.devices('tpu') is empty)"
         return None

@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from rpa_harness import reference
+from rpa_harness import ahead_of_time, backends, generations, reference
 from rpa_harness.backends import Backend
 from rpa_harness.interpret_compat.limitations import recognise
-from rpa_harness.property_names import DETERMINISM, DIFFERENTIAL, KINDS, PADDING, VALIDATION
+from rpa_harness.property_names import COMPILATION, DETERMINISM, DIFFERENTIAL, KINDS, PADDING, VALIDATION
 from rpa_harness.targets import Target, first_line_of_error, layouts
 
 
@@ -175,6 +175,64 @@ def check_updated_cache(cache, arrays: dict, label: str) -> None:
     )
 
 
+class DoesNotCompile(PropertyFailure):
+    """The TPU compiler refuses a valid configuration for a generation (Mosaic's tiling or lowering rules):
+    the chip cannot run what the interpreters run."""
+
+    kind = "does not compile for the chip"
+
+
+class NeedsMoreVmem(DoesNotCompile):
+    """The kernel's buffers for a valid configuration exceed the chip's scoped VMEM limit."""
+
+    kind = "needs more VMEM than the chip's scoped limit"
+
+
+# Raised while a kernel is traced on shapes alone by a target that reads its inputs' values in Python (an
+# adapter converting with NumPy): such a target cannot be compiled ahead of time, which is no finding.
+_NEEDS_CONCRETE_VALUES = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+def check_compiles(target: Target, backend: Backend, arrays: dict, options: dict) -> None:
+    """The target's kernel compiles for the backend's TPU generation (``ahead_of_time``: the real Mosaic
+    compiler on this host; only the arrays' shapes and dtypes are read, nothing is called)."""
+    generation = backend.generation
+    chip = f"{generation} ({generations.DEVICE_KINDS.get(generation, 'unknown')})"
+    try:
+        ahead_of_time.compile_for(generation, lambda **inputs: target.attention(inputs, options), arrays)
+    except ahead_of_time.CompilerUnavailable as error:
+        raise CannotRun(str(error)) from None
+    except _NEEDS_CONCRETE_VALUES as error:
+        raise CannotRun(
+            f"it reads its inputs' values while it is traced, so it cannot be compiled from shapes alone "
+            f"({first_line_of_error(error)})"
+        ) from None
+    except Exception as error:
+        if not ahead_of_time.is_compiler_refusal(error):
+            error_type = type(error).__name__
+            message = first_line_of_error(error)
+            raise RaisedOnValidInput(
+                f"{target.name} raised on valid inputs while traced for {chip}: {message}",
+                error_type,
+                message.removeprefix(f"{error_type}: "),
+            ) from None
+        limit = options.get("vmem_limit_bytes")
+        if ahead_of_time.is_vmem_overflow(error):
+            given = f"vmem_limit_bytes={limit}" if limit is not None else "vmem_limit_bytes not given"
+            raise NeedsMoreVmem(
+                f"{target.name} needs more VMEM than {chip}'s scoped limit ({given}): "
+                f"{ahead_of_time.compiler_message(error)}"
+            ) from None
+        raise DoesNotCompile(
+            f"{target.name} does not compile for {chip}: {ahead_of_time.compiler_message(error)}"
+        ) from None
+
+
 class OutputsDiffer(PropertyFailure):
     """Two runs that must agree bit for bit (padding isolation, determinism) do not."""
 
@@ -223,10 +281,12 @@ def declared_unrunnable(target: Target, backend: Backend, *, by_default: bool = 
     """The reason the target declares it does not run on the backend, or None. ``by_default``: the backend
     was not chosen by name (--rpa-backend=auto), so one the target declares slow does not run either."""
     capabilities = target.capabilities
-    if backend.name not in capabilities.backends:
+    # Compiling for a chip is for a kernel that runs on one.
+    runs_on = backends.TPU if backend.name == backends.TPU_COMPILER else backend.name
+    if runs_on not in capabilities.backends:
         return (
             f"it declares backends={capabilities.backends} in RPA_HARNESS_CAPABILITIES "
-            f"(declared, not {backend.name})"
+            f"(declared, not {runs_on})"
         )
     if by_default and backend.name in capabilities.slow_backends:
         return (
@@ -428,6 +488,8 @@ def recheck(target: Target, backend: Backend, repro) -> None:
         check_padding_isolation(target, backend, repro.case)
     elif kind == DETERMINISM:
         check_determinism(target, backend, repro.arrays, repro.options)
+    elif kind == COMPILATION:
+        check_compiles(target, backend, repro.arrays, repro.options)
     else:
         raise ValueError(
             f"unknown property kind {kind!r} in the repro: neither built in ({', '.join(KINDS)}) nor declared by "

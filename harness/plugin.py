@@ -352,16 +352,25 @@ def pytest_generate_tests(metafunc):
     ``replay_backend``: every chosen backend (a repro replayed once on each)."""
     if not _active(metafunc.config):
         return
+    settings = settings_of(metafunc.config)
     for fixture, kinds in (
         ("volume_backend", VOLUME),
         ("checking_backend", CHECKING),
         ("replay_backend", backends.BACKENDS),
     ):
         if fixture in metafunc.fixturenames:
-            chosen = [b for b in settings_of(metafunc.config).backends if b.name in kinds]
+            chosen = [b for b in settings.backends if b.name in kinds]
             metafunc.parametrize(
                 fixture, chosen, ids=[b.label for b in chosen], scope="session", indirect=True
             )
+    if "compile_backend" in metafunc.fixturenames:
+        compilers = [
+            backends.Backend(backends.TPU_COMPILER, settings.interpreter_compat, generation)
+            for generation in settings.compile_generations
+        ]
+        metafunc.parametrize(
+            "compile_backend", compilers, ids=[b.label for b in compilers], scope="session", indirect=True
+        )
 
 
 def _example_budget(item) -> int | None:
@@ -431,6 +440,13 @@ def checking_backend(request, pytestconfig):
 
 @pytest.fixture(scope="session")
 def replay_backend(request, pytestconfig):
+    return _runnable_backend(pytestconfig, request.param)
+
+
+@pytest.fixture(scope="session")
+def compile_backend(request, pytestconfig):
+    """The TPU compiler on this host for one generation (``--rpa-tpu-generation``), or a skip that says
+    what to install."""
     return _runnable_backend(pytestconfig, request.param)
 
 

@@ -15,7 +15,8 @@ DIFFERENTIAL = "differential"  # the kernel's output against the float64 oracle,
 VALIDATION = "validation"  # an invalid input raises the specified ValueError with its exact message
 PADDING = "padding-isolation"  # valid rows do not change with what the padding holds
 DETERMINISM = "determinism"  # two identical calls give the same bits
-KINDS = (DIFFERENTIAL, VALIDATION, PADDING, DETERMINISM)
+COMPILATION = "compiles"  # the kernel compiles for a TPU generation (ahead of time, never called)
+KINDS = (DIFFERENTIAL, VALIDATION, PADDING, DETERMINISM, COMPILATION)
 
 
 @dataclasses.dataclass(frozen=True)

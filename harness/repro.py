@@ -15,6 +15,10 @@ bit, the JSON stands alone: it keeps the case and the arrays' checksum, and ``re
 when the watchdog takes a call for a hang, the example is written as the pair, marked ``hang``. When the
 process ends some other way (a crash), the pending file is what is left: ``read`` rebuilds its arrays from
 its case when their checksum says they are the case's own.
+
+A property that reads only the arrays' shapes and dtypes (``compiles``: the kernel compiled for a chip,
+never called) stores those alone (``shapes_only``), and ``read`` gives back zero-strided stand-ins of them:
+a production case's repro is a few KiB.
 """
 
 import dataclasses
@@ -65,6 +69,7 @@ class Repro:
     arrays_file: Path | None = None  # the NPZ ``read`` took the arrays from
     in_flight: bool = False  # a pending file's example, its arrays rebuilt from its case
     arrays_from_case: bool = False  # its arrays were too large to store and are rebuilt from its case
+    shapes_only: bool = False  # only the arrays' shapes and dtypes matter: stored alone, read as stand-ins
 
     def __post_init__(self):
         if not self.kind:
@@ -119,7 +124,10 @@ def write(repro: Repro, directory: str | os.PathLike) -> Path:
     json_path = path_for(repro.property, directory)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     checksum = checksum_if_rebuilt(repro)
-    if checksum is None:
+    if repro.shapes_only:
+        _atomic_write(json_path, _metadata(repro, None))
+        json_path.with_suffix(".npz").unlink(missing_ok=True)
+    elif checksum is None:
         write_arrays(repro.arrays, json_path.with_suffix(".npz"))
         _atomic_write(json_path, _metadata(repro, json_path))
     else:
@@ -132,7 +140,7 @@ def checksum_if_rebuilt(repro: Repro) -> int | None:
     """The arrays' checksum where they are larger than ``LARGEST_STORED_ARRAYS`` and the case rebuilds
     them bit for bit (a property may change the arrays after drawing the case); None otherwise."""
     size = sum(np.asarray(value).nbytes for value in repro.arrays.values())
-    if repro.case is None or size <= LARGEST_STORED_ARRAYS:
+    if repro.case is None or repro.shapes_only or size <= LARGEST_STORED_ARRAYS:
         return None
     checksum = arrays_checksum(repro.arrays)
     return checksum if arrays_checksum(repro.case.arrays()) == checksum else None
@@ -162,7 +170,8 @@ def write_pending(repro: Repro, directory: str | os.PathLike) -> Path:
     2 MB), so that ``read`` can rebuild them from the case and tell whether they are the ones that ran.
     """
     pending = path_for(repro.property, directory, pending=True)
-    _atomic_write(pending, _metadata(repro, None, checksum=arrays_checksum(repro.arrays)))
+    checksum = None if repro.shapes_only else arrays_checksum(repro.arrays)
+    _atomic_write(pending, _metadata(repro, None, checksum=checksum))
     return pending
 
 
@@ -202,6 +211,10 @@ def _metadata(
         "arrays": json_path.with_suffix(".npz").name if json_path else None,
         "arrays_crc32": checksum,
         "arrays_from_case": from_case,
+        "shapes_only": repro.shapes_only,
+        "shapes": {name: list(np.shape(value)) for name, value in repro.arrays.items()}
+        if repro.shapes_only
+        else None,
     }
     return (json.dumps(meta, indent=2, default=_json_default) + "\n").encode()
 
@@ -234,7 +247,13 @@ def read(path: str | os.PathLike) -> Repro:
             )
         case = Case.from_json(meta["case"]) if meta.get("case") else None
         from_case = bool(meta.get("arrays_from_case"))
-        if meta["arrays"] is None:
+        shapes_only = bool(meta.get("shapes_only"))
+        if shapes_only:
+            arrays, arrays_file = (
+                stand_ins({name: (shape, _dtype_by_name(meta["dtypes"][name])) for name, shape in meta["shapes"].items()}),
+                None,
+            )
+        elif meta["arrays"] is None:
             arrays, arrays_file = _rebuilt(path, meta, case), None
         else:
             arrays_file = _arrays_beside(path, meta["arrays"])
@@ -262,8 +281,9 @@ def read(path: str | os.PathLike) -> Repro:
             precision=tuple(meta["precision"]) if meta.get("precision") is not None else None,
             kind=meta.get("kind", ""),
             arrays_file=arrays_file,
-            in_flight=meta["arrays"] is None and not from_case,
+            in_flight=meta["arrays"] is None and not from_case and not shapes_only,
             arrays_from_case=from_case,
+            shapes_only=shapes_only,
         )
     except FileNotFoundError as error:
         raise ReproError(
@@ -271,6 +291,11 @@ def read(path: str | os.PathLike) -> Repro:
         ) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ReproError(f"{path}: not a readable repro file ({type(error).__name__}: {error})") from None
+
+
+def stand_ins(shapes: dict) -> dict[str, np.ndarray]:
+    """A zero-strided zero array per ``{name: (shape, dtype)}``: the shapes and dtypes without the memory."""
+    return {name: np.broadcast_to(np.zeros((), dtype), tuple(shape)) for name, (shape, dtype) in shapes.items()}
 
 
 def _rebuilt(path: Path, meta: dict, case: Case | None) -> dict[str, np.ndarray]:

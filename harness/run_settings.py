@@ -11,7 +11,7 @@ compatibility setting and its generation, unless the caller overrides one of the
 
 import dataclasses
 
-from rpa_harness import backends, generations, known_issues, targets
+from rpa_harness import ahead_of_time, backends, generations, known_issues, targets
 from rpa_harness.backends import Backend
 from rpa_harness.reference.tolerance import PrecisionError, parse_precision
 from rpa_harness.strategies.buckets import BucketError
@@ -55,6 +55,8 @@ class RunSettings:
     buckets: tuple[str, ...] | None = None
     # The backends are --rpa-backend=auto's, not chosen by name: the target's slow ones are skipped.
     backends_by_default: bool = False
+    # The TPU generations the compile property compiles for on this host (``compile_generations``).
+    compile_generations: tuple[str, ...] = ()
 
     @property
     def interpreter_compat(self) -> bool:
@@ -112,7 +114,21 @@ def from_options(
         profile,
         selection,
         backends_by_default=backend == backends.AUTO,
+        compile_generations=compile_generations(chosen, tpu_generation, emulated, profile),
     )
+
+
+def compile_generations(chosen, tpu_generation: str, emulated, profile: str) -> tuple[str, ...]:
+    """What the compile property compiles for: the generations the interpreters emulate; where they emulate
+    none, v5e and v6e (the nightly profile: every generation with a known topology), unless the run named
+    ``none``. None on a real TPU, which compiles every case for itself."""
+    if chosen == (backends.TPU,):
+        return ()
+    named = tuple(name for name in emulated if name != generations.NONE)
+    if named or (tpu_generation or generations.AUTO).strip() != generations.AUTO:
+        return named
+    everyday = generations.EVERYDAY_GENERATIONS if profile != "nightly" else tuple(ahead_of_time.TOPOLOGY_NAMES)
+    return tuple(name for name in everyday if name in generations.DEVICE_KINDS)
 
 
 def for_repro(

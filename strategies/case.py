@@ -129,6 +129,22 @@ class Case(Options):
             if getattr(self, name) != getattr(OPTION_DEFAULTS, name)
         }
 
+    def array_shapes(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """The shape and dtype of each of ``arrays()``, without building them (a production cache is
+        hundreds of MiB; compiling for a chip needs only these)."""
+        slots, int32 = self.max_num_seqs, np.dtype(np.int32)
+        return {
+            "q": ((self.max_num_batched_tokens, self.num_q_heads, self.head_dim), DTYPES[self.q_dtype]),
+            "kv_pages": (
+                (self.total_num_pages, self.page_size, 2 * self.num_kv_heads, self.head_dim),
+                DTYPES[self.kv_dtype],
+            ),
+            "kv_lens": ((slots,), int32),
+            "page_indices": ((slots, self.pages_per_seq), int32),
+            "cu_q_lens": ((slots + 1,), int32),
+            "num_seqs": ((1,), int32),
+        }
+
     def arrays(self) -> dict[str, np.ndarray]:
         """The six inputs as NumPy arrays, deterministic in the case (seed included)."""
         # Separate streams, so that the padding switches never change the live data.
@@ -179,8 +195,8 @@ class Case(Options):
             kv_lens[n:] = garbage_rng.integers(kv_low, self.kv_capacity + 1, max_seqs - n)
             cu_q_lens[n + 1 :] = np.sort(garbage(max_seqs - n, self.num_tokens))  # stale: over live rows
 
-        q_shape = (self.max_num_batched_tokens, self.num_q_heads, self.head_dim)
-        kv_shape = (self.total_num_pages, self.page_size, 2 * self.num_kv_heads, self.head_dim)
+        shapes = self.array_shapes()
+        q_shape, kv_shape = shapes["q"][0], shapes["kv_pages"][0]
         live = np.zeros(kv_shape[:2], bool)  # (page, slot) pairs holding a key of a live sequence
         for pages, kv_len in zip(used_pages[:n], self.kv_lens, strict=True):
             live.reshape(-1)[(pages[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)] = (

@@ -1,0 +1,158 @@
+"""Compiling a kernel for a TPU generation on a CPU host, ahead of time, with the real Mosaic compiler.
+
+The interpreters run what a chip refuses: a configuration Mosaic cannot tile ("Offsets along tiled
+dimensions must be aligned to tiles"), or one whose buffers do not fit the chip's scoped VMEM
+("CompileTimeScopedVmemOom"). libtpu (``pip install "rpa-harness[compile]"``, which brings ``jax[tpu]``)
+carries the compiler, and jax's topology API describes a chip's devices without one being present: a call
+traced inside ``generations.emulated(name)`` (so that the kernel picks that generation's defaults and
+branches) on arguments placed on a topology device compiles for that chip, errors included, in about a
+second. Nothing runs: production shapes cost what small ones do.
+"""
+
+import contextlib
+import functools
+import importlib.util
+import os
+
+import jax
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+from rpa_harness import generations
+
+INSTALL_COMMAND = 'pip install "rpa-harness[compile]"'
+
+# The topology name libtpu knows each generation by (the smallest slice it accepts); a generation missing
+# here, or one the installed libtpu does not resolve, is not compiled for.
+TOPOLOGY_NAMES = {
+    "v4": "v4:2x2x1",
+    "v5e": "v5e:2x2",
+    "v5p": "v5p:2x2x1",
+    "v6e": "v6e:2x2",
+    "7x": "tpu7x:2x2x1",
+}
+
+# How Mosaic words a kernel whose buffers exceed the scoped VMEM limit, and a refusal to compile.
+_VMEM_MARKERS = ("CompileTimeScopedVmemOom", "scoped vmem", "Scoped allocation")
+_COMPILER_FAILURE_TYPES = ("MosaicError", "JaxRuntimeError", "XlaRuntimeError")
+
+
+class CompilerUnavailable(RuntimeError):
+    """No TPU compiler here (libtpu missing, or a jax without the topology API); the message says what to
+    install."""
+
+
+def unavailable_reason() -> str | None:
+    """Why nothing can be compiled for a TPU on this host, or None when it can."""
+    if importlib.util.find_spec("libtpu") is None:
+        return f"libtpu (the TPU compiler) is not installed: {INSTALL_COMMAND}"
+    if importlib.util.find_spec("jax.experimental.topologies") is None:
+        return f"jax {jax.__version__} has no jax.experimental.topologies (the TPU topology API)"
+    return None
+
+
+@functools.cache
+def topology_device(generation: str):
+    """The first device of a small slice of ``generation``, described by libtpu (no chip needed)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise CompilerUnavailable(reason)
+    name = TOPOLOGY_NAMES.get(generation)
+    if name is None:
+        raise CompilerUnavailable(
+            f"no TPU topology is known for generation {generation!r}; compilable: {', '.join(TOPOLOGY_NAMES)}"
+        )
+    from jax.experimental import topologies
+
+    # libtpu reads the slice's workers from the environment; this host is the only one.
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name=name).devices[0]
+    except Exception as error:  # libtpu's own error: this release does not know the chip
+        raise CompilerUnavailable(
+            f"the installed libtpu does not describe {name} ({generation}): {str(error).splitlines()[0]}"
+        ) from None
+
+
+def compilable_generations(candidates=None) -> tuple[str, ...]:
+    """The generations among ``candidates`` (default: every one jax and TOPOLOGY_NAMES know) that the
+    installed libtpu compiles for; empty without libtpu."""
+    if unavailable_reason() is not None:
+        return ()
+    known = [name for name in (candidates or TOPOLOGY_NAMES) if name in generations.DEVICE_KINDS]
+    found = []
+    for name in known:
+        with contextlib.suppress(CompilerUnavailable):
+            topology_device(name)
+            found.append(name)
+    return tuple(found)
+
+
+def shapes_on(arrays: dict, device) -> dict:
+    """``jax.ShapeDtypeStruct`` of each array, placed on ``device``."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return {
+        name: jax.ShapeDtypeStruct(np.shape(value), np.asarray(value).dtype, sharding=sharding)
+        for name, value in arrays.items()
+    }
+
+
+def compile_for(generation: str, call, arrays: dict):
+    """Compiles ``call(**arrays)`` for one chip of ``generation``; returns the compiled executable.
+
+    Traced with the interpreters off (a forced interpret mode would compile the interpreter instead of
+    the kernel) and inside the generation's emulation, so that the kernel reads that chip's parameters.
+    Raises what tracing, lowering or Mosaic raise.
+    """
+    device = topology_device(generation)
+    structs = shapes_on(arrays, device)
+    # jax documents None (no forced interpret mode) but annotates the parameter InterpretParams only.
+    with (
+        pltpu.force_tpu_interpret_mode(None),  # type: ignore[arg-type]
+        generations.emulated(generation),
+        _persistent_cache_off(),
+    ):
+        return jax.jit(lambda inputs: call(**inputs)).trace(structs).lower().compile()
+
+
+@contextlib.contextmanager
+def _persistent_cache_off():
+    """jax's persistent compilation cache off for the enclosed compilations: jax writes an executable
+    compiled for a topology but cannot read it back ("PjRtCompiler must be constructed with a Client"), so
+    it would only fill the cache and warn. jax decides once whether the cache is used; resetting the cache
+    makes it decide again, before and after."""
+    if not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
+
+
+def is_vmem_overflow(error: BaseException) -> bool:
+    """Whether the compiler refused because the kernel's buffers exceed the chip's scoped VMEM."""
+    text = str(error)
+    return any(marker.lower() in text.lower() for marker in _VMEM_MARKERS)
+
+
+def is_compiler_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is the compiler's (Mosaic's or XLA's TPU backend) refusal rather than a Python
+    error raised while the kernel was traced."""
+    return type(error).__name__ in _COMPILER_FAILURE_TYPES
+
+
+def compiler_message(error: BaseException) -> str:
+    """The compiler's words: the message up to its first blank line, with the MLIR operation it names."""
+    text = str(error).strip()
+    head = text.split("\n\n", 1)[0]
+    lines = [" ".join(head.split())]
+    marker = "The MLIR operation involved:"
+    if marker in text:
+        operation = text.split(marker, 1)[1].strip().splitlines()[0].strip()
+        lines.append(f"operation: {operation[:300]}")
+    return f"{type(error).__name__}: " + "\n    ".join(lines)
