@@ -63,8 +63,11 @@ def topology_device(generation: str):
         )
     from jax.experimental import topologies
 
-    # libtpu reads the slice's workers from the environment; this host is the only one.
+    # libtpu reads the slice's workers from the environment; this host is the only one. It also lets one
+    # process at a time load it (a lockfile), which would keep all but one pytest-xdist worker from
+    # compiling: no chip is opened here, so the others may load it too.
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         return topologies.get_topology_desc(platform="tpu", topology_name=name).devices[0]
     except Exception as error:  # libtpu's own error: this release does not know the chip
