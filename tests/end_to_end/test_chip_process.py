@@ -7,10 +7,12 @@ its child process is not started, and a worker that asks for the chip gets the s
 
 import json
 import os
+import types
 
 import pytest
-from rpa_harness import backends, runlog
+from rpa_harness import backends, cli, plugin, repro, runlog
 
+from tests.cases import SMALL
 from tests.processes import run_python
 
 # Needs no kernel call: a worker runs it on the stated chip without one.
@@ -75,3 +77,27 @@ def test_the_stated_probe_answer_is_read_and_a_bad_one_says_what_to_write(monkey
 def test_the_child_probe_answers_with_jaxs_own_verdict():
     """On this CPU host the child's jax sees no TPU; the answer comes back whole."""
     assert backends._probe_in_a_child() == backends.Tpus()
+
+
+def test_a_worker_that_died_in_a_call_on_the_chip_names_its_example_as_the_suspect(tmp_path, monkeypatch):
+    """A libtpu abort ends the worker inside the kernel call: the pending example it left is reported as the
+    suspect of a crash of the device, in the failure and in the run's summary."""
+    log = tmp_path / "log"
+    log.mkdir()
+    monkeypatch.setenv(runlog.ENV, str(log))
+    test = "tests/properties/test_differential.py::test_kernel_matches_oracle[tpu]"
+    example = repro.Repro(
+        "differential[tpu]", "rpa_harness.kernel", "tpu", SMALL.arrays(), {}, case=SMALL, test=test
+    )
+    pending = repro.write_pending(example, tmp_path)
+    config = types.SimpleNamespace(getoption=lambda name: str(tmp_path))
+    note = plugin._crash_note(config, test, started=0.0)
+    assert "the worker died during a kernel call on the TPU (a crash of the device" in note, note
+    assert f"example in flight: {pending}" in note, note
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuite><testcase classname="tests.properties.test_differential" name="test_kernel_matches_oracle[tpu]">'
+        "<failure/></testcase></testsuite>"
+    )
+    table = cli.summary(junit, [], events=runlog.read_events(log))
+    assert f"suspect of a crash of the device: {pending}" in table, table
