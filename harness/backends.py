@@ -427,7 +427,8 @@ def _stated_tpus(answer: str) -> Tpus:
     kind, _, count = answer.rpartition(":")
     if not kind or not count.strip().isdigit():
         raise TpuProbeError(
-            f"{TPU_PROBE_ENV}={answer!r} is not 'none' or KIND:COUNT (e.g. 'TPU v5 lite:1'); unset it to ask jax"
+            f"{TPU_PROBE_ENV}={answer!r} is not 'none' or KIND:COUNT (e.g. 'TPU v5 lite:1'); "
+            "unset it to ask jax"
         )
     return Tpus(int(count), kind.strip())
 

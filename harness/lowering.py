@@ -47,8 +47,8 @@ def emulation_skip_reason(chip: str) -> str | None:
     if real is None or real == chip:
         return None
     return (
-        f"the default device is a real TPU {real} ({default_device_kind()!r}): lowering is checked and compiled "
-        f"for it; {chip} is emulated only off a TPU"
+        f"the default device is a real TPU {real} ({default_device_kind()!r}): lowering is checked and "
+        f"compiled for it; {chip} is emulated only off a TPU"
     )
 
 

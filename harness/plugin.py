@@ -663,20 +663,23 @@ def _crash_note(config, nodeid: str, started: float) -> str:
             )
         if written.halt:
             return (
-                f"\nDEVICE HALTED: a kernel call raised {written.halt['error']}\n  failure kind: {DEVICE_HALTED}"
-                f"\n  repro: {path}\n  replay: rpa-harness replay {path}"
+                f"\nDEVICE HALTED: a kernel call raised {written.halt['error']}"
+                f"\n  failure kind: {DEVICE_HALTED}\n  repro: {path}\n  replay: rpa-harness replay {path}"
             )
         if written.in_flight:
             in_flight = (path, written.backend)
+    elsewhere = (
+        "no hang or halt repro names this test: the worker ended for another reason (see its stderr above)"
+    )
     if in_flight is None:
-        return "\n(no hang or halt repro names this test: the worker ended for another reason; see its stderr above)"
+        return f"\n({elsewhere})"
     path, backend = in_flight
     device = backend == backends.TPU
     runlog.record_event("crash", test=nodeid, in_flight=str(path), device=device)
     cause = (
-        "the worker died during a kernel call on the TPU (a crash of the device, e.g. a libtpu abort): the example "
-        "in flight is the suspect"
+        "the worker died during a kernel call on the TPU (a crash of the device, e.g. a libtpu abort): "
+        "the example in flight is the suspect"
         if device
-        else "no hang or halt repro names this test: the worker ended for another reason (see its stderr above)"
+        else elsewhere
     )
     return f"\n{cause}\n  example in flight: {path}\n  replay: rpa-harness replay {path}"

@@ -2,8 +2,8 @@
 
 At the end of its session each process writes ``RPA_WITNESS_DIR/<pid>.json``: whether it is an xdist
 worker, whether jax initialised any backend (``xla_bridge.backends_are_initialized``, the same in jax 0.10
-and 0.12), which, and the platforms jax was allowed (``jax_platforms``). A backend, once initialised, stays for the life of the process, so the answer at the
-end covers the whole run.
+and 0.12), which, and the platforms jax was allowed (``jax_platforms``). A backend, once initialised, stays
+for the life of the process, so the answer at the end covers the whole run.
 """
 
 import json

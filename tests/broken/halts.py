@@ -1,5 +1,6 @@
-"""Halts the device, as a kernel that faults a TPU does: the first call on a case whose first sequence has 2 or
-more query tokens raises libtpu's runtime error, and so does every later call in the process, whatever its case.
+"""Halts the device, as a kernel that faults a TPU does: the first call on a case whose first sequence has 2
+or more query tokens raises libtpu's runtime error, and so does every later call in the process, whatever
+its case.
 
 The harness must keep that first case as the halt's repro (not a later, innocent case Hypothesis would shrink
 the cascade to) and end the process; replaying the repro in a fresh process halts again.

@@ -1,8 +1,8 @@
 """The process model on a TPU, simulated on CPU: the xdist controller never opens the chip, one worker does.
 
-``RPA_TPU_PROBE`` states what the TPU probe would answer, so the controller's path runs here as on a chip host:
-its child process is not started, and a worker that asks for the chip gets the stated one. The witness plugin
-(``tests/backends_witness.py``) reports which processes initialised a jax backend.
+``RPA_TPU_PROBE`` states what the TPU probe would answer, so the controller's path runs here as on a chip
+host: its child process is not started, and a worker that asks for the chip gets the stated one. The witness
+plugin (``tests/backends_witness.py``) reports which processes initialised a jax backend.
 """
 
 import json
@@ -40,8 +40,8 @@ def test_the_controller_never_opens_the_chip_and_starts_one_worker(tmp_path, pyt
     processes = [json.loads(path.read_text()) for path in witness.glob("*.json")]
     controllers = [seen for seen in processes if not seen["worker"]]
     workers = [seen for seen in processes if seen["worker"]]
-    # A target module may compute as it is imported (the shipped catalogue imports them all): in the controller
-    # that computation runs on the CPU, the only platform it allows, never on the chip.
+    # A target module may compute as it is imported (the shipped catalogue imports them all): in the
+    # controller that computation runs on the CPU, the only platform it allows, never on the chip.
     assert len(controllers) == 1 and controllers[0]["allowed"] == "cpu", processes
     assert set(controllers[0]["platforms"]) <= {"cpu"}, processes
     assert len(workers) == 1, f"one worker on a chip, whatever -n asked: {processes}"
@@ -96,8 +96,8 @@ def test_a_worker_that_died_in_a_call_on_the_chip_names_its_example_as_the_suspe
     assert f"example in flight: {pending}" in note, note
     junit = tmp_path / "junit.xml"
     junit.write_text(
-        '<testsuite><testcase classname="tests.properties.test_differential" name="test_kernel_matches_oracle[tpu]">'
-        "<failure/></testcase></testsuite>"
+        '<testsuite><testcase classname="tests.properties.test_differential" '
+        'name="test_kernel_matches_oracle[tpu]"><failure/></testcase></testsuite>'
     )
     table = cli.summary(junit, [], events=runlog.read_events(log))
     assert f"suspect of a crash of the device: {pending}" in table, table
