@@ -630,7 +630,8 @@ def parser() -> argparse.ArgumentParser:
         "-n",
         type=int,
         default=2,
-        help="pytest-xdist workers (default 2; 0: one process, where a native crash ends the run)",
+        help="pytest-xdist workers (default 2; 0: one process, where a native crash ends the run; on --backend "
+        "tpu at most 1, which opens the chip)",
     )
     run_parser.add_argument(
         "--repro-dir", default=repro_files.DEFAULT_REPRO_DIR,
