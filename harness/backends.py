@@ -95,7 +95,7 @@ def on_halt(handler):
         _halt_handler = previous
 
 
-def halt_report(error: BaseException) -> str | None:
+def halt_report(error: BaseException | None) -> str | None:
     """The first line of a runtime error that says the device halted (in ``error`` or what it was raised
     from), or None."""
     seen: set[int] = set()
