@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Nightly entry point on a TPU host: installs .[tpu], then runs the properties compiled for TPU with the
+# Nightly entry point on a TPU host: installs .[tpu] (ci/install_for_tpu.sh: skipped where jax, libtpu and the
+# harness import already, or with RPA_SKIP_INSTALL=1), then runs the properties compiled for TPU with the
 # nightly profile over the production mix of buckets (RPA_BUCKETS, default small,medium,production), in
 # rounds until RPA_TIME_BUDGET seconds are spent, against our kernel and upstream's. Each round prints one
 # line; `rpa-harness run` prints progress while it runs and its summary table after.
@@ -7,7 +8,7 @@
 # failure); repro files go to $RPA_REPRO_DIR/<target>/. Never run on hardware from this repo's CI.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q -e ".[tpu]"
+bash ci/install_for_tpu.sh || exit 4
 export RPA_HYPOTHESIS_DB="${RPA_HYPOTHESIS_DB:-.hypothesis/examples}"
 export RPA_BUCKETS="${RPA_BUCKETS:-small,medium,production}"
 export RPA_PROGRESS_SECONDS="${RPA_PROGRESS_SECONDS:-120}"

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# First thing to run on a fresh TPU VM: installs .[tpu], prints the TPU generation and versions, then runs a
+# First thing to run on a fresh TPU VM: installs .[tpu] (ci/install_for_tpu.sh: skipped where jax, libtpu and
+# the harness import already, or with RPA_SKIP_INSTALL=1), prints the TPU generation and versions, then runs a
 # few examples of every property compiled for the TPU (--rpa-backend=tpu) against our kernel and upstream's,
 # each ending with the summary table. Meant to finish in under 10 minutes; each target is cut off after
 # RPA_SMOKE_SECONDS (default 270 s) and that counts as a failure.
 # Never run on hardware from this repo's CI (it has no TPU): written to jax's documented device API.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q -e ".[tpu]"
+bash ci/install_for_tpu.sh || exit 4
 python - <<'PY' || { echo "tpu smoke: no TPU visible to jax; this script is for a TPU VM" >&2; exit 4; }
 import platform, sys
 import hypothesis, jax, jaxlib, numpy
@@ -21,7 +22,8 @@ status=0
 for target in rpa_harness.kernel jax.experimental.pallas.ops.tpu.ragged_paged_attention; do
   echo "=== tpu smoke: $target"
   started=$SECONDS
-  # One process: TPU chips are not shared between xdist workers. A few examples per property.
+  # One worker, which opens the chip (the controller never does): a halt or a libtpu abort ends the worker,
+  # not the run, and the summary names the suspect. A few examples per property.
   RPA_MAX_EXAMPLES="${RPA_MAX_EXAMPLES:-4}" timeout "$seconds" \
     rpa-harness run --profile dev --backend tpu --target "$target" -n 1 --repro-dir "rpa-repros/smoke/$target"
   code=$?

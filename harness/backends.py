@@ -75,6 +75,58 @@ def on_hang(handler):
         _hang_handler = previous
 
 
+# A kernel that faults a TPU halts it for the process: that call and every later one raise a runtime error
+# (these messages are libtpu's). The first is the finding; nothing after it can be judged, so the process
+# ends (HALT_EXIT_CODE) once the handler has kept the example in flight as the halt's repro. Recognised on
+# every backend: no interpreter raises these messages, and a CPU test can then simulate a halt.
+HALT_MESSAGES = ("program continuator has halted", "TPU_EXECUTE_ERROR", "slice failed")
+HALT_EXIT_CODE = 72
+
+# Set while a case is in flight: called with (what, error's first line) on a halt; returns (message, exit code).
+_halt_handler = None
+
+
+@contextlib.contextmanager
+def on_halt(handler):
+    """While the enclosed block runs, a halted device calls ``handler(what, error) -> (message, exit code)``
+    before the process ends (``end_on_halt``): it keeps the example in flight as the halt's repro."""
+    global _halt_handler
+    previous, _halt_handler = _halt_handler, handler
+    try:
+        yield
+    finally:
+        _halt_handler = previous
+
+
+def halt_report(error: BaseException | None) -> str | None:
+    """The first line of a runtime error that says the device halted (in ``error`` or what it was raised
+    from), or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, jax.errors.JaxRuntimeError):
+            text = str(error)
+            if any(message in text for message in HALT_MESSAGES):
+                return (text.strip().splitlines() or [type(error).__name__])[0]
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def end_on_halt(what: str, error: str):
+    """Ends the process after a halt: the handler's message (or a default one) on stderr, then its exit code."""
+    message, code = f"rpa-harness: DEVICE HALTED: {what} raised {error}", HALT_EXIT_CODE
+    if _halt_handler is not None:
+        try:
+            message, code = _halt_handler(what, error)
+        except Exception as failure:  # the halt is still reported, without its repro
+            message += f"; writing the halt repro failed: {type(failure).__name__}: {failure}"
+    if _release_captured_output is not None:
+        _release_captured_output()
+    sys.stderr.write(f"\n{message}\n(no later call on this device can be judged: the process ends)\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
 @contextlib.contextmanager
 def call_timeout(seconds: float):
     """The watchdog's timeout of every kernel call made in the enclosed block (then the previous one again)."""
@@ -325,12 +377,114 @@ def _race_flagged_after_call() -> bool:
     return bool(races is not None and getattr(races, "races_found", False))
 
 
-@functools.cache
-def tpu_available() -> bool:
+# Whether a TPU is present is asked in one of two ways. A process that runs kernels (an xdist worker, or a run
+# without workers) asks jax directly, which opens the chips: it is the process that will use them. The xdist
+# controller runs no kernel and must leave the chips closed, since libtpu lets one process open a chip and
+# the workers it starts need it: it asks a short-lived child process, which opens the chips, prints what it
+# saw and exits (releasing them) before any worker starts. A child rather than a guess from the environment
+# (PCI ids, /dev/accel*): it answers with jax's own verdict, so a chip jax cannot open is no chip.
+# Without libtpu, jax can see no TPU, and no child is started (a CPU machine pays nothing).
+TPU_PROBE_ENV = "RPA_TPU_PROBE"  # "none" or "KIND:COUNT" (e.g. "TPU v5 lite:1"): the answer, without asking
+PROBE_SECONDS = 300.0
+_PROBE_PROGRAM = """
+import json, jax
+try:
+    devices = jax.devices("tpu")
+except RuntimeError:
+    devices = []
+print(json.dumps({"count": len(devices), "kinds": sorted({d.device_kind for d in devices})}))
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tpus:
+    """The TPU devices a process sees: how many, and their kind as jax names it (e.g. "TPU v5 lite")."""
+
+    count: int = 0
+    kind: str = ""
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+
+class TpuProbeError(RuntimeError):
+    """The child process that looks for TPUs did not answer; the message says why and what to do."""
+
+
+_keep_off_the_chips = False
+
+
+def keep_off_the_chips() -> None:
+    """Marks this process as one that runs no kernel (the xdist controller): it asks a child process whether
+    a TPU is present, and computes on the CPU if anything (a target computing at import) initialises jax,
+    so that it never holds a chip its workers need."""
+    global _keep_off_the_chips
+    _keep_off_the_chips = True
+    jax.config.update("jax_platforms", "cpu")
+    tpus.cache_clear()
+
+
+def _stated_tpus(answer: str) -> Tpus:
+    if answer.strip().lower() in ("", "none", "0"):
+        return Tpus()
+    kind, _, count = answer.rpartition(":")
+    if not kind or not count.strip().isdigit():
+        raise TpuProbeError(
+            f"{TPU_PROBE_ENV}={answer!r} is not 'none' or KIND:COUNT (e.g. 'TPU v5 lite:1'); "
+            "unset it to ask jax"
+        )
+    return Tpus(int(count), kind.strip())
+
+
+def _libtpu_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None or bool(os.environ.get("TPU_LIBRARY_PATH"))
+
+
+def _probe_in_a_child() -> Tpus:
+    import json
+    import subprocess
+
     try:
-        return bool(jax.devices("tpu"))
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE_PROGRAM], capture_output=True, text=True, timeout=PROBE_SECONDS
+        )
+    except subprocess.TimeoutExpired:
+        raise TpuProbeError(
+            f"the child process asking jax for TPUs did not answer within {PROBE_SECONDS:g} s; check that no "
+            f"other process holds the chips, or set {TPU_PROBE_ENV}=KIND:COUNT"
+        ) from None
+    try:
+        seen = json.loads(done.stdout.strip().splitlines()[-1])
+        return Tpus(seen["count"], ", ".join(seen["kinds"]))
+    except (IndexError, ValueError, KeyError):
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise TpuProbeError(
+            f"the child process asking jax for TPUs exited {done.returncode} without an answer ({last}); "
+            f"run {sys.executable} -c 'import jax; print(jax.devices())' to see why"
+        ) from None
+
+
+@functools.cache
+def tpus() -> Tpus:
+    """The TPUs this process may use: from TPU_PROBE_ENV when set, else asked of jax (here, or in a child
+    process where this process keeps off the chips)."""
+    if TPU_PROBE_ENV in os.environ:
+        return _stated_tpus(os.environ[TPU_PROBE_ENV])
+    if not _libtpu_installed():
+        return Tpus()
+    if _keep_off_the_chips:
+        return _probe_in_a_child()
+    try:
+        devices = jax.devices("tpu")
     except RuntimeError:
-        return False
+        return Tpus()
+    return Tpus(len(devices), ", ".join(sorted({device.device_kind for device in devices})))
+
+
+def tpu_available() -> bool:
+    return bool(tpus())
 
 
 class BackendChoiceError(ValueError):
@@ -343,11 +497,17 @@ def resolve(choice: str) -> tuple[str, ...]:
     ``tpu`` without a TPU is an error rather than skips: a nightly that lands on a runner without a TPU
     must not go green.
     """
-    if choice == AUTO:
-        return (TPU,) if tpu_available() else (FAST_INTERPRET, INTERPRET)
-    if choice not in BACKENDS:
+    if choice not in (*BACKENDS, AUTO):
         raise BackendChoiceError(f"--rpa-backend={choice!r} is not one of {', '.join((*BACKENDS, AUTO))}")
-    if choice == TPU and not tpu_available():
+    if choice not in (TPU, AUTO):
+        return (choice,)
+    try:
+        present = tpu_available()
+    except TpuProbeError as error:
+        raise BackendChoiceError(f"--rpa-backend={choice}: {error}") from None
+    if choice == AUTO:
+        return (TPU,) if present else (FAST_INTERPRET, INTERPRET)
+    if not present:
         raise BackendChoiceError(
             "--rpa-backend=tpu: no TPU visible to jax (jax.devices('tpu') is empty); use auto or an "
             f"interpreter ({INTERPRET}, {FAST_INTERPRET})"
@@ -426,6 +586,8 @@ class Backend:
             with self.context(), watchdog(f"a kernel call on {self.name}"):
                 out = jax.tree.map(np.asarray, jax.block_until_ready(fn(*args, **kwargs)))
         except Exception as error:
+            if (halted := halt_report(error)) is not None:
+                end_on_halt(f"a kernel call on {self.name}", halted)
             if self.name == INTERPRET:
                 if (report := _race_report(error)) is not None:
                     raise RaceDetected(report) from error

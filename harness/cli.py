@@ -3,7 +3,8 @@
 rpa-harness replay FILE [--target MODULE] [--backend NAME] [--tpu-generation NAME] [--interpreter-compat on|off]
                         [--timeout S] [--script OUT.py]
     exit 0: the property holds now; 1: it still fails the same way (a wrong output, the same exception as
-    recorded, a hang that still hangs, a deadlock the TPU interpreter finds); 2: the file is missing or
+    recorded, a hang that still hangs, a halt that still halts the device, a deadlock the TPU interpreter
+    finds); 2: the file is missing or
     malformed; 3: it cannot run here (a
     recognised interpreter limitation, a backend that is absent or not declared, or an error other than
     the recorded one).
@@ -148,6 +149,8 @@ def _recorded(repro: repro_files.Repro) -> str:
         return "in flight when its process ended (a crash: no verdict was recorded)"
     if repro.hang:
         return f"a hang (no return within {repro.hang['seconds']:g} s)"
+    if repro.halt:
+        return f"a halted device ({repro.halt['error']})"
     if repro.error:
         return f"{repro.error['type']}: {repro.error['message']}"
     return (repro.failure.splitlines() or ["a failing property"])[0]
@@ -228,10 +231,18 @@ def replay(args) -> int:
             CANNOT_RUN,
         )
 
+    def on_halt(what, error):
+        if repro.halt:
+            return f"rpa-harness replay: FAILS: still halts the device: {what} raised {error}", FAILS
+        return (
+            f"rpa-harness replay: cannot run here: {what} halted the device: {error} (recorded: {_recorded(repro)})",
+            CANNOT_RUN,
+        )
+
     started = time.monotonic()
     try:
-        # The watchdog's timeout and hang handler of every kernel call this replay makes.
-        with backends.on_hang(on_hang), backends.call_timeout(timeout):
+        # The watchdog's timeout and the hang and halt handlers of every kernel call this replay makes.
+        with backends.on_hang(on_hang), backends.on_halt(on_halt), backends.call_timeout(timeout):
             recheck(target, backend, repro)
     except CannotRun as reason:
         print(f"\ncannot run here (interpreter limitation): {reason}")
@@ -266,6 +277,8 @@ def replay(args) -> int:
             else f"returned after {took:.0f} s, still stepping at each {timeout:g} s: slow, not stuck"
         )
         print(f"\npasses now (recorded: {_recorded(repro)}; {returned})")
+    elif repro.halt:
+        print(f"\npasses now (recorded: {_recorded(repro)}; the device did not halt in this process)")
     elif repro.in_flight:
         print(
             "\npasses now: whatever ended the recorded process did not recur in this one (its cause is in that "
@@ -283,9 +296,11 @@ def run(args) -> int:
         env = dict(os.environ, RPA_RUN_LOG=scratch, **{CLI_TERMS_ENV: "1"})
         command = pytest_command(args, junit)
         code = _call_with_progress(command, env, scratch)
-        if code in PYTEST_RAN and _ran_tests(junit):  # otherwise pytest's own message is the whole story
-            print(summary(junit, runlog.read(scratch), runlog.read_session(scratch)))
-            print(known_issues_summary(runlog.read_events(scratch)))
+        ended = code in ENDED_BY_A_CALL and any(e.get("repro") for e in runlog.read(scratch))
+        if (code in PYTEST_RAN and _ran_tests(junit)) or ended:  # otherwise pytest's message is the story
+            events = runlog.read_events(scratch)
+            print(summary(junit, runlog.read(scratch), runlog.read_session(scratch), events))
+            print(known_issues_summary(events))
             print("pytest command:", shlex.join(command))
     return code
 
@@ -363,6 +378,9 @@ def _call_with_progress(command: list[str], env: dict, log_dir: str) -> int:
 # pytest's exit codes after a session that ran: all passed, some failed, none collected (or our NOT GREEN).
 # 2 (interrupted), 3 (internal error) and 4 (usage error) print pytest's own message and no table.
 PYTEST_RAN = (0, 1, 5)
+# Without xdist workers, a hang or a halted device ends the process (and pytest: no JUnit report) after the
+# call's repro is written; the summary is then built from the run log.
+ENDED_BY_A_CALL = (backends.HANG_EXIT_CODE, backends.HALT_EXIT_CODE)
 
 
 def _ran_tests(junit: Path) -> bool:
@@ -399,7 +417,17 @@ def _outcome(case: ElementTree.Element) -> tuple[str, str]:
     return "passed", ""
 
 
-def summary(junit: Path, examples: list[dict], session: dict | None = None) -> str:
+def _repro_line(example: dict) -> str:
+    if example.get("hang"):
+        return f"hang after {example['hang']:g} s: {example['repro']}"
+    if example.get("halt"):
+        return f"device halted ({example['halt']}): {example['repro']}"
+    return example["repro"]
+
+
+def summary(
+    junit: Path, examples: list[dict], session: dict | None = None, events: list[dict] | None = None
+) -> str:
     """The closing table, within ``SUMMARY_WIDTH`` columns: one row per property test in file order, each
     followed by its details (repros, largest case, closeness to the bound, why it was skipped)."""
     results = {}
@@ -418,10 +446,15 @@ def summary(junit: Path, examples: list[dict], session: dict | None = None) -> s
         if "size" in e and e["size"] >= largest.get(e["test"], {}).get("size", -1):
             largest[e["test"]] = e
         if e.get("repro"):
-            repros[e["test"]].add(
-                f"hang after {e['hang']:g} s: {e['repro']}" if e.get("hang") else e["repro"]
-            )
+            repros[e["test"]].add(_repro_line(e))
         labels.update(e.get("labels", []))
+    for e in events or ():
+        if e.get("kind") == "crash":
+            what = "suspect of a crash of the device" if e.get("device") else "in flight when its worker died"
+            repros[e["test"]].add(f"{what}: {e['in_flight']}")
+    for test in repros:  # a run a hang or halt ended without xdist: no JUnit report names the test
+        if test not in results:
+            results[test] = ("ENDED", "the run ended in this property's kernel call (repro above)")
     session = session or {}
     lines = ["", "rpa-harness summary"]
     for line in session.get("header", []):  # "  name: value" lines, continued further in
@@ -577,7 +610,8 @@ def parser() -> argparse.ArgumentParser:
         epilog="exit codes (pytest's): 0 every property held; 1 a property failed (its repro is named); 2 "
         "interrupted; 3 internal error; 4 usage error (one line: what was wrong and what to pass); 5 no "
         "numeric property ran (NOT GREEN). Without xdist (-n 0) a hang ends the run with 70, a call too slow to "
-        "judge (still stepping after four RPA_CALL_TIMEOUTs) with 71.",
+        "judge (still stepping after four RPA_CALL_TIMEOUTs) with 71, a halted device with 72. On --backend tpu "
+        "one worker runs (one process holds the chips).",
     )  # fmt: skip
     run_parser.add_argument(
         "--profile", default="ci", choices=("dev", "ci", "nightly", "repro"),
@@ -596,7 +630,8 @@ def parser() -> argparse.ArgumentParser:
         "-n",
         type=int,
         default=2,
-        help="pytest-xdist workers (default 2; 0: one process, where a native crash ends the run)",
+        help="pytest-xdist workers (default 2; 0: one process, where a native crash ends the run; on --backend "
+        "tpu at most 1, which opens the chip)",
     )
     run_parser.add_argument(
         "--repro-dir", default=repro_files.DEFAULT_REPRO_DIR,

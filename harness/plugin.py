@@ -54,7 +54,7 @@ from hypothesis.database import (
     ReadOnlyDatabase,
 )
 from rpa_harness import backends, checks, generations, known_issues, repro, runlog, targets
-from rpa_harness.recording import CannotRunHere
+from rpa_harness.recording import DEVICE_HALTED, CannotRunHere
 from rpa_harness.reference.tolerance import CONTRACTS
 from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, from_options, in_cli_terms
 
@@ -264,6 +264,8 @@ def pytest_configure_after_hypothesis(config):
         )
         settings.load_profile("sized")
     _check_folders(config)
+    if _is_controller(config):  # before anything here can initialise jax (a target computing at import)
+        backends.keep_off_the_chips()
     _use_compilation_cache(config)
     _one_blas_thread_per_worker(config)
     os.environ.update(backends.faster_cpu_compilation(os.environ))  # before the target computes anything
@@ -282,10 +284,50 @@ def pytest_configure_after_hypothesis(config):
         raise pytest.UsageError(
             in_cli_terms(str(error)) if os.environ.get(CLI_TERMS_ENV) else str(error)
         ) from None
+    _one_worker_on_a_tpu(config)
+    _name_the_chip(config)
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
         backends.set_output_release(lambda: capture.suspend_global_capture(in_=False))
     config.pluginmanager.register(RunVerdicts(config), "rpa-harness-verdicts")
+
+
+def _is_controller(config) -> bool:
+    """Whether this process is pytest-xdist's controller: it starts workers and runs no test itself."""
+    return (
+        not _is_worker(config)
+        and config.getoption("dist", "no") != "no"
+        and bool(config.getoption("tx", None))
+    )
+
+
+def _on_a_tpu(config) -> bool:
+    return any(backend.name == backends.TPU for backend in settings_of(config).backends)
+
+
+WORKERS_ASKED = pytest.StashKey[int]()
+
+
+def _one_worker_on_a_tpu(config) -> None:
+    """On the tpu backend the controller starts one worker, whatever ``-n`` asked: a process opens every chip
+    of its host (libtpu's lockfile), so a second worker could open none. Its header says so."""
+    if not _is_controller(config) or not _on_a_tpu(config):
+        return
+    asked = len(config.option.tx)
+    if asked > 1:
+        config.option.tx = config.option.tx[:1]
+        config.option.numprocesses = 1
+        config.stash[WORKERS_ASKED] = asked
+
+
+def _name_the_chip(config) -> None:
+    """A process that opened the chip names it in the run log: the summary's header takes the chip from there,
+    since the controller never opens it."""
+    if _is_controller(config) or not _on_a_tpu(config):
+        return
+    tpus = backends.tpus()
+    worker = getattr(config, "workerinput", {}).get("workerid", "")
+    runlog.record_event("device", device_kind=tpus.kind, count=tpus.count, worker=worker)
 
 
 def _usable_folder(path, setting: str) -> None:
@@ -507,7 +549,7 @@ class RunVerdicts:
         if _is_worker(self.config):
             return
         if report.failed and isinstance(report.longrepr, str) and "crashed while running" in report.longrepr:
-            report.longrepr += _hang_note(self.config, report.nodeid, self.started)
+            report.longrepr += _crash_note(self.config, report.nodeid, self.started)
         if NUMERIC not in report.keywords:
             return
         if report.skipped:
@@ -537,8 +579,9 @@ class RunVerdicts:
         if verdict and exitstatus == pytest.ExitCode.OK:
             session.exitstatus = NO_NUMERIC_EXIT
         if os.environ.get(runlog.ENV):
+            chips = [e for e in runlog.read_events(os.environ[runlog.ENV]) if e["kind"] == "device"]
             runlog.write_session(
-                no_numeric=verdict, cannot_run=self.cannot_run, header=run_header(self.config)
+                no_numeric=verdict, cannot_run=self.cannot_run, header=run_header(self.config, chips or None)
             )
 
     @pytest.hookimpl(tryfirst=True)
@@ -555,9 +598,13 @@ class RunVerdicts:
             )
 
 
-def run_header(config) -> list[str]:
+def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
     """What a run is testing, as its first lines say it: the target and its version, the backends, the
-    precision contract, the rule table, the declared known issues, the buckets, and jax's version."""
+    precision contract, the rule table, the declared known issues, the buckets, and jax's version.
+
+    On the tpu backend the chip is named as a process that opened it saw it: ``chips_seen`` (the run log's
+    device events) or, in a process that runs the kernels itself, its own view; the xdist controller
+    never opens the chip, and before its worker names it the header says so."""
     import importlib.metadata
 
     import jax
@@ -579,11 +626,24 @@ def run_header(config) -> list[str]:
     )
     issues = ", ".join(issue.name for issue in target.known_issues) or "none"
     emulated = ", ".join(run.emulated_generations) or f"{generations.NONE} (a CPU device)"
+    chip_line = f"  TPU generations emulated: {emulated}"
+    if _on_a_tpu(config):
+        if chips_seen is None and not _is_controller(config):
+            tpus = backends.tpus()
+            chips_seen = [{"device_kind": tpus.kind, "count": tpus.count}]
+        kinds = sorted({seen["device_kind"] for seen in chips_seen or ()})
+        chip_line = (
+            f"  TPU: {', '.join(kinds)}, real"
+            if kinds
+            else "  TPU: a real chip, named in the summary by the worker that opens it"
+        )
+        if WORKERS_ASKED in config.stash:
+            chip_line += f"; 1 worker (-n {config.stash[WORKERS_ASKED]} asked: one process holds the chips)"
     buckets = run.buckets or target.capabilities.buckets
     return [
         f"rpa-harness {harness}: target {target.name}{version}",
         f"  backends: {backends_line} (interpreter compat {compat}); jax {jax.__version__}",
-        f"  TPU generations emulated: {emulated}",
+        chip_line,
         f"  precision contract: {', '.join(target.precision)}",
         f"  validation rules: {rules}",
         f"  known issues declared: {issues}",
@@ -597,8 +657,10 @@ def pytest_report_header(config):
     return None
 
 
-def _hang_note(config, nodeid: str, started: float) -> str:
-    """Names the hang repro a crashed worker's watchdog left for this test, else the example it had in flight."""
+def _crash_note(config, nodeid: str, started: float) -> str:
+    """Names what a crashed worker left for this test: the hang or halt repro its last call wrote, else the
+    example it had in flight, which on the tpu backend is the suspect of a crash of the device (a libtpu
+    abort ends the process inside the call). The example in flight goes into the run log's summary too."""
     directory = Path(config.getoption("--rpa-repro-dir"))
     in_flight = None
     for path in sorted(directory.glob("*.json")):
@@ -608,14 +670,32 @@ def _hang_note(config, nodeid: str, started: float) -> str:
             written = repro.read(path)
         except repro.ReproError:
             continue
-        if written.hang and written.test == nodeid:
+        if written.test != nodeid:
+            continue
+        if written.hang:
             return (
                 f"\nHANG: a kernel call did not return within {written.hang['seconds']:g} s (RPA_CALL_TIMEOUT)"
                 f"\n  repro: {path}\n  replay: rpa-harness replay {path}"
             )
-        if written.in_flight and written.test == nodeid:
-            in_flight = path
-    note = "\n(no hang repro names this test: the worker ended for another reason; see its stderr above)"
-    if in_flight is not None:
-        note += f"\n  example in flight: {in_flight}\n  replay: rpa-harness replay {in_flight}"
-    return note
+        if written.halt:
+            return (
+                f"\nDEVICE HALTED: a kernel call raised {written.halt['error']}"
+                f"\n  failure kind: {DEVICE_HALTED}\n  repro: {path}\n  replay: rpa-harness replay {path}"
+            )
+        if written.in_flight:
+            in_flight = (path, written.backend)
+    elsewhere = (
+        "no hang or halt repro names this test: the worker ended for another reason (see its stderr above)"
+    )
+    if in_flight is None:
+        return f"\n({elsewhere})"
+    path, backend = in_flight
+    device = backend == backends.TPU
+    runlog.record_event("crash", test=nodeid, in_flight=str(path), device=device)
+    cause = (
+        "the worker died during a kernel call on the TPU (a crash of the device, e.g. a libtpu abort): "
+        "the example in flight is the suspect"
+        if device
+        else elsewhere
+    )
+    return f"\n{cause}\n  example in flight: {path}\n  replay: rpa-harness replay {path}"

@@ -1,7 +1,8 @@
 """The example in flight and the failing example, on disk: what every numeric and validation property runs in.
 
 ``recorded`` writes the example as a pending repro before the kernel runs and, when the watchdog takes a
-call for a hang, writes it as the repro pair marked as a hang before the process ends; it writes the pair when
+call for a hang or the call halts the device, writes it as the repro pair marked as a hang or a halt before
+the process ends; it writes the pair when
 the enclosed check fails (Hypothesis replays the shrunk example last, so the pair on disk is the minimal
 one), skips the test when the target cannot run here (a recognised interpreter limitation), and records
 every example in the run log.
@@ -15,6 +16,10 @@ from rpa_harness import backends, known_issues, repro, runlog
 from rpa_harness.checks import CannotRun, RaisedOnValidInput
 from rpa_harness.property_names import PropertyName
 from rpa_harness.strategies.coverage import coverage_labels
+
+# The failure kind of a call that halted the device: the first example that did is the suspect, so it is
+# kept as the repro and the process ends (``backends.end_on_halt``) before anything shrinks.
+DEVICE_HALTED = "device halted"
 
 
 # pytest's public name for its Skipped class is an attribute of the skip function (typed
@@ -36,6 +41,14 @@ def shape_notes(case) -> dict:
         f"{case.num_q_heads}/{case.num_kv_heads}x{case.head_dim}, page {case.page_size}x{case.pages_per_seq}"
     )
     return {"shape": shape, "size": (tokens + case.num_seqs) * max(kv, 1) * case.num_q_heads * case.head_dim}
+
+
+def closeness_notes(comparison, case) -> dict:
+    """A compared case's run-log fields for the summary's error/bound figures: none where the comparison judged
+    no element (a batch without live rows), which would count as a perfect 0 in the property's figures."""
+    if not comparison.num_checked:
+        return {}
+    return {"max_ratio": comparison.max_ratio, "q_dtype": case.q_dtype, "kv_dtype": case.kv_dtype}
 
 
 def current_test() -> str:
@@ -82,7 +95,22 @@ class Recorded:
     def __enter__(self) -> dict:
         self.pending = repro.write_pending(self.example, self.directory)
         self.hang_watch.enter_context(backends.on_hang(self.on_hang))
+        self.hang_watch.enter_context(backends.on_halt(self.on_halt))
         return self.notes
+
+    def on_halt(self, what, error):
+        example = self.example
+        example.halt = {"error": error}
+        example.failure = f"{DEVICE_HALTED}: {what} raised {error}"
+        path = repro.write(example, self.directory)
+        repro.discard_pending(self.pending)
+        runlog.record(**self.notes, repro=str(path), halt=error)
+        case = self.case.describe() if self.case is not None else "see the repro"
+        return (
+            f"rpa-harness: DEVICE HALTED: {what} raised {error} in {example.test or self.name}: {case}\n"
+            f"  failure kind: {DEVICE_HALTED}\n  repro: {path}\n  replay: rpa-harness replay {path}",
+            backends.HALT_EXIT_CODE,
+        )
 
     def on_hang(self, what, seconds):
         example, path = self.example, None

@@ -3,8 +3,8 @@
 A repro is a pair ``NAME.json`` + ``NAME.npz``. The JSON says which property failed, on which target and
 backend (and whether the interpreter compatibility layer was on), with which versions, the case (its repr
 and JSON), the keyword options, for a validation property the expected message, and how it failed: the
-report, the exception raised on valid input (``error``: type and message), or a hang (``hang``: the
-timeout). The NPZ holds the exact input arrays (as raw bits, so bfloat16 and fp8 survive; the JSON names
+report, the exception raised on valid input (``error``: type and message), a hang (``hang``: the
+timeout), or a halted device (``halt``: the runtime error's first line). The NPZ holds the exact input arrays (as raw bits, so bfloat16 and fp8 survive; the JSON names
 each dtype). Both are written atomically.
 
 Where the arrays are large (a long context's cache: hundreds of MiB) and the case rebuilds them bit for
@@ -12,7 +12,8 @@ bit, the JSON stands alone: it keeps the case and the arrays' checksum, and ``re
 (``arrays_from_case``). A repro of a long context then fits in a findings folder and a CI artifact.
 
 ``NAME.pending.json`` is the example in flight, written before the kernel runs (see ``write_pending``);
-when the watchdog takes a call for a hang, the example is written as the pair, marked ``hang``. When the
+when the watchdog takes a call for a hang, or the device halts, the example is written as the pair, marked
+``hang`` or ``halt``. When the
 process ends some other way (a crash), the pending file is what is left: ``read`` rebuilds its arrays from
 its case when their checksum says they are the case's own.
 
@@ -62,6 +63,7 @@ class Repro:
     interpreter_compat: bool = True  # whether the backend ran with rpa_harness.interpret_compat installed
     error: dict | None = None  # {"type", "message"} of the exception the target raised on valid input
     hang: dict | None = None  # {"seconds": N}: the call did not return within N s
+    halt: dict | None = None  # {"error": first line}: the call halted the device (backends.HALT_MESSAGES)
     test: str = ""  # the pytest node id that wrote it
     precision: tuple[str, ...] | None = None  # the target's precision contract when it failed
     tpu_generation: str = "none"  # the TPU generation the interpreter emulated (rpa_harness.generations)
@@ -207,6 +209,7 @@ def _metadata(
         "tpu_generation": repro.tpu_generation,
         "error": repro.error,
         "hang": repro.hang,
+        "halt": repro.halt,
         "test": repro.test,
         "arrays": json_path.with_suffix(".npz").name if json_path else None,
         "arrays_crc32": checksum,
@@ -277,6 +280,7 @@ def read(path: str | os.PathLike) -> Repro:
             tpu_generation=meta.get("tpu_generation", "none"),
             error=meta.get("error"),
             hang=meta.get("hang"),
+            halt=meta.get("halt"),
             test=meta.get("test", ""),
             precision=tuple(meta["precision"]) if meta.get("precision") is not None else None,
             kind=meta.get("kind", ""),

@@ -261,3 +261,49 @@ def test_a_worker_that_dies_names_its_example_in_flight_and_its_replay_is_no_ver
     out = capsys.readouterr().out
     assert "recorded: in flight when its process ended" in out and "did not recur" in out, out
     assert path.with_suffix(".npz").exists(), "the standalone program's arrays are written beside it"
+
+
+ONLY_THE_POOLED_PROPERTY = "test_kernel_matches_oracle and not any_config and not checked and not reference"
+
+
+def test_a_halted_device_is_one_finding_its_first_case_the_repro(tmp_path, pytestconfig):
+    """tests.broken.halts halts "the chip" on its first case of 2 or more query tokens and fails every call
+    after it: the worker ends at that first halt, its case is the repro (marked as a halt), the run still ends
+    with its summary naming it, and replaying it in a fresh process halts again."""
+    root = pytestconfig.rootpath
+    result = run(
+        "-m", "rpa_harness.cli", "run", "--profile", "dev", "--target", "tests.broken.halts", "--backend",
+        "fast-interpret", "-n", "1", "--repro-dir", str(tmp_path), "--", "-k", ONLY_THE_POOLED_PROPERTY, cwd=root,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    path = tmp_path / "differential_fast-interpret.json"
+    assert result.returncode == 1, output[-3000:]
+    assert "crashed while running" in result.stdout and "failure kind: device halted" in result.stdout, (
+        output[-3000:]
+    )
+    meta = hang_case(path)  # the first case that halts, not a later one Hypothesis would shrink to
+    assert meta["halt"] == {"error": "FAILED_PRECONDITION: The program continuator has halted unexpectedly."}
+    assert meta["error"] is None and not list(tmp_path.glob("*.pending.*"))
+    table = result.stdout[result.stdout.index("rpa-harness summary") :]
+    assert (
+        f"repro: device halted (FAILED_PRECONDITION: The program continuator has halted unexpectedly.): {path}"
+        in table
+    ), table
+    assert re.search(r"test_kernel_matches_oracle\[fast-interpret\] +\d+  FAILED", table), table
+    replay = run("-m", "rpa_harness.cli", "replay", str(path), cwd=root)
+    assert replay.returncode == 1, replay.stdout + replay.stderr
+    assert "FAILS: still halts the device" in replay.stderr, replay.stderr[-2000:]
+
+
+def test_a_halt_without_xdist_ends_the_run_with_its_code_and_summary(tmp_path, pytestconfig):
+    result = run(
+        "-m", "rpa_harness.cli", "run", "--profile", "dev", "--target", "tests.broken.halts", "--backend",
+        "fast-interpret", "-n", "0", "--repro-dir", str(tmp_path), "--", "-k", ONLY_THE_POOLED_PROPERTY,
+        cwd=pytestconfig.rootpath,
+    )  # fmt: skip
+    path = tmp_path / "differential_fast-interpret.json"
+    assert result.returncode == backends.HALT_EXIT_CODE, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "failure kind: device halted" in result.stderr and f"repro: {path}" in result.stderr
+    hang_case(path)
+    table = result.stdout[result.stdout.index("rpa-harness summary") :]
+    assert "ENDED" in table and "device halted (FAILED_PRECONDITION" in table, table

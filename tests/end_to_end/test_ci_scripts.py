@@ -3,8 +3,10 @@ And `.ci/run`'s list of modules left to the newest-jax leg names modules that ex
 ``--deselect`` that matches nothing, so a renamed module would silently run in both legs), each named in
 docs/test-suite.md."""
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,31 @@ SCRIPTS = sorted([*ROOT.glob("ci/*.sh"), ROOT / ".ci" / "run"])
 def test_script_parses(script):
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_tpu_install_step_needs_no_network_where_jax_and_libtpu_import(tmp_path):
+    """A chip host with jax[tpu] and the harness installed and no network: the step installs nothing. A stand-in
+    ``libtpu`` package makes this CPU host look like one; pip is never reached (it would need the network)."""
+    (tmp_path / "libtpu").mkdir()
+    (tmp_path / "libtpu" / "__init__.py").write_text("")
+    bin_folder = str(Path(sys.executable).parent)  # this environment's python and rpa-harness
+    env = {**os.environ, "PATH": f"{bin_folder}:{os.environ['PATH']}", "PYTHONPATH": str(tmp_path)}
+    for extra, reason in (
+        ({}, "jax, libtpu and rpa_harness import"),
+        ({"RPA_SKIP_INSTALL": "1"}, "RPA_SKIP_INSTALL=1"),
+    ):
+        result = subprocess.run(
+            ["bash", str(ROOT / "ci" / "install_for_tpu.sh")],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0 and f"install: skipped ({reason}" in result.stdout, (
+            result.stdout + result.stderr
+        )
+    for script in ("tpu_smoke.sh", "nightly_tpu.sh"):
+        text = (ROOT / "ci" / script).read_text()
+        assert "bash ci/install_for_tpu.sh" in text and "pip install" not in text, script
 
 
 def test_the_newest_jax_only_modules_exist_and_are_documented():

@@ -20,7 +20,7 @@ from rpa_harness.properties.budget import (
     POOLED_EXAMPLES,
 )
 from rpa_harness.property_names import DIFFERENTIAL, PropertyName
-from rpa_harness.recording import recorded
+from rpa_harness.recording import closeness_notes, recorded
 from rpa_harness.strategies.valid import valid_case_groups, valid_cases
 
 # Cases per whole-space example, at most (3.9 on average): one compilation, several layouts.
@@ -46,7 +46,7 @@ def draw_and_compare(
         with recorded(repro_dir, name, target_, backend, arrays, options, case=case) as notes:
             notes[runlog.LATER_CASE] = index > 0  # the progress line counts examples, not cases
             comparison = check_differential(target_, backend, arrays, options)
-            notes.update(max_ratio=comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
+            notes.update(closeness_notes(comparison, case))
         ratios.append(comparison.max_ratio)
     # Hypothesis' targeted phase then mutates the examples that came closest to their bound.
     target(max(ratios), label="max error/bound")

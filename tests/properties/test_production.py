@@ -28,7 +28,7 @@ from rpa_harness.checks import check_differential
 from rpa_harness.plugin import settings_of
 from rpa_harness.properties.budget import LONG_CORNER_EXAMPLES, LONG_EXAMPLES, PRODUCTION_EXAMPLES
 from rpa_harness.property_names import DIFFERENTIAL, PropertyName
-from rpa_harness.recording import recorded
+from rpa_harness.recording import closeness_notes, recorded
 from rpa_harness.strategies.buckets import is_packed, long_corners, why_not_drawn
 from rpa_harness.strategies.valid import valid_cases
 
@@ -66,7 +66,7 @@ def draw_and_compare(target, backend, repro_dir, data, selection, bucket: str, c
     name = PropertyName(DIFFERENTIAL, f"{bucket}-{corner.name}" if corner else bucket, backend.label)
     with recorded(repro_dir, name, target, backend, arrays, options, case=case) as notes:
         comparison = check_differential(target, backend, arrays, options)
-        notes.update(max_ratio=comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
+        notes.update(closeness_notes(comparison, case))
 
 
 @settings(max_examples=PRODUCTION_EXAMPLES, phases=[Phase.explicit, Phase.reuse, Phase.generate])

@@ -29,7 +29,7 @@ from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import numeric_failure
 from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.property_names import PropertyName
-from rpa_harness.recording import recorded
+from rpa_harness.recording import closeness_notes, recorded
 from rpa_harness.reference import compare, oracle
 from rpa_harness.reference.variants import contract_attention
 from rpa_harness.strategies.capabilities import Capabilities
@@ -80,7 +80,7 @@ def draw_and_check(data, repro_dir, *, pooled: bool, variant: str = ""):
     name = PropertyName(PROPERTY, variant, INTERPRET)
     with recorded(repro_dir, name, TARGET, BACKEND, arrays, options, case=case) as notes:
         verdict = v3target.judge(arrays, options, precision=TARGET.precision)
-        notes.update(max_ratio=verdict.comparison.max_ratio, q_dtype=case.q_dtype, kv_dtype=case.kv_dtype)
+        notes.update(closeness_notes(verdict.comparison, case))
         if verdict.known_finding:
             event(f"known finding: {verdict.known_finding}")
             notes.update(known_finding=verdict.known_finding)
