@@ -10,7 +10,8 @@ the size of the kernel's jit cache.
 (the kernel asks for HIGHEST, which on a TPU is several MXU passes instead of one): what HIGHEST costs on the
 interpreters (on the chip it is not measured here).
 
-    python benchmarks/bench_kernel.py [--sizes tiny,medium,upstream_scaled] [--warm-calls 3] [--products highest]
+    python benchmarks/bench_kernel.py [--sizes tiny,medium,upstream_scaled] [--warm-calls 3]
+        [--products highest,default]
 """
 
 import argparse
@@ -145,8 +146,8 @@ def main():
     args = parser.parse_args()
     counter = CompileCounter()
     print(
-        f"{'size':16} {'interpreter':20} {'products':8} {'tokens':>6} {'seqs':>4} {'cold s':>7} {'warm s':>7} "
-        f"{'compiles cold/warm':>18} {'jit cache +':>11}"
+        f"{'size':16} {'interpreter':20} {'products':8} {'tokens':>6} {'seqs':>4} {'cold s':>7} "
+        f"{'warm s':>7} {'compiles cold/warm':>18} {'jit cache +':>11}"
     )
     for name in args.sizes.split(","):
         case = SIZES[name]
@@ -158,7 +159,8 @@ def main():
                     )
                 print(
                     f"{name:16} {interpreter_name:20} {products:8} {case.max_num_batched_tokens:6d} "
-                    f"{case.num_seqs:4d} {cold:7.2f} {warm:7.3f} {cold_compiles:>9d}/{warm_compiles:<8d} {cache:11d}"
+                    f"{case.num_seqs:4d} {cold:7.2f} {warm:7.3f} {cold_compiles:>9d}/{warm_compiles:<8d} "
+                    f"{cache:11d}"
                 )
 
 

@@ -332,8 +332,8 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
     if product_precision not in (HIGHEST_PRODUCTS, DEFAULT_PRODUCTS):
         raise TargetError(
             f"--rpa-target={name}: RPA_HARNESS_PRODUCT_PRECISION is {product_precision!r}; declare "
-            f"{HIGHEST_PRODUCTS!r} (its float32 products pass precision=HIGHEST) or {DEFAULT_PRODUCTS!r} (they "
-            "pass DEFAULT or none: one bfloat16 pass on a TPU)"
+            f"{HIGHEST_PRODUCTS!r} (its float32 products pass precision=HIGHEST) or {DEFAULT_PRODUCTS!r} "
+            "(they pass DEFAULT or none: one bfloat16 pass on a TPU)"
         )
     try:
         rules = check_table(

@@ -10,8 +10,10 @@ its jit cache) stays as it is.
 
 import importlib.util
 
-from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
-from rpa_harness.kernel import pallas_rpa
+from rpa_harness.kernel import (
+    dynamic_validate_inputs,  # noqa: F401  (part of the target interface)
+    pallas_rpa,
+)
 
 from tests.broken import SMALL_SPACE
 
