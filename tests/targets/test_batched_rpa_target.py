@@ -82,9 +82,8 @@ def test_a_query_block_of_no_tokens_races_with_nothing():
         CASE, q_lens=(17,), kv_lens=(17,), num_q_heads=8, num_kv_heads=4, head_dim=64, kv_dtype="bfloat16",
         max_num_batched_tokens=32, pages_per_seq=8, total_num_pages=9,
     )  # fmt: skip
-    verdict = batched.judge(
-        case.arrays(), case.options(), Backend(INTERPRET, generation="v6e"), precision=TARGET.precision
-    )
+    on_v6e = Backend(INTERPRET, generation="v6e")
+    verdict = batched.judge(case.arrays(), case.options(), on_v6e, precision=TARGET.precision_on(on_v6e))
     assert verdict.comparison.ok and verdict.cache_error is None, str(verdict.comparison)
 
 
