@@ -557,6 +557,23 @@ def test_an_emulated_generation_multiplies_float32_operands_as_the_mxu_does(
 
 
 @pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_an_emulated_generation_multiplies_at_high_in_three_bfloat16_passes(interpreter):
+    """HIGH is Mosaic's bf16x3: each float32 operand as bfloat16 hi + lo, hi*hi + hi*lo + lo*hi."""
+    x_hi, y_hi = through_bfloat16(PRODUCT_X), through_bfloat16(PRODUCT_Y)
+    x_lo, y_lo = through_bfloat16(PRODUCT_X - x_hi), through_bfloat16(PRODUCT_Y - y_hi)
+    passes = [
+        product(x, y, interpreter=interpreter, generation="none")
+        for x, y in ((x_hi, y_hi), (x_hi, y_lo), (x_lo, y_hi))
+    ]
+    three_passes = (passes[0] + passes[1]) + passes[2]
+    high = jax.lax.Precision.HIGH
+    emulated = product(PRODUCT_X, PRODUCT_Y, interpreter=interpreter, generation="v5e", precision=high)
+    np.testing.assert_array_equal(emulated, three_passes)
+    exact = product(PRODUCT_X, PRODUCT_Y, interpreter=interpreter, generation="none", precision=high)
+    assert not np.array_equal(exact, three_passes)
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
 def test_of_mixed_operands_the_float32_one_is_rounded(interpreter):
     narrow = PRODUCT_X.astype(jnp.bfloat16)
     exact = product(narrow, PRODUCT_Y, interpreter=interpreter, generation="none")
