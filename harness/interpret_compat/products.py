@@ -45,6 +45,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.extend import core
 from rpa_harness.interpret_compat.patching import Gap, Patch, parameter_names, require, require_attributes
 
 _FLOAT32 = np.dtype(np.float32)
@@ -52,11 +53,10 @@ _FLOAT32 = np.dtype(np.float32)
 
 @functools.cache
 def _internals() -> types.SimpleNamespace:
-    from jax._src import core as jax_core
     from jax._src.pallas import hlo_interpreter
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
-    return types.SimpleNamespace(core=jax_core, generic=hlo_interpreter, tpu=interpret_pallas_call)
+    return types.SimpleNamespace(generic=hlo_interpreter, tpu=interpret_pallas_call)
 
 
 def _mxu_passes(precision) -> int | None:
@@ -130,7 +130,6 @@ def _mxu_product_equation(eqn, rounded: tuple[bool, bool], passes: int):
 
 
 def _rewritten_param(value, rewrite):
-    core = _internals().core
     if isinstance(value, core.Jaxpr):
         return rewrite(value)
     if isinstance(value, core.ClosedJaxpr):
@@ -201,8 +200,8 @@ def _exact_on(interpret) -> bool:
 
 def _check_entry(module, name: str) -> None:
     require_attributes(module, name)
-    require_attributes(_internals().core.Jaxpr, "replace")
-    require_attributes(_internals().core.JaxprEqn, "replace")
+    require_attributes(core.Jaxpr, "replace")
+    require_attributes(core.JaxprEqn, "replace")
     require("jaxpr" in parameter_names(getattr(module, name)), f"{module.__name__}.{name} takes no jaxpr")
 
 
