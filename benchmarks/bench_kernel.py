@@ -6,10 +6,16 @@ layout must not recompile). Compilations are counted with a ``jax.monitoring`` l
 compile event (every XLA compilation in the process, the interpreter's included) and cross-checked with
 the size of the kernel's jit cache.
 
+``--products highest,default`` also times the kernel with its float32 products left at DEFAULT precision
+(the kernel asks for HIGHEST, which on a TPU is several MXU passes instead of one): what HIGHEST costs on the
+interpreters (on the chip it is not measured here).
+
     python benchmarks/bench_kernel.py [--sizes tiny,medium,upstream_scaled] [--warm-calls 3]
+        [--products highest,default]
 """
 
 import argparse
+import contextlib
 import dataclasses
 import time
 
@@ -18,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import dispatch
 from jax.experimental.pallas import tpu as pltpu
+from rpa_harness.kernel import pallas_rpa
 from rpa_harness.kernel.pallas_rpa import _ragged_paged_attention as compiled_kernel
 from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
 from rpa_harness.strategies.case import Case
@@ -63,6 +70,23 @@ SIZES = {
     ),
 }
 INTERPRETERS = {"tpu_interpreter": pltpu.InterpretParams(), "generic_interpreter": True}
+
+
+PRODUCTS = ("highest", "default")
+
+
+@contextlib.contextmanager
+def products_at(precision: str):
+    """The kernel as shipped (``highest``: HIGHEST for float32 operands) or with every product at DEFAULT."""
+    shipped = pallas_rpa._product_precision
+    if precision == "default":
+        pallas_rpa._product_precision = lambda operand_dtype: None
+    jax.clear_caches()  # the kernel is traced anew with these products
+    try:
+        yield
+    finally:
+        pallas_rpa._product_precision = shipped
+        jax.clear_caches()
 
 
 def jax_arrays(case):
@@ -116,22 +140,28 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated subset of {list(SIZES)}")
     parser.add_argument("--warm-calls", type=int, default=3)
+    parser.add_argument(
+        "--products", default="highest", help=f"comma-separated subset of {list(PRODUCTS)} (float32 products)"
+    )
     args = parser.parse_args()
     counter = CompileCounter()
     print(
-        f"{'size':16} {'interpreter':20} {'tokens':>6} {'seqs':>4} {'cold s':>7} {'warm s':>7} "
-        f"{'compiles cold/warm':>18} {'jit cache +':>11}"
+        f"{'size':16} {'interpreter':20} {'products':8} {'tokens':>6} {'seqs':>4} {'cold s':>7} "
+        f"{'warm s':>7} {'compiles cold/warm':>18} {'jit cache +':>11}"
     )
     for name in args.sizes.split(","):
         case = SIZES[name]
         for interpreter_name, interpreter in INTERPRETERS.items():
-            cold, warm, cold_compiles, warm_compiles, cache = bench(
-                case, interpreter, args.warm_calls, counter
-            )
-            print(
-                f"{name:16} {interpreter_name:20} {case.max_num_batched_tokens:6d} {case.num_seqs:4d} {cold:7.2f} "
-                f"{warm:7.3f} {cold_compiles:>9d}/{warm_compiles:<8d} {cache:11d}"
-            )
+            for products in args.products.split(","):
+                with products_at(products):
+                    cold, warm, cold_compiles, warm_compiles, cache = bench(
+                        case, interpreter, args.warm_calls, counter
+                    )
+                print(
+                    f"{name:16} {interpreter_name:20} {products:8} {case.max_num_batched_tokens:6d} "
+                    f"{case.num_seqs:4d} {cold:7.2f} {warm:7.3f} {cold_compiles:>9d}/{warm_compiles:<8d} "
+                    f"{cache:11d}"
+                )
 
 
 if __name__ == "__main__":

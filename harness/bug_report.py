@@ -62,7 +62,7 @@ def observe(target: Target, backend: Backend, repro: repro_files.Repro) -> Obser
     except Exception as error:  # the report shows whatever the call raised
         return Observation(first_line_of_error(error), None, None)
     comparison = reference.compare(
-        actual, reference.oracle(**arrays, **options), label="kernel", precision=target.precision
+        actual, reference.oracle(**arrays, **options), label="kernel", precision=target.precision_on(backend)
     )
     module_reference = None
     own = getattr(target.module, "ref_ragged_paged_attention", None)
@@ -278,7 +278,7 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
             backend,
             known_issue_for(path),
             _relative(path),
-            precision=target.precision,
+            precision=target.precision_on(backend),
             with_script_output=with_script_output,
         )
     if target.updates_cache:

@@ -298,11 +298,11 @@ def declared_unrunnable(target: Target, backend: Backend, *, by_default: bool = 
 
 def check_differential(target: Target, backend: Backend, arrays: dict, options: dict):
     """The target's output matches the float64 oracle within the tolerance model of its precision
-    contract (``target.precision``), on valid rows."""
+    contract on this backend (``target.precision_on``), on valid rows."""
     actual = run_valid(target, backend, arrays, options)
     expected = reference.oracle(**arrays, **options)
     comparison = reference.compare(
-        actual, expected, label=f"{target.name} on {backend.label}", precision=target.precision
+        actual, expected, label=f"{target.name} on {backend.label}", precision=target.precision_on(backend)
     )
     if not comparison.ok:
         raise numeric_failure(comparison, arrays)

@@ -213,7 +213,7 @@ def replay(args) -> int:
     print(
         f"property: {repro.property}\ntarget:   {target_name}\nbackend:  {backend.label} "
         f"(interpreter compat {'on' if backend.interpreter_compat else 'off'})\nrecorded: {_recorded(repro)}\n"
-        f"precision: {', '.join(target.precision)}"
+        f"precision: {', '.join(target.precision_on(backend))}"
     )
     if repro.case is not None:
         print(f"case:     {repro.case.describe()}")

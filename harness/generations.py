@@ -15,8 +15,10 @@ answer a real chip of that generation gives:
 A target that asks some other way (a module-level ``from jax import devices``, a device kind read at import
 time) declares ``RPA_HARNESS_GENERATION_HOOK``: a function of the generation name returning a context
 manager, entered around each of its calls inside the emulation (``hooked``). What emulation is not: the interpreters still run the kernel on the
-CPU (same semantics, no Mosaic compilation, no TPU numerics, no VMEM limits enforced), so it tests the code a
-generation selects, never how that code behaves on the chip.
+CPU (same semantics, no Mosaic compilation, no VMEM limits enforced, no TPU numerics but one: with the
+compatibility layer on, float32 products at DEFAULT precision inside the kernel are the MXU's one bfloat16
+pass, ``interpret_compat.products``), so it tests the code a generation selects, never how that code behaves
+on the chip.
 """
 
 import contextlib

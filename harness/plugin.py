@@ -55,7 +55,7 @@ from hypothesis.database import (
 )
 from rpa_harness import backends, checks, generations, known_issues, repro, runlog, targets
 from rpa_harness.recording import DEVICE_HALTED, CannotRunHere
-from rpa_harness.reference.tolerance import CONTRACTS
+from rpa_harness.reference.tolerance import BF16_MATMUL, CONTRACTS
 from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, from_options, in_cli_terms
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
@@ -640,11 +640,16 @@ def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
         if WORKERS_ASKED in config.stash:
             chip_line += f"; 1 worker (-n {config.stash[WORKERS_ASKED]} asked: one process holds the chips)"
     buckets = run.buckets or target.capabilities.buckets
+    chip_products = (
+        f", + {BF16_MATMUL} on a TPU generation (float32 products at DEFAULT precision)"
+        if target.product_precision == targets.DEFAULT_PRODUCTS
+        else ""
+    )
     return [
         f"rpa-harness {harness}: target {target.name}{version}",
         f"  backends: {backends_line} (interpreter compat {compat}); jax {jax.__version__}",
         chip_line,
-        f"  precision contract: {', '.join(target.precision)}",
+        f"  precision contract: {', '.join(target.precision)}{chip_products}",
         f"  validation rules: {rules}",
         f"  known issues declared: {issues}",
         f"  buckets: {', '.join(buckets)}",

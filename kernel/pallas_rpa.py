@@ -179,6 +179,12 @@ def _matmul_dtype(q_dtype, kv_dtype, scaled):
     return jnp.dtype(jnp.float32) if jnp.dtype(kv_dtype) == jnp.float32 else jnp.dtype(jnp.bfloat16)
 
 
+def _product_precision(operand_dtype):
+    """HIGHEST for float32 operands: at DEFAULT a TPU multiplies them in one bfloat16 pass (operands rounded
+    to bfloat16), which the kernel's float32 promise excludes; narrower operands are exact in that pass."""
+    return lax.Precision.HIGHEST if jnp.dtype(operand_dtype) == jnp.float32 else None
+
+
 class _SeqLayout(NamedTuple):
     """Where one sequence's rows and keys are (read from SMEM once per sequence and carried)."""
 
@@ -353,7 +359,11 @@ def _rpa_kernel(
             v = jnp.where(key_valid_col, v, 0.0)
 
             logits = lax.dot_general(
-                q_rows[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                q_rows[h],
+                k,
+                (((1,), (1,)), ((), ())),
+                precision=_product_precision(qk_dtype),
+                preferred_element_type=jnp.float32,
             )
             logits = logits * sm_scale
             if soft_cap is not None:
@@ -366,7 +376,9 @@ def _rpa_kernel(
             probs = jnp.exp(logits - m_new)
             rescale = jnp.exp(m_prev - m_new)
             l_new = rescale * l_prev + jnp.sum(probs, axis=1, keepdims=True)
-            acc_new = rescale * acc_all[h] + jnp.dot(probs, v, preferred_element_type=jnp.float32)
+            acc_new = rescale * acc_all[h] + jnp.dot(
+                probs, v, precision=_product_precision(v.dtype), preferred_element_type=jnp.float32
+            )
 
             m_new_all.append(jnp.where(row_in_seq, jnp.broadcast_to(m_new, m_all[h].shape), m_all[h]))
             l_new_all.append(jnp.where(row_in_seq, jnp.broadcast_to(l_new, l_all[h].shape), l_all[h]))

@@ -192,7 +192,8 @@ MUTANTS = (
         "pv_in_bfloat16",
         "P @ V with bfloat16 operands and a bfloat16 result per KV block, also for a float32 V",
         KERNEL_FILE,
-        "jnp.dot(probs, v, preferred_element_type=jnp.float32)",
+        "jnp.dot(\n                probs, v, precision=_product_precision(v.dtype), "
+        "preferred_element_type=jnp.float32\n            )",
         "jnp.dot(\n                probs.astype(jnp.bfloat16), v.astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16\n"
         "            ).astype(jnp.float32)",
     ),

@@ -538,24 +538,67 @@ def result_rows(result, rows: np.ndarray):
     return dataclasses.replace(result, **per_row)
 
 
+def _reciprocal_is_approximate(precision, out_dtype) -> bool:
+    return APPROX_RECIPROCAL in precision or (
+        APPROX_RECIPROCAL_FOR_NARROW_OUTPUT in precision and np.dtype(out_dtype) != F32
+    )
+
+
+def _one_reciprocal_factor_fits(actual, piece, precision) -> bool:
+    """Whether the errors are what an approximate reciprocal makes: acc times r, r = (1 + delta) / l with
+    |delta| <= 2**-8, one r per row and q head, so one delta must fit every element of a (row, head) but
+    for what the rest of ``precision`` allows (twice its bound: the error of acc / l is scaled by 1 + delta,
+    and its rounding may cross a binade). Errors that vary along head_dim beyond that are not the
+    reciprocal's, whatever their size."""
+    rest = tuple(
+        name for name in precision if name not in (APPROX_RECIPROCAL, APPROX_RECIPROCAL_FOR_NARROW_OUTPUT)
+    )
+    slack = 2.0 * error_bound(piece, precision=rest)
+    expected = piece.out
+    gap = actual - expected
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ends = np.stack([(gap - slack) / expected, (gap + slack) / expected])
+    zero = expected == 0
+    low = np.where(zero, -np.inf, ends.min(axis=0))
+    high = np.where(zero, np.inf, ends.max(axis=0))
+    if np.any(zero & (np.abs(actual) > slack)):
+        return False
+    low = np.maximum(low.max(axis=2), -APPROX_RECIPROCAL_ERROR)
+    high = np.minimum(high.min(axis=2), APPROX_RECIPROCAL_ERROR)
+    return bool(np.all(low <= high))
+
+
+# What the diagnosis says when one contract, undeclared, explains a failure and has a known cause.
+CAUSES = {
+    BF16_MATMUL: "float32 operands multiplied in one bfloat16 pass (the MXU's DEFAULT precision): declare "
+    f"{BF16_MATMUL}, or pass precision=HIGHEST",
+}
+
+
 def diagnose(actual, result, rows, precision=DEFAULT_PRECISION) -> str:
     """Names the tightest contract under which the observed errors are within the bound: among the
     candidates (``candidate_contracts``) that accept every element, the one with the smallest median bound
-    over the checked elements. Non-finite values are explained by no contract."""
+    over the checked elements. A candidate with an approximate reciprocal accepts only errors that one
+    factor per row and q head explains (``_one_reciprocal_factor_fits``): its bound, 2**-8 |o|, is as wide
+    as bf16-matmul's on P @ V, and tighter where one key dominates, so bound sizes alone would name it for
+    errors that vary element by element. Non-finite values are explained by no contract."""
     blocks = _row_blocks(result, rows)
     if not all(np.isfinite(_as_float64(actual, block)).all() for block in blocks):
         return "no precision contract explains non-finite values (NaN or Inf where the oracle is finite)"
     accepted, loosest = [], None
     for candidate in candidate_contracts(precision):
-        ratio, bounds = 0.0, []
+        ratio, bounds, shaped = 0.0, [], True
         for block in blocks:
             piece = result_rows(result, block)
             bound = error_bound(piece, precision=candidate)
-            error = np.abs(_as_float64(actual, block) - piece.out)
+            got = _as_float64(actual, block)
+            error = np.abs(got - piece.out)
             with np.errstate(invalid="ignore", divide="ignore"):
                 ratio = max(ratio, float(np.max(error / bound)) if error.size else 0.0)
             bounds.append(bound.reshape(-1))
-        if ratio <= 1.0:
+            if _reciprocal_is_approximate(candidate, piece.out_dtype) and error.size:
+                shaped = shaped and _one_reciprocal_factor_fits(got, piece, candidate)
+        if ratio <= 1.0 and shaped:
             median = float(np.median(np.concatenate(bounds))) if bounds else 0.0
             accepted.append((median, ratio, candidate))
         if len(candidate) == len(CONTRACTS):
@@ -564,10 +607,8 @@ def diagnose(actual, result, rows, precision=DEFAULT_PRECISION) -> str:
         _, ratio, candidate = min(accepted, key=lambda item: item[0])
         extra = [name for name in candidate if name not in parse_precision(precision)]
         named = "all precision contracts combined" if len(candidate) == len(CONTRACTS) else " + ".join(extra)
-        return (
-            f"consistent with {named} (max error/bound {ratio:.3g} under it): an undeclared "
-            "precision choice, or a bug of that size"
-        )
+        cause = CAUSES.get(named, "an undeclared precision choice, or a bug of that size")
+        return f"consistent with {named} (max error/bound {ratio:.3g} under it): {cause}"
     tail = f" (max error/bound {loosest:.3g} even with all contracts combined)" if loosest is not None else ""
     return f"no precision contract explains it{tail}: a bug"
 

@@ -19,6 +19,8 @@ internals moved stays unpatched, with one warning naming it and the jax version,
 - ``generic``: the generic interpreter's gaps (``generic-literal-indices``, ``generic-view-stores``,
   ``generic-scalar-prefetch-state``, ``generic-narrow-float-bits``, ``generic-dynamic-size-copies``,
   ``generic-memory-space-operands``).
+- ``products``: float32 products at DEFAULT precision computed as a TPU does (one bfloat16 pass) while a
+  TPU generation is emulated (``tpu-default-precision-products``, ``generic-default-precision-products``).
 - ``limitations``: the interpreter limitations the harness recognises by their error, the only errors on
   valid input that mean "cannot run here" rather than a kernel bug.
 
@@ -69,9 +71,9 @@ _installed = False
 
 
 def _gaps() -> tuple:
-    from rpa_harness.interpret_compat import generic, tpu
+    from rpa_harness.interpret_compat import generic, products, tpu
 
-    return (*tpu.GAPS, *generic.GAPS)
+    return (*tpu.GAPS, *generic.GAPS, products.TPU_PRODUCTS, products.GENERIC_PRODUCTS)
 
 
 def _survey(gap) -> GapStatus:

@@ -8,6 +8,10 @@ Its profile is read from these module attributes, each optional:
   ``Capabilities``): what the strategies draw for it (default: the whole specified space).
 - ``RPA_HARNESS_PRECISION``: the precision contract its outputs are judged under (names from
   ``reference.CONTRACTS``; default float32 throughout; ``--rpa-precision`` overrides it).
+- ``RPA_HARNESS_PRODUCT_PRECISION``: the precision its matrix products of float32 operands pass, read from
+  its source: ``"highest"`` (the default: its precision contract holds on a TPU as declared) or
+  ``"default"`` (DEFAULT or none, one bfloat16 pass on a TPU's MXU: on a TPU generation, real or emulated,
+  it is judged with ``bf16-matmul`` added, ``Target.precision_on``).
 - ``RPA_HARNESS_RULES``: its validators' rule table (``rpa_harness.strategies.violations.Rule`` by name;
   default the specification's ``RULES``, upstream's rules and messages).
 - ``RPA_HARNESS_KNOWN_ISSUES``: the known issues whose cases are not drawn (catalogue names or
@@ -53,7 +57,7 @@ from pathlib import Path
 import jax
 from rpa_harness import generations, known_issues, property_names
 from rpa_harness.backends import TPU
-from rpa_harness.reference.tolerance import DEFAULT_PRECISION, PrecisionError, parse_precision
+from rpa_harness.reference.tolerance import BF16_MATMUL, DEFAULT_PRECISION, PrecisionError, parse_precision
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.violations import RULES, check_table
 
@@ -70,6 +74,9 @@ BATCHED_RPA_TARGET = "rpa_harness.targets.tpu_inference_batched_rpa"
 STACKED_RPA_TARGET = "rpa_harness.targets.tpu_inference_stacked_rpa"
 MLA_SWA_TARGET = "rpa_harness.targets.tpu_inference_mla_swa"
 REQUIRED_FUNCTIONS = ("ragged_paged_attention",)
+# RPA_HARNESS_PRODUCT_PRECISION: lax.Precision's names for what a kernel passes to its float32 products.
+HIGHEST_PRODUCTS = "highest"
+DEFAULT_PRODUCTS = "default"
 VALIDATOR = "dynamic_validate_inputs"  # optional: a kernel without one declares only static rules
 
 
@@ -126,6 +133,17 @@ class Target:
         default_factory=dict
     )  # kind -> check(target, backend, arrays, options)
     updates_cache: bool = False  # its call returns (attention, updated kv_pages), the cache judged too
+    product_precision: str = (
+        HIGHEST_PRODUCTS  # what its float32 products pass (RPA_HARNESS_PRODUCT_PRECISION)
+    )
+
+    def precision_on(self, backend) -> tuple[str, ...]:
+        """The contract its outputs are judged under on ``backend``: the declared one, plus ``bf16-matmul``
+        where a TPU generation (a chip, or one an interpreter emulates) multiplies its float32 operands at
+        DEFAULT precision in one bfloat16 pass. That is what the chip computes, not a looser tolerance."""
+        if self.product_precision == DEFAULT_PRODUCTS and backend.has_tpu_generation:
+            return parse_precision((*self.precision, BF16_MATMUL))
+        return self.precision
 
     def __repr__(self) -> str:  # one line where Hypothesis prints a failing example's arguments
         return f"Target({self.name!r})"
@@ -248,6 +266,7 @@ def _distribution_holding(package: types.ModuleType | None) -> importlib.metadat
 PROFILE_ATTRIBUTES = (
     "RPA_HARNESS_CAPABILITIES",
     "RPA_HARNESS_PRECISION",
+    "RPA_HARNESS_PRODUCT_PRECISION",
     "RPA_HARNESS_RULES",
     "RPA_HARNESS_KNOWN_ISSUES",
     "RPA_HARNESS_CATALOGUE",
@@ -309,6 +328,13 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
         precision = parse_precision(getattr(profile, "RPA_HARNESS_PRECISION", DEFAULT_PRECISION))
     except PrecisionError as error:
         raise TargetError(f"--rpa-target={name}: RPA_HARNESS_PRECISION: {error}") from None
+    product_precision = getattr(profile, "RPA_HARNESS_PRODUCT_PRECISION", HIGHEST_PRODUCTS)
+    if product_precision not in (HIGHEST_PRODUCTS, DEFAULT_PRODUCTS):
+        raise TargetError(
+            f"--rpa-target={name}: RPA_HARNESS_PRODUCT_PRECISION is {product_precision!r}; declare "
+            f"{HIGHEST_PRODUCTS!r} (its float32 products pass precision=HIGHEST) or {DEFAULT_PRODUCTS!r} "
+            "(they pass DEFAULT or none: one bfloat16 pass on a TPU)"
+        )
     try:
         rules = check_table(
             getattr(profile, "RPA_HARNESS_RULES", RULES), f"--rpa-target={name}: RPA_HARNESS_RULES"
@@ -369,7 +395,7 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
     version = _version(name, module, profile)
     return Target(
         name, module, capabilities, precision, issues, rules, catalogue, version, hook, report, properties,
-        updates_cache,
+        updates_cache, product_precision,
     )  # fmt: skip
 
 

@@ -13,3 +13,6 @@ RPA_HARNESS_CAPABILITIES = Capabilities(
     buckets=("tiny", "small", "medium", "long", "production"),
     runtime_options=RUNTIME_OPTIONS,
 )
+# pallas_rpa._product_precision: q @ K^T and P @ V pass HIGHEST for float32 operands, keeping the float32
+# promise on a TPU.
+RPA_HARNESS_PRODUCT_PRECISION = "highest"

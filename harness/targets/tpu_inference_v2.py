@@ -43,5 +43,8 @@ def ref_ragged_paged_attention(*args, **kwargs):
 
 RPA_HARNESS_KERNEL = kernel
 RPA_HARNESS_CAPABILITIES = upstream.RPA_HARNESS_CAPABILITIES
+# v2/kernel.py: q @ K^T is a jnp.einsum and P @ V a jnp.dot, both without a precision: DEFAULT, one bfloat16
+# pass for float32 operands on a TPU.
+RPA_HARNESS_PRODUCT_PRECISION = "default"
 RPA_HARNESS_KNOWN_ISSUES = upstream.RPA_HARNESS_KNOWN_ISSUES  # upstream's findings: the same kernel
 RPA_HARNESS_VERSION = f"tpu-inference {installed_version()} (RPA v2)"

@@ -41,6 +41,9 @@ RPA_HARNESS_CAPABILITIES = Capabilities(
     tpu_generations=("v4", "v5e", "v5p", "v6e", "7x"),
     buckets=("tiny", "small", "long"),
 )
+# kernel.py: q @ K^T is a jnp.einsum and P @ V a jnp.dot, both without a precision: DEFAULT, one bfloat16
+# pass for float32 operands on a TPU.
+RPA_HARNESS_PRODUCT_PRECISION = "default"
 
 
 # --- How upstream's kernel schedules a call (restated from its source) ---------------------------------

@@ -8,11 +8,10 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
-from rpa_harness import reference
+from rpa_harness import reference, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import CacheMismatch
-from rpa_harness.reference.tolerance import parse_precision
 from rpa_harness.strategies.case import Case
 from rpa_harness.targets.layouts import LayoutError
 
@@ -26,7 +25,15 @@ from rpa_harness.targets.tpu_inference_stacked_rpa import adapter, layout  # noq
 NAME = "rpa_harness.targets.tpu_inference_stacked_rpa"
 CATALOGUE = {issue.name: issue for issue in stacked.RPA_HARNESS_CATALOGUE}
 WINDOW_WRITE_BACK = CATALOGUE[stacked.both_outputs.WINDOW_WRITE_BACK_FINDING]
-PRECISION = parse_precision(stacked.RPA_HARNESS_PRECISION)
+ON_V6E = Backend(INTERPRET, generation="v6e")
+FAST_ON_V6E = Backend(FAST_INTERPRET, generation="v6e")
+
+
+def precision_on(backend):
+    """The contract it is judged under there (on v6e its float32 products are the chip's bfloat16 pass)."""
+    return targets.load(NAME).precision_on(backend)
+
+
 TRACES_HERE = adapter.jax_version() < adapter.FIRST_JAX_IT_DOES_NOT_TRACE_ON
 needs_the_kernel = pytest.mark.skipif(
     not TRACES_HERE, reason="stacked RPA does not trace on jax >= 0.12 (its emit_pipeline use; adapter.py)"
@@ -117,9 +124,7 @@ def test_a_wrong_cache_is_caught_slot_by_slot():
 def test_the_generic_interpreter_gets_the_attention_right_and_the_cache_where_jax_keeps_aliased_writes():
     """jax 0.10's generic interpreter drops writes into an aliased input: the cache comes back as given.
     From jax 0.11 (0.11.2 is what tpu-inference 0.32.0 pins) it keeps them: both outputs are right."""
-    verdict = stacked.judge(
-        CASE.arrays(), CASE.options(), Backend(FAST_INTERPRET, generation="v6e"), precision=PRECISION
-    )
+    verdict = stacked.judge(CASE.arrays(), CASE.options(), FAST_ON_V6E, precision=precision_on(FAST_ON_V6E))
     assert verdict.comparison.ok, str(verdict.comparison)
     error = verdict.cache_error
     if stacked.adapter.jax_version() >= (0, 11):
@@ -136,9 +141,12 @@ def test_the_tpu_interpreter_writes_every_new_token_and_keeps_every_live_key():
     out, do change: the write-back's tile past each sequence's last new token takes the new-token rows
     after it."""
     inputs = stacked.stacked_inputs(**CASE.arrays(), **CASE.options())
-    out, cache = Backend(INTERPRET, generation="v6e").run(stacked.call_stacked, inputs)
+    out, cache = ON_V6E.run(stacked.call_stacked, inputs)
     comparison = reference.compare(
-        out, reference.oracle(**CASE.arrays(), **CASE.options()), label="stacked RPA", precision=PRECISION
+        out,
+        reference.oracle(**CASE.arrays(), **CASE.options()),
+        label="stacked RPA",
+        precision=precision_on(ON_V6E),
     )
     assert comparison.ok, str(comparison)
     stacked.check_updated_cache(inputs, cache)
@@ -195,9 +203,7 @@ def test_the_tpu_interpreter_leaves_the_predicted_window_slots_and_the_judge_nam
         CASE, q_lens=(1, 3), kv_lens=(100, 129), sliding_window=64, num_q_heads=1, head_dim=64
     )
     assert WINDOW_WRITE_BACK.matches(case)
-    verdict = stacked.judge(
-        case.arrays(), case.options(), Backend(INTERPRET, generation="v6e"), precision=PRECISION
-    )
+    verdict = stacked.judge(case.arrays(), case.options(), ON_V6E, precision=precision_on(ON_V6E))
     assert verdict.comparison.ok, str(verdict.comparison)
     error = verdict.cache_error
     assert error is not None and error.slots is not None and int(error.slots.sum()) == 1, str(error)

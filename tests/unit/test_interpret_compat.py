@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
-from rpa_harness import interpret_compat, reference
+from rpa_harness import generations, interpret_compat, reference
 from rpa_harness.backends import INTERPRET, Backend, Deadlock, RaceDetected
 from rpa_harness.interpret_compat import generic as generic_gaps
+from rpa_harness.interpret_compat import products as product_gaps
 from rpa_harness.interpret_compat import tpu as tpu_gaps
 from rpa_harness.interpret_compat.patching import InternalsMoved
 from rpa_harness.strategies.case import Case
@@ -490,6 +491,128 @@ def run_step_counter(interpreter: str, start: int) -> np.ndarray:
     return out[::8, 0]
 
 
+# --- float32 products at DEFAULT precision ---------------------------------------------------------------
+
+PRODUCT_X = random_array((8, 128), jnp.float32, seed=1)
+PRODUCT_Y = random_array((128, 128), jnp.float32, seed=2)
+HIGHEST = jax.lax.Precision.HIGHEST
+MATMUL = ((1,), (0,))
+TIMES_ROW = ((1,), (1,))  # (m, k) by (1, k)
+
+
+def through_bfloat16(x):
+    return jnp.asarray(x).astype(jnp.bfloat16).astype(x.dtype)
+
+
+def product_kernel(precision=None, in_a_loop=False, contracting=MATMUL):
+    """A kernel writing the float32 product of its two inputs, in its body or in the body of a loop."""
+
+    def times(x_ref, y_ref):
+        return jax.lax.dot_general(
+            x_ref[...],
+            y_ref[...],
+            (contracting, ((), ())),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
+
+    def kernel(x_ref, y_ref, o_ref):
+        if in_a_loop:
+            zeros = jnp.zeros(o_ref.shape, jnp.float32)
+            o_ref[...] = jax.lax.fori_loop(0, 1, lambda _, total: total + times(x_ref, y_ref), zeros)
+        else:
+            o_ref[...] = times(x_ref, y_ref)
+
+    return kernel
+
+
+def product(x, y, *, interpreter, generation, precision=None, in_a_loop=False, contracting=MATMUL):
+    kernel = product_kernel(precision, in_a_loop, contracting)
+    columns = y.shape[1 - contracting[1][0]]
+    with generations.emulated(generation):
+        return run(
+            kernel, jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32), x, y, interpreter=interpreter
+        )
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+@pytest.mark.parametrize(
+    "precision", [None, jax.lax.Precision.DEFAULT, HIGHEST], ids=["unset", "default", "highest"]
+)
+@pytest.mark.parametrize("in_a_loop", [False, True], ids=["body", "loop"])
+def test_an_emulated_generation_multiplies_float32_operands_as_the_mxu_does(
+    interpreter, precision, in_a_loop
+):
+    """Under an emulated generation a float32 product at DEFAULT is one bfloat16 pass (operands rounded,
+    float32 accumulation), bit for bit; at HIGHEST, and with no generation emulated, the exact float32 one."""
+    settings = {"interpreter": interpreter, "precision": precision, "in_a_loop": in_a_loop}
+    exact = product(PRODUCT_X, PRODUCT_Y, generation="none", **settings)
+    one_pass = product(
+        through_bfloat16(PRODUCT_X), through_bfloat16(PRODUCT_Y), generation="none", **settings
+    )
+    assert not np.array_equal(exact, one_pass)  # the operands tell the two apart
+    emulated = product(PRODUCT_X, PRODUCT_Y, generation="v5e", **settings)
+    np.testing.assert_array_equal(emulated, exact if precision == HIGHEST else one_pass)
+    np.testing.assert_array_equal(product(PRODUCT_X, PRODUCT_Y, generation="none", **settings), exact)
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_an_emulated_generation_multiplies_at_high_in_three_bfloat16_passes(interpreter):
+    """HIGH is Mosaic's bf16x3: each float32 operand as bfloat16 hi + lo, hi*hi + hi*lo + lo*hi."""
+    x_hi, y_hi = through_bfloat16(PRODUCT_X), through_bfloat16(PRODUCT_Y)
+    x_lo, y_lo = through_bfloat16(PRODUCT_X - x_hi), through_bfloat16(PRODUCT_Y - y_hi)
+    passes = [
+        product(x, y, interpreter=interpreter, generation="none")
+        for x, y in ((x_hi, y_hi), (x_hi, y_lo), (x_lo, y_hi))
+    ]
+    three_passes = (passes[0] + passes[1]) + passes[2]
+    high = jax.lax.Precision.HIGH
+    emulated = product(PRODUCT_X, PRODUCT_Y, interpreter=interpreter, generation="v5e", precision=high)
+    np.testing.assert_array_equal(emulated, three_passes)
+    exact = product(PRODUCT_X, PRODUCT_Y, interpreter=interpreter, generation="none", precision=high)
+    assert not np.array_equal(exact, three_passes)
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_of_mixed_operands_the_float32_one_is_rounded(interpreter):
+    narrow = PRODUCT_X.astype(jnp.bfloat16)
+    exact = product(narrow, PRODUCT_Y, interpreter=interpreter, generation="none")
+    one_pass = product(narrow, through_bfloat16(PRODUCT_Y), interpreter=interpreter, generation="none")
+    assert not np.array_equal(exact, one_pass)
+    np.testing.assert_array_equal(
+        product(narrow, PRODUCT_Y, interpreter=interpreter, generation="v5e"), one_pass
+    )
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_a_mixed_matrix_vector_product_stays_exact_as_on_the_vpu(interpreter):
+    """jax lowers an (m, k) by (1, k) contraction of operands not both float32 to a float32 multiply and
+    reduction on the VPU: no bfloat16 pass to emulate."""
+    row = PRODUCT_Y[:1]
+    narrow = PRODUCT_X.astype(jnp.bfloat16)
+    settings = {"interpreter": interpreter, "contracting": TIMES_ROW}
+    exact = product(narrow, row, generation="none", **settings)
+    assert not np.array_equal(exact, product(narrow, through_bfloat16(row), generation="none", **settings))
+    np.testing.assert_array_equal(product(narrow, row, generation="v5e", **settings), exact)
+
+
+def test_products_outside_the_kernel_stay_exact_under_emulation():
+    """Only the interpreted kernel's products are the chip's: the jnp code around it is the CPU's."""
+    kernel = product_kernel()
+    out_shape = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+
+    def around(x, y):
+        return jnp.dot(x, y) + pl.pallas_call(kernel, out_shape=out_shape)(x, y)
+
+    with pltpu.force_tpu_interpret_mode(True), generations.emulated("v5e"):
+        both = np.asarray(jax.jit(around)(PRODUCT_X, PRODUCT_Y))
+    outside = np.asarray(jnp.dot(PRODUCT_X, PRODUCT_Y))
+    inside = product(
+        through_bfloat16(PRODUCT_X), through_bfloat16(PRODUCT_Y), interpreter="generic", generation="none"
+    )
+    np.testing.assert_array_equal(both, outside + inside)
+
+
 @pytest.mark.parametrize("interpreter", INTERPRETERS)
 def test_scalar_prefetch_writes_reach_the_next_grid_step(interpreter):
     np.testing.assert_array_equal(run_step_counter(interpreter, start=10), np.arange(10, 16))
@@ -825,7 +948,8 @@ def gap_state(gap: str) -> str:
 
 def test_every_gap_is_probed_and_patched_or_closed_on_this_jax():
     statuses = interpret_compat.gap_statuses()
-    assert set(statuses) == {gap.name for gap in (*tpu_gaps.GAPS, *generic_gaps.GAPS)}
+    products = (product_gaps.TPU_PRODUCTS, product_gaps.GENERIC_PRODUCTS)
+    assert set(statuses) == {gap.name for gap in (*tpu_gaps.GAPS, *generic_gaps.GAPS, *products)}
     table = "\n".join(f"  {name}: {status.state}" for name, status in statuses.items())
     print(f"interpret_compat on jax {jax.__version__}:\n{table}")
     assert interpret_compat.unpatched_gaps() == {}, f"jax {jax.__version__}:\n{table}"
@@ -1195,6 +1319,18 @@ def test_gap_deadlock_still_loops_in_tpu_interpreter():
 
 
 # --- API -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_gap_default_precision_products_still_exact_in_the_interpreters(interpreter):
+    with layer_off():
+        emulated = product(PRODUCT_X, PRODUCT_Y, interpreter=interpreter, generation="v5e")
+    exact = product(PRODUCT_X, PRODUCT_Y, interpreter=interpreter, generation="none", precision=HIGHEST)
+    assert_probe_agrees(
+        f"{interpreter}-default-precision-products",
+        np.array_equal(emulated, exact),
+        "computes a float32 product at DEFAULT as a TPU does (one bfloat16 pass)",
+    )
 
 
 def test_install_is_idempotent_and_uninstall_restores_the_interpreter():

@@ -302,3 +302,47 @@ def test_errors_only_all_contracts_together_explain_are_diagnosed_as_such():
     assert comparison.diagnosis.startswith(
         "consistent with all precision contracts combined (max error/bound 0.9"
     )
+
+
+def test_one_bfloat16_pass_is_diagnosed_by_name_not_as_an_approximate_reciprocal():
+    """What the chip showed (q_len 1, kv_len 1, float32, head_dim 64): with one key the output is V's row,
+    which one bfloat16 pass rounds element by element. An approximate reciprocal's bound, 2**-8 |o|, is
+    tighter than bf16-matmul's there and accepts those errors too; but its error is one factor per row and
+    head, which errors varying along head_dim rule out."""
+    arrays = build_case(3, (1,), (1,), head_dim=64, num_q_heads=2, num_kv_heads=1, page_size=8)
+    result = oracle(**arrays)
+    out = contract_attention(**arrays, precision=(BF16_MATMUL,))
+    assert compare(out, result, precision=(APPROX_RECIPROCAL,)).max_ratio <= 1.0  # the bound alone accepts
+    comparison = compare(out, result)
+    ratio = compare(out, result, precision=(BF16_MATMUL,)).max_ratio
+    assert comparison.diagnosis == (
+        f"consistent with {BF16_MATMUL} (max error/bound {ratio:.3g} under it): float32 operands multiplied "
+        "in one bfloat16 pass (the MXU's DEFAULT precision): declare bf16-matmul, or pass precision=HIGHEST"
+    ), str(comparison)
+    factor = 1 + 2.0**-9  # one factor per row and head: what an approximate reciprocal does
+    scaled = compare(result.out * factor, result)
+    assert scaled.diagnosis.startswith(f"consistent with {APPROX_RECIPROCAL} (max error/bound "), str(scaled)
+
+
+def test_products_at_default_are_judged_with_bf16_matmul_on_a_tpu_generation_only():
+    upstream = targets.load(targets.UPSTREAM_TARGET)
+    bundled = targets.load("rpa_harness.kernel")
+    assert (upstream.product_precision, bundled.product_precision) == ("default", "highest")
+    on_v5e, on_cpu = Backend(FAST_INTERPRET, generation="v5e"), FAST
+    assert upstream.precision_on(on_v5e) == (FLOAT32, BF16_MATMUL)
+    assert upstream.precision_on(on_cpu) == upstream.precision == (FLOAT32,)
+    assert bundled.precision_on(on_v5e) == bundled.precision_on(on_cpu) == (FLOAT32,)
+
+
+def test_a_kernel_promising_highest_that_multiplies_at_default_fails_on_an_emulated_generation():
+    """The bundled kernel before it asked for HIGHEST: it passes on a CPU device and fails where an
+    interpreter multiplies as the chip does, diagnosed by name; the bundled kernel passes there."""
+    broken = targets.load("tests.broken.default_precision_products")
+    arrays = build_case(0, (1, 3), (1, 9), head_dim=64, num_q_heads=2, num_kv_heads=1, page_size=8)
+    on_v5e = Backend(FAST_INTERPRET, generation="v5e")
+    assert check_differential(broken, FAST, arrays, {}).ok
+    with pytest.raises(PropertyFailure) as failure:
+        check_differential(broken, on_v5e, arrays, {})
+    assert f"diagnosis: consistent with {BF16_MATMUL} (max error/bound " in str(failure.value)
+    assert "float32 operands multiplied in one bfloat16 pass" in str(failure.value)
+    assert check_differential(targets.load("rpa_harness.kernel"), on_v5e, arrays, {}).ok

@@ -54,6 +54,9 @@ RPA_HARNESS_CAPABILITIES = dict(
 # P is not rounded before P @ V. Its bfloat16 output multiplies by pltpu.reciprocal(l + exp(sink - m),
 # approx=True); a float32 one would divide exactly (lax.div), were float32 queries to trace.
 RPA_HARNESS_PRECISION = ("approx-reciprocal-for-narrow-output",)
+# deepseek_v4/core_attention/mla_swa.py: its logits and P @ V are jnp.einsum calls without a precision:
+# DEFAULT, one bfloat16 pass for float32 operands on a TPU.
+RPA_HARNESS_PRODUCT_PRECISION = "default"
 RPA_HARNESS_VERSION = f"tpu-inference {installed_version()} (experimental deepseek_v4 mla_swa)"
 # Imported on first use: the target loads only where tpu-inference is installed and jax has what it calls.
 RPA_HARNESS_KERNEL = kernel

@@ -53,6 +53,9 @@ RPA_HARNESS_CAPABILITIES = dict(
 # not rounded before P @ V). The normaliser: float32 queries divide exactly (lax.div), narrower ones
 # multiply by pltpu.reciprocal(l, approx=True).
 RPA_HARNESS_PRECISION = ("approx-reciprocal-for-narrow-output",)
+# mla/v1/kernel.py: the latent and rope logits and P @ V are jnp.einsum calls without a precision: DEFAULT,
+# one bfloat16 pass for float32 operands on a TPU.
+RPA_HARNESS_PRODUCT_PRECISION = "default"
 RPA_HARNESS_VERSION = f"tpu-inference {installed_version()} (MLA v1)"
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
 

@@ -26,6 +26,9 @@ RPA_HARNESS_CAPABILITIES = dict(V1_CAPABILITIES)
 # rounded to the cache's dtype before P @ V (p_same_dtype_as_v, its default), v_scale multiplying P @ V
 # after; float32 outputs divide exactly, narrower ones multiply by pltpu.reciprocal(l, approx=True).
 RPA_HARNESS_PRECISION = ("probabilities-in-cache-dtype", "approx-reciprocal-for-narrow-output")
+# mla/v2/kernel.py: its logits and P @ V are jnp.einsum calls without a precision: DEFAULT, one bfloat16
+# pass for float32 operands on a TPU.
+RPA_HARNESS_PRODUCT_PRECISION = "default"
 RPA_HARNESS_VERSION = f"tpu-inference {installed_version()} (MLA v2, s_dtype=float32)"
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
 

@@ -29,6 +29,9 @@ RPA_HARNESS_CAPABILITIES = v3_target.RPA_HARNESS_CAPABILITIES
 # option), and unlike v3 P rounded to the cache's dtype (`p = exp(s - m).astype(v.dtype)`, the row sum
 # taken from it), v_scale multiplying P @ V after.
 RPA_HARNESS_PRECISION = ("probabilities-in-cache-dtype", "accumulators-in-output-dtype")
+# rpa_v3_cp/kernel.py: q @ K^T and P @ V are jnp.matmul calls without a precision: DEFAULT, one bfloat16
+# pass for float32 operands on a TPU.
+RPA_HARNESS_PRODUCT_PRECISION = "default"
 RPA_HARNESS_PROPERTIES = dict.fromkeys((v3_target.ATTENTION_AND_CACHE, v3_target.HANG), check_both_outputs)
 RPA_HARNESS_VERSION = f"tpu-inference {v3_target.installed_version()} (experimental rpa_v3_cp, no CP)"
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed

@@ -63,6 +63,9 @@ RPA_HARNESS_CAPABILITIES = dict(
 # and P @ V (a float32 product) rounded to it, the running max, sum and accumulator kept in it; float32 and
 # bfloat16 outputs divide exactly (_normalize_and_store: lax.div).
 RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype", "softmax-in-output-dtype")
+# stacked_rpa/flash_attention.py: q @ K^T and P @ V are lax.dot_general calls without a precision: DEFAULT,
+# one bfloat16 pass for float32 operands on a TPU.
+RPA_HARNESS_PRODUCT_PRECISION = "default"
 RPA_HARNESS_VERSION = f"tpu-inference {installed_version()} (experimental stacked_rpa)"
 RPA_HARNESS_KERNEL = kernel  # imported on first use: it fails to load where the kernel cannot run
 check_both_outputs = v3_judge.checks_both_outputs(judge)

@@ -110,6 +110,9 @@ RPA_HARNESS_CAPABILITIES = dict(
 # queries: l_ref/m_ref/acc_ref are allocated with out_dtype, and P @ V is cast to it before accumulating).
 # Its kernel computes logits and P in float32 and does not round P to V's dtype (its reference does).
 RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype",)
+# v3/kernel.py (0.32.0): q @ K^T and P @ V are jnp.matmul calls without a precision:
+# DEFAULT, one bfloat16 pass for float32 operands on a TPU.
+RPA_HARNESS_PRODUCT_PRECISION = "default"
 if _early:
     # 0.11.1 to 0.13.x keep m, l and acc in float32 (their scratch) and do not round P before P @ V; they
     # normalise a float32 output with lax.div and a narrower one with pl.reciprocal(l, approx=True).

@@ -162,7 +162,7 @@ def checks_both_outputs(judge_outputs):
 
     def check(target, backend, arrays: dict, options: dict) -> None:
         try:
-            verdict = judge_outputs(arrays, options, backend, precision=target.precision)
+            verdict = judge_outputs(arrays, options, backend, precision=target.precision_on(backend))
         except Deadlock as deadlock:
             raise RaisedOnValidInput(
                 f"{target.name} on {backend.label} never returns: {deadlock}",

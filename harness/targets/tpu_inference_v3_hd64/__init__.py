@@ -60,6 +60,9 @@ RPA_HARNESS_CAPABILITIES = dict(
 # before P @ V). The normaliser: float32 queries divide exactly (lax.div), narrower ones multiply by
 # pltpu.reciprocal(l, approx=True), which the CPU lowering computes in bfloat16.
 RPA_HARNESS_PRECISION = ("approx-reciprocal-for-narrow-output",)
+# v3/kernel_hd64.py: q @ K^T and P @ V are jnp.matmul calls without a precision: DEFAULT, one bfloat16 pass
+# for float32 operands on a TPU.
+RPA_HARNESS_PRODUCT_PRECISION = "default"
 
 
 RPA_HARNESS_VERSION = run_header(kernel_file="kernel_hd64.py")
