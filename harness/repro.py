@@ -253,7 +253,12 @@ def read(path: str | os.PathLike) -> Repro:
         shapes_only = bool(meta.get("shapes_only"))
         if shapes_only:
             arrays, arrays_file = (
-                stand_ins({name: (shape, _dtype_by_name(meta["dtypes"][name])) for name, shape in meta["shapes"].items()}),
+                stand_ins(
+                    {
+                        name: (shape, _dtype_by_name(meta["dtypes"][name]))
+                        for name, shape in meta["shapes"].items()
+                    }
+                ),
                 None,
             )
         elif meta["arrays"] is None:
@@ -299,7 +304,9 @@ def read(path: str | os.PathLike) -> Repro:
 
 def stand_ins(shapes: dict) -> dict[str, np.ndarray]:
     """A zero-strided zero array per ``{name: (shape, dtype)}``: the shapes and dtypes without the memory."""
-    return {name: np.broadcast_to(np.zeros((), dtype), tuple(shape)) for name, (shape, dtype) in shapes.items()}
+    return {
+        name: np.broadcast_to(np.zeros((), dtype), tuple(shape)) for name, (shape, dtype) in shapes.items()
+    }
 
 
 def _rebuilt(path: Path, meta: dict, case: Case | None) -> dict[str, np.ndarray]:

@@ -127,7 +127,9 @@ def compile_generations(chosen, tpu_generation: str, emulated, profile: str) -> 
     named = tuple(name for name in emulated if name != generations.NONE)
     if named or (tpu_generation or generations.AUTO).strip() != generations.AUTO:
         return named
-    everyday = generations.EVERYDAY_GENERATIONS if profile != "nightly" else tuple(ahead_of_time.TOPOLOGY_NAMES)
+    everyday = (
+        generations.EVERYDAY_GENERATIONS if profile != "nightly" else tuple(ahead_of_time.TOPOLOGY_NAMES)
+    )
     return tuple(name for name in everyday if name in generations.DEVICE_KINDS)
 
 
