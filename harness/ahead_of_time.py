@@ -13,6 +13,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import re
 
 import jax
 import numpy as np
@@ -31,9 +32,19 @@ TOPOLOGY_NAMES = {
     "7x": "tpu7x:2x2x1",
 }
 
-# How Mosaic words a kernel whose buffers exceed the scoped VMEM limit, and a refusal to compile.
-_VMEM_MARKERS = ("CompileTimeScopedVmemOom", "scoped vmem", "Scoped allocation")
-_COMPILER_FAILURE_TYPES = ("MosaicError", "JaxRuntimeError", "XlaRuntimeError")
+# How the compiler words a kernel whose buffers exceed the scoped VMEM limit, and scalar operands that
+# exceed SMEM.
+_VMEM_MARKERS = ("CompileTimeScopedVmemOom", "scoped vmem", "Ran out of memory in memory space vmem")
+_SMEM_MARKERS = ("space=smem",)
+
+
+class CompilerRefusal(Exception):
+    """Lowering for the chip or compiling for it failed: the chip cannot run the traced call. ``error`` is
+    what Pallas' TPU lowering or the compiler (Mosaic, XLA's TPU backend) raised."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 class CompilerUnavailable(RuntimeError):
@@ -104,7 +115,8 @@ def compile_for(generation: str, call, arrays: dict):
 
     Traced with the interpreters off (a forced interpret mode would compile the interpreter instead of
     the kernel) and inside the generation's emulation, so that the kernel reads that chip's parameters.
-    Raises what tracing, lowering or Mosaic raise.
+    Raises what tracing raises (the kernel's own errors), and ``CompilerRefusal`` for what lowering or
+    compiling raise.
     """
     device = topology_device(generation)
     structs = shapes_on(arrays, device)
@@ -114,7 +126,11 @@ def compile_for(generation: str, call, arrays: dict):
         generations.emulated(generation),
         _persistent_cache_off(),
     ):
-        return jax.jit(lambda inputs: call(**inputs)).trace(structs).lower().compile()
+        traced = jax.jit(lambda inputs: call(**inputs)).trace(structs)
+        try:
+            return traced.lower().compile()
+        except Exception as error:
+            raise CompilerRefusal(error) from error
 
 
 @contextlib.contextmanager
@@ -139,23 +155,27 @@ def _persistent_cache_off():
 
 def is_vmem_overflow(error: BaseException) -> bool:
     """Whether the compiler refused because the kernel's buffers exceed the chip's scoped VMEM."""
-    text = str(error)
-    return any(marker.lower() in text.lower() for marker in _VMEM_MARKERS)
+    return any(marker.lower() in str(error).lower() for marker in _VMEM_MARKERS)
 
 
-def is_compiler_refusal(error: BaseException) -> bool:
-    """Whether ``error`` is the compiler's (Mosaic's or XLA's TPU backend) refusal rather than a Python
-    error raised while the kernel was traced."""
-    return type(error).__name__ in _COMPILER_FAILURE_TYPES
+def is_smem_overflow(error: BaseException) -> bool:
+    """Whether the compiler refused because the kernel's scalar operands exceed the chip's SMEM."""
+    return any(marker in str(error) for marker in _SMEM_MARKERS)
 
 
 def compiler_message(error: BaseException) -> str:
-    """The compiler's words: the message up to its first blank line, with the MLIR operation it names."""
+    """The compiler's words: the message up to its first blank line (its first 300 characters), then what
+    it names: the MLIR operation Mosaic refused, or the scoped allocation that overflowed VMEM."""
     text = str(error).strip()
-    head = text.split("\n\n", 1)[0]
-    lines = [" ".join(head.split())]
+    head = " ".join(text.split("\n\n", 1)[0].split())
+    lines = [head if len(head) <= 300 else head[:300] + " ..."]
     marker = "The MLIR operation involved:"
     if marker in text:
         operation = text.split(marker, 1)[1].strip().splitlines()[0].strip()
         lines.append(f"operation: {operation[:300]}")
+    found = re.search(
+        r"Scoped allocation with size \S+ and limit \S+ exceeded scoped vmem limit by \S+", text
+    )
+    if found and found.group(0) not in lines[0]:
+        lines.append(found.group(0))
     return f"{type(error).__name__}: " + "\n    ".join(lines)

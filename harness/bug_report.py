@@ -22,7 +22,7 @@ from rpa_harness import known_issues, reference
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, TPU, Backend
 from rpa_harness.generations import NONE
-from rpa_harness.property_names import DIFFERENTIAL
+from rpa_harness.property_names import COMPILATION, DIFFERENTIAL
 from rpa_harness.report_sections import (
     case_in_words,
     environment,
@@ -287,6 +287,8 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
             f"report for upstream's API cannot show: replay it with `rpa-harness replay {path}`, or declare the "
             "target's own RPA_HARNESS_REPORT (docs/targets.md)"
         )
+    if repro.kind == COMPILATION:
+        return compile_report(path, repro, target, backend, with_script_output=with_script_output)
     if repro.kind != DIFFERENTIAL:
         raise repro_files.ReproError(
             f"{path}: a report is written for differential repros (kernel output against the reference); "
@@ -374,6 +376,72 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
             f"Output of the script on the CPU of this report's environment (exit status {status}: {verdict}):",
             output,
         )
+    return "\n".join(sections + found_by(_relative(path))) + "\n"
+
+
+def compile_report(path: Path, repro, target: Target, backend: Backend, *, with_script_output=False) -> str:
+    """The report of a configuration the chip's compiler refuses: the call by its shapes and options (its
+    values do not matter), the compiler's words now, and a script that compiles it with libtpu on any
+    host."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from rpa_harness.checks import PropertyFailure, check_compiles
+    from rpa_harness.cli import snippet
+    from rpa_harness.generations import DEVICE_KINDS
+
+    issue = known_issue_for(path)
+    chip = f"TPU {backend.generation} (`{DEVICE_KINDS.get(backend.generation, '?')}`)"
+    function = f"{target.name}.ragged_paged_attention"
+    title = issue.description if issue is not None else f"does not compile for {chip}"
+    try:
+        check_compiles(target, backend, repro.arrays, repro.options)
+        refusal = "it compiles now: the repro no longer shows the issue"
+    except PropertyFailure as failure:
+        refusal = str(failure)
+    try:
+        libtpu = version("libtpu")
+    except PackageNotFoundError:
+        libtpu = "not installed"
+    shapes = [f"- `{name}`: {list(value.shape)} {value.dtype}" for name, value in repro.arrays.items()]
+    case = repro.case.describe() if repro.case is not None else "see the repro"
+    program = snippet(repro, path, target.name, backend)
+    sections = [
+        f"# `{function}`: {title}",
+        "",
+        "## Environment",
+        "",
+        *environment(repro.versions),
+        f"- libtpu {libtpu}",
+        f"- compiled for {chip} on a host without a TPU: jax's topology API describes the chip and libtpu "
+        "compiles for it (the compiler a TPU VM runs); traced as on that chip (its device kind and TPU info "
+        "emulated), so the kernel takes the chip's tuned defaults and branches",
+        "",
+        "## The call",
+        "",
+        f"Valid inputs of these shapes (the values do not matter: nothing runs): {case}",
+        "",
+        *shapes,
+        f"- options: `{repro.options}`" if repro.options else "- options: none (every default)",
+        "",
+        "## What the compiler says",
+        "",
+        "```",
+        refusal,
+        "```",
+        "",
+        "## Reproduce",
+        "",
+        'Needs jax with libtpu (`pip install "jax[tpu]"`; no TPU) and rpa-harness for '
+        "`rpa_harness.generations`, which makes the kernel see the chip while it is traced.",
+        "",
+        "```python",
+        program.rstrip(),
+        "```",
+    ]
+    if with_script_output:
+        status, output = run_script(program)
+        verdict = "compiles" if status == 0 else "refused"
+        sections += script_output(f"Output of the script (exit status {status}: {verdict}):", output)
     return "\n".join(sections + found_by(_relative(path))) + "\n"
 
 

@@ -188,6 +188,12 @@ class NeedsMoreVmem(DoesNotCompile):
     kind = "needs more VMEM than the chip's scoped limit"
 
 
+class NeedsMoreSmem(DoesNotCompile):
+    """The kernel's scalar operands (e.g. a page table prefetched whole) exceed the chip's SMEM."""
+
+    kind = "needs more SMEM than the chip has"
+
+
 # Raised while a kernel is traced on shapes alone by a target that reads its inputs' values in Python (an
 # adapter converting with NumPy): such a target cannot be compiled ahead of time, which is no finding.
 _NEEDS_CONCRETE_VALUES = (
@@ -212,25 +218,28 @@ def check_compiles(target: Target, backend: Backend, arrays: dict, options: dict
             f"it reads its inputs' values while it is traced, so it cannot be compiled from shapes alone "
             f"({first_line_of_error(error)})"
         ) from None
-    except Exception as error:
-        if not ahead_of_time.is_compiler_refusal(error):
-            error_type = type(error).__name__
-            message = first_line_of_error(error)
-            raise RaisedOnValidInput(
-                f"{target.name} raised on valid inputs while traced for {chip}: {message}",
-                error_type,
-                message.removeprefix(f"{error_type}: "),
-            ) from None
-        limit = options.get("vmem_limit_bytes")
-        if ahead_of_time.is_vmem_overflow(error):
-            given = f"vmem_limit_bytes={limit}" if limit is not None else "vmem_limit_bytes not given"
-            raise NeedsMoreVmem(
-                f"{target.name} needs more VMEM than {chip}'s scoped limit ({given}): "
-                f"{ahead_of_time.compiler_message(error)}"
-            ) from None
-        raise DoesNotCompile(
-            f"{target.name} does not compile for {chip}: {ahead_of_time.compiler_message(error)}"
+    except ahead_of_time.CompilerRefusal as refusal:
+        raise _refused(target, chip, options, refusal.error) from None
+    except Exception as error:  # raised by the kernel itself while it was traced
+        error_type = type(error).__name__
+        message = first_line_of_error(error)
+        raise RaisedOnValidInput(
+            f"{target.name} raised on valid inputs while traced for {chip}: {message}",
+            error_type,
+            message.removeprefix(f"{error_type}: "),
         ) from None
+
+
+def _refused(target: Target, chip: str, options: dict, error: BaseException) -> DoesNotCompile:
+    """The failure a compiler's refusal is: of VMEM, of SMEM, or any other."""
+    said = ahead_of_time.compiler_message(error)
+    if ahead_of_time.is_vmem_overflow(error):
+        limit = options.get("vmem_limit_bytes")
+        given = f"vmem_limit_bytes={limit}" if limit is not None else "vmem_limit_bytes not given"
+        return NeedsMoreVmem(f"{target.name} needs more VMEM than {chip}'s scoped limit ({given}): {said}")
+    if ahead_of_time.is_smem_overflow(error):
+        return NeedsMoreSmem(f"{target.name} needs more SMEM than {chip} has: {said}")
+    return DoesNotCompile(f"{target.name} does not compile for {chip}: {said}")
 
 
 class OutputsDiffer(PropertyFailure):

@@ -36,7 +36,7 @@ from pathlib import Path
 from rpa_harness import backends, generations, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import AUTO, BACKENDS, Backend
-from rpa_harness.property_names import DIFFERENTIAL, KINDS, PADDING
+from rpa_harness.property_names import COMPILATION, DIFFERENTIAL, KINDS, PADDING
 from rpa_harness.run_settings import CLI_TERMS_ENV, SettingError, for_repro, in_cli_terms
 from rpa_harness.targets import DEFAULT_TARGET
 
@@ -59,8 +59,11 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
 
     Same interpreter parameters as the backend, the compatibility layer installed when the backend had it
     on; a differential repro prints the comparison with the float64 oracle (its worst element), a padding or
-    determinism repro the first element that differs, a validation repro the error raised.
+    determinism repro the first element that differs, a validation repro the error raised, a compile repro
+    whether the chip's compiler accepts the call.
     """
+    if repro.kind == COMPILATION:
+        return _compile_snippet(repro, json_path, target, backend)
     npz = (repro.arrays_file or json_path.with_suffix(".npz")).resolve()
     dtypes = {name: str(value.dtype) for name, value in repro.arrays.items()}
     if backend.name == backends.TPU:
@@ -144,6 +147,38 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
     return "\n".join(lines) + "\n"
 
 
+def _compile_snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Backend) -> str:
+    """The compile property's standalone program: the call traced on shapes placed on a device of the
+    generation's topology, lowered and compiled by libtpu on this host (``rpa_harness.ahead_of_time``)."""
+    from rpa_harness.ahead_of_time import TOPOLOGY_NAMES
+
+    generation = backend.generation
+    shapes = {name: (tuple(value.shape), str(value.dtype)) for name, value in repro.arrays.items()}
+    lines = [
+        f'"""Standalone reproduction of {json_path} ({repro.property}, {target} compiled for {generation})."""',
+        "import importlib, os",
+        "import jax, ml_dtypes, numpy as np",
+        "from jax.experimental import topologies",
+        "from jax.experimental.pallas import tpu as pltpu",
+        "from rpa_harness import generations",
+        'os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # libtpu: this host is the slice',
+        f"target = importlib.import_module({target!r})",
+        f"topology = topologies.get_topology_desc(platform='tpu', topology_name={TOPOLOGY_NAMES.get(generation)!r})",
+        "sharding = jax.sharding.SingleDeviceSharding(topology.devices[0])",
+        f"shapes = {shapes!r}",
+        "inputs = {k: jax.ShapeDtypeStruct(s, np.dtype(getattr(ml_dtypes, d, d)), sharding=sharding)",
+        "          for k, (s, d) in shapes.items()}",
+        f"options = {repro.options!r}",
+        "",
+        "# The kernel traced as on the chip (its generation's defaults and branches), then compiled for it.",
+        f"with pltpu.force_tpu_interpret_mode(None), generations.emulated({generation!r}):",
+        "    traced = jax.jit(lambda inputs: target.ragged_paged_attention(**inputs, **options)).trace(inputs)",
+        "    traced.lower().compile()  # raises what the chip's compiler refuses",
+        f"print('compiles for {generation}')",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _recorded(repro: repro_files.Repro) -> str:
     if repro.in_flight:
         return "in flight when its process ended (a crash: no verdict was recorded)"
@@ -190,10 +225,8 @@ def replay(args) -> int:
     target, backend = run.target, run.backends[0]
     target_name = target.name
     if backend.skip_reason:
-        print(
-            f"rpa-harness replay: cannot run here: {backend.skip_reason}; pass --backend interpret",
-            file=sys.stderr,
-        )
+        instead = "" if backend.name == backends.TPU_COMPILER else "; pass --backend interpret"
+        print(f"rpa-harness replay: cannot run here: {backend.skip_reason}{instead}", file=sys.stderr)
         return CANNOT_RUN
     declared = declared_unrunnable(target, backend)
     if declared:

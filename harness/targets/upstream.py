@@ -11,7 +11,10 @@ the next block into the other half of a double buffer before it waits for the cu
 import dataclasses
 import math
 
+import jax
 import numpy as np
+from jax._src.pallas.mosaic import tpu_info
+from rpa_harness import backends, generations
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
     NUMERIC_MISMATCH,
@@ -25,7 +28,7 @@ from rpa_harness.known_issues import (
 )
 from rpa_harness.spec.interface import DEFAULT_MASK_VALUE, MASK_ADDED, values_per_word
 from rpa_harness.strategies.capabilities import Capabilities
-from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.case import DTYPES, Case
 
 FINDINGS = findings_dir("upstream-findings")
 
@@ -56,15 +59,20 @@ def _fully_tiled(count: int, packing: int) -> bool:
     return count in (1, 2, 4, 8) or count % 8 == 0
 
 
-def upstream_head_blocks(case: Case) -> int:
-    """How many KV-head blocks upstream's grid has: the smallest head block that tiles, else all heads."""
+def upstream_heads_per_block(case: Case) -> tuple[int, int]:
+    """(q heads, combined K/V heads) of one of upstream's head blocks: the smallest that tiles, else all."""
     combined = 2 * case.num_kv_heads
     kv_tiling = 8 * values_per_word(case.kv_dtype)
     combined_per_block = kv_tiling if combined % kv_tiling == 0 else combined
     q_heads_per_block = combined_per_block // 2 * (case.num_q_heads // case.num_kv_heads)
     if not _fully_tiled(q_heads_per_block, values_per_word(case.q_dtype)):
-        q_heads_per_block = case.num_q_heads
-    return case.num_q_heads // q_heads_per_block
+        return case.num_q_heads, combined
+    return q_heads_per_block, combined_per_block
+
+
+def upstream_head_blocks(case: Case) -> int:
+    """How many KV-head blocks upstream's grid has."""
+    return case.num_q_heads // upstream_heads_per_block(case)[0]
 
 
 # --- 1. empty-sequence-shifts-kv-pages -------------------------------------------------------------------
@@ -199,6 +207,115 @@ def drop_zero_query_tail(case: Case) -> Case:
     return keep_sequences(case, [i <= last_with_rows for i in range(case.num_seqs)])
 
 
+# Where the chip's compiler runs: on a TPU, and on this host for one (the compile property).
+CHIP_COMPILER = (backends.TPU, backends.TPU_COMPILER)
+
+
+# --- 5. wide-heads-strided-kv-load-does-not-compile ------------------------------------------------------
+
+
+def wide_heads_strided_kv_load(case: Case) -> bool:
+    """head_dim past one 128-lane row, and a head block's K/V heads span more than one packed row of the
+    cache (float32: always; bfloat16: 2 or more KV heads; fp8: 4 or more). The kernel loads a head's K
+    (and V) rows out of the interleaved K/V buffer with a strided load, which Mosaic implements only for a
+    last dimension of 128 ("The last dim size is not 128 in original base memref"), on every generation."""
+    _, combined = upstream_heads_per_block(case)
+    return case.head_dim > 128 and combined > values_per_word(case.kv_dtype)
+
+
+def with_head_dim_128(case: Case) -> Case:
+    return dataclasses.replace(case, head_dim=128)
+
+
+# --- 6. tuned-blocks-overflow-default-vmem ---------------------------------------------------------------
+
+# The scoped VMEM limit the TPU compiler gives a kernel that passes no vmem_limit_bytes (libtpu 0.0.42's
+# "Scoped allocation with size S and limit L" and v4's "Used S of 16.00M vmem", measured per generation).
+DEFAULT_SCOPED_VMEM_BYTES = {
+    "v4": 16 * 2**20,
+    "v5e": 16 * 2**20,
+    "v5p": 16 * 2**20,
+    "v6e": 32 * 2**20,
+    "7x": 32 * 2**20,
+}
+
+
+def _chip_generation() -> str | None:
+    """The generation a kernel traced now sees: the emulated one, else a real chip's, else None."""
+    if generations.current() != generations.NONE:
+        return generations.current()
+    chip = tpu_info.chip_version_from_device_kind(jax.devices()[0].device_kind)
+    return None if chip is None else chip.value
+
+
+def _blocks_on_the_chip(case: Case) -> tuple[int, int]:
+    """(num_kv_pages_per_block, num_queries_per_block) upstream runs with on the chip it is traced for: both
+    given, else its tuned table's (kernel.py takes both from it when either is None)."""
+    if (sizes := _block_sizes_used(case)) is not None:
+        return sizes
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes import get_tuned_block_sizes
+
+    q_heads, combined = upstream_heads_per_block(case)
+    # The table reads the chip from the device kind: the emulated generation's, or the real chip's.
+    return get_tuned_block_sizes(
+        DTYPES[case.q_dtype], DTYPES[case.kv_dtype], q_heads, combined // 2, case.head_dim,
+        case.page_size, case.max_num_batched_tokens, case.pages_per_seq,
+    )  # fmt: skip
+
+
+def upstream_vmem_bytes(case: Case) -> int:
+    """VMEM upstream's kernel allocates (kernel.py's scratch and pipelined blocks): the double-buffered KV
+    block, the q and output blocks (each double-buffered), the float32 accumulator and the l and m rows of
+    128 lanes."""
+    kv_pages, queries = _blocks_on_the_chip(case)
+    q_heads, combined = upstream_heads_per_block(case)
+    group = case.num_q_heads // case.num_kv_heads
+    kv_buffers = 2 * kv_pages * case.page_size * combined * case.head_dim * DTYPES[case.kv_dtype].itemsize
+    q_block = queries * q_heads * case.head_dim * DTYPES[case.q_dtype].itemsize
+    accumulator = queries * q_heads * case.head_dim * 4
+    l_and_m = 2 * (combined // 2) * queries * group * 128 * 4
+    return kv_buffers + 4 * q_block + accumulator + l_and_m
+
+
+def tuned_blocks_overflow_default_vmem(case: Case) -> bool:
+    """The kernel's buffers exceed the VMEM limit it compiles under: ``vmem_limit_bytes``, or where the
+    caller passes none (its default) the compiler's scoped default, which its own tuned block sizes
+    overflow on v5e (16 MiB: 128 pages of 64 float32 keys of one KV head are 16 MiB of KV buffers)."""
+    generation = _chip_generation()
+    if generation not in DEFAULT_SCOPED_VMEM_BYTES:
+        return False
+    limit = case.vmem_limit_bytes or DEFAULT_SCOPED_VMEM_BYTES[generation]
+    return upstream_vmem_bytes(case) > limit
+
+
+def with_blocks_that_fit(case: Case) -> Case:
+    """The block sizes the kernel would take, given, the KV block halved until the buffers fit."""
+    kv_pages, queries = _blocks_on_the_chip(case)
+    fitted = dataclasses.replace(case, num_kv_pages_per_block=kv_pages, num_queries_per_block=queries)
+    while kv_pages > 1 and tuned_blocks_overflow_default_vmem(fitted):
+        kv_pages //= 2
+        fitted = dataclasses.replace(fitted, num_kv_pages_per_block=kv_pages)
+    return fitted
+
+
+# --- 7. q-head-block-not-a-multiple-of-8-does-not-lower -------------------------------------------------
+
+
+def q_head_block_not_a_multiple_of_8(case: Case) -> bool:
+    """More than one head block, whose query heads are not a multiple of 8: Pallas' TPU lowering takes a
+    block's last two dimensions (q heads, head_dim) only when divisible by (8, 128) or whole. A float32
+    cache of 8 or more KV heads with one (or three) query heads per KV head: blocks of 4 KV heads' queries."""
+    q_heads, _ = upstream_heads_per_block(case)
+    return q_heads != case.num_q_heads and q_heads % 8 != 0
+
+
+def with_one_head_block(case: Case) -> Case:
+    """As many KV heads as one head block holds, the same query heads per KV head: one block of all heads."""
+    _, combined = upstream_heads_per_block(case)
+    group = case.num_q_heads // case.num_kv_heads
+    return dataclasses.replace(case, num_kv_heads=combined // 2, num_q_heads=combined // 2 * group)
+
+
 # --- The catalogue -----------------------------------------------------------------------------------------
 
 RPA_HARNESS_CATALOGUE = (
@@ -234,6 +351,36 @@ RPA_HARNESS_CATALOGUE = (
         zero_query_tail_skips_head_blocks,
         drop_zero_query_tail,
         NUMERIC_MISMATCH,
+    ),
+    KnownIssue(
+        "wide-heads-strided-kv-load-does-not-compile",
+        "head_dim past 128 with a head block's K/V heads past one packed row (float32: any) does not compile "
+        "for any TPU (Mosaic: the last dim size is not 128)",
+        FINDINGS / "wide-heads-strided-kv-load-does-not-compile" / "compiles_tpu-compiler-v5e.json",
+        wide_heads_strided_kv_load,
+        with_head_dim_128,
+        r"does not compile for .*The last dim size is not 128",
+        backends=CHIP_COMPILER,
+    ),
+    KnownIssue(
+        "q-head-block-not-a-multiple-of-8-does-not-lower",
+        "head blocks of a number of query heads not a multiple of 8 (float32, 8+ KV heads, 1 or 3 query "
+        "heads each) do not lower for a TPU",
+        FINDINGS / "q-head-block-not-a-multiple-of-8-does-not-lower" / "compiles_tpu-compiler-v5e.json",
+        q_head_block_not_a_multiple_of_8,
+        with_one_head_block,
+        r"does not compile for .*last two dimensions of your block shape are divisible by 8 and 128",
+        backends=CHIP_COMPILER,
+    ),
+    KnownIssue(
+        "tuned-blocks-overflow-default-vmem",
+        "without vmem_limit_bytes its tuned block sizes overflow the compiler's default scoped VMEM on v5e "
+        "(16 MiB)",
+        FINDINGS / "tuned-blocks-overflow-default-vmem" / "compiles_tpu-compiler-v5e.json",
+        tuned_blocks_overflow_default_vmem,
+        with_blocks_that_fit,
+        r"needs more VMEM than .*scoped limit",
+        backends=CHIP_COMPILER,
     ),
 )
 # Every catalogued issue is still present in the jax versions the harness supports.

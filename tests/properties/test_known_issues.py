@@ -7,11 +7,13 @@ strict xfail does, asking to remove the entry; failing in another way (e.g. a cr
 value) fails the run too, since that is news. On a backend that cannot see the issue (``KnownIssue.backends``:
 a read past a buffer whose value is unused shows only where bounds are checked) the repro must pass. A repro
 of a long or production case replays where its property runs, on the volume backends only: the checking
-interpreter takes minutes per call at that scale (docs/production-and-long-shapes.md).
+interpreter takes minutes per call at that scale (docs/production-and-long-shapes.md). A repro of the
+compile property (a configuration the chip's compiler refuses) is compiled again, once per run, on this
+host's TPU compiler for the generation it records; without one it is not run.
 """
 
 import pytest
-from rpa_harness import property_names, runlog
+from rpa_harness import backends, property_names, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.checks import recheck
 from rpa_harness.known_issues import OPTION
@@ -25,8 +27,17 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("known_issue", issues, ids=[issue.name for issue in issues])
 
 
-def test_known_issue_still_reproduces(target, replay_backend, known_issue):
+def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytestconfig):
     repro = repro_files.read(known_issue.repro)
+    if repro.kind == property_names.COMPILATION:
+        if replay_backend != settings_of(pytestconfig).backends[0]:
+            pytest.skip(f"{known_issue.name}: a compile repro is compiled once a run, on the first backend's turn")
+        replay_backend = backends.Backend(backends.TPU_COMPILER, True, repro.tpu_generation)
+        if replay_backend.skip_reason:
+            runlog.record_event(
+                "known-issue-replay", issue=known_issue.name, backend=replay_backend.label, outcome="not run"
+            )
+            pytest.skip(f"{known_issue.name}: its repro is compiled for a TPU: {replay_backend.skip_reason}")
     # Rebuilt as `rpa-harness replay` rebuilds it (the contract it failed under, the chip it was recorded
     # for: an issue of one generation's code does not show on another), on this run's backend.
     run = for_repro(

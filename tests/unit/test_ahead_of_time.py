@@ -1,0 +1,173 @@
+"""Compiling for a TPU generation on this host (``rpa_harness.ahead_of_time``): the chip's verdicts without
+a chip, as the compile property (tests/properties/test_compilation.py) and ``rpa-harness replay`` use them.
+
+The compiler's verdicts here are those a v5e gave on the same configurations: the bundled kernel's fp8
+cache with one KV head did not compile ("Offsets along tiled dimensions must be aligned to tiles"), and
+upstream's kernel at a Llama-3-8B-like batch with its tuned block sizes ran out of v5e's scoped VMEM.
+"""
+
+import importlib.util
+import json
+
+import pytest
+from rpa_harness import ahead_of_time, backends, generations, repro, targets
+from rpa_harness.checks import DoesNotCompile, NeedsMoreSmem, NeedsMoreVmem, check_compiles
+from rpa_harness.run_settings import compile_generations
+from rpa_harness.strategies.case import Case
+
+from tests.processes import run_python
+
+NEEDS_COMPILER = pytest.mark.skipif(
+    ahead_of_time.unavailable_reason() is not None, reason=str(ahead_of_time.unavailable_reason())
+)
+DOES_NOT_COMPILE = "tests.broken.does_not_compile"
+
+
+def compiler(generation: str) -> backends.Backend:
+    return backends.Backend(backends.TPU_COMPILER, True, generation)
+
+
+def compile_case(target_name: str, case: Case, generation: str) -> None:
+    arrays = repro.stand_ins(case.array_shapes())
+    check_compiles(targets.load(target_name), compiler(generation), arrays, case.options())
+
+
+def small_case(**fields) -> Case:
+    layout = dict(
+        max_num_batched_tokens=32, max_num_seqs=4, pages_per_seq=8, total_num_pages=32, page_size=16,
+        num_q_heads=4, num_kv_heads=2, head_dim=128, q_lens=(3,), kv_lens=(20,),
+    )  # fmt: skip
+    return Case(**{**layout, **fields})
+
+
+# A Llama-3-8B-like serving batch: 512 tokens, 32 query and 8 KV heads of 128, bfloat16, pages of 16.
+LLAMA_BATCH = dict(
+    max_num_batched_tokens=512, max_num_seqs=64, pages_per_seq=128, total_num_pages=2048, page_size=16,
+    num_q_heads=32, num_kv_heads=8, head_dim=128, q_dtype="bfloat16", kv_dtype="bfloat16",
+    q_lens=(1,), kv_lens=(1,),
+)  # fmt: skip
+
+
+@NEEDS_COMPILER
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_bundled_kernel_compiles_an_fp8_cache_with_one_kv_head(generation, page_size):
+    case = small_case(
+        num_kv_heads=1, head_dim=64, kv_dtype="float8_e4m3fn", page_size=page_size, pages_per_seq=64,
+        total_num_pages=256, kv_lens=(20,),
+    )  # fmt: skip
+    compile_case(targets.DEFAULT_TARGET, case, generation)
+
+
+@NEEDS_COMPILER
+def test_bundled_kernel_given_large_kv_blocks_asks_for_the_vmem_they_need():
+    # 128 pages of 32 float32 keys at head_dim 256: 16 MiB of KV buffers, v5e's default scoped limit.
+    case = Case(
+        max_num_batched_tokens=16, max_num_seqs=2, pages_per_seq=4096, total_num_pages=4096, page_size=32,
+        num_q_heads=1, num_kv_heads=1, head_dim=256, q_lens=(1,), kv_lens=(1,), num_kv_pages_per_block=128,
+        num_queries_per_block=16,
+    )  # fmt: skip
+    compile_case(targets.DEFAULT_TARGET, case, "v5e")
+    # The caller's own limit is the caller's: the same blocks under 16 MiB are refused, and said so.
+    with pytest.raises(NeedsMoreVmem, match=r"vmem_limit_bytes=16777216\): .*CompileTimeScopedVmemOom"):
+        compile_case(targets.DEFAULT_TARGET, Case(**{**vars_of(case), "vmem_limit_bytes": 16 * 2**20}), "v5e")
+
+
+def vars_of(case: Case) -> dict:
+    return json.loads(case.to_json()) | {"q_lens": case.q_lens, "kv_lens": case.kv_lens}
+
+
+@NEEDS_COMPILER
+def test_upstream_tuned_blocks_overflow_v5e_vmem_at_a_llama_batch():
+    case = Case(**LLAMA_BATCH)
+    with pytest.raises(NeedsMoreVmem, match=r"v5e \(TPU v5 lite\)'s scoped limit \(vmem_limit_bytes not given\)"):
+        compile_case(targets.UPSTREAM_TARGET, case, "v5e")
+    compile_case(targets.UPSTREAM_TARGET, case, "v6e")  # its tuned table's v6e entry fits
+
+
+@NEEDS_COMPILER
+def test_a_page_table_prefetched_whole_needs_more_smem_than_a_chip_has():
+    case = Case(**{**LLAMA_BATCH, "max_num_seqs": 256, "pages_per_seq": 2048, "total_num_pages": 8192})
+    with pytest.raises(NeedsMoreSmem, match=r"needs more SMEM than v6e .*space=smem"):
+        compile_case(targets.UPSTREAM_TARGET, case, "v6e")
+
+
+@NEEDS_COMPILER
+def test_what_pallas_cannot_lower_for_a_tpu_does_not_compile():
+    with pytest.raises(DoesNotCompile, match=r"does not compile for v5e \(TPU v5 lite\): .*cumsum"):
+        compile_case(DOES_NOT_COMPILE, small_case(head_dim=64, page_size=8, num_kv_heads=1, num_q_heads=2), "v5e")
+
+
+@NEEDS_COMPILER
+def test_a_compile_repro_replays_and_its_script_compiles(tmp_path):
+    case = small_case(head_dim=64, page_size=8, num_kv_heads=1, num_q_heads=2)
+    written = repro.Repro(
+        "compiles[tpu-compiler-v5e]", DOES_NOT_COMPILE, backends.TPU_COMPILER,
+        repro.stand_ins(case.array_shapes()), case.options(), case=case, kind="compiles",
+        tpu_generation="v5e", shapes_only=True,
+    )  # fmt: skip
+    path = repro.write(written, tmp_path)
+    script = tmp_path / "repro.py"
+    replayed = run_python("-m", "rpa_harness.cli", "replay", str(path), "--script", str(script), cwd=tmp_path)
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+    assert "does not compile for v5e" in replayed.stdout and "cumsum" in replayed.stdout
+    standalone = run_python(str(script), cwd=tmp_path)
+    assert standalone.returncode != 0 and "cumsum" in standalone.stderr, standalone.stderr[-2000:]
+    # The same program for a target that compiles says so.
+    script.write_text(script.read_text().replace(DOES_NOT_COMPILE, targets.DEFAULT_TARGET))
+    compiles = run_python(str(script), cwd=tmp_path)
+    assert compiles.returncode == 0 and "compiles for v5e" in compiles.stdout, compiles.stderr[-2000:]
+
+
+def test_a_shapes_only_repro_stores_the_shapes_and_reads_back_stand_ins(tmp_path):
+    case = Case(**LLAMA_BATCH)
+    arrays = repro.stand_ins(case.array_shapes())
+    assert sum(value.nbytes for value in arrays.values()) > 2**20  # what a stored pair would hold
+    written = repro.Repro(
+        "compiles[tpu-compiler-v5e]", targets.DEFAULT_TARGET, backends.TPU_COMPILER, arrays, case.options(),
+        case=case, kind="compiles", tpu_generation="v5e", shapes_only=True,
+    )  # fmt: skip
+    path = repro.write(written, tmp_path)
+    assert not path.with_suffix(".npz").exists() and path.stat().st_size < 16 * 2**10
+    pending = repro.write_pending(written, tmp_path)
+    read = repro.read(path)
+    assert read.shapes_only and not read.in_flight and repro.read(pending).shapes_only
+    assert {name: (value.shape, value.dtype) for name, value in read.arrays.items()} == {
+        name: (shape, dtype) for name, (shape, dtype) in case.array_shapes().items()
+    }
+
+
+def test_array_shapes_are_those_of_the_arrays():
+    case = small_case(q_dtype="bfloat16", kv_dtype="float8_e5m2", garbage=True)
+    assert {name: (value.shape, value.dtype) for name, value in case.arrays().items()} == case.array_shapes()
+
+
+def test_without_libtpu_the_compiler_backend_says_what_to_install(monkeypatch):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *rest: None if name == "libtpu" else found(name, *rest)
+    )
+    assert ahead_of_time.INSTALL_COMMAND in compiler("v5e").skip_reason
+    assert ahead_of_time.compilable_generations() == ()
+
+
+def test_the_compiler_backend_needs_a_generation():
+    with pytest.raises(generations.GenerationError, match="compiles for a TPU generation"):
+        backends.Backend(backends.TPU_COMPILER, True, generations.NONE)
+
+
+@pytest.mark.parametrize(
+    "chosen, option, emulated, profile, expected",
+    [
+        ((backends.FAST_INTERPRET,), "auto", ("v5e", "v6e", "7x"), "ci", ("v5e", "v6e", "7x")),
+        ((backends.FAST_INTERPRET,), "auto", (generations.NONE,), "ci", ("v5e", "v6e")),
+        ((backends.FAST_INTERPRET,), "auto", (generations.NONE,), "nightly", ("v4", "v5e", "v5p", "v6e", "7x")),
+        ((backends.FAST_INTERPRET,), "v6e", ("v6e",), "ci", ("v6e",)),
+        ((backends.FAST_INTERPRET,), "none", (generations.NONE,), "ci", ()),
+        ((backends.TPU,), "auto", (generations.NONE,), "ci", ()),
+    ],
+    ids=["emulated", "none-emulated", "nightly", "named", "named-none", "a-real-tpu"],
+)
+def test_compile_generations(chosen, option, emulated, profile, expected):
+    known = tuple(name for name in expected if name in generations.DEVICE_KINDS)
+    assert compile_generations(chosen, option, emulated, profile) == known
