@@ -19,6 +19,13 @@ count, so a block of ``n`` pages costs ``popcount(n)`` waits instead of ``n``. A
 read from SMEM once and carried through the loop. Both matter most in the TPU interpreter, where every
 SMEM read, VMEM access and DMA is a host callback.
 
+The page table stays in HBM: SMEM holds 1 MiB on every TPU, and a serving-sized table (256 sequences of
+2048 pages) is 2 MiB. Before a block's page copies are started, the page-table entries of the block are
+copied into a small SMEM window (and waited for: the copies read them): the 128-entry tiles of the flat
+table that hold them, clamped to end within the table, so its size does not depend on the table's. Other
+entries of the window are copied as numbers only, never dereferenced. One window serves both slots, since
+the entries are read only while a block's copies are started.
+
 Per KV block, every query row of the block is scored against every key (each row belongs to at most one
 sequence; rows of other sequences are computed and then discarded with ``jnp.where``), and an online softmax
 state (running max ``m``, normaliser ``l``, unnormalised output ``acc``, all float32 VMEM scratch) is updated
@@ -84,6 +91,18 @@ def _refuse_cpu_lowering(ctx, x):
 
 mlir.register_lowering(_requires_tpu_or_interpreter_p, lambda ctx, x: [x])
 mlir.register_lowering(_requires_tpu_or_interpreter_p, _refuse_cpu_lowering, platform="cpu")
+
+
+# A 1-D int32 array in HBM is tiled in runs of this many entries: a DMA of the page table starts at a tile
+# boundary and spans whole tiles.
+_PAGE_TABLE_TILE = 128
+
+
+def _page_table_window_size(kv_pages_per_block, pages_per_seq, padded_table_size) -> int:
+    """Entries of the SMEM window: whole tiles covering a KV block's entries wherever they start in a tile
+    (a block never holds more than ``pages_per_seq`` pages), or the whole table if that is smaller."""
+    entries = min(kv_pages_per_block, pages_per_seq) + _PAGE_TABLE_TILE - 1
+    return min(pl.cdiv(entries, _PAGE_TABLE_TILE) * _PAGE_TABLE_TILE, padded_table_size)
 
 
 # Options read at run time: floats in one f32 SMEM row, integers in one i32 row (in this order).
@@ -198,7 +217,6 @@ class _SeqLayout(NamedTuple):
 def _rpa_kernel(
     # Scalar prefetch (SMEM).
     kv_lens_ref,  # i32[max_num_seqs]
-    page_indices_ref,  # i32[max_num_seqs * pages_per_seq], row-major page table
     cu_q_lens_ref,  # i32[max_num_seqs + 1]
     num_seqs_ref,  # i32[1], clamped to [0, max_num_seqs]
     first_seq_ref,  # i32[num_query_blocks]: no sequence before it has rows in the block
@@ -207,11 +225,14 @@ def _rpa_kernel(
     # Inputs.
     q_ref,  # [block_q, q_heads_per_block, head_dim] (VMEM block)
     kv_hbm_ref,  # [total_num_pages, page_size, 2 * num_kv_heads, head_dim] (HBM)
+    page_indices_hbm_ref,  # i32[whole tiles], row-major page table padded with zeros (HBM)
     # Output.
     o_ref,  # [block_q, q_heads_per_block, head_dim] (VMEM block)
     # Scratch.
     kv_buf,  # [2, kv_pages_per_block, page_size, 2 * kv_heads_per_block, head_dim]: two DMA slots
     sems,  # DMA semaphores, one per slot
+    page_table_window_ref,  # i32[window_size] (SMEM): the page-table tiles holding one KV block's entries
+    page_indices_sem,  # DMA semaphore of the page-index copy
     stats_ref,  # f32[2, kv_heads_per_block, block_q * group, _STAT_LANES]: running max m, normaliser l
     acc_ref,  # f32[kv_heads_per_block, block_q * group, head_dim]: unnormalised output
     *,
@@ -234,6 +255,7 @@ def _rpa_kernel(
     group = q_heads_per_block // kv_heads_per_block
     num_rows = block_q * group
     keys_per_block = kv_pages_per_block * page_size
+    window_size = page_table_window_ref.shape[0]
     max_num_seqs = kv_lens_ref.shape[0]
 
     head_block = pl.program_id(0)
@@ -279,11 +301,27 @@ def _rpa_kernel(
         return jnp.clip(layout.num_pages - kv_block * kv_pages_per_block, 0, kv_pages_per_block)
 
     def start_copies(layout, kv_block, slot):
-        """One DMA per resident page of the block into ``slot`` (later page-table entries are never read)."""
-        first_page = kv_block * kv_pages_per_block
+        """One DMA per resident page of the block into ``slot``, after copying a window of the page table
+        that holds the block's entries into SMEM (other entries in the window are never read as pages).
+
+        The entries are read only here, so one SMEM window serves both slots. The window starts at a tile of
+        the table, clamped so that it ends within the table (it then still starts at or before the block's
+        first entry, since the block's resident pages end within the table).
+        """
+        first_entry = layout.seq_index * pages_per_seq + kv_block * kv_pages_per_block
+        window_start = jnp.minimum(
+            first_entry // _PAGE_TABLE_TILE * _PAGE_TABLE_TILE, page_indices_hbm_ref.shape[0] - window_size
+        )
+        window_start = pl.multiple_of(window_start, _PAGE_TABLE_TILE)
+        index_copy = pltpu.make_async_copy(
+            page_indices_hbm_ref.at[pl.ds(window_start, window_size)], page_table_window_ref, page_indices_sem
+        )
+        index_copy.start()
+        index_copy.wait()
+        window_offset = first_entry - window_start
 
         def start_page_copy(i, carry):
-            page = page_indices_ref[layout.seq_index * pages_per_seq + first_page + i]
+            page = page_table_window_ref[window_offset + i]
             pltpu.make_async_copy(
                 kv_hbm_ref.at[page, :, kv_heads_slice, :],
                 kv_buf.at[slot, i],
@@ -487,10 +525,14 @@ def _ragged_paged_attention(
     num_query_blocks = pl.cdiv(num_tokens, block_q)
     num_rows = block_q * group
 
+    table_size = max_num_seqs * pages_per_seq
+    padded_table_size = pl.cdiv(table_size, _PAGE_TABLE_TILE) * _PAGE_TABLE_TILE
+    padded_page_table = jnp.pad(page_indices.reshape(-1), (0, padded_table_size - table_size))
+    window_size = _page_table_window_size(kv_pages_per_block, pages_per_seq, padded_table_size)
+
     num_seqs_clamped = jnp.clip(num_seqs, 0, max_num_seqs).astype(jnp.int32)
     scalar_prefetch = (
         kv_lens,
-        page_indices.reshape(-1),
         cu_q_lens,
         num_seqs_clamped,
         _first_seq_per_query_block(cu_q_lens, num_seqs_clamped, num_query_blocks, block_q),
@@ -504,13 +546,15 @@ def _ragged_paged_attention(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalar_prefetch),
             grid=(num_head_blocks, num_query_blocks),
-            in_specs=[q_block, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_block,
             scratch_shapes=[
                 pltpu.VMEM(
                     (2, kv_pages_per_block, page_size, 2 * kv_heads_per_block, head_dim), kv_pages.dtype
                 ),
                 pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SMEM((window_size,), jnp.int32),
+                pltpu.SemaphoreType.DMA,
                 pltpu.VMEM((2, kv_heads_per_block, num_rows, _STAT_LANES), jnp.float32),
                 pltpu.VMEM((kv_heads_per_block, num_rows, head_dim), jnp.float32),
             ],
@@ -524,4 +568,4 @@ def _ragged_paged_attention(
     )
     if not _interpret_mode_forced():
         q = _requires_tpu_or_interpreter_p.bind(q)
-    return call(*scalar_prefetch, q, kv_pages)
+    return call(*scalar_prefetch, q, kv_pages, padded_page_table)
