@@ -184,7 +184,11 @@ def default_vmem_limit_bytes() -> int | None:
     (the compiler's default) in interpret mode, where no chip is asked."""
     if _interpret_mode_forced():
         return None
-    return int(pltpu.get_tpu_info().vmem_capacity_bytes * _DEFAULT_VMEM_SHARE)
+    try:
+        capacity = pltpu.get_tpu_info().vmem_capacity_bytes
+    except ValueError:  # not a TPU (a CPU device outside interpret mode): the call is refused as such
+        return None
+    return int(capacity * _DEFAULT_VMEM_SHARE)
 
 
 def _matmul_dtype(q_dtype, kv_dtype, scaled):
