@@ -34,7 +34,7 @@ TOPOLOGY_NAMES = {
 
 # How the compiler words a kernel whose buffers exceed the scoped VMEM limit, and scalar operands that
 # exceed SMEM.
-_VMEM_MARKERS = ("CompileTimeScopedVmemOom", "scoped vmem", "Ran out of memory in memory space vmem")
+_VMEM_MARKERS = ("CompileTimeScopedVmemOom", "scoped vmem", "memory space vmem", "space=vmem")
 _SMEM_MARKERS = ("space=smem",)
 
 

@@ -14,6 +14,7 @@ import math
 import jax
 import numpy as np
 from jax._src.pallas.mosaic import tpu_info
+from jax.experimental.pallas import tpu as pltpu
 from rpa_harness import backends, generations
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
@@ -229,16 +230,6 @@ def with_head_dim_128(case: Case) -> Case:
 
 # --- 6. tuned-blocks-overflow-default-vmem ---------------------------------------------------------------
 
-# The scoped VMEM limit the TPU compiler gives a kernel that passes no vmem_limit_bytes (libtpu 0.0.42's
-# "Scoped allocation with size S and limit L" and v4's "Used S of 16.00M vmem", measured per generation).
-DEFAULT_SCOPED_VMEM_BYTES = {
-    "v4": 16 * 2**20,
-    "v5e": 16 * 2**20,
-    "v5p": 16 * 2**20,
-    "v6e": 32 * 2**20,
-    "7x": 32 * 2**20,
-}
-
 
 def _chip_generation() -> str | None:
     """The generation a kernel traced now sees: the emulated one, else a real chip's, else None."""
@@ -263,35 +254,40 @@ def _blocks_on_the_chip(case: Case) -> tuple[int, int]:
     )  # fmt: skip
 
 
-def upstream_vmem_bytes(case: Case) -> int:
-    """VMEM upstream's kernel allocates (kernel.py's scratch and pipelined blocks): the double-buffered KV
-    block, the q and output blocks (each double-buffered), the float32 accumulator and the l and m rows of
-    128 lanes."""
+def upstream_vmem_bound(case: Case) -> int:
+    """An upper bound of the VMEM upstream's kernel takes (kernel.py): its scratch and pipelined blocks (the
+    double-buffered KV block, the double-buffered q and output blocks, the float32 accumulator, the l and m
+    rows of 128 lanes) and the values it computes from one KV block, counted as a float32 copy of it."""
     kv_pages, queries = _blocks_on_the_chip(case)
     q_heads, combined = upstream_heads_per_block(case)
     group = case.num_q_heads // case.num_kv_heads
-    kv_buffers = 2 * kv_pages * case.page_size * combined * case.head_dim * DTYPES[case.kv_dtype].itemsize
+    kv_block_elements = kv_pages * case.page_size * combined * case.head_dim
+    kv_buffers = 2 * kv_block_elements * DTYPES[case.kv_dtype].itemsize
     q_block = queries * q_heads * case.head_dim * DTYPES[case.q_dtype].itemsize
     accumulator = queries * q_heads * case.head_dim * 4
     l_and_m = 2 * (combined // 2) * queries * group * 128 * 4
-    return kv_buffers + 4 * q_block + accumulator + l_and_m
+    return kv_buffers + 4 * q_block + accumulator + l_and_m + 4 * kv_block_elements
 
 
 def tuned_blocks_overflow_default_vmem(case: Case) -> bool:
-    """The kernel's buffers exceed the VMEM limit it compiles under: ``vmem_limit_bytes``, or where the
-    caller passes none (its default) the compiler's scoped default, which its own tuned block sizes
-    overflow on v5e (16 MiB: 128 pages of 64 float32 keys of one KV head are 16 MiB of KV buffers)."""
-    generation = _chip_generation()
-    if generation not in DEFAULT_SCOPED_VMEM_BYTES:
+    """On a TPU (real or emulated), a call without ``vmem_limit_bytes``, or one whose blocks may not fit
+    the limit given. Without one the kernel compiles under the compiler's default scoped VMEM (16 MiB on
+    v4, v5e and v5p, 32 MiB on v6e and 7x), which its own tuned block sizes overflow (128 pages of 64
+    float32 keys of one KV head are 16 MiB of KV buffers; fp8 blocks converted to float32 more): a limit
+    every one of its tuned configurations fits is not known, so every call without one is in the issue."""
+    if _chip_generation() is None:
         return False
-    limit = case.vmem_limit_bytes or DEFAULT_SCOPED_VMEM_BYTES[generation]
-    return upstream_vmem_bytes(case) > limit
+    return case.vmem_limit_bytes is None or upstream_vmem_bound(case) > case.vmem_limit_bytes
 
 
 def with_blocks_that_fit(case: Case) -> Case:
-    """The block sizes the kernel would take, given, the KV block halved until the buffers fit."""
+    """The call as a caller must make it: a VMEM limit of 3/4 of the chip's VMEM, and the block sizes the
+    kernel would take, given, the KV block halved until they fit it."""
+    limit = int(pltpu.get_tpu_info().vmem_capacity_bytes * 3 // 4)
     kv_pages, queries = _blocks_on_the_chip(case)
-    fitted = dataclasses.replace(case, num_kv_pages_per_block=kv_pages, num_queries_per_block=queries)
+    fitted = dataclasses.replace(
+        case, vmem_limit_bytes=limit, num_kv_pages_per_block=kv_pages, num_queries_per_block=queries
+    )
     while kv_pages > 1 and tuned_blocks_overflow_default_vmem(fitted):
         kv_pages //= 2
         fitted = dataclasses.replace(fitted, num_kv_pages_per_block=kv_pages)
@@ -374,8 +370,8 @@ RPA_HARNESS_CATALOGUE = (
     ),
     KnownIssue(
         "tuned-blocks-overflow-default-vmem",
-        "without vmem_limit_bytes its tuned block sizes overflow the compiler's default scoped VMEM on v5e "
-        "(16 MiB)",
+        "without vmem_limit_bytes it compiles under the compiler's default scoped VMEM (16 MiB on v5e), "
+        "which its tuned block sizes overflow",
         FINDINGS / "tuned-blocks-overflow-default-vmem" / "compiles_tpu-compiler-v5e.json",
         tuned_blocks_overflow_default_vmem,
         with_blocks_that_fit,

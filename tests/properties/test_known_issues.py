@@ -31,7 +31,9 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
     repro = repro_files.read(known_issue.repro)
     if repro.kind == property_names.COMPILATION:
         if replay_backend != settings_of(pytestconfig).backends[0]:
-            pytest.skip(f"{known_issue.name}: a compile repro is compiled once a run, on the first backend's turn")
+            pytest.skip(
+                f"{known_issue.name}: a compile repro is compiled once a run, on the first backend's turn"
+            )
         replay_backend = backends.Backend(backends.TPU_COMPILER, True, repro.tpu_generation)
         if replay_backend.skip_reason:
             runlog.record_event(

@@ -8,6 +8,7 @@ upstream's kernel at a Llama-3-8B-like batch with its tuned block sizes ran out 
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 from rpa_harness import ahead_of_time, backends, generations, repro, targets
@@ -21,6 +22,7 @@ NEEDS_COMPILER = pytest.mark.skipif(
     ahead_of_time.unavailable_reason() is not None, reason=str(ahead_of_time.unavailable_reason())
 )
 DOES_NOT_COMPILE = "tests.broken.does_not_compile"
+REPO = Path(__file__).resolve().parents[2]  # where the broken target imports
 
 
 def compiler(generation: str) -> backends.Backend:
@@ -80,7 +82,9 @@ def vars_of(case: Case) -> dict:
 @NEEDS_COMPILER
 def test_upstream_tuned_blocks_overflow_v5e_vmem_at_a_llama_batch():
     case = Case(**LLAMA_BATCH)
-    with pytest.raises(NeedsMoreVmem, match=r"v5e \(TPU v5 lite\)'s scoped limit \(vmem_limit_bytes not given\)"):
+    with pytest.raises(
+        NeedsMoreVmem, match=r"v5e \(TPU v5 lite\)'s scoped limit \(vmem_limit_bytes not given\)"
+    ):
         compile_case(targets.UPSTREAM_TARGET, case, "v5e")
     compile_case(targets.UPSTREAM_TARGET, case, "v6e")  # its tuned table's v6e entry fits
 
@@ -95,7 +99,9 @@ def test_a_page_table_prefetched_whole_needs_more_smem_than_a_chip_has():
 @NEEDS_COMPILER
 def test_what_pallas_cannot_lower_for_a_tpu_does_not_compile():
     with pytest.raises(DoesNotCompile, match=r"does not compile for v5e \(TPU v5 lite\): .*cumsum"):
-        compile_case(DOES_NOT_COMPILE, small_case(head_dim=64, page_size=8, num_kv_heads=1, num_q_heads=2), "v5e")
+        compile_case(
+            DOES_NOT_COMPILE, small_case(head_dim=64, page_size=8, num_kv_heads=1, num_q_heads=2), "v5e"
+        )
 
 
 @NEEDS_COMPILER
@@ -108,14 +114,14 @@ def test_a_compile_repro_replays_and_its_script_compiles(tmp_path):
     )  # fmt: skip
     path = repro.write(written, tmp_path)
     script = tmp_path / "repro.py"
-    replayed = run_python("-m", "rpa_harness.cli", "replay", str(path), "--script", str(script), cwd=tmp_path)
+    replayed = run_python("-m", "rpa_harness.cli", "replay", str(path), "--script", str(script), cwd=REPO)
     assert replayed.returncode == 1, replayed.stdout + replayed.stderr
     assert "does not compile for v5e" in replayed.stdout and "cumsum" in replayed.stdout
-    standalone = run_python(str(script), cwd=tmp_path)
+    standalone = run_python("-c", script.read_text(), cwd=REPO)  # -c: the folder it runs in imports
     assert standalone.returncode != 0 and "cumsum" in standalone.stderr, standalone.stderr[-2000:]
     # The same program for a target that compiles says so.
     script.write_text(script.read_text().replace(DOES_NOT_COMPILE, targets.DEFAULT_TARGET))
-    compiles = run_python(str(script), cwd=tmp_path)
+    compiles = run_python("-c", script.read_text(), cwd=REPO)
     assert compiles.returncode == 0 and "compiles for v5e" in compiles.stdout, compiles.stderr[-2000:]
 
 
@@ -161,7 +167,13 @@ def test_the_compiler_backend_needs_a_generation():
     [
         ((backends.FAST_INTERPRET,), "auto", ("v5e", "v6e", "7x"), "ci", ("v5e", "v6e", "7x")),
         ((backends.FAST_INTERPRET,), "auto", (generations.NONE,), "ci", ("v5e", "v6e")),
-        ((backends.FAST_INTERPRET,), "auto", (generations.NONE,), "nightly", ("v4", "v5e", "v5p", "v6e", "7x")),
+        (
+            (backends.FAST_INTERPRET,),
+            "auto",
+            (generations.NONE,),
+            "nightly",
+            ("v4", "v5e", "v5p", "v6e", "7x"),
+        ),
         ((backends.FAST_INTERPRET,), "v6e", ("v6e",), "ci", ("v6e",)),
         ((backends.FAST_INTERPRET,), "none", (generations.NONE,), "ci", ()),
         ((backends.TPU,), "auto", (generations.NONE,), "ci", ()),
