@@ -6,6 +6,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from rpa_harness.strategies.case import Case
 
 
@@ -20,6 +21,15 @@ def skip_without_tpu_inference(*, module_level: bool = False) -> None:
     except ImportError as error:
         pytest.skip(str(error), allow_module_level=module_level)
 
+
+# The two Pallas interpreters, as force_tpu_interpret_mode takes them.
+INTERPRETERS = {
+    "tpu_interpreter": pltpu.InterpretParams(),
+    "generic_interpreter": True,
+}
+# Garbage for page-table entries and metadata slots no sequence owns: negative, past the cache, both int32
+# extremes, and small values that look plausible.
+GARBAGE = (-1, -(2**31), 2**31 - 1, 10**6, 7, -3, 0, -5, 3)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

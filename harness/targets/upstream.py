@@ -269,15 +269,27 @@ def upstream_vmem_bound(case: Case) -> int:
     return kv_buffers + 4 * q_block + accumulator + l_and_m + 4 * kv_block_elements
 
 
+# The scoped VMEM limit the TPU compiler gives a kernel that passes no vmem_limit_bytes (libtpu 0.0.42.1's
+# "Scoped allocation with size S and limit L", and v4's "Used S of 16.00M vmem", per generation).
+DEFAULT_SCOPED_VMEM_BYTES = {
+    "v4": 16 << 20,
+    "v5e": 16 << 20,
+    "v5p": 16 << 20,
+    "v6e": 32 << 20,
+    "7x": 32 << 20,
+}
+
+
 def tuned_blocks_overflow_default_vmem(case: Case) -> bool:
-    """On a TPU (real or emulated), a call without ``vmem_limit_bytes``, or one whose blocks may not fit
-    the limit given. Without one the kernel compiles under the compiler's default scoped VMEM (16 MiB on
-    v4, v5e and v5p, 32 MiB on v6e and 7x), which its own tuned block sizes overflow (128 pages of 64
-    float32 keys of one KV head are 16 MiB of KV buffers; fp8 blocks converted to float32 more): a limit
-    every one of its tuned configurations fits is not known, so every call without one is in the issue."""
-    if _chip_generation() is None:
+    """On a TPU (real or emulated), the kernel's VMEM (bounded by ``upstream_vmem_bound``) may exceed the
+    limit it compiles under: ``vmem_limit_bytes``, or without one the compiler's default scoped VMEM
+    (``DEFAULT_SCOPED_VMEM_BYTES``), which its own tuned block sizes overflow (128 pages of 64 float32 keys
+    of one KV head are 16 MiB of KV buffers, v5e's whole default)."""
+    generation = _chip_generation()
+    if generation not in DEFAULT_SCOPED_VMEM_BYTES:
         return False
-    return case.vmem_limit_bytes is None or upstream_vmem_bound(case) > case.vmem_limit_bytes
+    limit = case.vmem_limit_bytes or DEFAULT_SCOPED_VMEM_BYTES[generation]
+    return upstream_vmem_bound(case) > limit
 
 
 def with_blocks_that_fit(case: Case) -> Case:

@@ -20,6 +20,10 @@ CATALOGUE = upstream.RPA_HARNESS_CATALOGUE
 UPSTREAM = upstream.RPA_HARNESS_CAPABILITIES
 # Largest share of drawn cases (no issue excluded) a predicate may match: the rest of the space stays tested.
 NARROW = 0.25
+# A compile finding's cause is a configuration (a head_dim, dtype and head count the chip's compiler refuses):
+# it covers whole slices of the space, and its predicate is held to the compiler's verdicts instead
+# (tests/unit/test_ahead_of_time.py).
+NARROW_ON_A_CHIP = 0.5
 
 
 def drawn(strategy, count: int) -> list[Case]:
@@ -47,19 +51,38 @@ def upstream_cases() -> list[Case]:
     return drawn(valid_cases(UPSTREAM), 200) + drawn(valid_cases(UPSTREAM, pooled=True), 200)
 
 
+def on_its_chip(issue: known_issues.KnownIssue) -> known_issues.KnownIssue:
+    """The issue's predicates seeing the TPU generation its repro was recorded for (a compile finding's
+    chip: v5e; none for the interpreters' findings)."""
+    return known_issues.on_generation((issue,), repro_files.read(issue.repro).tpu_generation)[0]
+
+
+@pytest.fixture(scope="module")
+def upstream_cases_on_a_chip() -> list[Case]:
+    """What the compile property draws for upstream: block sizes may be left to its tuned table, the long
+    bucket included."""
+    on_a_chip = dataclasses.replace(UPSTREAM, needs_block_sizes=False)
+    long = drawn(valid_cases(on_a_chip, large="long", selection=("tiny", "small", "long")), 100)
+    return drawn(valid_cases(on_a_chip), 400) + long
+
+
 @pytest.mark.parametrize("issue", CATALOGUE, ids=lambda issue: issue.name)
 def test_predicate_matches_its_own_repro(issue):
     case = repro_files.read(issue.repro).case
+    issue = on_its_chip(issue)
     assert issue.matches(case), f"{issue.name} does not match its own repro's case: {case.describe()}"
     assert not issue.matches(issue.nearest_outside(case))
 
 
 @pytest.mark.parametrize("issue", CATALOGUE, ids=lambda issue: issue.name)
-def test_predicate_is_narrow(issue, upstream_cases):
+def test_predicate_is_narrow(issue, upstream_cases, upstream_cases_on_a_chip):
+    narrow = NARROW
+    if issue.backends:  # seen on a chip only: judged on what is drawn there
+        issue, upstream_cases, narrow = on_its_chip(issue), upstream_cases_on_a_chip, NARROW_ON_A_CHIP
     matching = [case for case in upstream_cases if issue.matches(case)]
     assert matching, f"{issue.name} matches none of {len(upstream_cases)} drawn cases: is it reachable?"
     share = len(matching) / len(upstream_cases)
-    assert share <= NARROW, f"{issue.name} matches {share:.0%} of drawn cases; narrow it to its cause"
+    assert share <= narrow, f"{issue.name} matches {share:.0%} of drawn cases; narrow it to its cause"
 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["any-config", "pooled"])
@@ -71,17 +94,35 @@ def test_declared_issues_are_never_drawn(pooled, data):
     upstream_kernel.dynamic_validate_inputs(**as_jax(case.arrays()), **case.options())
 
 
-def test_moving_out_of_an_issue_keeps_the_case_close(upstream_cases):
+# What moving out of an issue may change: the layout and the options the interpreters' findings are about;
+# the compile findings' head_dim, head counts, VMEM limit and block sizes.
+MOVABLE = {"q_lens", "kv_lens", "k_scale", "v_scale", "mask_value"}
+MOVABLE_ON_A_CHIP = {
+    "wide-heads-strided-kv-load-does-not-compile": {"head_dim"},
+    "q-head-block-not-a-multiple-of-8-does-not-lower": {"num_kv_heads", "num_q_heads"},
+    "tuned-blocks-overflow-default-vmem": {
+        "vmem_limit_bytes",
+        "num_kv_pages_per_block",
+        "num_queries_per_block",
+    },
+}
+
+
+def test_moving_out_of_an_issue_keeps_the_case_close(upstream_cases, upstream_cases_on_a_chip):
     """The nearest case outside an issue changes only what the issue is about."""
-    for issue, case in itertools.product(CATALOGUE, upstream_cases):
-        if not issue.matches(case):
-            continue
-        moved = issue.nearest_outside(case)
-        assert not issue.matches(moved), (issue.name, case)
-        changed = {
-            f.name for f in dataclasses.fields(Case) if getattr(moved, f.name) != getattr(case, f.name)
-        }
-        assert changed <= {"q_lens", "kv_lens", "k_scale", "v_scale", "mask_value"}, (issue.name, changed)
+    for issue in CATALOGUE:
+        cases = upstream_cases_on_a_chip if issue.backends else upstream_cases
+        movable = MOVABLE_ON_A_CHIP.get(issue.name, MOVABLE)
+        issue = on_its_chip(issue)
+        for case in cases:
+            if not issue.matches(case):
+                continue
+            moved = issue.nearest_outside(case)
+            assert not issue.matches(moved), (issue.name, case)
+            changed = {
+                f.name for f in dataclasses.fields(Case) if getattr(moved, f.name) != getattr(case, f.name)
+            }
+            assert changed <= movable, (issue.name, changed)
 
 
 def test_head_blocks_restate_upstream():

@@ -6,6 +6,7 @@ cache with one KV head did not compile ("Offsets along tiled dimensions must be 
 upstream's kernel at a Llama-3-8B-like batch with its tuned block sizes ran out of v5e's scoped VMEM.
 """
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -183,3 +184,53 @@ def test_the_compiler_backend_needs_a_generation():
 def test_compile_generations(chosen, option, emulated, profile, expected):
     known = tuple(name for name in expected if name in generations.DEVICE_KINDS)
     assert compile_generations(chosen, option, emulated, profile) == known
+
+
+@functools.cache
+def upstream_chip_cases() -> tuple[Case, ...]:
+    """Small configurations as the compile property draws them for upstream (block sizes may be left to its
+    table), the same on every run."""
+    import dataclasses as dc
+
+    from hypothesis import HealthCheck, Phase, given, settings
+    from rpa_harness.strategies.valid import valid_cases
+    from rpa_harness.targets import upstream
+
+    capabilities = dc.replace(upstream.RPA_HARNESS_CAPABILITIES, needs_block_sizes=False)
+    cases: list[Case] = []
+
+    @settings(
+        max_examples=400, derandomize=True, database=None, phases=[Phase.generate], deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )  # fmt: skip
+    @given(valid_cases(capabilities))
+    def collect(case):
+        cases.append(dc.replace(case, vmem_limit_bytes=None))
+
+    collect()
+    return tuple(cases)
+
+
+@NEEDS_COMPILER
+def test_upstreams_compile_predicates_agree_with_the_compiler():
+    """Each compile finding's predicate against the compiler's verdict for v5e: up to 3 drawn cases it
+    matches (and no other finding does) are refused with its symptom, and 3 it does not match are not."""
+    from rpa_harness.checks import PropertyFailure
+    from rpa_harness.known_issues import on_generation
+    from rpa_harness.targets import upstream
+
+    catalogue = on_generation(upstream.RPA_HARNESS_CATALOGUE, "v5e")
+    for issue in (issue for issue in catalogue if issue.backends):
+        # Cases no other finding is about: the compiler shows this one's symptom or none.
+        others = [other for other in catalogue if other.name != issue.name]
+        cases = [case for case in upstream_chip_cases() if not any(other.matches(case) for other in others)]
+        recorded = repro.read(issue.repro).case  # where few drawn cases are inside, its own repro's
+        inside = ([case for case in cases if issue.matches(case)] + [recorded])[:3]
+        outside = [case for case in cases if not issue.matches(case)][:3]
+        for case, expected in [(case, True) for case in inside] + [(case, False) for case in outside]:
+            try:
+                compile_case(targets.UPSTREAM_TARGET, case, "v5e")
+                shown = False
+            except PropertyFailure as failure:
+                shown = issue.shows(str(failure))
+            assert shown == expected, (issue.name, expected, case.describe())

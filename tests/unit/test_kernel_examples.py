@@ -26,15 +26,9 @@ from rpa_harness import reference
 from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
 from rpa_harness.strategies.case import DTYPES, Case
 
+from tests.cases import GARBAGE, INTERPRETERS
 from tests.references import upstream_in_one_program
 
-INTERPRETERS = {
-    "tpu_interpreter": pltpu.InterpretParams(),
-    "generic_interpreter": True,
-}
-# Garbage for page-table entries and metadata slots no sequence owns: negative, past the cache, both int32
-# extremes, and small values that look plausible.
-GARBAGE = (-1, -(2**31), 2**31 - 1, 10**6, 7, -3, 0, -5, 3)
 RELATIVE_TOLERANCE = 1e-5
 # The shapes most examples share (one compilation per interpreter for all their layouts).
 SHARED = Case(

@@ -17,7 +17,7 @@ from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
 from rpa_harness.repro import stand_ins
 from rpa_harness.strategies.case import Case
 
-from tests.unit.test_kernel_examples import GARBAGE, INTERPRETERS
+from tests.cases import GARBAGE, INTERPRETERS
 
 SMEM_BYTES = 1024 * 1024
 

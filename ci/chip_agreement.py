@@ -1,0 +1,195 @@
+"""Does the CPU host predict the chip? The compile verdicts and the interpreters' outputs, against a TPU.
+
+Two steps, on two machines, sharing one folder:
+
+  # On the CPU host (libtpu installed: pip install "rpa-harness[compile]"), from a checkout:
+  PYTHONPATH=. python ci/chip_agreement.py predict --out agreement --count 12 --generation v5e
+  # On a TPU of that generation (the folder carried there; jax[tpu] and the harness installed):
+  python ci/chip_agreement.py check --folder agreement
+
+``predict`` draws ``--count`` valid configurations per target (derandomized, every declared bucket, the
+target's known issues not excluded: a finding is a verdict to agree on), compiles each for the generation
+with libtpu on this host, and, where it compiles and is small enough, runs it on the fast interpreter
+emulating that generation (the chip's float32 products emulated). It writes ``predictions.json`` (case,
+options, verdict) and ``outputs.npz`` (the interpreter's outputs) into the folder. ``check`` runs on the chip:
+each configuration is compiled for it (same verdict: compiles, or refused the same way), and each
+interpreted case is run there and compared with the interpreter's output and the float64 oracle. It prints a
+table per target and dtype pair: verdicts agreeing, the largest |chip - interpreter| as a fraction of the
+judge's bound, and the largest error/bound of each; it exits 1 when a verdict differs.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+TARGETS = (
+    "rpa_harness.kernel",
+    "jax.experimental.pallas.ops.tpu.ragged_paged_attention",
+    "rpa_harness.targets.tpu_inference_v3",
+)
+# Cases larger than this many output elements are compiled but not run (the interpreter's time).
+LARGEST_RUN = 1 << 18
+
+
+def verdict_of(error) -> str:
+    """A verdict that two machines can compare: "compiles", or the failure's class and first words."""
+    if error is None:
+        return "compiles"
+    first = str(error).splitlines()[0]
+    return f"{type(error).__name__}: {first[:160]}"
+
+
+def draw_cases(target, backend, count: int) -> list:
+    from rpa_harness.strategies.shapes import select_buckets
+    from rpa_harness.strategies.valid import valid_cases
+
+    capabilities = target.capabilities_on(backend)
+    selection = select_buckets(capabilities, ",".join(capabilities.buckets))
+    strategy = st.one_of(
+        valid_cases(capabilities, selection=selection),
+        *(
+            [valid_cases(capabilities, large=True, selection=selection)]
+            if {"long", "production"} & set(selection or ())
+            else []
+        ),
+    )
+    drawn = []
+
+    @settings(
+        max_examples=count, derandomize=True, database=None, deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )  # fmt: skip
+    @given(case=strategy)
+    def collect(case):
+        drawn.append(dataclasses.replace(case, vmem_limit_bytes=None))
+
+    collect()
+    return drawn[:count]
+
+
+def predict(args) -> int:
+    from rpa_harness import backends, checks, targets
+    from rpa_harness.repro import stand_ins
+
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    compiler = backends.Backend(backends.TPU_COMPILER, True, args.generation)
+    interpreter = backends.Backend(backends.FAST_INTERPRET, True, args.generation)
+    predictions, outputs = [], {}
+    for name in args.targets:
+        try:
+            target = targets.load(name)
+        except targets.TargetError as error:
+            print(f"{name}: not loaded ({error})", file=sys.stderr)
+            continue
+        for index, case in enumerate(draw_cases(target, compiler, args.count)):
+            key = f"{name}#{index}"
+            try:
+                checks.check_compiles(target, compiler, stand_ins(case.array_shapes()), case.options())
+                error = None
+            except checks.CannotRun as reason:
+                print(f"{key}: not compiled here ({reason})", file=sys.stderr)
+                continue
+            except checks.PropertyFailure as failure:
+                error = failure
+            entry = {"key": key, "target": name, "case": case.to_json(), "verdict": verdict_of(error)}
+            if (
+                error is None
+                and case.max_num_batched_tokens * case.num_q_heads * case.head_dim <= LARGEST_RUN
+            ):
+                out = checks.run_valid(target, interpreter, case.arrays(), case.options())
+                outputs[key] = np.asarray(out).astype(np.float32)
+                entry["interpreted"] = True
+            predictions.append(entry)
+            print(f"{key}: {entry['verdict']}{' (run)' if entry.get('interpreted') else ''}", flush=True)
+    (folder / "predictions.json").write_text(
+        json.dumps({"generation": args.generation, "entries": predictions}, indent=1)
+    )
+    np.savez(folder / "outputs.npz", **outputs)
+    print(f"{len(predictions)} configurations predicted into {folder}")
+    return 0
+
+
+def check(args) -> int:
+    import jax
+    from rpa_harness import backends, checks, reference, targets
+    from rpa_harness.reference.tolerance import error_bound
+    from rpa_harness.strategies.case import Case
+
+    folder = Path(args.folder)
+    recorded = json.loads((folder / "predictions.json").read_text())
+    outputs = np.load(folder / "outputs.npz")
+    chip = jax.devices()[0].device_kind
+    tpu = backends.Backend(backends.TPU)
+    rows: dict[tuple, dict] = defaultdict(
+        lambda: {"n": 0, "agree": 0, "diff": 0.0, "chip": 0.0, "interp": 0.0}
+    )
+    differing = []
+    for entry in recorded["entries"]:
+        target = targets.load(entry["target"])
+        case = Case.from_json(entry["case"])
+        arrays, options = case.arrays(), case.options()
+        try:  # compiled for the chip and called once: a refusal raises on valid input
+            actual, error = checks.run_valid(target, tpu, arrays, options), None
+        except checks.PropertyFailure as failure:
+            actual, error = None, failure
+        verdict = verdict_of(error)
+        row = rows[(entry["target"], case.q_dtype, case.kv_dtype)]
+        row["n"] += 1
+        same = (verdict == "compiles") == (entry["verdict"] == "compiles")
+        row["agree"] += same
+        if not same:
+            differing.append((entry["key"], entry["verdict"], verdict))
+        if entry.get("interpreted") and actual is not None:
+            expected = reference.oracle(**arrays, **options)
+            precision = target.precision_on(tpu)
+            on_chip = reference.compare(actual, expected, precision=precision)
+            interpreted = reference.compare(outputs[entry["key"]], expected, precision=precision)
+            bound = error_bound(expected, precision=precision)
+            rows_live = checks.valid_rows(arrays)
+            gap = np.abs(actual.astype(np.float64) - outputs[entry["key"]])[rows_live] / bound[rows_live]
+            row["diff"] = max(row["diff"], float(gap.max(initial=0.0)))
+            row["chip"] = max(row["chip"], on_chip.max_ratio)
+            row["interp"] = max(row["interp"], interpreted.max_ratio)
+    print(f"chip: {chip}; predictions for {recorded['generation']}")
+    print(
+        "| target | q / kv | configurations | verdicts agreeing | max abs(chip - interpreter) / bound | max error/bound chip | interpreter |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for (name, q, kv), row in sorted(rows.items()):
+        print(
+            f"| {name} | {q} / {kv} | {row['n']} | {row['agree']} | {row['diff']:.3g} | {row['chip']:.3g} "
+            f"| {row['interp']:.3g} |"
+        )
+    for key, predicted, seen in differing:
+        print(f"DIFFERS {key}: predicted {predicted!r}, the chip: {seen!r}")
+    return 1 if differing else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    steps = parser.add_subparsers(dest="step", required=True)
+    ahead = steps.add_parser("predict", help="on the CPU host: compile and interpret drawn configurations")
+    ahead.add_argument(
+        "--out", required=True, help="the folder to write predictions.json and outputs.npz into"
+    )
+    ahead.add_argument("--count", type=int, default=12, help="configurations per target (default 12)")
+    ahead.add_argument("--generation", default="v5e", help="the chip's generation (default v5e)")
+    ahead.add_argument("--targets", nargs="+", default=list(TARGETS), help="target modules")
+    on_chip = steps.add_parser("check", help="on the TPU: the same configurations compiled and run there")
+    on_chip.add_argument("--folder", required=True, help="the folder predict wrote")
+    args = parser.parse_args()
+    return predict(args) if args.step == "predict" else check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
