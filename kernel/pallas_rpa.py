@@ -191,6 +191,42 @@ def default_vmem_limit_bytes() -> int | None:
     return int(capacity * _DEFAULT_VMEM_SHARE)
 
 
+def vmem_bound_bytes(
+    block_q, q_heads_per_block, kv_pages_per_block, page_size, kv_heads_per_block, head_dim, q_dtype, kv_dtype
+) -> int:
+    """An upper bound of the VMEM a grid step takes: the double-buffered q and output blocks and KV slots,
+    the float32 statistics and accumulator, the float32 copy of a KV block, and per KV head (the loop is
+    unrolled) its K and V in float32 and its logits and probabilities."""
+    keys = kv_pages_per_block * page_size
+    rows = block_q * (q_heads_per_block // kv_heads_per_block)
+    q_bytes = jnp.dtype(q_dtype).itemsize
+    kv_block = keys * 2 * kv_heads_per_block * head_dim
+    blocks = (
+        4 * block_q * q_heads_per_block * head_dim * q_bytes + 2 * kv_block * jnp.dtype(kv_dtype).itemsize
+    )
+    state = kv_heads_per_block * rows * (2 * _STAT_LANES + head_dim) * 4
+    per_head = (2 * keys * head_dim + 2 * rows * keys) * 4
+    return blocks + state + 4 * kv_block + kv_heads_per_block * per_head
+
+
+def blocks_within_vmem(block_q, kv_pages_per_block, limit, **shapes) -> tuple[int, int]:
+    """The block sizes, the KV block (then the query block) halved until ``vmem_bound_bytes`` fits ``limit``.
+
+    Block sizes only order the work (every one gives the same attention), so a given one is an upper
+    bound on a chip: a caller's KV block of 128 pages of 32 float32 keys at head_dim 256 with 4 KV heads
+    takes over 200 MiB, more than any TPU's VMEM. Unchanged where ``limit`` is None (interpret mode)."""
+    if limit is None:
+        return block_q, kv_pages_per_block
+    while (
+        kv_pages_per_block > 1
+        and vmem_bound_bytes(block_q, kv_pages_per_block=kv_pages_per_block, **shapes) > limit
+    ):
+        kv_pages_per_block //= 2
+    while block_q > 1 and vmem_bound_bytes(block_q, kv_pages_per_block=kv_pages_per_block, **shapes) > limit:
+        block_q //= 2
+    return block_q, kv_pages_per_block
+
+
 def _matmul_dtype(q_dtype, kv_dtype, scaled):
     """Operand dtype of q @ K^T: q's dtype for scaled K (cast to it), else the wider of q and K.
 
@@ -525,6 +561,11 @@ def _ragged_paged_attention(
     kv_pages_per_block = options.num_kv_pages_per_block or default_num_kv_pages_per_block(
         page_size, pages_per_seq, 2 * kv_heads_per_block, head_dim, kv_pages.dtype
     )
+    vmem_limit = options.vmem_limit_bytes or default_vmem_limit_bytes()
+    block_q, kv_pages_per_block = blocks_within_vmem(
+        block_q, kv_pages_per_block, vmem_limit, q_heads_per_block=q_heads_per_block, page_size=page_size,
+        kv_heads_per_block=kv_heads_per_block, head_dim=head_dim, q_dtype=q.dtype, kv_dtype=kv_pages.dtype,
+    )  # fmt: skip
     num_head_blocks = num_kv_heads // kv_heads_per_block
     num_query_blocks = pl.cdiv(num_tokens, block_q)
     num_rows = block_q * group
@@ -565,7 +606,7 @@ def _ragged_paged_attention(
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel"),
-            vmem_limit_bytes=options.vmem_limit_bytes or default_vmem_limit_bytes(),
+            vmem_limit_bytes=vmem_limit,
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="rpa_harness_ragged_paged_attention",
