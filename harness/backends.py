@@ -112,14 +112,24 @@ def halt_report(error: BaseException | None) -> str | None:
     return None
 
 
+def _reported_by(handler, default: tuple[str, int], event: str, *args) -> tuple[str, int]:
+    """``handler(*args)``'s (message, exit code), which write the event's repro; ``default`` without a
+    handler, or with why the handler failed (the event is still reported, without its repro)."""
+    if handler is None:
+        return default
+    try:
+        return handler(*args)
+    except Exception as failure:
+        return (
+            f"{default[0]}; writing the {event} repro failed: {type(failure).__name__}: {failure}",
+            default[1],
+        )
+
+
 def end_on_halt(what: str, error: str):
     """Ends the process after a halt: the handler's message (or a default one) on stderr, then its exit code."""
-    message, code = f"rpa-harness: DEVICE HALTED: {what} raised {error}", HALT_EXIT_CODE
-    if _halt_handler is not None:
-        try:
-            message, code = _halt_handler(what, error)
-        except Exception as failure:  # the halt is still reported, without its repro
-            message += f"; writing the halt repro failed: {type(failure).__name__}: {failure}"
+    default = (f"rpa-harness: DEVICE HALTED: {what} raised {error}", HALT_EXIT_CODE)
+    message, code = _reported_by(_halt_handler, default, "halt", what, error)
     if _release_captured_output is not None:
         _release_captured_output()
     sys.stderr.write(f"\n{message}\n(no later call on this device can be judged: the process ends)\n")
@@ -166,15 +176,11 @@ def watchdog(what: str, seconds: float | None = None, *, slow_timeouts: int = SL
         os._exit(SLOW_EXIT_CODE)
 
     def expire():
-        message, code = (
+        default = (
             f"rpa-harness: {what} did not return within {seconds:g} s (RPA_CALL_TIMEOUT)",
             HANG_EXIT_CODE,
         )
-        if _hang_handler is not None:
-            try:
-                message, code = _hang_handler(what, seconds)
-            except Exception as error:  # the hang is still reported, without its repro
-                message += f"; writing the hang repro failed: {type(error).__name__}: {error}"
+        message, code = _reported_by(_hang_handler, default, "hang", what, seconds)
         if _release_captured_output is not None:
             _release_captured_output()
         sys.stderr.write(f"\n{message}\n(taken for a hang, e.g. a DMA wait with nothing pending). Stacks:\n")
