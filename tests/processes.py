@@ -21,8 +21,12 @@ from pathlib import Path
 ZYGOTE = Path(__file__).with_name("zygote.py")
 
 # Read by the programs when they run, never by the modules the zygote imported as they loaded: a child
-# may set these (prefixes). Hypothesis reads HYPOTHESIS_NO_PLUGINS as it loads, so only these two of its own.
-RUN_TIME_VARIABLES = ("RPA_", "PYTEST_", "HYPOTHESIS_PROFILE", "HYPOTHESIS_STORAGE_DIRECTORY")
+# may set these (prefixes). Hypothesis reads HYPOTHESIS_NO_PLUGINS as it loads, so only these two of its own;
+# libtpu reads its own when a program first asks it for a TPU or a topology (rpa_harness.ahead_of_time sets
+# two in the process that compiles).
+RUN_TIME_VARIABLES = (
+    "RPA_", "PYTEST_", "HYPOTHESIS_PROFILE", "HYPOTHESIS_STORAGE_DIRECTORY", "TPU_", "ALLOW_MULTIPLE_LIBTPU_LOAD",
+)  # fmt: skip
 
 
 class _Zygote:
