@@ -75,6 +75,8 @@ def test_v2_matches_the_oracle(backend):
 def test_upstreams_findings_reproduce_on_v2(issue):
     repro = repro_files.read(issue.repro)
     run = for_repro(repro, target=targets.V2_TARGET)
+    if run.backends[0].skip_reason:  # a compile finding where the TPU compiler is not installed
+        pytest.skip(f"{issue.name}: {run.backends[0].skip_reason}")
     with pytest.raises(PropertyFailure) as failure:
         recheck(run.target, run.backends[0], repro)
     assert issue.shows(str(failure.value)), str(failure.value)
