@@ -126,8 +126,16 @@ def check(args) -> int:
     folder = Path(args.folder)
     recorded = json.loads((folder / "predictions.json").read_text())
     outputs = np.load(folder / "outputs.npz")
-    chip = jax.devices()[0].device_kind
-    tpu = backends.Backend(backends.TPU)
+    if args.backend == backends.TPU and jax.devices()[0].platform != "tpu":
+        print(
+            f"chip_agreement check: the default device is {jax.devices()[0].device_kind!r}, not a TPU; run it "
+            f"on the chip, or rehearse it here with --backend {backends.FAST_INTERPRET}",
+            file=sys.stderr,
+        )
+        return 4
+    generation = recorded["generation"] if args.backend != backends.TPU else "none"
+    tpu = backends.Backend(args.backend, True, generation)
+    chip = jax.devices()[0].device_kind if args.backend == backends.TPU else tpu.label
     rows: dict[tuple, dict] = defaultdict(
         lambda: {"n": 0, "agree": 0, "diff": 0.0, "chip": 0.0, "interp": 0.0}
     )
@@ -138,7 +146,7 @@ def check(args) -> int:
         arrays, options = case.arrays(), case.options()
         try:  # compiled for the chip and called once: a refusal raises on valid input
             actual, error = checks.run_valid(target, tpu, arrays, options), None
-        except checks.PropertyFailure as failure:
+        except (checks.PropertyFailure, checks.CannotRun) as failure:
             actual, error = None, failure
         verdict = verdict_of(error)
         row = rows[(entry["target"], case.q_dtype, case.kv_dtype)]
@@ -187,6 +195,10 @@ def main() -> int:
     ahead.add_argument("--targets", nargs="+", default=list(TARGETS), help="target modules")
     on_chip = steps.add_parser("check", help="on the TPU: the same configurations compiled and run there")
     on_chip.add_argument("--folder", required=True, help="the folder predict wrote")
+    on_chip.add_argument(
+        "--backend", default="tpu", choices=("tpu", "fast-interpret", "interpret"),
+        help="where to run (default tpu; an interpreter emulating the generation rehearses the check on CPU)",
+    )  # fmt: skip
     args = parser.parse_args()
     return predict(args) if args.step == "predict" else check(args)
 

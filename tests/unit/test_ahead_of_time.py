@@ -9,6 +9,7 @@ upstream's kernel at a Llama-3-8B-like batch with its tuned block sizes ran out 
 import functools
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,36 @@ def test_upstreams_compile_predicates_agree_with_the_compiler():
             except PropertyFailure as failure:
                 shown = issue.shows(str(failure))
             assert shown == expected, (issue.name, expected, case.describe())
+
+
+@NEEDS_COMPILER
+def test_the_chip_agreement_script_rehearses_on_an_interpreter(tmp_path):
+    """ci/chip_agreement.py's two steps, the chip's stood in for by the interpreter that predicted it: every
+    verdict agrees and the outputs are the same (0 of the bound apart); without a TPU, check says so."""
+    script, folder = str(REPO / "ci" / "chip_agreement.py"), str(tmp_path / "agreement")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    predicted = run_python(
+        script,
+        "predict",
+        "--out",
+        folder,
+        "--count",
+        "2",
+        "--targets",
+        targets.DEFAULT_TARGET,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert predicted.returncode == 0 and "2 configurations predicted" in predicted.stdout, predicted.stderr[
+        -2000:
+    ]
+    rehearsed = run_python(
+        script, "check", "--folder", folder, "--backend", "fast-interpret", env=env, cwd=tmp_path
+    )
+    assert rehearsed.returncode == 0, rehearsed.stdout + rehearsed.stderr[-2000:]
+    rows = [
+        line for line in rehearsed.stdout.splitlines() if line.startswith(f"| {targets.DEFAULT_TARGET} |")
+    ]
+    assert rows and all(line.split("|")[5].strip() == "0" for line in rows), rehearsed.stdout
+    refused = run_python(script, "check", "--folder", folder, env=env, cwd=tmp_path)
+    assert refused.returncode == 4 and "not a TPU" in refused.stderr, refused.stderr[-2000:]
