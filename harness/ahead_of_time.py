@@ -87,20 +87,6 @@ def topology_device(generation: str):
         ) from None
 
 
-def compilable_generations(candidates=None) -> tuple[str, ...]:
-    """The generations among ``candidates`` (default: every one jax and TOPOLOGY_NAMES know) that the
-    installed libtpu compiles for; empty without libtpu."""
-    if unavailable_reason() is not None:
-        return ()
-    known = [name for name in (candidates or TOPOLOGY_NAMES) if name in generations.DEVICE_KINDS]
-    found = []
-    for name in known:
-        with contextlib.suppress(CompilerUnavailable):
-            topology_device(name)
-            found.append(name)
-    return tuple(found)
-
-
 def shapes_on(arrays: dict, device) -> dict:
     """``jax.ShapeDtypeStruct`` of each array, placed on ``device``."""
     sharding = jax.sharding.SingleDeviceSharding(device)

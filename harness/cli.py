@@ -329,10 +329,11 @@ def run(args) -> int:
         env = dict(os.environ, RPA_RUN_LOG=scratch, **{CLI_TERMS_ENV: "1"})
         command = pytest_command(args, junit)
         code = _call_with_progress(command, env, scratch)
-        ended = code in ENDED_BY_A_CALL and any(e.get("repro") for e in runlog.read(scratch))
+        examples = runlog.read(scratch)
+        ended = code in ENDED_BY_A_CALL and any(e.get("repro") for e in examples)
         if (code in PYTEST_RAN and _ran_tests(junit)) or ended:  # otherwise pytest's message is the story
             events = runlog.read_events(scratch)
-            print(summary(junit, runlog.read(scratch), runlog.read_session(scratch), events))
+            print(summary(junit, examples, runlog.read_session(scratch), events))
             print(known_issues_summary(events))
             print("pytest command:", shlex.join(command))
     return code

@@ -99,32 +99,37 @@ class Recorded:
         return self.notes
 
     def on_halt(self, what, error):
-        example = self.example
-        example.halt = {"error": error}
-        example.failure = f"{DEVICE_HALTED}: {what} raised {error}"
-        path = repro.write(example, self.directory)
-        repro.discard_pending(self.pending)
-        runlog.record(**self.notes, repro=str(path), halt=error)
-        case = self.case.describe() if self.case is not None else "see the repro"
+        path = self.ended("halt", {"error": error}, error, f"{DEVICE_HALTED}: {what} raised {error}")
         return (
-            f"rpa-harness: DEVICE HALTED: {what} raised {error} in {example.test or self.name}: {case}\n"
+            f"rpa-harness: DEVICE HALTED: {what} raised {error} in {self.where()}\n"
             f"  failure kind: {DEVICE_HALTED}\n  repro: {path}\n  replay: rpa-harness replay {path}",
             backends.HALT_EXIT_CODE,
         )
 
     def on_hang(self, what, seconds):
-        example, path = self.example, None
-        example.hang = {"seconds": seconds}
-        example.failure = f"hang: {what} did not return within {seconds:g} s"
-        path = repro.write(example, self.directory)
-        repro.discard_pending(self.pending)
-        runlog.record(**self.notes, repro=str(path), hang=seconds)
-        case = self.case.describe() if self.case is not None else "see the repro"
+        path = self.ended(
+            "hang", {"seconds": seconds}, seconds, f"hang: {what} did not return within {seconds:g} s"
+        )
         return (
             f"rpa-harness: HANG: {what} did not return within {seconds:g} s (RPA_CALL_TIMEOUT) in "
-            f"{example.test or self.name}: {case}\n  repro: {path}\n  replay: rpa-harness replay {path}",
+            f"{self.where()}\n  repro: {path}\n  replay: rpa-harness replay {path}",
             backends.HANG_EXIT_CODE,
         )
+
+    def ended(self, mark: str, recorded: dict, logged, failure: str):
+        """The example in flight written as the repro of a call that ends the process (marked ``mark``: hang
+        or halt), its pending file removed, and logged; returns the repro's path."""
+        setattr(self.example, mark, recorded)
+        self.example.failure = failure
+        path = repro.write(self.example, self.directory)
+        repro.discard_pending(self.pending)
+        runlog.record(**self.notes, repro=str(path), **{mark: logged})
+        return path
+
+    def where(self) -> str:
+        """The test and the case in flight, as a message that ends the process names them."""
+        case = self.case.describe() if self.case is not None else "see the repro"
+        return f"{self.example.test or self.name}: {case}"
 
     def __exit__(self, kind, failure, traceback) -> None:
         __tracebackhide__ = True

@@ -125,11 +125,10 @@ def write(repro: Repro, directory: str | os.PathLike) -> Path:
     large and the case rebuilds them; returns the JSON path."""
     json_path = path_for(repro.property, directory)
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    checksum = checksum_if_rebuilt(repro)
     if repro.shapes_only:
         _atomic_write(json_path, _metadata(repro, None))
         json_path.with_suffix(".npz").unlink(missing_ok=True)
-    elif checksum is None:
+    elif (checksum := checksum_if_rebuilt(repro)) is None:
         write_arrays(repro.arrays, json_path.with_suffix(".npz"))
         _atomic_write(json_path, _metadata(repro, json_path))
     else:
@@ -142,7 +141,7 @@ def checksum_if_rebuilt(repro: Repro) -> int | None:
     """The arrays' checksum where they are larger than ``LARGEST_STORED_ARRAYS`` and the case rebuilds
     them bit for bit (a property may change the arrays after drawing the case); None otherwise."""
     size = sum(np.asarray(value).nbytes for value in repro.arrays.values())
-    if repro.case is None or repro.shapes_only or size <= LARGEST_STORED_ARRAYS:
+    if repro.case is None or size <= LARGEST_STORED_ARRAYS:
         return None
     checksum = arrays_checksum(repro.arrays)
     return checksum if arrays_checksum(repro.case.arrays()) == checksum else None
@@ -252,15 +251,10 @@ def read(path: str | os.PathLike) -> Repro:
         from_case = bool(meta.get("arrays_from_case"))
         shapes_only = bool(meta.get("shapes_only"))
         if shapes_only:
-            arrays, arrays_file = (
-                stand_ins(
-                    {
-                        name: (shape, _dtype_by_name(meta["dtypes"][name]))
-                        for name, shape in meta["shapes"].items()
-                    }
-                ),
-                None,
-            )
+            shapes = {
+                name: (shape, _dtype_by_name(meta["dtypes"][name])) for name, shape in meta["shapes"].items()
+            }
+            arrays, arrays_file = stand_ins(shapes), None
         elif meta["arrays"] is None:
             arrays, arrays_file = _rebuilt(path, meta, case), None
         else:

@@ -214,7 +214,8 @@ def blocks_within_vmem(block_q, kv_pages_per_block, limit, **shapes) -> tuple[in
 
     Block sizes only order the work (every one gives the same attention), so a given one is an upper
     bound on a chip: a caller's KV block of 128 pages of 32 float32 keys at head_dim 256 with 4 KV heads
-    takes over 200 MiB, more than any TPU's VMEM. Unchanged where ``limit`` is None (interpret mode)."""
+    takes over 200 MiB, more than any TPU's VMEM. Unchanged where ``limit`` is None (interpret mode, no
+    limit given)."""
     if limit is None:
         return block_q, kv_pages_per_block
     while (

@@ -11,9 +11,7 @@ the next block into the other half of a double buffer before it waits for the cu
 import dataclasses
 import math
 
-import jax
 import numpy as np
-from jax._src.pallas.mosaic import tpu_info
 from jax.experimental.pallas import tpu as pltpu
 from rpa_harness import backends, generations
 from rpa_harness.known_issues import (
@@ -27,6 +25,7 @@ from rpa_harness.known_issues import (
     sequence_queries_and_keys,
     soft_capped_logits,
 )
+from rpa_harness.lowering import real_tpu_generation
 from rpa_harness.spec.interface import DEFAULT_MASK_VALUE, MASK_ADDED, values_per_word
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import DTYPES, Case
@@ -235,8 +234,7 @@ def _chip_generation() -> str | None:
     """The generation a kernel traced now sees: the emulated one, else a real chip's, else None."""
     if generations.current() != generations.NONE:
         return generations.current()
-    chip = tpu_info.chip_version_from_device_kind(jax.devices()[0].device_kind)
-    return None if chip is None else chip.value
+    return real_tpu_generation()
 
 
 def _blocks_on_the_chip(case: Case) -> tuple[int, int]:
