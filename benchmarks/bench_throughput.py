@@ -23,7 +23,6 @@ example, and the seconds per example of each stage.
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -39,7 +38,6 @@ CASES_PER_CONFIG = 6  # tests/properties/test_differential.py's
 def measure(target_name: str, backend_name: str, prop: str, examples: int, seconds: float, cache) -> dict:
     """One row, in this process."""
     from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
     from rpa_harness import backends, reference
     from rpa_harness.backends import Backend
     from rpa_harness.strategies.valid import valid_case_groups, valid_cases
@@ -138,24 +136,38 @@ def print_row(row: dict, cache: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backend", default="fast-interpret", choices=("tpu", "fast-interpret", "interpret"))
-    parser.add_argument("--targets", default=DEFAULT_TARGETS, help=f"comma-separated (default {DEFAULT_TARGETS})")
+    parser.add_argument(
+        "--targets", default=DEFAULT_TARGETS, help=f"comma-separated (default {DEFAULT_TARGETS})"
+    )
     parser.add_argument("--properties", default="pooled,any-config", help="pooled, any-config or both")
     parser.add_argument("--examples", type=int, default=150, help="examples per row at most (default 150)")
-    parser.add_argument("--seconds", type=float, default=120.0, help="wall seconds per row at most (default 120)")
+    parser.add_argument(
+        "--seconds", type=float, default=120.0, help="wall seconds per row at most (default 120)"
+    )
     parser.add_argument("--cache", default="cold,warm", help="cold, warm, off, or a comma-separated sequence")
-    parser.add_argument("--cache-dir", help="the compilation caches' parent folder (default: a temporary one)")
+    parser.add_argument(
+        "--cache-dir", help="the compilation caches' parent folder (default: a temporary one)"
+    )
     parser.add_argument("--row", nargs=2, metavar=("TARGET", "PROPERTY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.row:
-        print(json.dumps(measure(args.row[0], args.backend, args.row[1], args.examples, args.seconds, args.cache_dir)))
+        print(
+            json.dumps(
+                measure(args.row[0], args.backend, args.row[1], args.examples, args.seconds, args.cache_dir)
+            )
+        )
         return 0
     parent = Path(args.cache_dir or tempfile.mkdtemp(prefix="rpa-bench-cache-"))
     print(f"backend {args.backend}; at most {args.examples} examples or {args.seconds:.0f} s per row")
     print(
         "| target | property | cache | examples | examples/min | cases/min | compilations/example "
-        "| compile s/example | " + " | ".join(f"{stage} s" for stage in STAGES) + " | failures | largest error/bound |"
+        "| compile s/example | "
+        + " | ".join(f"{stage} s" for stage in STAGES)
+        + " | failures | largest error/bound |"
     )
     print("|" + " --- |" * (12 + len(STAGES) - 1))
     for target in args.targets.split(","):
