@@ -36,6 +36,15 @@ TOPOLOGY_NAMES = {
 # exceed SMEM.
 _VMEM_MARKERS = ("CompileTimeScopedVmemOom", "scoped vmem", "memory space vmem", "space=vmem")
 _SMEM_MARKERS = ("space=smem",)
+# How Pallas' TPU lowering and Mosaic word a refusal, where a kernel call on a chip raises one.
+_REFUSAL_TYPES = ("MosaicError", "LoweringException")
+_REFUSAL_MARKERS = (
+    "Mosaic failed to compile",
+    "Pallas TPU lowering",
+    "pallas-blockspec",
+    "CompileTimeScopedVmemOom",
+    "exceeded scoped vmem limit",
+)
 
 
 class CompilerRefusal(Exception):
@@ -52,8 +61,18 @@ class CompilerUnavailable(RuntimeError):
     install."""
 
 
-def unavailable_reason() -> str | None:
-    """Why nothing can be compiled for a TPU on this host, or None when it can."""
+def unavailable_reason(generation: str | None = None) -> str | None:
+    """Why nothing (nothing for ``generation``) can be compiled for a TPU on this host, or None when it can."""
+    from rpa_harness import lowering
+
+    real = lowering.real_tpu_generation()
+    if real is not None:
+        if generation is None or generation == real:
+            return None
+        return (
+            f"this host's jax runs on a real TPU {real} ({lowering.default_device_kind()!r}): it compiles for "
+            f"that chip; compile for {generation} ahead of time on a CPU host with libtpu"
+        )
     if importlib.util.find_spec("libtpu") is None:
         return f"libtpu (the TPU compiler) is not installed: {INSTALL_COMMAND}"
     if importlib.util.find_spec("jax.experimental.topologies") is None:
@@ -104,13 +123,20 @@ def compile_for(generation: str, call, arrays: dict):
     Raises what tracing raises (the kernel's own errors), and ``CompilerRefusal`` for what lowering or
     compiling raise.
     """
-    device = topology_device(generation)
+    from rpa_harness import lowering
+
+    real = lowering.real_tpu_generation()
+    if real is not None and (reason := unavailable_reason(generation)) is not None:
+        raise CompilerUnavailable(reason)
+    # On the chip itself the kernel sees the chip and compiles for it; elsewhere for a topology's device,
+    # inside the generation's emulation.
+    device = jax.devices()[0] if real is not None else topology_device(generation)
     structs = shapes_on(arrays, device)
     # jax documents None (no forced interpret mode) but annotates the parameter InterpretParams only.
     with (
         pltpu.force_tpu_interpret_mode(None),  # type: ignore[arg-type]
-        generations.emulated(generation),
-        _persistent_cache_off(),
+        generations.emulated(generation) if real is None else contextlib.nullcontext(),
+        _persistent_cache_off() if real is None else contextlib.nullcontext(),
     ):
         traced = jax.jit(lambda inputs: call(**inputs)).trace(structs)
         try:
@@ -137,6 +163,18 @@ def _persistent_cache_off():
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
         compilation_cache.reset_cache()
+
+
+def is_refusal(error: BaseException) -> bool:
+    """Whether a kernel call on a chip raised because Pallas' TPU lowering or the compiler refused the
+    kernel (what ``compile_for`` raises as ``CompilerRefusal``): on a chip one call traces, lowers,
+    compiles and runs, so the error is told apart by its type and words."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if type(seen).__name__ in _REFUSAL_TYPES or any(marker in str(seen) for marker in _REFUSAL_MARKERS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def is_vmem_overflow(error: BaseException) -> bool:

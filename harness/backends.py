@@ -79,7 +79,12 @@ def on_hang(handler):
 # (these messages are libtpu's). The first is the finding; nothing after it can be judged, so the process
 # ends (HALT_EXIT_CODE) once the handler has kept the example in flight as the halt's repro. Recognised on
 # every backend: no interpreter raises these messages, and a CPU test can then simulate a halt.
-HALT_MESSAGES = ("program continuator has halted", "TPU_EXECUTE_ERROR", "slice failed")
+HALT_MESSAGES = (
+    "program continuator has halted",
+    "TPU_EXECUTE_ERROR",
+    "slice failed",
+    "RuntimeUnexpectedCoreHalt",  # v5e, jax 0.10.2: "E0200: RuntimeUnexpectedCoreHalt: Core halted unexpectedly"
+)
 HALT_EXIT_CODE = 72
 
 # Set while a case is in flight: called with (what, error's first line) on a halt; returns (message, exit code).
@@ -559,7 +564,7 @@ class Backend:
         if self.name == TPU_COMPILER:
             from rpa_harness import ahead_of_time
 
-            return ahead_of_time.unavailable_reason()
+            return ahead_of_time.unavailable_reason(self.generation)
         if self.name == TPU and not tpu_available():
             return "--rpa-backend=tpu: no TPU is visible to jax (jax.devices('tpu') is empty)"
         return None

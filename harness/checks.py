@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from rpa_harness import ahead_of_time, backends, generations, reference
+from rpa_harness import ahead_of_time, backends, generations, lowering, reference
 from rpa_harness.backends import Backend
 from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.property_names import COMPILATION, DETERMINISM, DIFFERENTIAL, KINDS, PADDING, VALIDATION
@@ -230,6 +230,11 @@ def check_compiles(target: Target, backend: Backend, arrays: dict, options: dict
         ) from None
 
 
+def _real_chip() -> str:
+    """The chip this process runs on, as the compile property names a generation: "v5e (TPU v5 lite)"."""
+    return f"{lowering.real_tpu_generation()} ({lowering.default_device_kind()})"
+
+
 def _refused(target: Target, chip: str, options: dict, error: BaseException) -> DoesNotCompile:
     """The failure a compiler's refusal is: of VMEM, of SMEM, or any other."""
     said = ahead_of_time.compiler_message(error)
@@ -332,6 +337,8 @@ def run_valid(target: Target, backend: Backend, arrays: dict, options: dict) -> 
         reason = recognise(error)
         if reason is not None:
             raise CannotRun(f"{reason} (recognised: {message})") from None
+        if backend.name == backends.TPU and ahead_of_time.is_refusal(error):
+            raise _refused(target, _real_chip(), options, error) from None
         error_type = type(error).__name__
         live_kv_lens = np.asarray(arrays["kv_lens"])[: int(np.asarray(arrays["num_seqs"])[0])]
         raise located(RaisedOnValidInput, live_kv_lens)(

@@ -15,7 +15,7 @@ host's TPU compiler for the generation it records; without one it is not run.
 import pytest
 from rpa_harness import backends, property_names, runlog
 from rpa_harness import repro as repro_files
-from rpa_harness.checks import recheck
+from rpa_harness.checks import DoesNotCompile, recheck
 from rpa_harness.known_issues import OPTION
 from rpa_harness.plugin import VOLUME, settings_of
 from rpa_harness.run_settings import for_repro
@@ -25,6 +25,20 @@ def pytest_generate_tests(metafunc):
     if "known_issue" in metafunc.fixturenames:
         issues = settings_of(metafunc.config).target.known_issues
         metafunc.parametrize("known_issue", issues, ids=[issue.name for issue in issues])
+
+
+def chip_refusal_masking(failure, known_issue, repro, backend, pytestconfig) -> str | None:
+    """The declared compile finding whose predicate matches ``repro``'s case, where the repro of another
+    issue cannot compile on a real chip (``DoesNotCompile``): the chip cannot show that issue with this
+    repro, which is not news."""
+    if backend.name != backends.TPU or not isinstance(failure, DoesNotCompile) or repro.case is None:
+        return None
+    for issue in settings_of(pytestconfig).target.known_issues:
+        if issue is known_issue or repro_files.read(issue.repro).kind != property_names.COMPILATION:
+            continue
+        if issue.matches(repro.case) and issue.shows(str(failure)):
+            return issue.name
+    return None
 
 
 def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytestconfig):
@@ -76,6 +90,13 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
             pytest.fail(
                 f"{where}: its repro {known_issue.repro} fails on a backend that cannot see the issue (it "
                 f"shows on {', '.join(known_issue.backends)} only), so this is another failure:\n{report}"
+            )
+        masking = chip_refusal_masking(failure, known_issue, repro, replay_backend, pytestconfig)
+        if masking is not None:
+            record(f"masked by {masking}")
+            pytest.skip(
+                f"{where}: its repro's configuration does not compile for this chip, which the declared "
+                f"issue {masking} (a compile finding) predicts; the finding stands where it was found:\n{report}"
             )
         if not known_issue.shows(report):
             record("fails differently")
