@@ -35,8 +35,11 @@ STAGES = ("draw", "arrays", "call", "oracle", "compare")
 CASES_PER_CONFIG = 6  # tests/properties/test_differential.py's
 
 
-def measure(target_name: str, backend_name: str, prop: str, examples: int, seconds: float, cache) -> dict:
-    """One row, in this process."""
+def measure(
+    target_name: str, backend_name: str, prop: str, examples: int, seconds: float, cache, failures_dir
+) -> dict:
+    """One row, in this process; each failing case's JSON, the judge's words and the output it judged go
+    into ``failures_dir`` (when given), to be studied where the oracle and the interpreters are."""
     from hypothesis import HealthCheck, given, settings
     from rpa_harness import backends, reference
     from rpa_harness.backends import Backend
@@ -75,9 +78,10 @@ def measure(target_name: str, backend_name: str, prop: str, examples: int, secon
             t1 = time.perf_counter()
             try:
                 out = backend.run(target.attention, arrays, options)
-            except Exception:  # a failure the properties would report: counted, not timed further
+            except Exception as error:  # a failure the properties report: counted, kept, not timed further
                 counts["failures"] += 1
                 totals["call"] += time.perf_counter() - t1
+                keep_failure(failures_dir, target_name, case, f"{type(error).__name__}: {error}", None)
                 continue
             out = out[0] if isinstance(out, tuple) else out
             t2 = time.perf_counter()
@@ -85,7 +89,9 @@ def measure(target_name: str, backend_name: str, prop: str, examples: int, secon
             t3 = time.perf_counter()
             comparison = reference.compare(out, expected, precision=precision)
             t4 = time.perf_counter()
-            counts["failures"] += not comparison.ok
+            if not comparison.ok:
+                counts["failures"] += 1
+                keep_failure(failures_dir, target_name, case, str(comparison), out)
             counts["largest_ratio"] = max(counts["largest_ratio"], float(comparison.max_ratio))
             for stage, spent in zip(STAGES[1:], (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                 totals[stage] += spent
@@ -106,6 +112,21 @@ def measure(target_name: str, backend_name: str, prop: str, examples: int, secon
     )  # fmt: skip
 
 
+def keep_failure(folder, target_name: str, case, words: str, output) -> None:
+    if folder is None:
+        return
+    import numpy as np
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"{target_name}-{len(list(folder.glob('*.json')))}"
+    (folder / f"{stem}.json").write_text(
+        json.dumps({"target": target_name, "case": case.to_json(), "judge": words})
+    )
+    if output is not None:
+        np.save(folder / f"{stem}.npy", np.asarray(output))
+
+
 def row_in_subprocess(args, target: str, prop: str, cache) -> dict:
     command = [
         sys.executable, __file__, "--row", target, prop, "--backend", args.backend,
@@ -113,6 +134,8 @@ def row_in_subprocess(args, target: str, prop: str, cache) -> dict:
     ]  # fmt: skip
     if cache is not None:
         command += ["--cache-dir", str(cache)]
+    if args.failures_dir:
+        command += ["--failures-dir", args.failures_dir]
     done = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -152,12 +175,21 @@ def main() -> int:
     parser.add_argument(
         "--cache-dir", help="the compilation caches' parent folder (default: a temporary one)"
     )
+    parser.add_argument("--failures-dir", help="keep each failing case (JSON) and its output (.npy) here")
     parser.add_argument("--row", nargs=2, metavar=("TARGET", "PROPERTY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.row:
         print(
             json.dumps(
-                measure(args.row[0], args.backend, args.row[1], args.examples, args.seconds, args.cache_dir)
+                measure(
+                    args.row[0],
+                    args.backend,
+                    args.row[1],
+                    args.examples,
+                    args.seconds,
+                    args.cache_dir,
+                    args.failures_dir,
+                )
             )
         )
         return 0

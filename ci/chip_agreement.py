@@ -117,8 +117,12 @@ def predict(args) -> int:
     return 0
 
 
-def check(args) -> int:
-    import jax
+HALTS = "halts the chip"
+
+
+def check_entries(args) -> int:
+    """The child of ``check``: runs the entries from ``--first`` on, one JSON line each (``START`` before its
+    call, so that a call that halts the chip and ends this process is known to the parent)."""
     from rpa_harness import backends, checks, reference, targets
     from rpa_harness.reference.tolerance import error_bound
     from rpa_harness.strategies.case import Case
@@ -126,46 +130,91 @@ def check(args) -> int:
     folder = Path(args.folder)
     recorded = json.loads((folder / "predictions.json").read_text())
     outputs = np.load(folder / "outputs.npz")
-    if args.backend == backends.TPU and jax.devices()[0].platform != "tpu":
-        print(
-            f"chip_agreement check: the default device is {jax.devices()[0].device_kind!r}, not a TPU; run it "
-            f"on the chip, or rehearse it here with --backend {backends.FAST_INTERPRET}",
-            file=sys.stderr,
-        )
-        return 4
     generation = recorded["generation"] if args.backend != backends.TPU else "none"
-    tpu = backends.Backend(args.backend, True, generation)
-    chip = jax.devices()[0].device_kind if args.backend == backends.TPU else tpu.label
-    rows: dict[tuple, dict] = defaultdict(
-        lambda: {"n": 0, "agree": 0, "diff": 0.0, "chip": 0.0, "interp": 0.0}
-    )
-    differing = []
-    for entry in recorded["entries"]:
+    chip = backends.Backend(args.backend, True, generation)
+    for entry in recorded["entries"][args.first :]:
+        print("START " + entry["key"], flush=True)
         target = targets.load(entry["target"])
         case = Case.from_json(entry["case"])
         arrays, options = case.arrays(), case.options()
         try:  # compiled for the chip and called once: a refusal raises on valid input
-            actual, error = checks.run_valid(target, tpu, arrays, options), None
+            actual, error = checks.run_valid(target, chip, arrays, options), None
         except (checks.PropertyFailure, checks.CannotRun) as failure:
             actual, error = None, failure
-        verdict = verdict_of(error)
-        row = rows[(entry["target"], case.q_dtype, case.kv_dtype)]
-        row["n"] += 1
-        same = (verdict == "compiles") == (entry["verdict"] == "compiles")
-        row["agree"] += same
-        if not same:
-            differing.append((entry["key"], entry["verdict"], verdict))
+        result = {"key": entry["key"], "verdict": verdict_of(error)}
         if entry.get("interpreted") and actual is not None:
             expected = reference.oracle(**arrays, **options)
-            precision = target.precision_on(tpu)
-            on_chip = reference.compare(actual, expected, precision=precision)
-            interpreted = reference.compare(outputs[entry["key"]], expected, precision=precision)
+            precision = target.precision_on(chip)
             bound = error_bound(expected, precision=precision)
-            rows_live = checks.valid_rows(arrays)
-            gap = np.abs(actual.astype(np.float64) - outputs[entry["key"]])[rows_live] / bound[rows_live]
-            row["diff"] = max(row["diff"], float(gap.max(initial=0.0)))
-            row["chip"] = max(row["chip"], on_chip.max_ratio)
-            row["interp"] = max(row["interp"], interpreted.max_ratio)
+            live = checks.valid_rows(arrays)
+            gap = np.abs(actual.astype(np.float64) - outputs[entry["key"]])[live] / bound[live]
+            result["diff"] = float(gap.max(initial=0.0))
+            result["chip"] = reference.compare(actual, expected, precision=precision).max_ratio
+            result["interp"] = reference.compare(
+                outputs[entry["key"]], expected, precision=precision
+            ).max_ratio
+        print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def check(args) -> int:
+    """Runs the entries in a child process that opens the chip; a call that halts the chip ends the child,
+    is that configuration's verdict ("halts the chip"), and a fresh child goes on with the next one."""
+    import subprocess
+
+    from rpa_harness import backends
+
+    backends.keep_off_the_chips()  # the children open the chip, one at a time
+    if args.backend == backends.TPU and not backends.tpus():
+        print(
+            f"chip_agreement check: jax sees no TPU here, not a TPU host; run it on the chip, or rehearse it "
+            f"here with --backend {backends.FAST_INTERPRET}",
+            file=sys.stderr,
+        )
+        return 4
+    chip = backends.tpus().kind if args.backend == backends.TPU else args.backend
+    recorded = json.loads((Path(args.folder) / "predictions.json").read_text())
+    entries = recorded["entries"]
+    results: dict[str, dict] = {}
+    first = 0
+    while first < len(entries):
+        command = [sys.executable, __file__, "check", "--folder", args.folder, "--backend", args.backend]
+        child = subprocess.run([*command, "--first", str(first)], capture_output=True, text=True)
+        started = None
+        for line in child.stdout.splitlines():
+            if line.startswith("START "):
+                started = line.removeprefix("START ")
+            elif line.startswith("RESULT "):
+                result = json.loads(line.removeprefix("RESULT "))
+                results[result["key"]] = result
+                print(f"{result['key']}: {result['verdict']}", flush=True)
+        if child.returncode == 0:
+            break
+        if started is None or started in results:
+            sys.stderr.write(child.stderr[-3000:])
+            print(f"chip_agreement check: the child process failed before a call (exit {child.returncode})")
+            return 3
+        words = (
+            "halted" if child.returncode == backends.HALT_EXIT_CODE else f"ended with exit {child.returncode}"
+        )
+        results[started] = {"key": started, "verdict": HALTS}
+        print(f"{started}: {HALTS} (the process {words}; a fresh one goes on)", flush=True)
+        first = [entry["key"] for entry in entries].index(started) + 1
+    rows: dict[tuple, dict] = defaultdict(
+        lambda: {"n": 0, "agree": 0, "diff": 0.0, "chip": 0.0, "interp": 0.0}
+    )
+    differing = []
+    for entry in entries:
+        result = results[entry["key"]]
+        case = json.loads(entry["case"])
+        row = rows[(entry["target"], case["q_dtype"], case["kv_dtype"])]
+        row["n"] += 1
+        same = (result["verdict"] == "compiles") == (entry["verdict"] == "compiles")
+        row["agree"] += same
+        if not same:
+            differing.append((entry["key"], entry["verdict"], result["verdict"]))
+        for measure in ("diff", "chip", "interp"):
+            row[measure] = max(row[measure], result.get(measure, 0.0))
     print(f"chip: {chip}; predictions for {recorded['generation']}")
     print(
         "| target | q / kv | configurations | verdicts agreeing | max abs(chip - interpreter) / bound | max error/bound chip | interpreter |"
@@ -199,8 +248,11 @@ def main() -> int:
         "--backend", default="tpu", choices=("tpu", "fast-interpret", "interpret"),
         help="where to run (default tpu; an interpreter emulating the generation rehearses the check on CPU)",
     )  # fmt: skip
+    on_chip.add_argument("--first", type=int, help=argparse.SUPPRESS)  # the child: entries from this one on
     args = parser.parse_args()
-    return predict(args) if args.step == "predict" else check(args)
+    if args.step == "predict":
+        return predict(args)
+    return check(args) if args.first is None else check_entries(args)
 
 
 if __name__ == "__main__":

@@ -274,4 +274,4 @@ def test_the_chip_agreement_script_rehearses_on_an_interpreter(tmp_path):
     ]
     assert rows and all(line.split("|")[5].strip() == "0" for line in rows), rehearsed.stdout
     refused = run_python(script, "check", "--folder", folder, env=env, cwd=tmp_path)
-    assert refused.returncode == 4 and "not a TPU" in refused.stderr, refused.stderr[-2000:]
+    assert refused.returncode == 4 and "no TPU" in refused.stderr, refused.stderr[-2000:]
