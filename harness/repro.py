@@ -17,6 +17,10 @@ when the watchdog takes a call for a hang, or the device halts, the example is w
 process ends some other way (a crash), the pending file is what is left: ``read`` rebuilds its arrays from
 its case when their checksum says they are the case's own.
 
+A halt's repro also names the examples its process ran before it (``preceded_by``, oldest first, each as its
+pending file held it): a kernel can leave work running on the chip after its call returns, and the fault
+then surfaces in a later call. ``predecessors`` rebuilds them.
+
 A property that reads only the arrays' shapes and dtypes (``compiles``: the kernel compiled for a chip,
 never called) stores those alone (``shapes_only``), and ``read`` gives back zero-strided stand-ins of them:
 a production case's repro is a few KiB.
@@ -64,6 +68,8 @@ class Repro:
     error: dict | None = None  # {"type", "message"} of the exception the target raised on valid input
     hang: dict | None = None  # {"seconds": N}: the call did not return within N s
     halt: dict | None = None  # {"error": first line}: the call halted the device (backends.HALT_MESSAGES)
+    # A halt's: the examples its process ran before it, oldest first, without their arrays (``predecessors``)
+    preceded_by: list[dict] = dataclasses.field(default_factory=list)
     test: str = ""  # the pytest node id that wrote it
     precision: tuple[str, ...] | None = None  # the target's precision contract when it failed
     tpu_generation: str = "none"  # the TPU generation the interpreter emulated (rpa_harness.generations)
@@ -126,13 +132,13 @@ def write(repro: Repro, directory: str | os.PathLike) -> Path:
     json_path = path_for(repro.property, directory)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     if repro.shapes_only:
-        _atomic_write(json_path, _metadata(repro, None))
+        _atomic_write(json_path, _encoded(_metadata(repro, None)))
         json_path.with_suffix(".npz").unlink(missing_ok=True)
     elif (checksum := checksum_if_rebuilt(repro)) is None:
         write_arrays(repro.arrays, json_path.with_suffix(".npz"))
-        _atomic_write(json_path, _metadata(repro, json_path))
+        _atomic_write(json_path, _encoded(_metadata(repro, json_path)))
     else:
-        _atomic_write(json_path, _metadata(repro, None, checksum=checksum, from_case=True))
+        _atomic_write(json_path, _encoded(_metadata(repro, None, checksum=checksum, from_case=True)))
         json_path.with_suffix(".npz").unlink(missing_ok=True)  # a larger example's, written before
     return json_path
 
@@ -162,18 +168,34 @@ def write_arrays(arrays: dict, npz_path: Path) -> None:
     _atomic_write(npz_path, buffer.getvalue())
 
 
-def write_pending(repro: Repro, directory: str | os.PathLike) -> Path:
-    """Writes NAME.pending.json, the example in flight (its case, options and dtypes); returns its path.
+def without_arrays(repro: Repro) -> dict:
+    """The example's JSON without its arrays but with their checksum (~0.5 ms for 2 MB), so that ``read``
+    can rebuild them from the case and tell whether they are the ones that ran: what a pending file holds,
+    and each entry of a halt's ``preceded_by``."""
+    checksum = None if repro.shapes_only else arrays_checksum(repro.arrays)
+    return _metadata(repro, None, checksum=checksum)
+
+
+def write_pending(repro: Repro, directory: str | os.PathLike, contents: dict | None = None) -> Path:
+    """Writes NAME.pending.json, the example in flight (``contents``: its ``without_arrays``, computed here
+    when not given); returns its path.
 
     Only the JSON: it is written before every example, and the arrays (~2 MB, ~15 ms to write) stay in
     memory until a hang needs them (``write`` of the example marked as a hang, from the watchdog thread).
-    A process that dies some other way still leaves the case on disk, with the arrays' checksum (~0.5 ms for
-    2 MB), so that ``read`` can rebuild them from the case and tell whether they are the ones that ran.
+    A process that dies some other way still leaves the case on disk, with the arrays' checksum.
     """
     pending = path_for(repro.property, directory, pending=True)
-    checksum = None if repro.shapes_only else arrays_checksum(repro.arrays)
-    _atomic_write(pending, _metadata(repro, None, checksum=checksum))
+    _atomic_write(pending, _encoded(without_arrays(repro) if contents is None else contents))
     return pending
+
+
+def rebuilds_arrays(contents: dict) -> bool:
+    """Whether an example stored ``without_arrays`` gets them back from its case: not where the property
+    changed them after drawing it (a validation property's broken rule)."""
+    recorded = contents.get("arrays_crc32")
+    if not contents.get("case") or recorded is None:
+        return False
+    return arrays_checksum(Case.from_json(contents["case"]).arrays()) == recorded
 
 
 def arrays_checksum(arrays: dict) -> int:
@@ -188,8 +210,8 @@ def arrays_checksum(arrays: dict) -> int:
 
 def _metadata(
     repro: Repro, json_path: Path | None, checksum: int | None = None, *, from_case: bool = False
-) -> bytes:
-    meta = {
+) -> dict:
+    return {
         "schema": SCHEMA,
         "property": repro.property,
         "kind": repro.kind,
@@ -209,6 +231,7 @@ def _metadata(
         "error": repro.error,
         "hang": repro.hang,
         "halt": repro.halt,
+        "preceded_by": repro.preceded_by,
         "test": repro.test,
         "arrays": json_path.with_suffix(".npz").name if json_path else None,
         "arrays_crc32": checksum,
@@ -218,6 +241,9 @@ def _metadata(
         if repro.shapes_only
         else None,
     }
+
+
+def _encoded(meta: dict) -> bytes:
     return (json.dumps(meta, indent=2, default=_json_default) + "\n").encode()
 
 
@@ -247,53 +273,72 @@ def read(path: str | os.PathLike) -> Repro:
                 f"{path}: not a repro: missing field {', '.join(map(repr, missing))} "
                 f"(a repro JSON has {', '.join(REQUIRED_FIELDS)})"
             )
-        case = Case.from_json(meta["case"]) if meta.get("case") else None
-        from_case = bool(meta.get("arrays_from_case"))
-        shapes_only = bool(meta.get("shapes_only"))
-        if shapes_only:
-            shapes = {
-                name: (shape, _dtype_by_name(meta["dtypes"][name])) for name, shape in meta["shapes"].items()
-            }
-            arrays, arrays_file = stand_ins(shapes), None
-        elif meta["arrays"] is None:
-            arrays, arrays_file = _rebuilt(path, meta, case), None
-        else:
-            arrays_file = _arrays_beside(path, meta["arrays"])
-            stored = np.load(arrays_file)
-            arrays = {
-                name: stored[name].view(_dtype_by_name(dtype)).reshape(stored[name].shape)
-                for name, dtype in meta["dtypes"].items()
-            }
-        return Repro(
-            property=meta["property"],
-            target=meta["target"],
-            backend=meta["backend"],
-            arrays=arrays,
-            options={k: _option_from_json(v) for k, v in meta["options"].items()},
-            case=case,
-            expected_error=meta.get("expected_error"),
-            stage=meta.get("stage"),
-            failure=meta.get("failure", ""),
-            versions=meta.get("versions", {}),
-            interpreter_compat=meta.get("interpreter_compat", True),
-            tpu_generation=meta.get("tpu_generation", "none"),
-            error=meta.get("error"),
-            hang=meta.get("hang"),
-            halt=meta.get("halt"),
-            test=meta.get("test", ""),
-            precision=tuple(meta["precision"]) if meta.get("precision") is not None else None,
-            kind=meta.get("kind", ""),
-            arrays_file=arrays_file,
-            in_flight=meta["arrays"] is None and not from_case and not shapes_only,
-            arrays_from_case=from_case,
-            shapes_only=shapes_only,
-        )
+        return _from_metadata(path, meta)
     except FileNotFoundError as error:
         raise ReproError(
             f"{error.filename}: no such file (a repro is a NAME.json with its NAME.npz beside it)"
         ) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ReproError(f"{path}: not a readable repro file ({type(error).__name__}: {error})") from None
+
+
+def predecessors(path: str | os.PathLike, repro: Repro) -> list[Repro]:
+    """The examples a halt's process ran before it (``preceded_by``), oldest first, each with its arrays
+    rebuilt from its case (the halt's repro keeps only those whose case rebuilds them)."""
+    path = Path(path)
+    try:
+        return [_from_metadata(path, entry, preceding=index) for index, entry in enumerate(repro.preceded_by)]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ReproError(
+            f"{path}: its preceded_by is not readable ({type(error).__name__}: {error})"
+        ) from None
+
+
+def _from_metadata(path: Path, meta: dict, *, preceding: int | None = None) -> Repro:
+    """The repro the JSON object ``meta`` of the file at ``path`` describes: the file's own, or its
+    ``preceded_by[preceding]``."""
+    case = Case.from_json(meta["case"]) if meta.get("case") else None
+    from_case = bool(meta.get("arrays_from_case"))
+    shapes_only = bool(meta.get("shapes_only"))
+    if shapes_only:
+        shapes = {
+            name: (shape, _dtype_by_name(meta["dtypes"][name])) for name, shape in meta["shapes"].items()
+        }
+        arrays, arrays_file = stand_ins(shapes), None
+    elif meta["arrays"] is None:
+        arrays, arrays_file = _rebuilt(path, meta, case, preceding), None
+    else:
+        arrays_file = _arrays_beside(path, meta["arrays"])
+        stored = np.load(arrays_file)
+        arrays = {
+            name: stored[name].view(_dtype_by_name(dtype)).reshape(stored[name].shape)
+            for name, dtype in meta["dtypes"].items()
+        }
+    return Repro(
+        property=meta["property"],
+        target=meta["target"],
+        backend=meta["backend"],
+        arrays=arrays,
+        options={k: _option_from_json(v) for k, v in meta["options"].items()},
+        case=case,
+        expected_error=meta.get("expected_error"),
+        stage=meta.get("stage"),
+        failure=meta.get("failure", ""),
+        versions=meta.get("versions", {}),
+        interpreter_compat=meta.get("interpreter_compat", True),
+        tpu_generation=meta.get("tpu_generation", "none"),
+        error=meta.get("error"),
+        hang=meta.get("hang"),
+        halt=meta.get("halt"),
+        preceded_by=meta.get("preceded_by") or [],
+        test=meta.get("test", ""),
+        precision=tuple(meta["precision"]) if meta.get("precision") is not None else None,
+        kind=meta.get("kind", ""),
+        arrays_file=arrays_file,
+        in_flight=meta["arrays"] is None and not from_case and not shapes_only,
+        arrays_from_case=from_case,
+        shapes_only=shapes_only,
+    )
 
 
 def stand_ins(shapes: dict) -> dict[str, np.ndarray]:
@@ -303,22 +348,26 @@ def stand_ins(shapes: dict) -> dict[str, np.ndarray]:
     }
 
 
-def _rebuilt(path: Path, meta: dict, case: Case | None) -> dict[str, np.ndarray]:
-    """The arrays of a pending file or of a repro too large to store them, rebuilt from its case: only when
-    they are the ones that ran (a validation property's arrays break a rule after the case built them, and
-    no checksum predates it)."""
+def _rebuilt(path: Path, meta: dict, case: Case | None, preceding: int | None) -> dict[str, np.ndarray]:
+    """The arrays of a pending file, of a repro too large to store them or of a halt's ``preceded_by``
+    entry, rebuilt from its case: only when they are the ones that ran (a validation property's arrays
+    break a rule after the case built them, and no checksum predates it)."""
     recorded = meta.get("arrays_crc32")
     arrays = case.arrays() if case is not None and recorded is not None else None
     if arrays is not None and arrays_checksum(arrays) == recorded:
         return arrays
     if meta.get("arrays_from_case"):
         what = "a repro stored without its arrays (too large)"
-        why = f"this NumPy and harness build other arrays from it than the ones recorded ({meta.get('versions')})"
+    elif preceding is not None:
+        what = f"the example its preceded_by[{preceding}] names, without its arrays"
     else:
         what = "the example in flight when its process ended, without its arrays"
-        why = "the property changed them after drawing it"
     if arrays is None:
         why = "the file has no case or no checksum of them"
+    elif meta.get("arrays_from_case") or preceding is not None:  # the case rebuilt them when it was written
+        why = f"this NumPy and harness build other arrays from it than the ones recorded ({meta.get('versions')})"
+    else:
+        why = "the property changed them after drawing it"
     raise ReproError(
         f"{path}: {what}, and they cannot be rebuilt from its case ({why}); its case is in the file's case_repr"
     )
