@@ -54,7 +54,7 @@ from hypothesis.database import (
     ReadOnlyDatabase,
 )
 from rpa_harness import backends, checks, generations, known_issues, repro, runlog, targets
-from rpa_harness.recording import DEVICE_HALTED, CannotRunHere
+from rpa_harness.recording import DEVICE_HALTED, CannotRunHere, preceded_by_line
 from rpa_harness.reference.tolerance import BF16_MATMUL, CONTRACTS
 from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, from_options, in_cli_terms
 
@@ -685,7 +685,8 @@ def _crash_note(config, nodeid: str, started: float) -> str:
         if written.halt:
             return (
                 f"\nDEVICE HALTED: a kernel call raised {written.halt['error']}"
-                f"\n  failure kind: {DEVICE_HALTED}\n  repro: {path}\n  replay: rpa-harness replay {path}"
+                f"\n  failure kind: {DEVICE_HALTED}\n{preceded_by_line(written)}  repro: {path}"
+                f"\n  replay: rpa-harness replay {path}"
             )
         if written.in_flight:
             in_flight = (path, written.backend)

@@ -2,12 +2,13 @@
 
 ``recorded`` writes the example as a pending repro before the kernel runs and, when the watchdog takes a
 call for a hang or the call halts the device, writes it as the repro pair marked as a hang or a halt before
-the process ends; it writes the pair when
+the process ends (a halt's with the examples the process ran just before it); it writes the pair when
 the enclosed check fails (Hypothesis replays the shrunk example last, so the pair on disk is the minimal
 one), skips the test when the target cannot run here (a recognised interpreter limitation), and records
 every example in the run log.
 """
 
+import collections
 import contextlib
 import os
 
@@ -20,6 +21,15 @@ from rpa_harness.strategies.coverage import coverage_labels
 # The failure kind of a call that halted the device: the first example that did is the suspect, so it is
 # kept as the repro and the process ends (``backends.end_on_halt``) before anything shrinks.
 DEVICE_HALTED = "device halted"
+
+# The last examples whose kernel calls ended in this process without halting the device, oldest first, as
+# their pending files held them (``repro.without_arrays``): a kernel can leave work running on the chip after
+# its call returns (a DMA started and never waited for), and the fault then surfaces in a later call, so a
+# halt's repro names them (``preceded_by``) and ``rpa-harness replay`` runs them before the suspect. Only an
+# example with a case is kept, and a halt's repro only those whose case rebuilds their arrays: their arrays
+# are not kept. A compile property's example (``shapes_only``) runs nothing on a device.
+EXAMPLES_BEFORE_A_HALT = 2
+_ran_before: collections.deque[dict] = collections.deque(maxlen=EXAMPLES_BEFORE_A_HALT)
 
 
 # pytest's public name for its Skipped class is an attribute of the skip function (typed
@@ -49,6 +59,17 @@ def closeness_notes(comparison, case) -> dict:
     if not comparison.num_checked:
         return {}
     return {"max_ratio": comparison.max_ratio, "q_dtype": case.q_dtype, "kv_dtype": case.kv_dtype}
+
+
+def preceded_by_line(halt: repro.Repro) -> str:
+    """The line of a halt's message that says the examples its process ran just before it are in its repro,
+    or nothing where the halt was the process's first example."""
+    if not halt.preceded_by:
+        return ""
+    return (
+        f"  preceded by: {len(halt.preceded_by)} example(s) in this process, in the repro's preceded_by "
+        "(replay runs them before it where it passes alone: a call can leave a fault for the next)\n"
+    )
 
 
 def current_test() -> str:
@@ -93,16 +114,19 @@ class Recorded:
         self.hang_watch = contextlib.ExitStack()
 
     def __enter__(self) -> dict:
-        self.pending = repro.write_pending(self.example, self.directory)
+        self.without_arrays = repro.without_arrays(self.example)
+        self.pending = repro.write_pending(self.example, self.directory, self.without_arrays)
         self.hang_watch.enter_context(backends.on_hang(self.on_hang))
         self.hang_watch.enter_context(backends.on_halt(self.on_halt))
         return self.notes
 
     def on_halt(self, what, error):
+        self.example.preceded_by = [example for example in _ran_before if repro.rebuilds_arrays(example)]
         path = self.ended("halt", {"error": error}, error, f"{DEVICE_HALTED}: {what} raised {error}")
         return (
             f"rpa-harness: DEVICE HALTED: {what} raised {error} in {self.where()}\n"
-            f"  failure kind: {DEVICE_HALTED}\n  repro: {path}\n  replay: rpa-harness replay {path}",
+            f"  failure kind: {DEVICE_HALTED}\n{preceded_by_line(self.example)}  repro: {path}\n"
+            f"  replay: rpa-harness replay {path}",
             backends.HALT_EXIT_CODE,
         )
 
@@ -135,6 +159,8 @@ class Recorded:
         __tracebackhide__ = True
         self.hang_watch.close()
         repro.discard_pending(self.pending)
+        if self.case is not None and not self.example.shapes_only:
+            _ran_before.append(self.without_arrays)
         if failure is None:
             runlog.record(**self.notes)
         elif isinstance(failure, CannotRun):

@@ -1,5 +1,6 @@
 """End to end: a buggy target fails, leaves a repro pair, and `rpa-harness replay` pins it down."""
 
+import collections
 import dataclasses
 import json
 import os
@@ -9,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from rpa_harness import backends, bug_report, cli, reference
+from rpa_harness import backends, bug_report, cli, recording, reference, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.plugin import settings_of
+from rpa_harness.property_names import DIFFERENTIAL, PropertyName
+from rpa_harness.recording import recorded
 from rpa_harness.reference import parse_precision
 from rpa_harness.strategies.case import Case
 
@@ -161,6 +164,42 @@ def test_a_repro_too_large_to_store_keeps_its_case_and_replays_from_it(tmp_path,
     broken["q"][0] += 1
     path = repro_files.write(dataclasses.replace(example, arrays=broken), tmp_path)
     assert path.with_suffix(".npz").exists() and not repro_files.read(path).arrays_from_case
+
+
+def test_a_halts_repro_names_the_last_examples_before_it_whose_case_rebuilds_them(tmp_path, monkeypatch):
+    """A call can leave a fault on the chip that the next call meets: a halt's repro keeps the last
+    ``EXAMPLES_BEFORE_A_HALT`` examples its process ran, oldest first, but those whose arrays the case does
+    not rebuild (a validation property's broken ones); a repro written without the field reads as none."""
+    monkeypatch.setattr(recording, "_ran_before", collections.deque(maxlen=recording.EXAMPLES_BEFORE_A_HALT))
+    target, backend = targets.load("rpa_harness.kernel"), backends.Backend(backends.FAST_INTERPRET)
+    name = PropertyName(DIFFERENTIAL, label="x")
+
+    def case(q_len):
+        return Case(max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=2, total_num_pages=4, page_size=4,
+                    num_q_heads=2, num_kv_heads=1, head_dim=64, q_lens=(q_len,), kv_lens=(5,))  # fmt: skip
+
+    for q_len in (1, 2, 3):
+        with recorded(
+            tmp_path, name, target, backend, case(q_len).arrays(), case(q_len).options(), case=case(q_len)
+        ):
+            pass
+    broken = case(4).arrays()
+    broken["num_seqs"][0] = 3
+    with recorded(tmp_path, name, target, backend, broken, case(4).options(), case=case(4)):
+        pass
+    suspect = recorded(tmp_path, name, target, backend, case(0).arrays(), case(0).options(), case=case(0))
+    with suspect:
+        message, code = suspect.on_halt("a kernel call on fast-interpret", "TPU_EXECUTE_ERROR: halted")
+    assert code == backends.HALT_EXIT_CODE and "preceded by: 1 example(s) in this process" in message, message
+    path = tmp_path / "differential_x.json"
+    halt = repro_files.read(path)
+    [before] = repro_files.predecessors(path, halt)
+    assert before.case == case(3) and before.property == str(name)
+    assert repro_files.arrays_checksum(before.arrays) == repro_files.arrays_checksum(case(3).arrays())
+    meta = json.loads(path.read_text())
+    del meta["preceded_by"]
+    path.write_text(json.dumps(meta))
+    assert repro_files.read(path).preceded_by == []
 
 
 def test_replay_writes_the_failing_run_as_a_script(failing_repro, tmp_path, capsys):
