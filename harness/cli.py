@@ -1,10 +1,10 @@
 """``rpa-harness``: replay a repro without Hypothesis, or run the property campaign with a summary.
 
 rpa-harness replay FILE [--target MODULE] [--backend NAME] [--tpu-generation NAME] [--interpreter-compat on|off]
-                        [--timeout S] [--script OUT.py]
+                        [--timeout S] [--script OUT.py] [--predecessors auto|skip|first]
     exit 0: the property holds now; 1: it still fails the same way (a wrong output, the same exception as
-    recorded, a hang that still hangs, a halt that still halts the device, a deadlock the TPU interpreter
-    finds); 2: the file is missing or
+    recorded, a hang that still hangs, a halt that still halts the device, alone or after the examples its
+    process ran before it, a deadlock the TPU interpreter finds); 2: the file is missing or
     malformed; 3: it cannot run here (a
     recognised interpreter limitation, a backend that is absent or not declared, or an error other than
     the recorded one).
@@ -37,11 +37,14 @@ from rpa_harness import backends, generations, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import AUTO, BACKENDS, Backend
 from rpa_harness.property_names import COMPILATION, DIFFERENTIAL, KINDS, PADDING
-from rpa_harness.run_settings import CLI_TERMS_ENV, SettingError, for_repro, in_cli_terms
+from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, for_repro, in_cli_terms
 from rpa_harness.targets import DEFAULT_TARGET
 
 PROPERTIES_PACKAGE = "rpa_harness.properties"  # the shipped properties (tests/properties/ in a checkout)
 PASSES, FAILS, BAD_FILE, CANNOT_RUN, USAGE = 0, 1, 2, 3, 4
+# replay --predecessors: how a halt repro's preceded_by runs. auto: the suspect alone in a fresh process, then,
+# where it passes, its predecessors and it in another; skip: the suspect alone; first: its predecessors, then it.
+ALONE_THEN_AFTER_PREDECESSORS, WITHOUT_PREDECESSORS, PREDECESSORS_FIRST = "auto", "skip", "first"
 DESCRIPTION = "Replay a repro without Hypothesis, run the property campaign with a summary, or report a bug."
 
 
@@ -204,18 +207,24 @@ def replay(args) -> int:
     path = Path(args.file)
     try:
         repro = repro_files.read(path)
+        run_first = repro_files.predecessors(path, repro) if args.predecessors == PREDECESSORS_FIRST else []
     except repro_files.ReproError as error:
         print(f"rpa-harness replay: {error}", file=sys.stderr)
         return BAD_FILE
+    if repro.preceded_by and args.predecessors == ALONE_THEN_AFTER_PREDECESSORS:
+        return _replay_alone_then_after_predecessors(args, repro)
     compat = None if args.interpreter_compat is None else args.interpreter_compat == "on"
     try:
-        run = for_repro(
-            repro,
-            target=args.target,
-            backend=args.backend,
-            tpu_generation=args.tpu_generation,
-            interpreter_compat=compat,
-        )
+        run, *run_first_as = [
+            for_repro(
+                example,
+                target=args.target,
+                backend=args.backend,
+                tpu_generation=args.tpu_generation,
+                interpreter_compat=compat,
+            )
+            for example in (repro, *run_first)
+        ]
     except SettingError as error:
         print(
             f"rpa-harness replay: {in_cli_terms(str(error)) if error.given else f'{path}: {error}'}",
@@ -254,6 +263,7 @@ def replay(args) -> int:
         print(f"arrays:   rebuilt from the case (checksum matches) into {repro.arrays_file}")
     if args.script:
         print(f"script:   {args.script}")
+    running = repro  # the example whose calls run now (the halt handler names it): each predecessor, then it
 
     def on_hang(what, seconds):
         if repro.hang:
@@ -265,6 +275,20 @@ def replay(args) -> int:
         )
 
     def on_halt(what, error):
+        if running is not repro:
+            return (
+                f"rpa-harness replay: FAILS: halts the device in an example its process ran before it "
+                f"({_described(running)}), before it ran: {what} raised {error}",
+                FAILS,
+            )
+        if run_first:
+            return (
+                "rpa-harness replay: FAILS: halts the device after its predecessor(s) ran in the same process: the "
+                f"fault is left by an earlier call ({'; '.join(map(_described, run_first))}): look there for work "
+                f"left running on the chip after a call returns (a DMA started and never waited for); {what} "
+                f"raised {error}",
+                FAILS,
+            )
         if repro.halt:
             return f"rpa-harness replay: FAILS: still halts the device: {what} raised {error}", FAILS
         return (
@@ -276,6 +300,9 @@ def replay(args) -> int:
     try:
         # The watchdog's timeout and the hang and halt handlers of every kernel call this replay makes.
         with backends.on_hang(on_hang), backends.on_halt(on_halt), backends.call_timeout(timeout):
+            for running, settings in zip(run_first, run_first_as, strict=True):
+                _run_first(running, settings)
+            running = repro
             recheck(target, backend, repro)
     except CannotRun as reason:
         print(f"\ncannot run here (interpreter limitation): {reason}")
@@ -311,7 +338,8 @@ def replay(args) -> int:
         )
         print(f"\npasses now (recorded: {_recorded(repro)}; {returned})")
     elif repro.halt:
-        print(f"\npasses now (recorded: {_recorded(repro)}; the device did not halt in this process)")
+        after = f", its {len(run_first)} predecessor(s) run first" if run_first else ""
+        print(f"\npasses now (recorded: {_recorded(repro)}; the device did not halt in this process{after})")
     elif repro.in_flight:
         print(
             "\npasses now: whatever ended the recorded process did not recur in this one (its cause is in that "
@@ -320,6 +348,51 @@ def replay(args) -> int:
     else:
         print("\npasses now")
     return PASSES
+
+
+def _described(example: repro_files.Repro) -> str:
+    """An example in one line: its property and its case."""
+    return f"{example.property}: {example.case.describe() if example.case is not None else 'no case'}"
+
+
+def _run_first(example: repro_files.Repro, settings: RunSettings) -> None:
+    """Runs an example a halt's process ran before the halt, for the state it leaves on the device; its
+    own verdict is shown, never this replay's."""
+    from rpa_harness.checks import recheck
+    from rpa_harness.targets import first_line_of_error
+
+    try:
+        recheck(settings.target, settings.backends[0], example)
+        outcome = "passes"
+    except Exception as error:
+        outcome = f"fails: {first_line_of_error(error)}"
+    print(f"ran first: {_described(example)} ({outcome})", flush=True)
+
+
+def _replay_alone_then_after_predecessors(args, repro: repro_files.Repro) -> int:
+    """A halt repro that names the examples its process ran before it: the suspect alone in a fresh process
+    and, where it passes, its predecessors and then it in another, since a call can leave a fault on the
+    chip that only a later call meets. This process runs no kernel: one process at a time holds a chip."""
+    alone = _replay_in_a_child(args, WITHOUT_PREDECESSORS)
+    if alone != PASSES:
+        return alone
+    print(
+        f"\nit passes alone; now its {len(repro.preceded_by)} predecessor(s), then it, in one fresh process:",
+        flush=True,
+    )
+    return _replay_in_a_child(args, PREDECESSORS_FIRST)
+
+
+def _replay_in_a_child(args, predecessors: str) -> int:
+    """``rpa-harness replay`` of the same file with the same options and ``--predecessors``, in a fresh
+    process; its exit status (a signal's as a shell gives it: a libtpu abort)."""
+    command = [sys.executable, "-m", "rpa_harness.cli", "replay", args.file, f"--predecessors={predecessors}"]
+    for option in ("target", "backend", "interpreter_compat", "timeout", "tpu_generation", "script"):
+        if (value := getattr(args, option)) is not None:
+            command.append(f"--{option.replace('_', '-')}={value}")
+    sys.stdout.flush()
+    code = subprocess.run(command).returncode
+    return code if code >= 0 else 128 - code
 
 
 def run(args) -> int:
@@ -637,6 +710,14 @@ def parser() -> argparse.ArgumentParser:
         help="TPU generation to emulate (default: the one in the repro; none: a CPU device)",
     )
     replay_parser.add_argument("--script", help="also write the standalone reproduction to this file")
+    replay_parser.add_argument(
+        "--predecessors",
+        choices=(ALONE_THEN_AFTER_PREDECESSORS, WITHOUT_PREDECESSORS, PREDECESSORS_FIRST),
+        default=ALONE_THEN_AFTER_PREDECESSORS,
+        help="for a halt repro that names the examples its process ran before it (preceded_by): auto "
+        "(default) replays it alone in a fresh process and, where it passes, its predecessors then it in "
+        "another; skip: it alone, in this process; first: its predecessors then it, in this process",
+    )
     run_parser = commands.add_parser(
         "run", help="run the property campaign (pytest) and print a summary",
         description="Run the shipped properties with pytest against one target and end with a summary table "

@@ -9,9 +9,10 @@ import os
 import re
 
 import pytest
-from rpa_harness import backends, cli
+from rpa_harness import backends, cli, recording
 from rpa_harness.interpret_compat import limitations as interpreter_limitations
 from rpa_harness.plugin import settings_of
+from rpa_harness.strategies.case import Case
 
 from tests.processes import run_python
 
@@ -284,6 +285,7 @@ def test_a_halted_device_is_one_finding_its_first_case_the_repro(tmp_path, pytes
     meta = hang_case(path)  # the first case that halts, not a later one Hypothesis would shrink to
     assert meta["halt"] == {"error": "FAILED_PRECONDITION: The program continuator has halted unexpectedly."}
     assert meta["error"] is None and not list(tmp_path.glob("*.pending.*"))
+    assert len(meta["preceded_by"]) <= recording.EXAMPLES_BEFORE_A_HALT, meta["preceded_by"]
     table = result.stdout[result.stdout.index("rpa-harness summary") :]
     assert (
         f"repro: device halted (FAILED_PRECONDITION: The program continuator has halted unexpectedly.): {path}"
@@ -293,6 +295,7 @@ def test_a_halted_device_is_one_finding_its_first_case_the_repro(tmp_path, pytes
     replay = run("-m", "rpa_harness.cli", "replay", str(path), cwd=root)
     assert replay.returncode == 1, replay.stdout + replay.stderr
     assert "FAILS: still halts the device" in replay.stderr, replay.stderr[-2000:]
+    assert "predecessor(s)" not in replay.stdout + replay.stderr, "it halts alone: nothing runs before it"
 
 
 def test_a_halt_without_xdist_ends_the_run_with_its_code_and_summary(tmp_path, pytestconfig):
@@ -307,3 +310,37 @@ def test_a_halt_without_xdist_ends_the_run_with_its_code_and_summary(tmp_path, p
     hang_case(path)
     table = result.stdout[result.stdout.index("rpa-harness summary") :]
     assert "ENDED" in table and "device halted (FAILED_PRECONDITION" in table, table
+
+
+def test_a_fault_a_call_leaves_for_the_next_is_replayed_after_the_calls_before_the_halt(
+    tmp_path, pytestconfig
+):
+    """tests.broken.leaves_the_chip_faulted returns on its first case of 2 or more query tokens and leaves the
+    chip faulted: the next call halts, on whatever case. That innocent case is the halt's repro, which names the
+    examples its process ran before it, the faulting one last; alone it passes, and after them it halts again."""
+    root = pytestconfig.rootpath
+    result = run(
+        "-m", "rpa_harness.cli", "run", "--profile", "dev", "--target", "tests.broken.leaves_the_chip_faulted",
+        "--backend", "fast-interpret", "-n", "0", "--repro-dir", str(tmp_path), "--", "-k",
+        ONLY_THE_POOLED_PROPERTY, "--hypothesis-seed=0", cwd=root,
+    )  # fmt: skip
+    path = tmp_path / "differential_fast-interpret.json"
+    assert result.returncode == backends.HALT_EXIT_CODE, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "preceded by: 2 example(s) in this process, in the repro's preceded_by" in result.stderr
+    meta = json.loads(path.read_text())
+    assert meta["halt"] is not None and len(meta["preceded_by"]) == recording.EXAMPLES_BEFORE_A_HALT
+    faulting = Case.from_json(meta["preceded_by"][-1]["case"])
+    assert faulting.q_lens[0] >= 2, f"the example just before the halt is the one that faulted: {faulting}"
+
+    replay = run("-m", "rpa_harness.cli", "replay", str(path), cwd=root)
+    output = replay.stdout + replay.stderr
+    assert replay.returncode == 1, output[-3000:]
+    assert "the device did not halt in this process)" in replay.stdout, "alone, in its own process, it passes"
+    assert (
+        "FAILS: halts the device after its predecessor(s) ran in the same process: the fault is left by an "
+        "earlier call (" in replay.stderr
+    ), output[-3000:]
+    assert faulting.describe() in replay.stderr, "the verdict names the faulting case"
+
+    alone = run("-m", "rpa_harness.cli", "replay", str(path), "--predecessors", "skip", cwd=root)
+    assert alone.returncode == 0 and "passes now" in alone.stdout, alone.stdout + alone.stderr
