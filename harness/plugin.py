@@ -55,7 +55,7 @@ from hypothesis.database import (
 )
 from rpa_harness import backends, checks, generations, known_issues, repro, runlog, targets
 from rpa_harness.recording import DEVICE_HALTED, CannotRunHere, preceded_by_line
-from rpa_harness.reference.tolerance import BF16_MATMUL, CONTRACTS
+from rpa_harness.reference.tolerance import BF16_MATMUL, CONTRACTS, TPU_TRANSCENDENTALS
 from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, from_options, in_cli_terms
 
 DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
@@ -645,6 +645,8 @@ def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
         if target.product_precision == targets.DEFAULT_PRODUCTS
         else ""
     )
+    if any(backend.name == backends.TPU for backend in run.backends):
+        chip_products += f", + {TPU_TRANSCENDENTALS} on a chip (its float32 exp, tanh and division)"
     return [
         f"rpa-harness {harness}: target {target.name}{version}",
         f"  backends: {backends_line} (interpreter compat {compat}); jax {jax.__version__}",

@@ -61,6 +61,7 @@ class OracleResult:
     )  # float64 [T, H, D]: sum of p_k |v_k| over keys whose weight is below f32's normal range
     # What the precision contracts other than float32 need (``rpa_harness.reference.tolerance.CONTRACTS``):
     page_size: int
+    soft_cap: float  # 0 for none: a capped logit is within (-soft_cap, soft_cap)
     key_dtype: np.dtype  # K as the kernel multiplies it: q's dtype when k_scale is set, else the KV dtype
     value_dtype: np.dtype  # V likewise (v_scale)
     dot_sensitivity: np.ndarray  # float64 [T, H, D]: bound on sum_k p_k A_k |v_k - o|
@@ -586,6 +587,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options: Opt
         row_token=row_token,
         row_kv_len=row_kv_len,
         page_size=page_size,
+        soft_cap=0.0 if options.soft_cap is None else abs(float(options.soft_cap)),
         key_dtype=_value_dtype(kv_pages.dtype, options.k_scale, q.dtype),
         value_dtype=value_dtype,
         rescale_unit=rescale_unit,

@@ -18,7 +18,9 @@ contract in ``precision`` switches on the choice it names, the way production ke
   (three products, lo * lo dropped), float32 accumulation;
 - approx-reciprocal: the output is acc * (1 / l) * (1 + rho) with |rho| = the stated maximum (sign drawn per
   row), the worst an approximate reciprocal may do;
-- approx-reciprocal-for-narrow-output: that choice for an output narrower than float32 only.
+- approx-reciprocal-for-narrow-output: that choice for an output narrower than float32 only;
+- tpu-transcendentals: every float32 exp, tanh and division off by the stated number of ulps (a relative
+  error of that many u32, sign drawn per element), the worst a TPU's may do.
 
 The options are the specification's, its extensions included (``q_scale``, ``mask_value_meaning``,
 ``attention_sink``: the running max starts at the sink and the running sum at its weight 1, as kernels
@@ -40,6 +42,11 @@ from rpa_harness.reference.tolerance import (
     PROBABILITIES_IN_CACHE_DTYPE,
     PROBABILITIES_IN_VALUE_DTYPE,
     SOFTMAX_IN_OUTPUT_DTYPE,
+    TPU_DIVIDE_ULPS,
+    TPU_EXP_ULPS,
+    TPU_TANH_ULPS,
+    TPU_TRANSCENDENTALS,
+    U32,
     parse_precision,
 )
 from rpa_harness.spec.interface import MASK_REPLACES, Options
@@ -114,6 +121,15 @@ def contract_attention(
     rounded_softmax = SOFTMAX_IN_OUTPUT_DTYPE in precision
     scalings = [np.float32(f) for f in (sm_scale, q_scale) if f is not None]
     rng = np.random.default_rng(seed)
+    chip = TPU_TRANSCENDENTALS in precision
+
+    def off_by(x, ulps):
+        """``x`` with the relative error of a TPU operation that many ulps from correctly rounded."""
+        if not chip:
+            return x
+        sign = rng.choice(np.array([-1.0, 1.0], np.float32), size=np.shape(x))
+        return (x * (1.0 + sign * ulps * U32)).astype(np.float32)
+
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_combined, _ = kv_pages.shape
     group = num_q_heads // (num_combined // 2)
@@ -150,7 +166,8 @@ def contract_attention(
             else:
                 logits = _product(rows, k[keys], "qhd,khd->hqk", passes) * score_scale
                 if soft_cap is not None:
-                    logits = np.float32(soft_cap) * np.tanh(logits / np.float32(soft_cap))
+                    quotient = off_by(logits / np.float32(soft_cap), TPU_DIVIDE_ULPS)
+                    logits = np.float32(soft_cap) * off_by(np.tanh(quotient), TPU_TANH_ULPS)
             masked = (keys[None, :] > positions[:, None]) & use_causal_mask
             if sliding_window is not None:
                 masked |= positions[:, None] - sliding_window >= keys[None, :]
@@ -167,7 +184,7 @@ def contract_attention(
                 m_new = np.maximum(m, _round(block_max, out_dtype))
                 weights = _round(np.exp(_round(logits - m_new, out_dtype)), out_dtype)
             else:
-                weights = np.exp(logits - m_new)
+                weights = off_by(np.exp(logits - m_new), TPU_EXP_ULPS)
             row_sum = weights.sum(axis=-1, keepdims=True)
             if PROBABILITIES_IN_VALUE_DTYPE in precision:
                 weights = _round(weights, value_dtype)
@@ -179,7 +196,7 @@ def contract_attention(
                 total = _round(_round(rescale * total, out_dtype) + _round(row_sum, out_dtype), out_dtype)
                 acc = _round(_round(rescale * acc, out_dtype) + _round(block_pv, out_dtype), out_dtype)
             else:
-                rescale = np.exp(m - m_new)
+                rescale = off_by(np.exp(m - m_new), TPU_EXP_ULPS)
                 total = rescale * total + row_sum
                 acc = rescale * acc + block_pv
             m = m_new
@@ -191,6 +208,6 @@ def contract_attention(
                 (np.float32(1.0) / total) * (np.float32(1.0) + sign * np.float32(APPROX_RECIPROCAL_ERROR))
             )
         else:
-            rows_out = acc / total
+            rows_out = off_by(acc / total, TPU_DIVIDE_ULPS)
         out[start:end] = rows_out.transpose(1, 0, 2)
     return out.astype(out_dtype).astype(q.dtype)

@@ -57,7 +57,13 @@ from pathlib import Path
 import jax
 from rpa_harness import generations, known_issues, property_names
 from rpa_harness.backends import TPU
-from rpa_harness.reference.tolerance import BF16_MATMUL, DEFAULT_PRECISION, PrecisionError, parse_precision
+from rpa_harness.reference.tolerance import (
+    BF16_MATMUL,
+    DEFAULT_PRECISION,
+    TPU_TRANSCENDENTALS,
+    PrecisionError,
+    parse_precision,
+)
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.violations import RULES, check_table
 
@@ -140,10 +146,15 @@ class Target:
     def precision_on(self, backend) -> tuple[str, ...]:
         """The contract its outputs are judged under on ``backend``: the declared one, plus ``bf16-matmul``
         where a TPU generation (a chip, or one an interpreter emulates) multiplies its float32 operands at
-        DEFAULT precision in one bfloat16 pass. That is what the chip computes, not a looser tolerance."""
+        DEFAULT precision in one bfloat16 pass, plus ``tpu-transcendentals`` on a chip, whose exp, tanh and
+        division are not correctly rounded (the interpreters' are). That is what the chip computes, not a
+        looser tolerance."""
+        precision = self.precision
         if self.product_precision == DEFAULT_PRODUCTS and backend.has_tpu_generation:
-            return parse_precision((*self.precision, BF16_MATMUL))
-        return self.precision
+            precision = (*precision, BF16_MATMUL)
+        if backend.name == TPU:
+            precision = (*precision, TPU_TRANSCENDENTALS)
+        return parse_precision(precision)
 
     def __repr__(self) -> str:  # one line where Hypothesis prints a failing example's arguments
         return f"Target({self.name!r})"

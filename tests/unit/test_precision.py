@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 from rpa_harness import cli, reference, repro, targets
-from rpa_harness.backends import FAST_INTERPRET, Backend
+from rpa_harness.backends import FAST_INTERPRET, TPU, Backend
 from rpa_harness.checks import PropertyFailure, check_differential
 from rpa_harness.plugin import settings_of
 from rpa_harness.property_names import DIFFERENTIAL, PropertyName
@@ -28,6 +28,7 @@ from rpa_harness.reference.tolerance import (
     PROBABILITIES_IN_CACHE_DTYPE,
     PROBABILITIES_IN_VALUE_DTYPE,
     SOFTMAX_IN_OUTPUT_DTYPE,
+    TPU_TRANSCENDENTALS,
     contract_error,
 )
 from rpa_harness.reference.variants import contract_attention
@@ -334,6 +335,17 @@ def test_products_at_default_are_judged_with_bf16_matmul_on_a_tpu_generation_onl
     assert bundled.precision_on(on_v5e) == bundled.precision_on(on_cpu) == (FLOAT32,)
 
 
+def test_on_a_chip_every_target_is_judged_with_the_chips_transcendentals():
+    """Only a chip computes exp, tanh and division as a TPU does: the interpreters, emulating a generation
+    or not, compute them as the CPU does."""
+    upstream = targets.load(targets.UPSTREAM_TARGET)
+    bundled = targets.load("rpa_harness.kernel")
+    chip = Backend(TPU)
+    assert upstream.precision_on(chip) == (FLOAT32, BF16_MATMUL, TPU_TRANSCENDENTALS)
+    assert bundled.precision_on(chip) == (FLOAT32, TPU_TRANSCENDENTALS)
+    assert TPU_TRANSCENDENTALS not in bundled.precision_on(Backend(FAST_INTERPRET, generation="v5e"))
+
+
 def test_a_kernel_promising_highest_that_multiplies_at_default_fails_on_an_emulated_generation():
     """The bundled kernel before it asked for HIGHEST: it passes on a CPU device and fails where an
     interpreter multiplies as the chip does, diagnosed by name; the bundled kernel passes there."""
@@ -346,3 +358,18 @@ def test_a_kernel_promising_highest_that_multiplies_at_default_fails_on_an_emula
     assert f"diagnosis: consistent with {BF16_MATMUL} (max error/bound " in str(failure.value)
     assert "float32 operands multiplied in one bfloat16 pass" in str(failure.value)
     assert check_differential(targets.load("rpa_harness.kernel"), on_v5e, arrays, {}).ok
+
+
+@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(F32, F32), (BF16, BF16)], ids=str)
+def test_a_chips_exp_tanh_and_division_fail_float32_and_pass_under_tpu_transcendentals(q_dtype, kv_dtype):
+    """A soft-capped call whose exp, tanh and division are each as far from correctly rounded as a TPU's
+    may be (``tpu-transcendentals``): float32's bound does not hold them (the chip's tanh alone is 1,365 ulp
+    off), the contract's does."""
+    arrays = long_case(q_dtype, kv_dtype)
+    options = dict(sm_scale=0.25, soft_cap=30.0)
+    result = oracle(**arrays, **options)
+    assert compare(contract_attention(**arrays, **options), result).ok
+    out = contract_attention(**arrays, **options, precision=(TPU_TRANSCENDENTALS,))
+    assert not compare(out, result).ok
+    declared = compare(out, result, precision=(TPU_TRANSCENDENTALS,))
+    assert declared.ok, str(declared)
