@@ -13,7 +13,7 @@ import contextlib
 import os
 
 import pytest
-from rpa_harness import backends, known_issues, repro, runlog
+from rpa_harness import backends, generations, known_issues, lowering, repro, runlog
 from rpa_harness.checks import CannotRun, RaisedOnValidInput
 from rpa_harness.property_names import PropertyName
 from rpa_harness.strategies.coverage import coverage_labels
@@ -72,6 +72,14 @@ def preceded_by_line(halt: repro.Repro) -> str:
     )
 
 
+def recorded_generation(backend) -> str:
+    """The generation a repro records: the one an interpreter emulated, or the chip's own on a chip (a
+    replay on an interpreter then emulates it)."""
+    if backend.name == backends.TPU:
+        return lowering.real_tpu_generation() or generations.NONE
+    return backend.generation
+
+
 def current_test() -> str:
     return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
 
@@ -108,7 +116,7 @@ class Recorded:
             self.notes.update(shape_notes(self.case))
         self.example = repro.Repro(
             str(name), target.name, backend.name, arrays, options, kind=name.kind,
-            interpreter_compat=backend.interpreter_compat, tpu_generation=backend.generation, test=current_test(),
+            interpreter_compat=backend.interpreter_compat, tpu_generation=recorded_generation(backend), test=current_test(),
             precision=getattr(target, "precision", None), **fields,
         )  # fmt: skip
         self.hang_watch = contextlib.ExitStack()

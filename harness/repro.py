@@ -72,7 +72,7 @@ class Repro:
     preceded_by: list[dict] = dataclasses.field(default_factory=list)
     test: str = ""  # the pytest node id that wrote it
     precision: tuple[str, ...] | None = None  # the target's precision contract when it failed
-    tpu_generation: str = "none"  # the TPU generation the interpreter emulated (rpa_harness.generations)
+    tpu_generation: str = "none"  # the TPU generation emulated, or the chip's own (rpa_harness.generations)
     kind: str = ""  # which check re-runs it (``property_names.KINDS``); empty: read from ``property``
     arrays_file: Path | None = None  # the NPZ ``read`` took the arrays from
     in_flight: bool = False  # a pending file's example, its arrays rebuilt from its case

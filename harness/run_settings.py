@@ -145,6 +145,8 @@ def for_repro(
     compatibility setting and generation, and the precision contract it failed under (a repro written
     before contracts were recorded is judged under the target's own)."""
     generation = tpu_generation or repro.tpu_generation
+    if (backend or repro.backend) == backends.TPU and tpu_generation is None:
+        generation = generations.NONE  # a chip is the chip it is; the recorded one says where it ran
     compat = repro.interpreter_compat if interpreter_compat is None else interpreter_compat
     try:
         chosen = Backend(backend or repro.backend, compat, generation)

@@ -322,6 +322,26 @@ def with_one_head_block(case: Case) -> Case:
     return dataclasses.replace(case, num_kv_heads=combined // 2, num_q_heads=combined // 2 * group)
 
 
+# --- 8. zero-query-sequence-halts-the-chip --------------------------------------------------------------
+
+
+def zero_query_sequence(case: Case) -> bool:
+    """A live sequence with no query tokens (q_len == 0, whatever its kv_len): on a v5e every halting case
+    had one, in the halting call or the call before it."""
+    return 0 in case.q_lens
+
+
+def without_zero_query_sequences(case: Case) -> Case:
+    """The sequences that have query tokens; where none has, the first with one query token."""
+    if any(q > 0 for q in case.q_lens):
+        return keep_sequences(case, [q > 0 for q in case.q_lens])
+    return dataclasses.replace(case, q_lens=(1,), kv_lens=(max(1, case.kv_lens[0]),))
+
+
+# What a halted chip's runtime error says (``backends.HALT_MESSAGES``), as a halt repro records it.
+HALTED = r"device halted|RuntimeUnexpectedCoreHalt|continuator has halted|TPU_EXECUTE_ERROR"
+
+
 # --- The catalogue -----------------------------------------------------------------------------------------
 
 RPA_HARNESS_CATALOGUE = (
@@ -377,6 +397,15 @@ RPA_HARNESS_CATALOGUE = (
         with_one_head_block,
         r"does not compile for .*last two dimensions of your block shape are divisible by 8 and 128",
         backends=CHIP_COMPILER,
+    ),
+    KnownIssue(
+        "zero-query-sequence-halts-the-chip",
+        "a sequence with no query tokens halts a TPU v5e (RuntimeUnexpectedCoreHalt), in its call or the next",
+        FINDINGS / "zero-query-sequence-halts-the-chip" / "differential_tpu.json",
+        zero_query_sequence,
+        without_zero_query_sequences,
+        HALTED,
+        backends=(backends.TPU,),
     ),
     KnownIssue(
         "tuned-blocks-overflow-default-vmem",
