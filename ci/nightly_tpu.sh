@@ -5,7 +5,7 @@
 # rounds until RPA_TIME_BUDGET seconds are spent, against our kernel and upstream's. Each round prints one
 # line; `rpa-harness run` prints progress while it runs and its summary table after.
 # The Hypothesis example database lives in $RPA_HYPOTHESIS_DB (restore it before, save it after, even on
-# failure); repro files go to $RPA_REPRO_DIR/<target>/. Never run on hardware from this repo's CI.
+# failure); repro files go to $RPA_REPRO_DIR/<target>/. This repo's CI has no TPU and never runs it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install_for_tpu.sh || exit 4

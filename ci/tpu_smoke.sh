@@ -4,7 +4,7 @@
 # few examples of every property compiled for the TPU (--rpa-backend=tpu) against our kernel and upstream's,
 # each ending with the summary table. Meant to finish in under 10 minutes; each target is cut off after
 # RPA_SMOKE_SECONDS (default 270 s) and that counts as a failure.
-# Never run on hardware from this repo's CI (it has no TPU): written to jax's documented device API.
+# Run on a TPU v5e (docs/measurements.md, "On a TPU v5e"); this repo's CI has no TPU and never runs it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install_for_tpu.sh || exit 4
