@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rpa_harness import targets
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted([*ROOT.glob("ci/*.sh"), ROOT / ".ci" / "run"])
@@ -55,3 +56,21 @@ def test_the_newest_jax_only_modules_exist_and_are_documented():
     doc = (ROOT / "docs" / "test-suite.md").read_text()
     assert modules and [m for m in modules if not (ROOT / m).is_file()] == []
     assert [m for m in modules if Path(m).name not in doc] == []
+
+
+def test_a_chip_session_names_its_steps_and_calibrates_every_shipped_target_this_jax_runs(tmp_path):
+    """An unknown step is a usage error (exit 4) naming the steps; the calibration covers every shipped
+    target but the two ci/tpu_smoke.sh runs and the one that needs jax >= 0.12."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env["RPA_CHIP_LOGS"] = str(tmp_path / "logs")
+    result = subprocess.run(
+        ["bash", str(ROOT / "ci" / "chip_session.sh"), "smoke-test"], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert (
+        "unknown step 'smoke-test'; steps: smoke calibrate agreement arithmetic throughput" in result.stderr
+    )
+    text = (ROOT / "ci" / "chip_session.sh").read_text()
+    calibrated = set(re.findall(r"rpa_harness\.targets\.\w+", text))
+    shipped = {s.name for s in targets.SHIPPED if s.name.startswith("rpa_harness.targets.")}
+    assert calibrated == shipped - {"rpa_harness.targets.tpu_inference_mla_swa"}, shipped ^ calibrated
