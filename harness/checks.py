@@ -210,7 +210,8 @@ def check_compiles(target: Target, backend: Backend, arrays: dict, options: dict
     generation = backend.generation
     chip = f"{generation} ({generations.DEVICE_KINDS.get(generation, 'unknown')})"
     try:
-        ahead_of_time.compile_for(generation, lambda **inputs: target.attention(inputs, options), arrays)
+        call, inputs = _compiled_call(target, generation, arrays, options)
+        ahead_of_time.compile_for(generation, call, inputs)
     except ahead_of_time.CompilerUnavailable as error:
         raise CannotRun(str(error)) from None
     except _NEEDS_CONCRETE_VALUES as error:
@@ -228,6 +229,23 @@ def check_compiles(target: Target, backend: Backend, arrays: dict, options: dict
             error_type,
             message.removeprefix(f"{error_type}: "),
         ) from None
+
+
+def _compiled_call(target: Target, generation: str, arrays: dict, options: dict):
+    """What the compile property compiles, and on which arrays: the target's call on the case's arrays, or
+    the kernel function and arguments its ``compiled_call`` maps them to on the host (under the
+    generation's emulation, as the call would map them on that chip)."""
+    if target.compiled_call is None:
+        return (lambda **inputs: target.attention(inputs, options)), arrays
+    with generations.emulated(generation), generations.hooked(target.generation_hook):
+        function, arguments = target.compiled_call(arrays, options)
+    present = {f"argument_{index}": value for index, value in enumerate(arguments) if value is not None}
+
+    def call(**inputs):
+        with generations.hooked(target.generation_hook):
+            return function(*(inputs.get(f"argument_{index}") for index in range(len(arguments))))
+
+    return call, present
 
 
 def _real_chip() -> str:

@@ -30,6 +30,11 @@ Its profile is read from these module attributes, each optional:
 - ``RPA_HARNESS_KERNEL``: for an adapter that imports its kernel on first use (so that its catalogue
   imports without the kernel), the function that imports it, raising ImportError with how to install it:
   loading the target calls it, so a missing kernel is one usage error, not a failure of every call.
+- ``RPA_HARNESS_COMPILED_CALL``: for an adapter that maps a call on the host (reading its inputs'
+  values with NumPy), a function ``(arrays, options) -> (kernel function, positional arguments)``: what the
+  chip compiles for those arrays, mapped here, the arguments NumPy arrays or None. The compile property
+  compiles that function on their shapes (without it, it compiles ``ragged_paged_attention`` on the
+  case's shapes, which such an adapter cannot be traced on).
 - ``RPA_HARNESS_REPORT``: for a kernel whose API is not upstream's, its own ``rpa-harness report``: a
   function ``(path, repro, backend, known_issue, shown_path, *, precision, with_script_output)`` (the
   repro's settings as ``rpa_harness.run_settings.for_repro`` resolves them) returning the Markdown
@@ -142,6 +147,7 @@ class Target:
     product_precision: str = (
         HIGHEST_PRODUCTS  # what its float32 products pass (RPA_HARNESS_PRODUCT_PRECISION)
     )
+    compiled_call: Callable | None = None  # (arrays, options) -> (kernel function, arguments) to compile
 
     def precision_on(self, backend) -> tuple[str, ...]:
         """The contract its outputs are judged under on ``backend``: the declared one, plus ``bf16-matmul``
@@ -287,6 +293,7 @@ PROFILE_ATTRIBUTES = (
     "RPA_HARNESS_PROPERTIES",
     "RPA_HARNESS_UPDATES_CACHE",
     "RPA_HARNESS_KERNEL",
+    "RPA_HARNESS_COMPILED_CALL",
 )
 
 
@@ -388,6 +395,12 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
             f"--rpa-target={name}: RPA_HARNESS_GENERATION_HOOK is {hook!r}; declare a function of the "
             "generation name that returns a context manager"
         )
+    compiled_call = getattr(profile, "RPA_HARNESS_COMPILED_CALL", None)
+    if compiled_call is not None and not callable(compiled_call):
+        raise TargetError(
+            f"--rpa-target={name}: RPA_HARNESS_COMPILED_CALL is {compiled_call!r}; declare a function "
+            "(arrays, options) -> (kernel function, positional arguments), or leave it out"
+        )
     report = getattr(profile, "RPA_HARNESS_REPORT", None)
     if report is not None and not callable(report):
         raise TargetError(
@@ -406,7 +419,7 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
     version = _version(name, module, profile)
     return Target(
         name, module, capabilities, precision, issues, rules, catalogue, version, hook, report, properties,
-        updates_cache, product_precision,
+        updates_cache, product_precision, compiled_call,
     )  # fmt: skip
 
 

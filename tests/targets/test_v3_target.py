@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
-from rpa_harness import generations, known_issues, targets
+from rpa_harness import ahead_of_time, generations, known_issues, targets
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
-from rpa_harness.checks import numeric_failure
+from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU_COMPILER, Backend
+from rpa_harness.checks import check_compiles, numeric_failure
 from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.property_names import PropertyName
 from rpa_harness.recording import closeness_notes, recorded
@@ -506,3 +506,22 @@ def test_the_int16_window_finding_needs_v6_packed_queries_and_a_window_that_wrap
     assert not on_v6e.matches(dataclasses.replace(case, q_dtype="float32"))
     assert not on_v6e.matches(dataclasses.replace(case, sliding_window=32767 - case.kv_capacity))
     assert on_v6e.matches(dataclasses.replace(case, sliding_window=32768 - case.kv_capacity))
+
+
+@pytest.mark.skipif(
+    ahead_of_time.unavailable_reason() is not None, reason=str(ahead_of_time.unavailable_reason())
+)
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_v3_compiles_ahead_of_time_through_its_host_mapping(generation):
+    """v3's adapter maps a call with NumPy, so it cannot be traced on shapes alone; its compiled call maps
+    the case's stand-in arrays on the host and the compiler compiles v3's kernel function on the mapped
+    arguments' shapes. A decode and a prefill sequence, bfloat16, 8 query heads over 2 KV heads."""
+    case = Case(
+        max_num_batched_tokens=32, max_num_seqs=2, pages_per_seq=8, total_num_pages=17, page_size=16,
+        num_q_heads=8, num_kv_heads=2, head_dim=128, q_dtype="bfloat16", kv_dtype="bfloat16",
+        q_lens=(1, 20), kv_lens=(40, 100),
+    )  # fmt: skip
+    compiler = Backend(TPU_COMPILER, True, generation)
+    check_compiles(TARGET, compiler, repro_files.stand_ins(case.array_shapes()), case.options())
+    function, arguments = TARGET.compiled_call(case.arrays(), case.options())
+    assert function.func is v3target.kernel().ragged_paged_attention and len(arguments) == 8

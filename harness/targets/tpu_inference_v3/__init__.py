@@ -35,6 +35,7 @@ from rpa_harness.targets.tpu_inference_v3.adapter import (  # noqa: F401  (the a
     KernelInputs,
     V3Inputs,
     call_v3,
+    compiled_call,
     device_arrays,
     dynamic_validate_inputs,
     given_block_options,
@@ -127,6 +128,7 @@ RPA_HARNESS_KNOWN_ISSUES = tuple(
 )
 RPA_HARNESS_VERSION = run_header()
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
+RPA_HARNESS_COMPILED_CALL = compiled_call  # the compile property's: the adapter maps a call with NumPy
 
 
 def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)

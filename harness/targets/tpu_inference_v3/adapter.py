@@ -445,6 +445,14 @@ def device_arrays(args) -> list:
     return [None if a is None else jax.device_put(a) for a in args]
 
 
+def compiled_call(arrays: dict, options: dict, module: types.ModuleType | None = None):
+    """What the chip compiles for an upstream-style call (the compile property): the kernel function with
+    its keyword options, and its positional arguments as mapped here (their shapes are what matter)."""
+    module = module or kernel()
+    inputs = v3_inputs(**arrays, module=module, **options)
+    return functools.partial(module.ragged_paged_attention, **inputs.kwargs), inputs.args
+
+
 def call_v3(inputs: V3Inputs):
     """Runs v3 (on whatever backend the caller's context selects): ``(attention, updated packed cache)``."""
     return jitted(kernel().ragged_paged_attention, inputs.kwargs)(*device_arrays(inputs.args))
