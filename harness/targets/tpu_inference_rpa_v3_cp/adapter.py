@@ -25,11 +25,6 @@ def cp_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options
     return v3.v3_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, module=kernel(), **options)
 
 
-def compiled_call(arrays: dict, options: dict):
-    """What the chip compiles for an upstream-style call: v3's mapping, the fork's kernel function."""
-    return v3.compiled_call(arrays, options, module=kernel())
-
-
 def call_cp(inputs: v3.V3Inputs):
     """Runs the fork (on whatever backend the caller's context selects): ``(attention, updated cache)``."""
     return v3.jitted(kernel().ragged_paged_attention, inputs.kwargs)(*v3.device_arrays(inputs.args))
