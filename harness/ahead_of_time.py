@@ -36,15 +36,10 @@ TOPOLOGY_NAMES = {
 # exceed SMEM.
 _VMEM_MARKERS = ("CompileTimeScopedVmemOom", "scoped vmem", "memory space vmem", "space=vmem")
 _SMEM_MARKERS = ("space=smem",)
-# How Pallas' TPU lowering and Mosaic word a refusal, where a kernel call on a chip raises one.
+# How Pallas' TPU lowering and Mosaic word a refusal, where a kernel call on a chip raises one (besides
+# the VMEM and SMEM overflows above).
 _REFUSAL_TYPES = ("MosaicError", "LoweringException")
-_REFUSAL_MARKERS = (
-    "Mosaic failed to compile",
-    "Pallas TPU lowering",
-    "pallas-blockspec",
-    "CompileTimeScopedVmemOom",
-    "exceeded scoped vmem limit",
-)
+_REFUSAL_MARKERS = ("Mosaic failed to compile", "Pallas TPU lowering", "pallas-blockspec")
 
 
 class CompilerRefusal(Exception):
@@ -126,8 +121,8 @@ def compile_for(generation: str, call, arrays: dict):
     from rpa_harness import lowering
 
     real = lowering.real_tpu_generation()
-    if real is not None and (reason := unavailable_reason(generation)) is not None:
-        raise CompilerUnavailable(reason)
+    if real is not None and real != generation:
+        raise CompilerUnavailable(str(unavailable_reason(generation)))
     # On the chip itself the kernel sees the chip and compiles for it; elsewhere for a topology's device,
     # inside the generation's emulation.
     device = jax.devices()[0] if real is not None else topology_device(generation)
@@ -171,7 +166,12 @@ def is_refusal(error: BaseException) -> bool:
     compiles and runs, so the error is told apart by its type and words."""
     seen: BaseException | None = error
     while seen is not None:
-        if type(seen).__name__ in _REFUSAL_TYPES or any(marker in str(seen) for marker in _REFUSAL_MARKERS):
+        if (
+            type(seen).__name__ in _REFUSAL_TYPES
+            or any(marker in str(seen) for marker in _REFUSAL_MARKERS)
+            or is_vmem_overflow(seen)
+            or is_smem_overflow(seen)
+        ):
             return True
         seen = seen.__cause__ or seen.__context__
     return False

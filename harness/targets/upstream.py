@@ -10,6 +10,7 @@ the next block into the other half of a double buffer before it waits for the cu
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
@@ -338,8 +339,8 @@ def without_zero_query_sequences(case: Case) -> Case:
     return dataclasses.replace(case, q_lens=(1,), kv_lens=(max(1, case.kv_lens[0]),))
 
 
-# What a halted chip's runtime error says (``backends.HALT_MESSAGES``), as a halt repro records it.
-HALTED = r"device halted|RuntimeUnexpectedCoreHalt|continuator has halted|TPU_EXECUTE_ERROR"
+# A halted chip's runtime error, which a halt repro's failure quotes (``backends.HALT_MESSAGES``).
+HALTED = "|".join(re.escape(message) for message in backends.HALT_MESSAGES)
 
 
 # --- The catalogue -----------------------------------------------------------------------------------------
