@@ -455,7 +455,7 @@ RPA_HARNESS_CATALOGUE = (
         "row-sum-accumulated-in-bfloat16",
         "with bfloat16 accumulators (bfloat16 queries) v3 sums each chunk's softmax weights in bfloat16: "
         "weights below half an ulp of the running sum are lost and the denominator comes out short",
-        FINDINGS / "row-sum-accumulated-in-bfloat16" / "differential-any-config_fast-interpret-v6e.json",
+        FINDINGS / "row-sum-accumulated-in-bfloat16" / "differential_fast-interpret-v6e.json",
         v3_row_sum_rounds_away_weights,
         with_weights_a_bfloat16_sum_keeps,
         NUMERIC_MISMATCH,
@@ -468,13 +468,14 @@ RPA_HARNESS_CATALOGUE = (
             'the sum can lose up to `bkv_csz - 1` roundings. The comment above it ("if converting the type '
             'too early, there will be accuracy issue") and the `P @ V` beside it (`preferred_element_type='
             "jnp.float32`, then cast) suggest the intent was to sum in float32 and round once: "
-            "`jnp.sum(p, axis=1, keepdims=True).astype(out_dtype)`. In the repro every value is 1, so the "
-            "output must be exactly 1; one key has weight 1 and 63 have weight 0.0035 each (below 2^-8, half "
-            "an ulp of 1): the denominator is 1.22, the kernel's about 1.11, and the output 1.10. On the CPU "
+            "`jnp.sum(p, axis=1, keepdims=True).astype(out_dtype)`. In the hand-made repro (`dominant-key`) "
+            "every value is 1, so the output must be exactly 1; one key has weight 1 and 63 have weight 0.0035 "
+            "each (below 2^-8, half an ulp of 1): the denominator is 1.22, the kernel's about 1.11, and the "
+            "output 1.10. In the drawn one a finite mask value gives each masked key such a weight. On the CPU "
             "interpreters XLA adds a short row in order and a long one in several partial sums; the order a "
             "TPU's reduction takes has not been checked on hardware."
         ),
-        releases=">=0.18.0",  # earlier kernels accumulate in float32 (both repros pass there)
+        releases=">=0.18.0",  # earlier kernels accumulate in float32
     ),
     KnownIssue(
         "default-blocks-break-v3s-own-rules",
