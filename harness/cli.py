@@ -33,7 +33,7 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from rpa_harness import backends, generations, progress, runlog
+from rpa_harness import backends, bench, generations, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import AUTO, BACKENDS, Backend
 from rpa_harness.property_names import COMPILATION, DIFFERENTIAL, KINDS, PADDING
@@ -771,6 +771,7 @@ def parser() -> argparse.ArgumentParser:
     report_parser.add_argument("--target", help="module to report on (default: the one in the repro)")
     report_parser.add_argument("--backend", choices=BACKENDS, help="default: the one in the repro")
     report_parser.add_argument("--run-script", action="store_true", help="run the script, show its output")
+    bench.add_parser(commands)
     return top
 
 
@@ -783,7 +784,7 @@ def main(argv=None) -> int:
     os.environ.update(backends.faster_cpu_compilation(os.environ))  # before the first computation
     if args.command in ("replay", "report"):
         import_from_the_current_folder()
-    return {"replay": replay, "run": run, "report": report}[args.command](args)
+    return {"replay": replay, "run": run, "report": report, "bench": bench.bench}[args.command](args)
 
 
 def import_from_the_current_folder() -> None:

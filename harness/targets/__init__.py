@@ -34,7 +34,10 @@ Its profile is read from these module attributes, each optional:
   values with NumPy), a function ``(arrays, options) -> (kernel function, positional arguments)``: what the
   chip compiles for those arrays, mapped here, the arguments NumPy arrays or None. The compile property
   compiles that function on their shapes (without it, it compiles ``ragged_paged_attention`` on the
-  case's shapes, which such an adapter cannot be traced on).
+  case's shapes, which such an adapter cannot be traced on). ``rpa-harness bench`` times that function too
+  (the mapping done once, outside the timing).
+- ``RPA_HARNESS_BASELINE``: the module name of the target ``rpa-harness bench`` compares this one with
+  (default upstream's kernel): a fork of v3 names v3.
 - ``RPA_HARNESS_REPORT``: for a kernel whose API is not upstream's, its own ``rpa-harness report``: a
   function ``(path, repro, backend, known_issue, shown_path, *, precision, with_script_output)`` (the
   repro's settings as ``rpa_harness.run_settings.for_repro`` resolves them) returning the Markdown
@@ -148,6 +151,7 @@ class Target:
         HIGHEST_PRODUCTS  # what its float32 products pass (RPA_HARNESS_PRODUCT_PRECISION)
     )
     compiled_call: Callable | None = None  # (arrays, options) -> (kernel function, arguments) to compile
+    baseline: str | None = None  # the target `rpa-harness bench` compares it with (RPA_HARNESS_BASELINE)
 
     def precision_on(self, backend) -> tuple[str, ...]:
         """The contract its outputs are judged under on ``backend``: the declared one, plus ``bf16-matmul``
@@ -293,6 +297,7 @@ PROFILE_ATTRIBUTES = (
     "RPA_HARNESS_PROPERTIES",
     "RPA_HARNESS_UPDATES_CACHE",
     "RPA_HARNESS_KERNEL",
+    "RPA_HARNESS_BASELINE",
     "RPA_HARNESS_COMPILED_CALL",
 )
 
@@ -416,10 +421,16 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
             f"--rpa-target={name}: RPA_HARNESS_PROPERTIES is {properties!r}; declare a dict of kind -> "
             f"check(target, backend, arrays, options), kinds other than the built-in {', '.join(property_names.KINDS)}"
         )
+    baseline = getattr(profile, "RPA_HARNESS_BASELINE", None)
+    if baseline is not None and not isinstance(baseline, str):
+        raise TargetError(
+            f"--rpa-target={name}: RPA_HARNESS_BASELINE is {baseline!r}; declare the module name of the target "
+            "`rpa-harness bench` compares it with, or leave it out (upstream's kernel)"
+        )
     version = _version(name, module, profile)
     return Target(
         name, module, capabilities, precision, issues, rules, catalogue, version, hook, report, properties,
-        updates_cache, product_precision, compiled_call,
+        updates_cache, product_precision, compiled_call, ALIASES.get(baseline, baseline),
     )  # fmt: skip
 
 

@@ -74,3 +74,17 @@ def test_v3s_findings_declared_by_the_fork_read_its_choices():
         assert issue.matches(case)
         assert not v3_known_issues.for_module(issue, cp.kernel).matches(case)
     assert issue.name not in {i.name for i in TARGET.known_issues}
+
+
+def test_bench_times_the_fork_against_v3_and_v3_on_the_kernel_call_it_maps_to(capsys):
+    """The fork declares v3 its baseline; v3 is timed on its compiled call, whose inputs it donates (each
+    timed call gets them back on the device)."""
+    from rpa_harness import bench, cli
+
+    command = ["bench", "--backend", "fast-interpret", "--batch", "small", "--calls", "2"]
+    assert cli.main([*command, "--target", targets.V3_CP_TARGET]) == bench.PASSES
+    out = capsys.readouterr().out
+    assert f"{targets.V3_CP_TARGET}: timed on ragged_paged_attention, as users call it; x its baseline: over " \
+        f"{targets.V3_TARGET}'s median" in out  # fmt: skip
+    assert f"{targets.V3_TARGET}: timed on the kernel call it maps to" in out
+    assert TARGET.baseline == targets.V3_TARGET

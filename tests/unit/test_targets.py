@@ -88,6 +88,7 @@ def test_a_declared_rule_table_is_the_targets(monkeypatch):
         ({"RPA_HARNESS_CAPABILITIES": {"head_dims": (96,)}}, "RPA_HARNESS_CAPABILITIES"),
         ({"RPA_HARNESS_KNOWN_ISSUES": ("no-such-issue",)}, "unknown known issue 'no-such-issue'"),
         ({"RPA_HARNESS_UPDATES_CACHE": "yes"}, "RPA_HARNESS_UPDATES_CACHE is 'yes'; declare True"),
+        ({"RPA_HARNESS_BASELINE": 3}, "RPA_HARNESS_BASELINE is 3; declare the module name"),
         (
             {"dynamic_validate_inputs": None},
             "it has no dynamic_validate_inputs, but the specification's rule table",

@@ -35,6 +35,7 @@ RPA_HARNESS_PRODUCT_PRECISION = "default"
 RPA_HARNESS_PROPERTIES = dict.fromkeys((v3_target.ATTENTION_AND_CACHE, v3_target.HANG), check_both_outputs)
 RPA_HARNESS_VERSION = f"tpu-inference {v3_target.installed_version()} (experimental rpa_v3_cp, no CP)"
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
+RPA_HARNESS_BASELINE = v3_target.__name__  # `rpa-harness bench` times the fork against v3
 # v3's findings of the installed release, each replayed on the fork (docs/tpu-inference-v3-findings/): all
 # but one reproduce; its default block sizes keep v3's rules (the KV block rounded down to whole chunks), so
 # v3's default-blocks-break-v3s-own-rules does not. Their predicates read the fork's choices.
