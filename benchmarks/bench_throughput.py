@@ -1,11 +1,14 @@
 """Examples per minute of the differential properties on one backend, and where a minute goes.
 
     PYTHONPATH=. python benchmarks/bench_throughput.py [--backend tpu|fast-interpret|interpret]
-        [--targets rpa_harness.kernel,rpa_harness.targets.tpu_inference_v3] [--properties pooled,any-config]
+        [--targets rpa_harness.kernel,rpa_harness.targets.tpu_inference_v3]
+        [--properties pooled,pooled-groups,any-config]
         [--examples 150] [--seconds 120] [--cache cold,warm] [--cache-dir DIR]
 
 Runs in this process (on a chip, the one process that holds it), per target and property, the draws the
-shipped property makes (``valid_cases(pooled=True)`` or ``valid_case_groups``, the target's capabilities,
+shipped property makes (``pooled``: ``valid_cases(pooled=True)``, one case an example, as on the
+interpreters; ``pooled-groups``: ``valid_case_groups(pooled=True)``, several cases on one pooled
+configuration, as on a chip; ``any-config``: ``valid_case_groups``; the target's capabilities,
 known issues excluded, its precision contract on the backend), and times each stage of an example:
 
 - ``draw``: Hypothesis and the strategies;
@@ -54,6 +57,8 @@ def measure(
     precision = target.precision_on(backend)
     if prop == "pooled":
         strategy = valid_cases(capabilities, pooled=True, excluding=issues).map(lambda case: [case])
+    elif prop == "pooled-groups":
+        strategy = valid_case_groups(capabilities, max_cases=CASES_PER_CONFIG, pooled=True, excluding=issues)
     else:
         strategy = valid_case_groups(capabilities, max_cases=CASES_PER_CONFIG, excluding=issues)
     totals = dict.fromkeys(STAGES, 0.0)
@@ -166,7 +171,9 @@ def main() -> int:
     parser.add_argument(
         "--targets", default=DEFAULT_TARGETS, help=f"comma-separated (default {DEFAULT_TARGETS})"
     )
-    parser.add_argument("--properties", default="pooled,any-config", help="pooled, any-config or both")
+    parser.add_argument(
+        "--properties", default="pooled,any-config", help="pooled, pooled-groups, any-config, comma-separated"
+    )
     parser.add_argument("--examples", type=int, default=150, help="examples per row at most (default 150)")
     parser.add_argument(
         "--seconds", type=float, default=120.0, help="wall seconds per row at most (default 120)"

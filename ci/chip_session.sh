@@ -3,7 +3,7 @@
 # docs/measurements.md ("On a TPU v5e"), in steps, each with its own time limit and log, so that a session
 # of a few commands of under 10 minutes each can split them:
 #
-#   bash ci/chip_session.sh smoke calibrate agreement arithmetic throughput
+#   bash ci/chip_session.sh smoke calibrate agreement arithmetic throughput speed
 #
 #   smoke        ci/tpu_smoke.sh: the bundled kernel and upstream's, -n 1
 #   calibrate    every other shipped target that runs on this jax, its dev profile on the chip, -n 1
@@ -11,6 +11,7 @@
 #   agreement    ci/chip_agreement.py check on chip-carry/agreement
 #   arithmetic   benchmarks/chip_arithmetic.py
 #   throughput   benchmarks/bench_throughput.py --backend tpu, bundled and v3, failing cases kept
+#   speed        rpa-harness bench: the bundled kernel, upstream's and v3 at the serving batches
 #
 # Logs, repro folders and kept failures go to $RPA_CHIP_LOGS (default chip-logs/), and all of it into one
 # archive, $RPA_CHIP_LOGS.tgz (a machine that returns few files returns that one). Exit: 0 when every step
@@ -34,7 +35,7 @@ step() {  # NAME SECONDS COMMAND...: one step, its log, its exit code; no proces
   shift 2
   timeout -k 10 "$seconds" "$@" >"$logs/$name.log" 2>&1
   code=$?
-  pkill -9 -f "pytest|chip_agreement|bench_throughput|chip_arithmetic" 2>/dev/null
+  pkill -9 -f "pytest|chip_agreement|bench_throughput|chip_arithmetic|rpa-harness bench" 2>/dev/null
   sleep 2  # the chip is released with its process
   echo "=== $name: exit $code in $((SECONDS - started)) s" | tee -a "$logs/$name.log"
   [ "$code" -ne 0 ] && status=1
@@ -60,8 +61,12 @@ for name in "$@"; do
     arithmetic) step arithmetic 120 python3 benchmarks/chip_arithmetic.py ;;
     throughput)
       step throughput 540 python3 benchmarks/bench_throughput.py --backend tpu --examples 600 --seconds 60 \
+        --properties pooled,pooled-groups,any-config \
         --cache cold,warm --cache-dir /tmp/rpa-bench-cache --failures-dir "$logs/failures" ;;
-    *) echo "chip_session: unknown step '$name'; steps: smoke calibrate agreement arithmetic throughput" >&2
+    speed)
+      step speed 300 rpa-harness bench --target rpa_harness.kernel --target rpa_harness.targets.tpu_inference_v3 \
+        --json "$logs/bench.json" ;;
+    *) echo "chip_session: unknown step '$name'; steps: smoke calibrate agreement arithmetic throughput speed" >&2
       exit 4 ;;
   esac
 done

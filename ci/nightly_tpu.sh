@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Nightly entry point on a TPU host: installs .[tpu] (ci/install_for_tpu.sh: skipped where jax, libtpu and the
-# harness import already, or with RPA_SKIP_INSTALL=1), then runs the properties compiled for TPU with the
-# nightly profile over the production mix of buckets (RPA_BUCKETS, default small,medium,production), in
-# rounds until RPA_TIME_BUDGET seconds are spent, against our kernel and upstream's. Each round prints one
-# line; `rpa-harness run` prints progress while it runs and its summary table after.
-# The Hypothesis example database lives in $RPA_HYPOTHESIS_DB (restore it before, save it after, even on
-# failure); repro files go to $RPA_REPRO_DIR/<target>/. This repo's CI has no TPU and never runs it.
+# harness import already, or with RPA_SKIP_INSTALL=1), times the kernels at serving batches (`rpa-harness
+# bench`, targets RPA_BENCH_TARGETS, default the bundled kernel, each with its baseline), then runs the
+# properties compiled for TPU with the nightly profile over the production mix of buckets (RPA_BUCKETS,
+# default small,medium,production), in rounds until RPA_TIME_BUDGET seconds are spent, against our kernel
+# and upstream's. Each round prints one line; `rpa-harness run` prints progress while it runs and its summary
+# table after.
+# Kept between nightly runs (restore them before, save them after, even on failure): the Hypothesis example
+# database in $RPA_HYPOTHESIS_DB, jax's compilation cache in $RPA_COMPILATION_CACHE (default
+# .jax-compilation-cache), and the last bench without a regression in $RPA_BENCH_DIR/previous.json (default
+# .rpa-bench): a target more than RPA_BENCH_MAX_SLOWDOWN (default 1.2) times slower than there fails the
+# night, and stays failed until it is fast again. Repro files go to $RPA_REPRO_DIR/<target>/. This repo's CI
+# has no TPU and never runs it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install_for_tpu.sh || exit 4
@@ -16,6 +22,19 @@ budget="${RPA_TIME_BUDGET:-3600}"
 repro_root="${RPA_REPRO_DIR:-rpa-repros}"
 mkdir -p reports "$repro_root"
 status=0
+bench_dir="${RPA_BENCH_DIR:-.rpa-bench}"
+mkdir -p "$bench_dir"
+bench_targets=()
+for target in ${RPA_BENCH_TARGETS:-rpa_harness.kernel}; do bench_targets+=(--target "$target"); done
+rpa-harness bench "${bench_targets[@]}" --json reports/bench.json --previous "$bench_dir/previous.json" \
+  --max-slowdown "${RPA_BENCH_MAX_SLOWDOWN:-1.2}"
+code=$?
+if [ "$code" -eq 0 ]; then
+  cp reports/bench.json "$bench_dir/previous.json"
+else
+  status=1
+fi
+echo "nightly bench: exit $code (reports/bench.json)"
 start=$SECONDS
 round=0
 while [ $((SECONDS - start)) -lt "$budget" ]; do

@@ -223,32 +223,40 @@ def valid_case_groups(
     capabilities: Capabilities = WHOLE_SPACE,
     *,
     max_cases: int = 4,
+    pooled: bool = False,
     excluding=(),
     selection=None,
     max_block_steps: int | None = None,
 ) -> st.SearchStrategy[list[Case]]:
-    """1 to ``max_cases`` valid cases from the whole static space that share one static configuration and
-    static options, so one compiled kernel serves them all: each has its own ragged layout and data, and
-    its own values of the options the target takes at run time (``capabilities.runtime_options``; which
-    of them are None is shared).
+    """1 to ``max_cases`` valid cases from the whole static space (or, ``pooled``, from the configurations
+    of POOL) that share one static configuration and static options, so one compiled kernel serves them
+    all: each has its own ragged layout and data, and its own values of the options the target takes at
+    run time (``capabilities.runtime_options``; which of them are None is shared).
 
     The whole-space properties draw these: there a new configuration's compilation costs 10-100x a call,
     so more cases per configuration test more in the same time without narrowing what is drawn (the first
-    case is ``valid_cases``' own draw). The extra cases shrink away first. ``max_block_steps``: as for
-    ``valid_cases``, each case.
+    case is ``valid_cases``' own draw). On a chip the pooled property draws them too: there a call costs
+    less than the host's work per Hypothesis example. The extra cases shrink away first.
+    ``max_block_steps``: as for ``valid_cases``, each case.
     """
     if not isinstance(max_cases, int) or max_cases < 1:
         raise ValueError(f"max_cases={max_cases!r} must be an int of at least 1")
     _check_max_block_steps("valid_case_groups", max_block_steps)
-    return _case_groups(capabilities, max_cases, excluding, selection, max_block_steps)
+    return _case_groups(capabilities, max_cases, pooled, excluding, selection, max_block_steps)
 
 
 @st.composite
 def _case_groups(
-    draw, capabilities: Capabilities, max_cases: int, excluding, selection, max_block_steps
+    draw, capabilities: Capabilities, max_cases: int, pooled: bool, excluding, selection, max_block_steps
 ) -> list[Case]:
     first = draw(
-        valid_cases(capabilities, excluding=excluding, selection=selection, max_block_steps=max_block_steps)
+        valid_cases(
+            capabilities,
+            pooled=pooled,
+            excluding=excluding,
+            selection=selection,
+            max_block_steps=max_block_steps,
+        )
     )
     config = dict(
         page_size=first.page_size,

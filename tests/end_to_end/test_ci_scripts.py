@@ -68,7 +68,8 @@ def test_a_chip_session_names_its_steps_and_calibrates_every_shipped_target_this
     )
     assert result.returncode == 4, result.stdout + result.stderr
     assert (
-        "unknown step 'smoke-test'; steps: smoke calibrate agreement arithmetic throughput" in result.stderr
+        "unknown step 'smoke-test'; steps: smoke calibrate agreement arithmetic throughput speed"
+        in result.stderr
     )
     text = (ROOT / "ci" / "chip_session.sh").read_text()
     calibrated = set(re.findall(r"rpa_harness\.targets\.\w+", text))

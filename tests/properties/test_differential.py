@@ -3,7 +3,8 @@
 Each interpreter runs many ragged layouts over the pooled configurations (few compilations) and fewer
 examples over the whole static space the target supports, where nearly every example compiles: there each
 example is a group of cases sharing one configuration (``valid_case_groups``), so that one compilation
-serves several layouts. The fast
+serves several layouts. On a chip a pooled example is such a group too: a call there costs less than the
+host's work per example (docs/compilations.md#on-a-chip). The fast
 interpreter carries the volume; the checking one (out-of-bounds reads raise, scratch is NaN, DMAs land only
 when waited for, races are asserted) checks memory safety.
 """
@@ -11,6 +12,7 @@ when waited for, races are asserted) checks memory safety.
 from hypothesis import given, settings, target
 from hypothesis import strategies as st
 from rpa_harness import reference, runlog
+from rpa_harness.backends import TPU
 from rpa_harness.checks import check_differential
 from rpa_harness.properties.budget import (
     ANY_CONFIG_EXAMPLES,
@@ -31,13 +33,14 @@ def draw_and_compare(
     target_, backend, repro_dir, data, selection, *, pooled, variant="", max_block_steps=None
 ):
     """Draws valid cases (one from the pooled configurations, or a group sharing one configuration from
-    the whole static space), compares each with the oracle, and targets the largest error/bound."""
+    the whole static space, or on a chip from the pooled ones), compares each with the oracle, and targets
+    the largest error/bound."""
     capabilities, issues = target_.capabilities_on(backend), target_.known_issues_on(backend)
     bounds = dict(excluding=issues, selection=selection, max_block_steps=max_block_steps)
-    if pooled:
+    if pooled and backend.name != TPU:
         cases = [data.draw(valid_cases(capabilities, pooled=True, **bounds), label="case")]
     else:
-        groups = valid_case_groups(capabilities, max_cases=CASES_PER_CONFIG, **bounds)
+        groups = valid_case_groups(capabilities, max_cases=CASES_PER_CONFIG, pooled=pooled, **bounds)
         cases = data.draw(groups, label="cases")
     name = PropertyName(DIFFERENTIAL, variant, backend.label)
     ratios = []

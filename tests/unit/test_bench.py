@@ -73,6 +73,7 @@ def test_a_time_past_max_slowdown_of_the_previous_run_fails(tmp_path, capsys):
     [
         (["--batch", "huge"], "--batch=huge: not a batch"),
         (["--max-slowdown", "0"], "--max-slowdown=0 must be positive"),
+        (["--max-ratio", "-1"], "--max-ratio=-1 must be positive"),
         (["--calls", "0"], "--calls=0 must be at least 1"),
         (["--target", "no_such_module"], "cannot import it"),
         (["--tpu-generation", "v99"], "--tpu-generation=v99 is not one this jax knows"),
@@ -87,3 +88,10 @@ def test_a_usage_error_is_one_line_and_exit_4(args, said, capsys):
 def test_a_tpu_backend_without_a_tpu_is_a_usage_error(capsys):
     assert cli.main(["bench", "--backend", "tpu"]) == bench.USAGE
     assert "no TPU visible to jax" in capsys.readouterr().err
+
+
+def test_a_time_past_max_ratio_of_its_baseline_fails(capsys):
+    """A ratio to the baseline (upstream's kernel) that no time can meet fails the bundled kernel."""
+    assert _bench("--max-ratio", "1e-6") == bench.REGRESSED
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("REGRESSION")]
+    assert f"times its baseline {targets.UPSTREAM_TARGET}'s" in line and "--max-ratio is 1e-06" in line

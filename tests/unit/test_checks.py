@@ -3,11 +3,12 @@ bit for bit slot by slot (a wrong one is a failure of its own kind that names th
 written against another jax."""
 
 import sys
+import threading
 import types
 
 import numpy as np
 import pytest
-from rpa_harness import targets
+from rpa_harness import reference, targets
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend
 from rpa_harness.checks import (
     CacheMismatch,
@@ -121,3 +122,26 @@ def test_a_backend_declared_slow_runs_only_when_chosen_by_name(monkeypatch):
     assert declared_unrunnable(target, Backend(INTERPRET)) is None
     assert declared_unrunnable(target, Backend(FAST_INTERPRET), by_default=True) is None
     assert "(declared, not tpu)" in str(declared_unrunnable(target, Backend(TPU)))
+
+
+def test_on_a_chip_the_oracle_runs_while_the_kernel_does(monkeypatch):
+    """The tpu backend's differential check computes the oracle on a host thread during the kernel's call:
+    here the call waits for the oracle to have started, which it could not if the two took turns (on a
+    CPU a tpu backend calls the target as jax would on a chip, without an interpreter)."""
+    oracle_started = threading.Event()
+    oracle = reference.oracle
+
+    def watched_oracle(*args, **kwargs):
+        oracle_started.set()
+        return oracle(*args, **kwargs)
+
+    def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+        assert oracle_started.wait(timeout=20), "the oracle did not start while the kernel ran"
+        return oracle_output(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
+
+    module = types.ModuleType("waiting_target")
+    module.ragged_paged_attention = ragged_paged_attention
+    module.dynamic_validate_inputs = lambda *args, **kwargs: None
+    monkeypatch.setitem(sys.modules, "waiting_target", module)
+    monkeypatch.setattr(reference, "oracle", watched_oracle)
+    check_differential(targets.load("waiting_target"), Backend(TPU), CASE.arrays(), CASE.options())

@@ -14,6 +14,7 @@ from rpa_harness.kernel import pallas_rpa
 from rpa_harness.spec.interface import OPTION_NAMES
 from rpa_harness.strategies.capabilities import RUNTIME_OPTIONS
 from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.pooled import pool
 from rpa_harness.strategies.valid import valid_case_groups
 from rpa_harness.targets import load
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
@@ -49,6 +50,15 @@ def test_a_group_shares_its_static_configuration(cases):
         for name in RUNTIME_OPTIONS:
             if name != "mask_value":  # None is the default mask, a value
                 assert (getattr(case, name) is None) == (getattr(first, name) is None), name
+
+
+@given(cases=valid_case_groups(OUR_KERNEL, max_cases=6, pooled=True))
+def test_a_pooled_group_shares_one_of_the_pooled_configurations(cases):
+    """What the pooled property draws on a chip: several layouts on one pooled configuration."""
+    shapes = ("page_size", "num_kv_heads", "head_dim", "q_dtype", "kv_dtype")
+    pooled = {tuple(layout[name] for name in shapes) for layout, _ in pool(OUR_KERNEL)}
+    assert len({tuple(getattr(case, name) for name in shapes) for case in cases}) == 1
+    assert tuple(getattr(cases[0], name) for name in shapes) in pooled
 
 
 @given(cases=valid_case_groups(UPSTREAM_KERNEL, max_cases=6))
