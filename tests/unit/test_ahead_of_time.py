@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
-from rpa_harness import ahead_of_time, backends, generations, property_names, repro, targets
+from rpa_harness import ahead_of_time, backends, bench, generations, property_names, repro, targets
 from rpa_harness.checks import DoesNotCompile, NeedsMoreSmem, NeedsMoreVmem, check_compiles
 from rpa_harness.kernel import pallas_rpa
 from rpa_harness.run_settings import compile_generations
@@ -97,6 +97,14 @@ def test_upstream_tuned_blocks_overflow_v5e_vmem_at_a_llama_batch():
     ):
         compile_case(targets.UPSTREAM_TARGET, case, "v5e")
     compile_case(targets.UPSTREAM_TARGET, case, "v6e")  # its tuned table's v6e entry fits
+
+
+@NEEDS_COMPILER
+def test_the_benchs_decode_batch_compiles_for_a_v5e_under_its_vmem_limit():
+    """``rpa-harness bench`` on a v5e: upstream's kernel, the default baseline, compiles at the serving
+    decode batch under the limit the batches give (at the default limit it overflows, above)."""
+    for target in (targets.UPSTREAM_TARGET, targets.DEFAULT_TARGET):
+        compile_case(target, bench.BATCHES["decode"].case, "v5e")
 
 
 @NEEDS_COMPILER
