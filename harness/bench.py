@@ -37,6 +37,10 @@ from rpa_harness.targets import (
 PASSES, REGRESSED, USAGE = 0, 1, 4
 
 
+class BenchUsageError(ValueError):
+    """A bench command line that cannot be honoured: one line, exit 4."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Peak:
     """A chip's peak HBM bandwidth (GB/s) and bfloat16 matrix rate (TFLOP/s), per chip."""
@@ -89,7 +93,7 @@ BATCHES = {
             [(1, 1024 + 48 * i) for i in range(64)], tokens=512, max_num_seqs=256,
         ),
         serving_batch(
-            "mixed", f"4 prefill chunks of 96 tokens (1,024-4,096 keys) and 128 decodes (512-4,064 keys); "
+            "mixed", f"4 prefill chunks of 96 tokens (1,024-4,096 keys) and 128 decodes (512-4,068 keys); "
             f"{_LLAMA_8B}",
             [(96, 1024 * (i + 1)) for i in range(4)] + [(1, 512 + 28 * i) for i in range(128)],
             tokens=512, max_num_seqs=256,
@@ -118,8 +122,8 @@ def hbm_bytes(case: Case) -> int:
 
 
 def attention_flops(case: Case) -> int:
-    """2 multiply-adds per (query row, key it sees, q head, dim) in Q K^T and again in P V; with the causal
-    mask row i of a sequence sees ``kv_len - q_len + i + 1`` keys."""
+    """A multiply-add (2 FLOPs) per (query row, key it sees, q head, dim) in Q K^T and another in P V; with
+    the causal mask row i of a sequence sees ``kv_len - q_len + i + 1`` keys."""
     seen = sum(
         q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2
         for q_len, kv_len in zip(case.q_lens, case.kv_lens, strict=True)
@@ -176,7 +180,6 @@ class Call:
         self.device = jax.block_until_ready({key: jax.device_put(value) for key, value in self.host.items()})
 
     def __call__(self) -> float:
-        warnings.filterwarnings("ignore", "Some donated buffers were not usable")  # the interpreters' note
         for key, value in self.device.items():
             if isinstance(value, jax.Array) and value.is_deleted():
                 self.device[key] = jax.block_until_ready(jax.device_put(self.host[key]))
@@ -291,8 +294,14 @@ def read_previous(path: Path) -> dict:
     """An earlier ``--json`` file as (batch, target) -> median seconds; a missing file is no earlier run."""
     if not path.exists():
         return {}
-    rows = json.loads(path.read_text())["timings"]
-    return {(row["batch"], row["target"]): row["median_s"] for row in rows if row["median_s"] is not None}
+    try:
+        rows = json.loads(path.read_text())["timings"]
+        return {(row["batch"], row["target"]): row["median_s"] for row in rows if row["median_s"] is not None}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise BenchUsageError(
+            f"--previous={path}: not a file `rpa-harness bench --json` wrote ({type(error).__name__}: {error}); "
+            "pass one, or a path that does not exist yet"
+        ) from None
 
 
 def default_baseline(target: Target) -> str | None:
@@ -300,10 +309,6 @@ def default_baseline(target: Target) -> str | None:
     if target.baseline is not None:
         return target.baseline
     return None if target.name == UPSTREAM_TARGET else UPSTREAM_TARGET
-
-
-class BenchUsageError(ValueError):
-    """A bench command line that cannot be honoured: one line, exit 4."""
 
 
 def resolve_backend(choice: str, generation: str | None) -> backends.Backend:
@@ -350,9 +355,12 @@ def bench(args) -> int:
         except TargetError as error:
             raise BenchUsageError(str(error)) from None
         previous = read_previous(Path(args.previous)) if args.previous else {}
-    except (BenchUsageError, OSError, KeyError, ValueError) as error:
+        if args.json and not Path(args.json).parent.is_dir():
+            raise BenchUsageError(f"--json={args.json}: its folder does not exist; create it or name another")
+    except BenchUsageError as error:
         print(f"rpa-harness bench: {error}", file=sys.stderr)
         return USAGE
+    warnings.filterwarnings("ignore", "Some donated buffers were not usable")  # the interpreters' note
     batches = {name: BATCHES[name] for name in args.batch}
     where, peak = chip_peak(backend)
     print(f"rpa-harness bench on {where}; {args.calls} timed call(s) after a compiling one, median (fastest)")
@@ -380,7 +388,10 @@ def bench(args) -> int:
     found = regressions(timings, baselines, previous, args.max_slowdown, args.max_ratio)
     for line in found:
         print(f"REGRESSION: {line}")
-    return REGRESSED if found else PASSES
+    raised = [t for t in timings if t.error is not None]
+    for t in raised:
+        print(f"RAISED: {t.target} on batch {t.batch}: {t.error}")
+    return REGRESSED if found or raised else PASSES
 
 
 def add_parser(commands) -> None:
@@ -388,7 +399,8 @@ def add_parser(commands) -> None:
         "bench", help="time targets at serving-sized batches against a baseline",
         description="Time each --target (and its baseline) on named serving batches: time per call, the HBM "
         "bandwidth and attention FLOP rate it implies, against the chip's peak, and the ratio to the baseline.",
-        epilog="exit codes: 0 measured (nothing past --max-slowdown or --max-ratio); 1 a time past one; 4 usage "
+        epilog="exit codes: 0 measured (nothing past --max-slowdown or --max-ratio); 1 a time past one, or a target "
+        "raised; 4 usage "
         "error. On an interpreter the times are the CPU's: a dry run of the setup only.",
     )  # fmt: skip
     parser.add_argument(

@@ -4,6 +4,8 @@ judged)."""
 
 import dataclasses
 import json
+import sys
+import types
 
 import pytest
 from rpa_harness import bench, cli, targets
@@ -77,6 +79,7 @@ def test_a_time_past_max_slowdown_of_the_previous_run_fails(tmp_path, capsys):
         (["--calls", "0"], "--calls=0 must be at least 1"),
         (["--target", "no_such_module"], "cannot import it"),
         (["--tpu-generation", "v99"], "--tpu-generation=v99 is not one this jax knows"),
+        (["--json", "no/such/folder/out.json"], "--json=no/such/folder/out.json: its folder does not exist"),
     ],
 )
 def test_a_usage_error_is_one_line_and_exit_4(args, said, capsys):
@@ -95,3 +98,26 @@ def test_a_time_past_max_ratio_of_its_baseline_fails(capsys):
     assert _bench("--max-ratio", "1e-6") == bench.REGRESSED
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("REGRESSION")]
     assert f"times its baseline {targets.UPSTREAM_TARGET}'s" in line and "--max-ratio is 1e-06" in line
+
+
+def test_a_malformed_previous_file_is_a_usage_error(tmp_path, capsys):
+    previous = tmp_path / "previous.json"
+    previous.write_text("{}")
+    assert _bench("--previous", str(previous)) == bench.USAGE
+    assert f"--previous={previous}: not a file `rpa-harness bench --json` wrote" in capsys.readouterr().err
+
+
+def test_a_target_that_raises_at_a_batch_fails_the_bench_and_the_others_still_run(monkeypatch, capsys):
+    module = types.ModuleType("raising_target")
+
+    def ragged_paged_attention(**inputs):
+        raise RuntimeError("out of VMEM at this batch")
+
+    module.ragged_paged_attention = ragged_paged_attention
+    module.dynamic_validate_inputs = lambda **inputs: None
+    monkeypatch.setitem(sys.modules, "raising_target", module)
+    assert _bench("--target", "raising_target") == bench.REGRESSED
+    out = capsys.readouterr().out
+    assert "small  raising_target" in out and "raised: RuntimeError: out of VMEM at this batch" in out
+    assert "RAISED: raising_target on batch small: RuntimeError: out of VMEM at this batch" in out
+    assert any(line.startswith(f"small  {targets.UPSTREAM_TARGET} ") for line in out.splitlines())
