@@ -165,6 +165,9 @@ class Call:
     """The target's call on the batch, inputs on the device: the kernel function a compiled call maps to,
     or its ``ragged_paged_attention``. An input the call donated is put back before the next call."""
 
+    host: dict  # the inputs as NumPy: by position (a compiled call's) or by name
+    positional: int | None  # a compiled call's number of positional arguments; None: by name
+
     def __init__(self, target: Target, backend: backends.Backend, case: Case):
         self.target, self.backend = target, backend
         arrays, options = case.arrays(), case.options()
@@ -214,7 +217,7 @@ def chip_peak(backend: backends.Backend) -> tuple[str, Peak | None]:
         emulating = "" if backend.generation == generations.NONE else f", emulating a {backend.generation}"
         return f"{backend.name} on a CPU{emulating}: the interpreter's times, nothing about a chip", None
     generation = lowering.real_tpu_generation()
-    peak = PEAKS.get(generation)
+    peak = None if generation is None else PEAKS.get(generation)
     said = (
         "peak unknown here"
         if peak is None
@@ -282,7 +285,7 @@ def regressions(
             )
         for what, reference, flag, limit in checks:
             ratio = _ratio(t.median_s, reference)
-            if limit is not None and ratio is not None and ratio > limit:
+            if limit is not None and reference is not None and ratio is not None and ratio > limit:
                 found.append(
                     f"{t.target} on batch {t.batch}: {t.median_s * 1e3:.3f} ms per call, {ratio:.2f} times "
                     f"{what} ({reference * 1e3:.3f} ms); {flag} is {limit:g}"
@@ -346,8 +349,10 @@ def bench(args) -> int:
             baselines = {}
             for target in list(targets):
                 baseline = default_baseline(target) if args.baseline is None else args.baseline
-                baseline = None if baseline in ("", "none") else ALIASES.get(baseline, baseline)
-                if baseline is None or baseline == target.name:
+                if baseline is None or baseline in ("", "none"):
+                    continue
+                baseline = ALIASES.get(baseline, baseline)
+                if baseline == target.name:
                     continue
                 baselines[target.name] = baseline
                 if baseline not in [t.name for t in targets]:

@@ -430,7 +430,8 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
     version = _version(name, module, profile)
     return Target(
         name, module, capabilities, precision, issues, rules, catalogue, version, hook, report, properties,
-        updates_cache, product_precision, compiled_call, ALIASES.get(baseline, baseline),
+        updates_cache, product_precision, compiled_call,
+        None if baseline is None else ALIASES.get(baseline, baseline),
     )  # fmt: skip
 
 
