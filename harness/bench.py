@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 from rpa_harness import backends, generations, lowering
+from rpa_harness.checks import kernel_call
 from rpa_harness.strategies.case import DTYPES, Case
 from rpa_harness.targets import (
     ALIASES,
@@ -162,36 +163,24 @@ class Timing:
 
 
 class Call:
-    """The target's call on the batch, inputs on the device: the kernel function a compiled call maps to,
-    or its ``ragged_paged_attention``. An input the call donated is put back before the next call."""
-
-    host: dict  # the inputs as NumPy: by position (a compiled call's) or by name
-    positional: int | None  # a compiled call's number of positional arguments; None: by name
+    """The target's call on the batch (``checks.kernel_call``: a compiled call's kernel function, or its
+    ``ragged_paged_attention``), its inputs on the device. An input the call donated is put back before
+    the next call."""
 
     def __init__(self, target: Target, backend: backends.Backend, case: Case):
-        self.target, self.backend = target, backend
-        arrays, options = case.arrays(), case.options()
-        if target.compiled_call is not None:
-            with generations.emulated(backend.generation), generations.hooked(target.generation_hook):
-                self.function, arguments = target.compiled_call(arrays, options)
-            self.host = {index: value for index, value in enumerate(arguments) if value is not None}
-            self.positional = len(arguments)
-        else:
-            module = target.module
-            self.function = lambda **inputs: module.ragged_paged_attention(**inputs, **options)
-            self.host, self.positional = arrays, None
-        self.device = jax.block_until_ready({key: jax.device_put(value) for key, value in self.host.items()})
+        self.backend = backend
+        self.call, self.host = kernel_call(target, backend.generation, case.arrays(), case.options())
+        self.device = jax.block_until_ready(
+            {name: jax.device_put(value) for name, value in self.host.items()}
+        )
 
     def __call__(self) -> float:
-        for key, value in self.device.items():
-            if isinstance(value, jax.Array) and value.is_deleted():
-                self.device[key] = jax.block_until_ready(jax.device_put(self.host[key]))
-        with self.backend.context(), generations.hooked(self.target.generation_hook):
+        for name, value in self.device.items():
+            if value.is_deleted():
+                self.device[name] = jax.block_until_ready(jax.device_put(self.host[name]))
+        with self.backend.context():
             start = time.perf_counter()
-            if self.positional is None:
-                jax.block_until_ready(self.function(**self.device))
-            else:
-                jax.block_until_ready(self.function(*(self.device.get(i) for i in range(self.positional))))
+            jax.block_until_ready(self.call(**self.device))
             return time.perf_counter() - start
 
 
@@ -316,7 +305,7 @@ def default_baseline(target: Target) -> str | None:
 
 def resolve_backend(choice: str, generation: str | None) -> backends.Backend:
     try:
-        (name,) = backends.resolve(choice)[:1]
+        name = backends.resolve(choice)[0]
     except backends.BackendChoiceError as error:
         raise BenchUsageError(str(error)) from None
     if name == backends.TPU:

@@ -211,7 +211,7 @@ def check_compiles(target: Target, backend: Backend, arrays: dict, options: dict
     generation = backend.generation
     chip = f"{generation} ({generations.DEVICE_KINDS.get(generation, 'unknown')})"
     try:
-        call, inputs = _compiled_call(target, generation, arrays, options)
+        call, inputs = kernel_call(target, generation, arrays, options)
         ahead_of_time.compile_for(generation, call, inputs)
     except ahead_of_time.CompilerUnavailable as error:
         raise CannotRun(str(error)) from None
@@ -232,10 +232,11 @@ def check_compiles(target: Target, backend: Backend, arrays: dict, options: dict
         ) from None
 
 
-def _compiled_call(target: Target, generation: str, arrays: dict, options: dict):
-    """What the compile property compiles, and on which arrays: the target's call on the case's arrays, or
-    the kernel function and arguments its ``compiled_call`` maps them to on the host (under the
-    generation's emulation, as the call would map them on that chip)."""
+def kernel_call(target: Target, generation: str, arrays: dict, options: dict):
+    """What the compile property compiles (and ``rpa-harness bench`` times), and on which arrays: the
+    target's call on the case's arrays, or the kernel function and arguments its ``compiled_call`` maps
+    them to on the host (under the generation's emulation, as the call would map them on that chip). The
+    call takes the arrays as keywords."""
     if target.compiled_call is None:
         return (lambda **inputs: target.attention(inputs, options)), arrays
     with generations.emulated(generation), generations.hooked(target.generation_hook):
