@@ -57,10 +57,11 @@ def measure(
     precision = target.precision_on(backend)
     if prop == "pooled":
         strategy = valid_cases(capabilities, pooled=True, excluding=issues).map(lambda case: [case])
-    elif prop == "pooled-groups":
-        strategy = valid_case_groups(capabilities, max_cases=CASES_PER_CONFIG, pooled=True, excluding=issues)
     else:
-        strategy = valid_case_groups(capabilities, max_cases=CASES_PER_CONFIG, excluding=issues)
+        pooled = prop == "pooled-groups"
+        strategy = valid_case_groups(
+            capabilities, max_cases=CASES_PER_CONFIG, pooled=pooled, excluding=issues
+        )
     totals = dict.fromkeys(STAGES, 0.0)
     counts = {"examples": 0, "cases": 0, "failures": 0, "largest_ratio": 0.0}
     before = backends.compilation_stats()
