@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from rpa_harness import generations
+from rpa_harness import generations, lowering
 
 INTERPRET = "interpret"
 FAST_INTERPRET = "fast-interpret"
@@ -140,6 +142,56 @@ def end_on_halt(what: str, error: str):
     sys.stderr.write(f"\n{message}\n(no later call on this device can be judged: the process ends)\n")
     sys.stderr.flush()
     os._exit(code)
+
+
+# A process's first kernel call on a chip is preceded by a known-good call (``known_good_call``): a process
+# killed in a call, or a kernel of an earlier process that left a DMA running, can leave the chip faulted,
+# and the next process's first call then halts whatever its case. Failing there, the process ends before any
+# example is in flight (no case is blamed, no repro written) with this status and a message that says so.
+CHIP_FAULTED_EXIT_CODE = 73
+CHIP_FAULTED = "CHIP FAULTED BEFORE THE FIRST EXAMPLE"
+_chip_checked = False
+
+
+def _copy_and_add_one(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+
+
+def known_good_call() -> None:
+    """A small Pallas kernel whose inputs and output are copied by DMA (the engine a faulted chip fails in),
+    checked for its value: it runs right on every TPU."""
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    out = pl.pallas_call(_copy_and_add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    if not np.array_equal(np.asarray(out), np.asarray(x) + 1.0):
+        raise RuntimeError("the known-good call returned a wrong value: the chip computes wrongly")
+
+
+def on_a_real_chip() -> bool:
+    """Whether the default device is a TPU: its platform, which neither an emulated generation nor a test's
+    simulated device kind changes."""
+    return jax.devices()[0].platform == "tpu"
+
+
+def check_the_chip_once() -> None:
+    """The known-good call, once a process, before its first kernel call on a chip; a chip that fails it
+    ends the process (``CHIP_FAULTED_EXIT_CODE``) before an example is blamed."""
+    global _chip_checked
+    if _chip_checked or not on_a_real_chip():
+        return
+    try:
+        known_good_call()
+    except Exception as error:
+        reason = halt_report(error) or f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+        if _release_captured_output is not None:
+            _release_captured_output()
+        sys.stderr.write(
+            f"\nrpa-harness: {CHIP_FAULTED}: a known-good call on the chip raised {reason}\n(the chip was faulted "
+            "before this process ran any example, e.g. by a process killed in a call: no case is blamed; a "
+            "fresh process starts on a fresh chip)\n"
+        )
+        sys.stderr.flush()
+        os._exit(CHIP_FAULTED_EXIT_CODE)
+    _chip_checked = True
 
 
 @contextlib.contextmanager
@@ -340,6 +392,15 @@ class Deadlock(AssertionError):
     """The TPU interpreter saw a wait nothing can signal: on a TPU the call would never return."""
 
 
+class WouldHaltTpu(AssertionError):
+    """The TPU interpreter saw the kernel end with a DMA never waited or a semaphore count left: a TPU
+    halts on that (RuntimeUnexpectedCoreHalt), in the call or the next one."""
+
+
+# What a kernel that ends so does on a chip, as the failure says it (its kind, and known issues' symptoms).
+WOULD_HALT_A_TPU = "would halt a TPU"
+
+
 # How jax's race detector words a race, in the exception it raises (jax >= 0.11, ``on_race="raise"``).
 _RACE_MESSAGE = "RACE DETECTED"
 
@@ -377,6 +438,20 @@ def _deadlock_report(error: BaseException) -> str | None:
     return (
         "the TPU interpreter found a deadlock in the kernel: "
         + text[start:].splitlines()[0].removeprefix(DEADLOCK_MESSAGE).strip()
+    )
+
+
+def _exit_state_report(error: BaseException) -> str | None:
+    """The exit check's account (``interpret_compat`` gap tpu-exit-state), or None if the error is not its."""
+    from rpa_harness.interpret_compat.tpu import WOULD_HALT_MESSAGE
+
+    text = str(error)
+    start = text.find(WOULD_HALT_MESSAGE)
+    if start < 0:
+        return None
+    return (
+        f"the TPU interpreter found that the kernel {WOULD_HALT_A_TPU}: "
+        + text[start:].splitlines()[0].removeprefix(WOULD_HALT_MESSAGE).strip()
     )
 
 
@@ -555,6 +630,14 @@ class Backend:
         return self.name if self.generation == generations.NONE else f"{self.name}-{self.generation}"
 
     @property
+    def generation_seen(self) -> str:
+        """The TPU generation kernels traced here see: a real chip's own (opening it, in the worker that
+        holds it), else the emulated one (``none``: the CPU device)."""
+        if self.name == TPU:
+            return lowering.real_tpu_generation() or generations.NONE
+        return self.generation
+
+    @property
     def has_tpu_generation(self) -> bool:
         """Whether kernels traced here see a TPU generation (a real chip, or an emulated one)."""
         return self.name == TPU or self.generation != generations.NONE
@@ -592,7 +675,10 @@ class Backend:
 
     def run(self, fn, *args, **kwargs):
         """Calls ``fn`` on this backend and returns its output as NumPy (an array, or a tuple of them for a
-        kernel with several outputs); races and deadlocks raise."""
+        kernel with several outputs); races, deadlocks and an exit that would halt a TPU raise."""
+        if self.name == TPU:  # with no case's handlers: a hang or halt here is not the case's
+            with on_hang(None), on_halt(None), watchdog("the known-good call on the chip"):
+                check_the_chip_once()
         try:
             with self.context(), watchdog(f"a kernel call on {self.name}"):
                 out = jax.tree.map(np.asarray, jax.block_until_ready(fn(*args, **kwargs)))
@@ -604,6 +690,8 @@ class Backend:
                     raise RaceDetected(report) from error
                 if (report := _deadlock_report(error)) is not None:
                     raise Deadlock(report) from error
+                if (report := _exit_state_report(error)) is not None:
+                    raise WouldHaltTpu(report) from error
             raise
         if self.name == INTERPRET and _race_flagged_after_call():
             raise RaceDetected("the TPU interpreter detected a data race in the kernel (races.races_found)")

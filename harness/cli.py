@@ -241,6 +241,15 @@ def replay(args) -> int:
     if declared:
         print(f"rpa-harness replay: cannot run here: target {target_name} {declared}", file=sys.stderr)
         return CANNOT_RUN
+    chip = backend.generation_seen if backend.name == backends.TPU else generations.NONE
+    if repro.tpu_generation not in (generations.NONE, chip) and chip != generations.NONE:
+        print(
+            f"rpa-harness replay: cannot run here: recorded for TPU {repro.tpu_generation}, and this chip is "
+            f"{chip}: a kernel's code differs per generation, so a pass here would say nothing of "
+            f"{repro.tpu_generation}; replay it on an interpreter emulating it (--backend fast-interpret)",
+            file=sys.stderr,
+        )
+        return CANNOT_RUN
     if repro.in_flight:  # the standalone program loads the arrays from a file: the rebuilt ones
         repro.arrays_file = path.with_suffix(".npz")
         repro_files.write_arrays(repro.arrays, repro.arrays_file)

@@ -54,6 +54,18 @@ _REPORTED_KINDS = {
 }
 
 
+# Each generation's major version: the number a kernel's ``get_tpu_version()`` returns and Mosaic's
+# ``hardware_generation``, which both branch on.
+_MAJOR_VERSIONS = {
+    "v2": 2, "v3": 3, "v4i": 4, "v4": 4, "v5e": 5, "v5p": 5, "v6e": 6, "7": 7, "7x": 7, "8i": 8, "8t": 8,
+}  # fmt: skip
+
+
+def from_major_version(major: int) -> tuple[str, ...]:
+    """The generations from TPU ``major`` on: what a kernel's ``get_tpu_version() >= major`` selects."""
+    return tuple(name for name, version in _MAJOR_VERSIONS.items() if version >= major)
+
+
 # The generations the installed jax describes (lowering.known_tpu_generations), in its order.
 DEVICE_KINDS = {name: _REPORTED_KINDS[name] for name in known_tpu_generations() if name in _REPORTED_KINDS}
 

@@ -10,12 +10,18 @@ move a drawn case that matches a declared issue to the nearest case outside it (
 ``tests/properties/test_known_issues.py`` replays each declared issue's repro: while it still fails the issue
 is an expected failure, once it passes the run fails until the entry is removed.
 
+A repro shows what the kernel does on the TPU generation it was recorded for. An issue of one generation's
+code (``generations``: the kernel's chip branches and tuned tables, the compiler's per-chip arithmetic) is
+replayed on a real chip only with a repro recorded for that chip or for none (``repro_on_chip``): a v6e
+repro passing on a v5e says nothing about the issue.
+
 The helpers below restate what a predicate needs from a case (a sequence's queries and keys, its logits,
 the keys the causal mask and the window hide), once for every target's catalogue.
 """
 
 import dataclasses
 import functools
+import json
 import math
 import re
 from collections.abc import Callable
@@ -82,9 +88,15 @@ class KnownIssue:
     # The releases of the kernel's distribution that have it, as a PEP 440 specifier (``>=0.18.0,<0.23.0``),
     # each range checked by replaying the repro inside and outside it; empty for every release.
     releases: str = ""
+    # The TPU generations whose code has it, as ``rpa_harness.generations`` names them (``v6e``, ``7x``):
+    # where the kernel branches on the chip or takes a per-chip default, or where the compiler's arithmetic
+    # differs per chip; empty for every generation. A real chip of another generation draws its cases and
+    # does not replay it.
+    generations: tuple[str, ...] = ()
 
     def __post_init__(self):
         SpecifierSet(self.releases)  # raises InvalidSpecifier for a malformed range, at import
+        generations.check_declared(self.generations)
 
     def __repr__(self) -> str:  # one line where Hypothesis and pytest print it (a parameter of a property)
         return f"KnownIssue({self.name!r})"
@@ -100,6 +112,38 @@ class KnownIssue:
         """Whether a run on ``backend_name`` can see the issue (``backends``)."""
         return not self.backends or backend_name in self.backends
 
+    def applies_to(self, generation: str) -> bool:
+        """Whether the kernel's code for TPU ``generation`` has the issue (``generations``); ``none``, the
+        CPU device of an interpreter that emulates no chip, is judged by the predicate alone."""
+        return not self.generations or generation in (generations.NONE, *self.generations)
+
+    def repro_on_chip(self, chip: str) -> tuple[Path | None, str]:
+        """The repro a real TPU of generation ``chip`` replays, or None and why it replays none (a phrase,
+        then its detail in parentheses): the issue does not apply to the chip, or no repro in its folder
+        was recorded for it (or for no generation)."""
+        if not self.applies_to(chip):
+            return None, f"does not apply to {chip} (it is in the code of {', '.join(self.generations)} only)"
+        recorded = {path: recorded_generation(path) for path in self.repros()}
+        for_this_chip = [path for path, generation in recorded.items() if generation == chip]
+        if for_this_chip:
+            return for_this_chip[0], ""
+        if recorded[self.repro] == generations.NONE:
+            return self.repro, ""
+        return None, (
+            f"recorded for {recorded[self.repro]}, not replayed on {chip} (a repro recorded for {chip} beside "
+            f"it would be; `rpa-harness replay {self.repro} --backend fast-interpret --tpu-generation {chip}` "
+            "shows whether the case shows the issue there)"
+        )
+
+    def repros(self) -> list[Path]:
+        """The issue's repro, then the other repros in its folder (a repro per generation it applies to)."""
+        others = sorted(
+            path
+            for path in self.repro.parent.glob("*.json")
+            if path != self.repro and not path.name.endswith(".pending.json")
+        )
+        return [self.repro, *others]
+
     def affects(self, version: str) -> bool:
         """Whether release ``version`` has the issue (``releases``). A development or local build
         (``0.23.0.dev4``, ``0.22.1+tpu``) counts as its release; a version that is not PEP 440 (or none
@@ -113,6 +157,12 @@ class KnownIssue:
     def shows(self, failure: str) -> bool:
         """Whether a property failure is this issue's (and not some other failure of the repro)."""
         return re.search(self.symptom, failure) is not None
+
+
+def recorded_generation(repro_json: Path) -> str:
+    """The TPU generation a repro was recorded for: the one an interpreter emulated, or the chip's own
+    (``rpa_harness.repro``'s ``tpu_generation``; ``none`` where it names none)."""
+    return json.loads(repro_json.read_text()).get("tpu_generation", generations.NONE)
 
 
 # --- What predicates read from a case ---------------------------------------------------------------------

@@ -13,7 +13,7 @@ import contextlib
 import os
 
 import pytest
-from rpa_harness import backends, generations, known_issues, lowering, repro, runlog
+from rpa_harness import backends, known_issues, repro, runlog
 from rpa_harness.checks import CannotRun, RaisedOnValidInput
 from rpa_harness.property_names import PropertyName
 from rpa_harness.strategies.coverage import coverage_labels
@@ -75,9 +75,7 @@ def preceded_by_line(halt: repro.Repro) -> str:
 def recorded_generation(backend) -> str:
     """The generation a repro records: the one an interpreter emulated, or the chip's own on a chip (a
     replay on an interpreter then emulates it)."""
-    if backend.name == backends.TPU:
-        return lowering.real_tpu_generation() or generations.NONE
-    return backend.generation
+    return backend.generation_seen
 
 
 def current_test() -> str:

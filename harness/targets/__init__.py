@@ -188,9 +188,13 @@ class Target:
         return self.capabilities
 
     def known_issues_on(self, backend) -> tuple:
-        """The known issues whose cases are not drawn on ``backend`` (those it can see), their predicates
-        seeing its emulated TPU generation (``known_issues.on_generation``)."""
-        visible = tuple(issue for issue in self.known_issues if issue.visible_on(backend.name))
+        """The known issues whose cases are not drawn on ``backend`` (those it can see; on a real chip, those
+        in its generation's code), their predicates seeing its emulated TPU generation
+        (``known_issues.on_generation``)."""
+        chip = backend.generation_seen if backend.name == TPU else generations.NONE
+        visible = tuple(
+            issue for issue in self.known_issues if issue.visible_on(backend.name) and issue.applies_to(chip)
+        )
         return known_issues.on_generation(visible, backend.generation)
 
     def validate(self, arrays: dict, options: dict) -> None:

@@ -9,13 +9,18 @@ a read past a buffer whose value is unused shows only where bounds are checked) 
 of a long or production case replays where its property runs, on the volume backends only: the checking
 interpreter takes minutes per call at that scale (docs/production-and-long-shapes.md). A repro of the
 compile property (a configuration the chip's compiler refuses) is compiled again, once per run, on this
-host's TPU compiler for the generation it records; without one it is not run.
+host's TPU compiler for the generation it records; without one it is not run. On a real chip an issue is
+replayed with a repro recorded for that chip's generation, or for none (``KnownIssue.repro_on_chip``): a
+repro recorded for another generation shows that generation's code, so it is not replayed there, and an
+issue outside the chip's generation does not apply. A repro stopped on a chip by what a declared issue
+predicts for its case (a configuration this chip's compiler refuses, a tiling it rejects) is masked by
+that issue: the chip cannot show the replayed one with this repro.
 """
 
 import pytest
 from rpa_harness import backends, property_names, runlog
 from rpa_harness import repro as repro_files
-from rpa_harness.checks import DoesNotCompile, recheck
+from rpa_harness.checks import recheck
 from rpa_harness.known_issues import OPTION
 from rpa_harness.plugin import VOLUME, settings_of
 from rpa_harness.run_settings import for_repro
@@ -28,21 +33,30 @@ def pytest_generate_tests(metafunc):
 
 
 def chip_refusal_masking(failure, known_issue, repro, backend, pytestconfig) -> str | None:
-    """The declared compile finding whose predicate matches ``repro``'s case, where the repro of another
-    issue cannot compile on a real chip (``DoesNotCompile``): the chip cannot show that issue with this
-    repro, which is not news."""
-    if backend.name != backends.TPU or not isinstance(failure, DoesNotCompile) or repro.case is None:
+    """The declared issue whose predicate matches ``repro``'s case and whose symptom its failure shows,
+    where the repro of another issue fails on a real chip without that issue's own symptom (the chip's
+    compiler refuses the configuration, or the kernel rejects a tiling the chip has): the chip cannot show
+    ``known_issue`` with this repro, which is not news."""
+    if backend.name != backends.TPU or repro.case is None or known_issue.shows(str(failure)):
         return None
     for issue in settings_of(pytestconfig).target.known_issues:
-        if issue is known_issue or repro_files.read(issue.repro).kind != property_names.COMPILATION:
-            continue
-        if issue.matches(repro.case) and issue.shows(str(failure)):
+        if issue is not known_issue and issue.matches(repro.case) and issue.shows(str(failure)):
             return issue.name
     return None
 
 
 def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytestconfig):
-    repro = repro_files.read(known_issue.repro)
+    repro_path = known_issue.repro
+    if replay_backend.name == backends.TPU:
+        chip = replay_backend.generation_seen
+        repro_path, why_not = known_issue.repro_on_chip(chip)
+        if repro_path is None:
+            outcome = why_not.split(" (", 1)[0]
+            runlog.record_event(
+                "known-issue-replay", issue=known_issue.name, backend=replay_backend.label, outcome=outcome
+            )
+            pytest.skip(f"{known_issue.name} on this TPU {chip}: {why_not}")
+    repro = repro_files.read(repro_path)
     if repro.kind == property_names.COMPILATION:
         if replay_backend != settings_of(pytestconfig).backends[0]:
             pytest.skip(
@@ -60,7 +74,7 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
         )
         pytest.skip(
             f"{known_issue.name}: its repro halts the chip, which would end this process: replay it in one "
-            f"of its own, `rpa-harness replay {known_issue.repro}`"
+            f"of its own, `rpa-harness replay {repro_path}`"
         )
     # Rebuilt as `rpa-harness replay` rebuilds it (the contract it failed under, the chip it was recorded
     # for: an issue of one generation's code does not show on another), on this run's backend.
@@ -96,20 +110,21 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
         if not visible:
             record("fails where it cannot show")
             pytest.fail(
-                f"{where}: its repro {known_issue.repro} fails on a backend that cannot see the issue (it "
+                f"{where}: its repro {repro_path} fails on a backend that cannot see the issue (it "
                 f"shows on {', '.join(known_issue.backends)} only), so this is another failure:\n{report}"
             )
         masking = chip_refusal_masking(failure, known_issue, repro, replay_backend, pytestconfig)
         if masking is not None:
             record(f"masked by {masking}")
             pytest.skip(
-                f"{where}: its repro's configuration does not compile for this chip, which the declared "
-                f"issue {masking} (a compile finding) predicts; the finding stands where it was found:\n{report}"
+                f"{where}: this chip stops its repro {repro_path} the way the declared issue {masking} "
+                f"predicts for its case, so it cannot show this one; the finding stands where it was found:\n"
+                f"{report}"
             )
         if not known_issue.shows(report):
             record("fails differently")
             pytest.fail(
-                f"{where}: its repro {known_issue.repro} fails, but not with the issue's symptom "
+                f"{where}: its repro {repro_path} fails, but not with the issue's symptom "
                 f"(/{known_issue.symptom}/):\n{report}"
             )
         record("reproduces")
@@ -119,7 +134,7 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
         return
     record("FIXED")
     pytest.fail(
-        f"{known_issue.name} is fixed in {target.name} (its repro {known_issue.repro} passes on "
+        f"{known_issue.name} is fixed in {target.name} (its repro {repro_path} passes on "
         f"{replay_backend.label}): remove it from the known issues (the module's RPA_HARNESS_KNOWN_ISSUES, "
         f"or {OPTION})"
     )
