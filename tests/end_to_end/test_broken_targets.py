@@ -288,14 +288,32 @@ def test_a_halted_device_is_one_finding_its_first_case_the_repro(tmp_path, pytes
     assert len(meta["preceded_by"]) <= recording.EXAMPLES_BEFORE_A_HALT, meta["preceded_by"]
     table = result.stdout[result.stdout.index("rpa-harness summary") :]
     assert (
-        f"repro: device halted (FAILED_PRECONDITION: The program continuator has halted unexpectedly.): {path}"
-        in table
+        f"repro: device halted (FAILED_PRECONDITION: The program continuator has halted unexpectedly.): {path} "
+        f"({cli.HALT_CONFIRMED})" in table
     ), table
     assert re.search(r"test_kernel_matches_oracle\[fast-interpret\] +\d+  FAILED", table), table
     replay = run("-m", "rpa_harness.cli", "replay", str(path), cwd=root)
     assert replay.returncode == 1, replay.stdout + replay.stderr
     assert "FAILS: still halts the device" in replay.stderr, replay.stderr[-2000:]
     assert "predecessor(s)" not in replay.stdout + replay.stderr, "it halts alone: nothing runs before it"
+
+
+def test_a_halt_that_does_not_recur_is_reported_unconfirmed_not_as_a_finding(tmp_path, pytestconfig):
+    """tests.broken.halts_once halts once, ever: the run replays the halt's repro in fresh processes, where it
+    passes alone and after its predecessors, so the summary calls the halt unconfirmed and, that being the
+    run's only failure, the run exits 0."""
+    env = {**os.environ, "RPA_HALTS_ONCE_MARKER": str(tmp_path / "halted")}
+    result = run(
+        "-m", "rpa_harness.cli", "run", "--profile", "dev", "--target", "tests.broken.halts_once", "--backend",
+        "fast-interpret", "-n", "1", "--repro-dir", str(tmp_path / "repros"), "--", "-k",
+        ONLY_THE_POOLED_PROPERTY, cwd=pytestconfig.rootpath, env=env,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    path = tmp_path / "repros" / "differential_fast-interpret.json"
+    assert result.returncode == 0, output[-3000:]
+    table = result.stdout[result.stdout.index("rpa-harness summary") :]
+    assert f"{path} ({cli.HALT_UNCONFIRMED})" in table, table
+    assert "every failure of this run is an unconfirmed halt" in result.stdout
 
 
 def test_a_halt_without_xdist_ends_the_run_with_its_code_and_summary(tmp_path, pytestconfig):
