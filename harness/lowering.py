@@ -34,10 +34,15 @@ def default_device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
+def generation_of_device_kind(device_kind: str) -> str | None:
+    """The TPU generation a device kind names ("v5e" for "TPU v5 lite"), or None for one that is no TPU."""
+    chip = tpu_info.chip_version_from_device_kind(device_kind)
+    return None if chip is None else chip.value
+
+
 def real_tpu_generation() -> str | None:
     """The generation of the default device where it is a real TPU ("v5e" for "TPU v5 lite"), else None."""
-    chip = tpu_info.chip_version_from_device_kind(default_device_kind())
-    return None if chip is None else chip.value
+    return generation_of_device_kind(default_device_kind())
 
 
 def emulation_skip_reason(chip: str) -> str | None:
