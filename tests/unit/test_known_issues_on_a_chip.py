@@ -4,12 +4,13 @@ that generation's code), and `rpa-harness replay` says the same. Simulated by an
 a v5e does."""
 
 import dataclasses
+import types
 
 import pytest
 from rpa_harness import backends, cli, generations, lowering, repro, targets
 from rpa_harness.known_issues import KnownIssue, recorded_generation
 
-from tests.cases import SMALL
+from tests.cases import SMALL, skip_without_tpu_inference
 from tests.processes import run_python
 
 
@@ -121,3 +122,28 @@ def test_a_chip_faulted_before_the_first_example_ends_the_process_blaming_no_cas
     assert result.returncode == backends.CHIP_FAULTED_EXIT_CODE, result.stderr[-2000:]
     assert backends.CHIP_FAULTED in result.stderr and "program continuator has halted" in result.stderr
     assert "kernel calls" not in result.stdout
+
+
+def test_a_chip_only_refusal_another_declared_issue_predicts_masks_the_replay(monkeypatch):
+    """hd64's finite-mask-value repro, left to the kernel's v5e block sizes on the chip, stops at the
+    prologue's tile reshape: the declared not-whole-tiles finding predicts that for its case, so the replay
+    is masked by it; its own symptom, or the same refusal off a chip, is not masked."""
+    skip_without_tpu_inference()
+    from tests.properties import test_known_issues as the_property
+
+    hd64 = targets.load("rpa_harness.targets.tpu_inference_v3_hd64")
+    monkeypatch.setattr(the_property, "settings_of", lambda config: types.SimpleNamespace(target=hd64))
+    finite = next(
+        issue for issue in hd64.known_issues if issue.name == "hd64-finite-mask-value-weights-keys-by-block"
+    )
+    example = repro.read(finite.repro)
+    refusal = AssertionError(
+        "ValueError: Specified dims (2, -1, 8, 128) do not evenly divide the size of the ref"
+    )
+    chip, interpreter = backends.Backend(backends.TPU), backends.Backend(backends.INTERPRET)
+    with generations.emulated("v5e"):  # the kernel's block sizes on a v5e, as the chip's predicates see them
+        masking = the_property.chip_refusal_masking(refusal, finite, example, chip, None)
+        assert masking == "hd64-kv-block-not-whole-tiles-fails-to-trace"
+        assert the_property.chip_refusal_masking(refusal, finite, example, interpreter, None) is None
+        own = AssertionError("3 of 64 elements over the bound")
+        assert the_property.chip_refusal_masking(own, finite, example, chip, None) is None
