@@ -3,19 +3,21 @@
 Two steps, on two machines, sharing one folder:
 
   # On the CPU host (libtpu installed: pip install "rpa-harness[compile]"), from a checkout:
-  PYTHONPATH=. python ci/chip_agreement.py predict --out agreement --count 12 --generation v5e
+  PYTHONPATH=. python ci/chip_agreement.py predict --out agreement --count 50 --generation v5e
   # On a TPU of that generation (the folder carried there; jax[tpu] and the harness installed):
   python ci/chip_agreement.py check --folder agreement
 
-``predict`` draws ``--count`` valid configurations per target (derandomized, every declared bucket, the
-target's known issues not excluded: a finding is a verdict to agree on), compiles each for the generation
-with libtpu on this host, and, where it compiles and is small enough, runs it on the fast interpreter
-emulating that generation (the chip's float32 products emulated). It writes ``predictions.json`` (case,
+``predict`` draws ``--count`` valid configurations per target (every shipped target this jax loads, by
+default; derandomized, every declared bucket, around the target's declared findings as the properties draw:
+a configuration spent on a known answer tells nothing), compiles each for the generation with libtpu on this
+host, and, where it compiles and is small enough, runs it on the fast interpreter emulating that generation
+(the chip's float32 products emulated). It writes ``predictions.json`` (case,
 options, verdict) and ``outputs.npz`` (the interpreter's outputs) into the folder. ``check`` runs on the chip:
 each configuration is compiled for it (same verdict: compiles, or refused the same way), and each
 interpreted case is run there and compared with the interpreter's output and the float64 oracle. It prints a
-table per target and dtype pair: verdicts agreeing, the largest |chip - interpreter| as a fraction of the
-judge's bound, and the largest error/bound of each; it exits 1 when a verdict differs.
+table per target and dtype pair: verdicts agreeing, halts predicted and seen, the largest and median
+|chip - interpreter| as a fraction of the judge's bound, and the largest error/bound of each; it exits 1
+when a verdict differs.
 """
 
 import argparse
@@ -29,11 +31,6 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-TARGETS = (
-    "rpa_harness.kernel",
-    "jax.experimental.pallas.ops.tpu.ragged_paged_attention",
-    "rpa_harness.targets.tpu_inference_v3",
-)
 # Cases larger than this many output elements are compiled but not run (the interpreter's time).
 LARGEST_RUN = 1 << 18
 
@@ -50,12 +47,12 @@ def draw_cases(target, backend, count: int) -> list:
     from rpa_harness.strategies.shapes import select_buckets
     from rpa_harness.strategies.valid import valid_cases
 
-    capabilities = target.capabilities_on(backend)
+    capabilities, excluding = target.capabilities_on(backend), target.known_issues_on(backend)
     selection = select_buckets(capabilities, ",".join(capabilities.buckets))
     strategy = st.one_of(
-        valid_cases(capabilities, selection=selection),
+        valid_cases(capabilities, selection=selection, excluding=excluding),
         *(
-            [valid_cases(capabilities, large=True, selection=selection)]
+            [valid_cases(capabilities, large=True, selection=selection, excluding=excluding)]
             if {"long", "production"} & set(selection or ())
             else []
         ),
@@ -118,6 +115,11 @@ def predict(args) -> int:
 
 
 HALTS = "halts the chip"
+
+
+def verdict_class(verdict: str) -> str:
+    """What two machines' verdicts must agree on: compiles (and runs), halts the chip, or refused."""
+    return verdict if verdict in ("compiles", HALTS) else "refused"
 
 
 def check_entries(args) -> int:
@@ -201,7 +203,7 @@ def check(args) -> int:
         print(f"{started}: {HALTS} (the process {words}; a fresh one goes on)", flush=True)
         first = [entry["key"] for entry in entries].index(started) + 1
     rows: dict[tuple, dict] = defaultdict(
-        lambda: {"n": 0, "agree": 0, "diff": 0.0, "chip": 0.0, "interp": 0.0}
+        lambda: {"n": 0, "agree": 0, "halts": [0, 0], "diffs": [], "chip": 0.0, "interp": 0.0}
     )
     differing = []
     for entry in entries:
@@ -209,21 +211,28 @@ def check(args) -> int:
         case = json.loads(entry["case"])
         row = rows[(entry["target"], case["q_dtype"], case["kv_dtype"])]
         row["n"] += 1
-        same = (result["verdict"] == "compiles") == (entry["verdict"] == "compiles")
+        same = verdict_class(result["verdict"]) == verdict_class(entry["verdict"])
         row["agree"] += same
+        row["halts"][0] += entry["verdict"] == HALTS
+        row["halts"][1] += result["verdict"] == HALTS
         if not same:
             differing.append((entry["key"], entry["verdict"], result["verdict"]))
-        for measure in ("diff", "chip", "interp"):
+        if "diff" in result:
+            row["diffs"].append(result["diff"])
+        for measure in ("chip", "interp"):
             row[measure] = max(row[measure], result.get(measure, 0.0))
     print(f"chip: {chip}; predictions for {recorded['generation']}")
     print(
-        "| target | q / kv | configurations | verdicts agreeing | max abs(chip - interpreter) / bound | max error/bound chip | interpreter |"
+        "| target | q / kv | configurations | verdicts agreeing | halts predicted / seen "
+        "| abs(chip - interpreter) / bound: max, median | max error/bound chip | interpreter |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for (name, q, kv), row in sorted(rows.items()):
+        diffs = sorted(row["diffs"])
+        spread = f"{diffs[-1]:.3g}, {diffs[len(diffs) // 2]:.3g}" if diffs else "-"
         print(
-            f"| {name} | {q} / {kv} | {row['n']} | {row['agree']} | {row['diff']:.3g} | {row['chip']:.3g} "
-            f"| {row['interp']:.3g} |"
+            f"| {name} | {q} / {kv} | {row['n']} | {row['agree']} | {row['halts'][0]} / {row['halts'][1]} "
+            f"| {spread} | {row['chip']:.3g} | {row['interp']:.3g} |"
         )
     for key, predicted, seen in differing:
         print(f"DIFFERS {key}: predicted {predicted!r}, the chip: {seen!r}")
@@ -239,9 +248,11 @@ def main() -> int:
     ahead.add_argument(
         "--out", required=True, help="the folder to write predictions.json and outputs.npz into"
     )
-    ahead.add_argument("--count", type=int, default=12, help="configurations per target (default 12)")
+    ahead.add_argument("--count", type=int, default=50, help="configurations per target (default 50)")
     ahead.add_argument("--generation", default="v5e", help="the chip's generation (default v5e)")
-    ahead.add_argument("--targets", nargs="+", default=list(TARGETS), help="target modules")
+    ahead.add_argument(
+        "--targets", nargs="+", help="target modules (default: every shipped target this jax loads)"
+    )
     on_chip = steps.add_parser("check", help="on the TPU: the same configurations compiled and run there")
     on_chip.add_argument("--folder", required=True, help="the folder predict wrote")
     on_chip.add_argument(
@@ -251,6 +262,9 @@ def main() -> int:
     on_chip.add_argument("--first", type=int, help=argparse.SUPPRESS)  # the child: entries from this one on
     args = parser.parse_args()
     if args.step == "predict":
+        from rpa_harness import targets
+
+        args.targets = args.targets or [shipped.name for shipped in targets.SHIPPED]
         return predict(args)
     return check(args) if args.first is None else check_entries(args)
 

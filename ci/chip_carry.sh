@@ -23,6 +23,6 @@ for name in pytest-xdist execnet pytest-timeout tpu-inference; do
 done
 python -m pip download --no-deps --only-binary=:all: --python-version "$python_version" --implementation cp \
   "${platforms[@]}" -q -d "$carry/wheels" "${wanted[@]}"
-PYTHONPATH=. python ci/chip_agreement.py predict --out "$carry/agreement" --count 12 --generation "$generation"
+PYTHONPATH=. python ci/chip_agreement.py predict --out "$carry/agreement" --count 50 --generation "$generation"
 du -sh "$carry"
 ls "$carry/wheels"
