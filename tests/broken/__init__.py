@@ -7,6 +7,9 @@ they break is the harness's subject, not attention: where they return an output 
 The deadlocking one is a Pallas kernel: the deadlock check it meets is the TPU interpreter's.
 """
 
+import os
+from pathlib import Path
+
 import numpy as np
 from rpa_harness import reference
 
@@ -32,3 +35,13 @@ def oracle_output(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **opt
     """The specified output in q's dtype, as NumPy (what a correct kernel returns, to the oracle's last bit)."""
     expected = reference.oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
     return np.nan_to_num(expected.out).astype(expected.out_dtype)
+
+
+def for_the_first_time(marker_env: str, what: str) -> bool:
+    """True once across processes: the marker file the environment variable ``marker_env`` names is written
+    then (saying ``what`` happened), and its presence says so afterwards."""
+    marker = Path(os.environ[marker_env])
+    if marker.exists():
+        return False
+    marker.write_text(f"{what}\n")
+    return True

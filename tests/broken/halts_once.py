@@ -7,13 +7,10 @@ A halt that does not recur: replayed alone and after its predecessors it passes,
 unconfirmed, not as the kernel's finding.
 """
 
-import os
-from pathlib import Path
-
 import jax
 from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 
-from tests.broken import SMALL_SPACE, first_sequence_has_two_tokens, oracle_output
+from tests.broken import SMALL_SPACE, first_sequence_has_two_tokens, for_the_first_time, oracle_output
 from tests.broken.halts import HALTED
 
 RPA_HARNESS_CAPABILITIES = SMALL_SPACE
@@ -21,8 +18,6 @@ MARKER_ENV = "RPA_HALTS_ONCE_MARKER"
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
-    marker = Path(os.environ[MARKER_ENV])
-    if first_sequence_has_two_tokens(num_seqs, cu_q_lens) and not marker.exists():
-        marker.write_text("halted once\n")
+    if first_sequence_has_two_tokens(num_seqs, cu_q_lens) and for_the_first_time(MARKER_ENV, "halted once"):
         raise jax.errors.JaxRuntimeError(HALTED)
     return jax.device_put(oracle_output(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options))
