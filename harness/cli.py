@@ -195,15 +195,8 @@ def _recorded(repro: repro_files.Repro) -> str:
 
 
 def replay(args) -> int:
-    from rpa_harness.checks import (
-        CannotRun,
-        PropertyFailure,
-        RaisedOnValidInput,
-        declared_unrunnable,
-        recheck,
-    )
-    from rpa_harness.targets import first_line_of_error
-
+    """``rpa-harness replay FILE``: the repro's case run once on its backend (or the one asked), judged as
+    its property judged it; exit 0 passes, 1 fails, 2 a bad file, 3 cannot run here, 4 a usage error."""
     path = Path(args.file)
     try:
         repro = repro_files.read(path)
@@ -213,6 +206,23 @@ def replay(args) -> int:
         return BAD_FILE
     if repro.preceded_by and args.predecessors == ALONE_THEN_AFTER_PREDECESSORS:
         return _replay_alone_then_after_predecessors(args, repro)
+    settings = _replay_settings(args, path, repro, run_first)
+    if isinstance(settings, int):
+        return settings
+    run, run_first_as = settings
+    target, backend = run.target, run.backends[0]
+    cannot = _cannot_replay_here(target, backend, repro)
+    if cannot:
+        print(f"rpa-harness replay: cannot run here: {cannot}", file=sys.stderr)
+        return CANNOT_RUN
+    program = _standalone_program(args, path, repro, target.name, backend)
+    _print_replay_header(args, repro, target, backend)
+    return _run_the_replay(args, repro, target, backend, program, run_first, run_first_as)
+
+
+def _replay_settings(args, path: Path, repro: repro_files.Repro, run_first: list):
+    """The repro's run settings and its predecessors', each overridden by the options given; or the exit
+    status of a setting that cannot be used (a usage error, or a bad file)."""
     compat = None if args.interpreter_compat is None else args.interpreter_compat == "on"
     try:
         run, *run_first_as = [
@@ -231,25 +241,35 @@ def replay(args) -> int:
             file=sys.stderr,
         )
         return USAGE if error.given else BAD_FILE
-    target, backend = run.target, run.backends[0]
-    target_name = target.name
+    return run, run_first_as
+
+
+def _cannot_replay_here(target, backend: Backend, repro: repro_files.Repro) -> str:
+    """Why the repro cannot run on ``backend`` here, or nothing: a backend this host lacks, a target that
+    declares it cannot run there, or a chip of another generation than the one the repro was recorded for."""
+    from rpa_harness.checks import declared_unrunnable
+
     if backend.skip_reason:
         instead = "" if backend.name == backends.TPU_COMPILER else "; pass --backend interpret"
-        print(f"rpa-harness replay: cannot run here: {backend.skip_reason}{instead}", file=sys.stderr)
-        return CANNOT_RUN
+        return f"{backend.skip_reason}{instead}"
     declared = declared_unrunnable(target, backend)
     if declared:
-        print(f"rpa-harness replay: cannot run here: target {target_name} {declared}", file=sys.stderr)
-        return CANNOT_RUN
+        return f"target {target.name} {declared}"
     chip = backend.generation_seen if backend.name == backends.TPU else generations.NONE
     if repro.tpu_generation not in (generations.NONE, chip) and chip != generations.NONE:
-        print(
-            f"rpa-harness replay: cannot run here: recorded for TPU {repro.tpu_generation}, and this chip is "
-            f"{chip}: a kernel's code differs per generation, so a pass here would say nothing of "
-            f"{repro.tpu_generation}; replay it on an interpreter emulating it (--backend fast-interpret)",
-            file=sys.stderr,
+        return (
+            f"recorded for TPU {repro.tpu_generation}, and this chip is {chip}: a kernel's code differs per "
+            f"generation, so a pass here would say nothing of {repro.tpu_generation}; replay it on an "
+            "interpreter emulating it (--backend fast-interpret)"
         )
-        return CANNOT_RUN
+    return ""
+
+
+def _standalone_program(
+    args, path: Path, repro: repro_files.Repro, target_name: str, backend: Backend
+) -> str:
+    """The standalone reproduction (written to ``--script`` when asked), its arrays on disk where the repro
+    rebuilt them from its case."""
     if repro.in_flight:  # the standalone program loads the arrays from a file: the rebuilt ones
         repro.arrays_file = path.with_suffix(".npz")
         repro_files.write_arrays(repro.arrays, repro.arrays_file)
@@ -260,9 +280,12 @@ def replay(args) -> int:
     program = snippet(repro, path, target_name, backend)
     if args.script:
         Path(args.script).write_text(program)
-    timeout = args.timeout or (repro.hang or {}).get("seconds") or backends.CALL_TIMEOUT_SECONDS
+    return program
+
+
+def _print_replay_header(args, repro: repro_files.Repro, target, backend: Backend) -> None:
     print(
-        f"property: {repro.property}\ntarget:   {target_name}\nbackend:  {backend.label} "
+        f"property: {repro.property}\ntarget:   {target.name}\nbackend:  {backend.label} "
         f"(interpreter compat {'on' if backend.interpreter_compat else 'off'})\nrecorded: {_recorded(repro)}\n"
         f"precision: {', '.join(target.precision_on(backend))}"
     )
@@ -272,7 +295,44 @@ def replay(args) -> int:
         print(f"arrays:   rebuilt from the case (checksum matches) into {repro.arrays_file}")
     if args.script:
         print(f"script:   {args.script}")
-    running = repro  # the example whose calls run now (the halt handler names it): each predecessor, then it
+
+
+def _run_the_replay(args, repro, target, backend: Backend, program: str, run_first, run_first_as) -> int:
+    """Runs the predecessors, then the repro, under the watchdog and the halt handler; its verdict."""
+    from rpa_harness.checks import CannotRun, PropertyFailure, RaisedOnValidInput, recheck
+    from rpa_harness.targets import first_line_of_error
+
+    timeout = args.timeout or (repro.hang or {}).get("seconds") or backends.CALL_TIMEOUT_SECONDS
+    running = [repro]  # the example whose calls run now (the halt handler names it)
+    on_hang, on_halt = _replay_handlers(repro, run_first, running)
+    started = time.monotonic()
+    try:
+        # The watchdog's timeout and the hang and halt handlers of every kernel call this replay makes.
+        with backends.on_hang(on_hang), backends.on_halt(on_halt), backends.call_timeout(timeout):
+            for example, settings in zip(run_first, run_first_as, strict=True):
+                running[0] = example
+                _run_first(example, settings)
+            running[0] = repro
+            recheck(target, backend, repro)
+    except CannotRun as reason:
+        print(f"\ncannot run here (interpreter limitation): {reason}")
+        return CANNOT_RUN
+    except RaisedOnValidInput as failure:
+        return _raised_verdict(repro, failure, program)
+    except PropertyFailure as failure:
+        note = "" if not (repro.error or repro.hang) else f"\n  (recorded: {_recorded(repro)})"
+        print(f"\nFAILS:\n{failure}{note}\n\nStandalone reproduction:\n{program}")
+        return FAILS
+    except Exception as error:  # the oracle or the harness itself: never a reproduced bug
+        print(f"\ncannot run here: the replay itself crashed: {first_line_of_error(error)}")
+        return CANNOT_RUN
+    _print_passes(repro, run_first, timeout, time.monotonic() - started)
+    return PASSES
+
+
+def _replay_handlers(repro, run_first, running: list):
+    """The hang and halt handlers of a replay: (message, exit status) for what ended it, naming the example
+    whose calls ran then (``running[0]``)."""
 
     def on_hang(what, seconds):
         if repro.hang:
@@ -284,10 +344,10 @@ def replay(args) -> int:
         )
 
     def on_halt(what, error):
-        if running is not repro:
+        if running[0] is not repro:
             return (
                 f"rpa-harness replay: FAILS: halts the device in an example its process ran before it "
-                f"({_described(running)}), before it ran: {what} raised {error}",
+                f"({_described(running[0])}), before it ran: {what} raised {error}",
                 FAILS,
             )
         if run_first:
@@ -305,41 +365,30 @@ def replay(args) -> int:
             CANNOT_RUN,
         )
 
-    started = time.monotonic()
-    try:
-        # The watchdog's timeout and the hang and halt handlers of every kernel call this replay makes.
-        with backends.on_hang(on_hang), backends.on_halt(on_halt), backends.call_timeout(timeout):
-            for running, settings in zip(run_first, run_first_as, strict=True):
-                _run_first(running, settings)
-            running = repro
-            recheck(target, backend, repro)
-    except CannotRun as reason:
-        print(f"\ncannot run here (interpreter limitation): {reason}")
-        return CANNOT_RUN
-    except RaisedOnValidInput as failure:
-        raised = f"{failure.error_type}: {failure.error_message}"
-        if repro.error and _same_error(repro.error, failure.error_type, failure.error_message):
-            print(f"\nFAILS the same way: {failure}\n\nStandalone reproduction:\n{program}")
-            return FAILS
-        if failure.error_type == backends.Deadlock.__name__:  # the kernel's bug, never the interpreter's
-            still = "still " if repro.hang else ""
-            print(
-                f"\nFAILS: {still}hangs: {failure.error_message} (the TPU interpreter found a wait nothing can "
-                f"signal: on a TPU the call would not return)\n\nStandalone reproduction:\n{program}"
-            )
-            return FAILS
-        what = "a different error than recorded" if repro.error else "an interpreter or backend crash"
-        print(f"\ncannot run here: {what}: raised {raised}\n  recorded: {_recorded(repro)}")
-        return CANNOT_RUN
-    except PropertyFailure as failure:
-        note = "" if not (repro.error or repro.hang) else f"\n  (recorded: {_recorded(repro)})"
-        print(f"\nFAILS:\n{failure}{note}\n\nStandalone reproduction:\n{program}")
+    return on_hang, on_halt
+
+
+def _raised_verdict(repro, failure, program: str) -> int:
+    """The verdict of a replay whose kernel raised on valid input: the recorded error again, a deadlock the
+    TPU interpreter found (the kernel's), or something this replay cannot judge."""
+    raised = f"{failure.error_type}: {failure.error_message}"
+    if repro.error and _same_error(repro.error, failure.error_type, failure.error_message):
+        print(f"\nFAILS the same way: {failure}\n\nStandalone reproduction:\n{program}")
         return FAILS
-    except Exception as error:  # the oracle or the harness itself: never a reproduced bug
-        print(f"\ncannot run here: the replay itself crashed: {first_line_of_error(error)}")
-        return CANNOT_RUN
+    if failure.error_type == backends.Deadlock.__name__:  # the kernel's bug, never the interpreter's
+        still = "still " if repro.hang else ""
+        print(
+            f"\nFAILS: {still}hangs: {failure.error_message} (the TPU interpreter found a wait nothing can "
+            f"signal: on a TPU the call would not return)\n\nStandalone reproduction:\n{program}"
+        )
+        return FAILS
+    what = "a different error than recorded" if repro.error else "an interpreter or backend crash"
+    print(f"\ncannot run here: {what}: raised {raised}\n  recorded: {_recorded(repro)}")
+    return CANNOT_RUN
+
+
+def _print_passes(repro, run_first, timeout: float, took: float) -> None:
     if repro.hang:
-        took = time.monotonic() - started
         returned = (
             f"returned within {timeout:g} s"
             if took <= timeout
@@ -356,7 +405,6 @@ def replay(args) -> int:
         )
     else:
         print("\npasses now")
-    return PASSES
 
 
 def _described(example: repro_files.Repro) -> str:
