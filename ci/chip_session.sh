@@ -3,21 +3,57 @@
 # docs/measurements.md ("On a TPU v5e"), in steps, each with its own time limit and log, so that a session
 # of a few commands of under 10 minutes each can split them:
 #
-#   bash ci/chip_session.sh smoke calibrate agreement arithmetic throughput speed
+#   bash ci/chip_session.sh smoke calibrate-1 ...
 #
-#   smoke        ci/tpu_smoke.sh: the bundled kernel and upstream's, -n 1
-#   calibrate    every other shipped target that runs on this jax, its dev profile on the chip, -n 1
-#                (RPA_MAX_EXAMPLES, default 4), one summary each
+#   smoke        ci/tpu_smoke.sh: the bundled kernel and upstream's, -n 1, a first check of a fresh host
+#   calibrate-N  one group of shipped targets, each target's dev profile on the chip, -n 1 (RPA_MAX_EXAMPLES,
+#                default 3), ending with its summary; a target this jax cannot load (its kernel needs another
+#                jax, or is not installed) is named with the reason and skipped
+#   calibrate    every group, one after the other (a host without a limit per command)
 #   agreement    ci/chip_agreement.py check on chip-carry/agreement
 #   arithmetic   benchmarks/chip_arithmetic.py
 #   throughput   benchmarks/bench_throughput.py --backend tpu, bundled and v3, failing cases kept
 #   speed        rpa-harness bench: the bundled kernel, upstream's and v3 at the serving batches
 #
-# Logs, repro folders and kept failures go to $RPA_CHIP_LOGS (default chip-logs/), and all of it into one
-# archive, $RPA_CHIP_LOGS.tgz (a machine that returns few files returns that one). Exit: 0 when every step
-# exited 0, else 1 (each step's code is in its log and in the step's last line).
+# The calibration groups (CALIBRATE_GROUPS below) hold every shipped target once; on jax 0.10.2 (Python 3.11,
+# the chip images') ten run, mla_swa needing jax >= 0.12 and stacked RPA jax < 0.12:
+#
+#   calibrate-1  the bundled kernel, upstream's, tpu-inference's v2 and v3
+#   calibrate-2  tpu-inference's MLA v1, MLA v2 and the head_dim-64 kernel
+#   calibrate-3  tpu-inference's batched RPA, the CP fork of v3, stacked RPA and mla_swa
+#
+# A group is one command of under 10 minutes: its targets share RPA_CALIBRATE_SECONDS (default 510 s), each
+# given what is left divided by the targets still to run, so that a quick one leaves its time to those after
+# it; a target cut off at its share ends without its summary (exit 124 in its log). A group's command ends
+# within that budget, 12 s a target (the kill's grace, the chip's release) and the setup; the three groups,
+# `bash ci/chip_session.sh calibrate-1`, then -2, then -3, within 30 minutes of chip time. A dev-profile run
+# takes 60-250 s on a v5e.
+#
+# Each step runs in a session of its own, and whatever it leaves running is ended with it, by that session's
+# id: never another process of the host. Logs, repro folders and kept failures go to $RPA_CHIP_LOGS (default
+# chip-logs/), and all of it into one archive, $RPA_CHIP_LOGS.tgz (a machine that returns few files returns
+# that one). Exit: 0 when every step exited 0, 4 for an unknown step (before anything runs), else 1 (each
+# step's code is in its log and in the step's last line).
 set -uo pipefail
+# No job control: a step started with `&` then leads no process group, and setsid makes it a session of its
+# own without forking, so that its pid is the session's id.
+set +m
 cd "$(dirname "$0")/.."
+
+CALIBRATE_GROUPS=(
+  "rpa_harness.kernel jax.experimental.pallas.ops.tpu.ragged_paged_attention rpa_harness.targets.tpu_inference_v2 rpa_harness.targets.tpu_inference_v3"
+  "rpa_harness.targets.tpu_inference_mla_v1 rpa_harness.targets.tpu_inference_mla_v2 rpa_harness.targets.tpu_inference_v3_hd64"
+  "rpa_harness.targets.tpu_inference_batched_rpa rpa_harness.targets.tpu_inference_rpa_v3_cp rpa_harness.targets.tpu_inference_stacked_rpa rpa_harness.targets.tpu_inference_mla_swa"
+)
+steps="smoke calibrate$(for i in "${!CALIBRATE_GROUPS[@]}"; do printf ' calibrate-%d' $((i + 1)); done) agreement arithmetic throughput speed"
+for name in "$@"; do
+  case " $steps " in
+    *" $name "*) ;;
+    *) echo "chip_session: unknown step '$name'; steps: $steps" >&2
+      exit 4 ;;
+  esac
+done
+
 logs="${RPA_CHIP_LOGS:-chip-logs}"
 mkdir -p "$logs"
 if ! python3 -c "import rpa_harness, xdist" 2>/dev/null; then
@@ -29,34 +65,66 @@ fi
 mkdir -p /tmp/rpa-bin && ln -sf "$(command -v python3)" /tmp/rpa-bin/python && export PATH="/tmp/rpa-bin:$PATH"
 export PYTHONUNBUFFERED=1 RPA_SKIP_INSTALL=1
 status=0
+step_session=""
 
-step() {  # NAME SECONDS COMMAND...: one step, its log, its exit code; no process of it outlives it
+end_step() {  # every process the running step started (its session), and no other
+  [ -n "$step_session" ] && pkill -KILL -s "$step_session" 2>/dev/null
+  step_session=""
+}
+trap 'end_step; exit 130' INT
+trap 'end_step; exit 143' TERM
+
+step() {  # NAME SECONDS COMMAND...: one step in a session of its own, its log, its exit code
   local name=$1 seconds=$2 started=$SECONDS code
   shift 2
-  timeout -k 10 "$seconds" "$@" >"$logs/$name.log" 2>&1
+  setsid timeout -k 10 "$seconds" "$@" >"$logs/$name.log" 2>&1 &
+  step_session=$!
+  wait "$step_session"
   code=$?
-  pkill -9 -f "pytest|chip_agreement|bench_throughput|chip_arithmetic|rpa-harness bench" 2>/dev/null
+  end_step
   sleep 2  # the chip is released with its process
   echo "=== $name: exit $code in $((SECONDS - started)) s" | tee -a "$logs/$name.log"
   [ "$code" -ne 0 ] && status=1
   return 0
 }
 
-calibrate() {
-  local target
-  for target in rpa_harness.targets.tpu_inference_v3 rpa_harness.targets.tpu_inference_v3_hd64 \
-    rpa_harness.targets.tpu_inference_v2 rpa_harness.targets.tpu_inference_mla_v1 rpa_harness.targets.tpu_inference_mla_v2 \
-    rpa_harness.targets.tpu_inference_rpa_v3_cp rpa_harness.targets.tpu_inference_batched_rpa \
-    rpa_harness.targets.tpu_inference_stacked_rpa; do
-    step "calibrate-$target" "${RPA_CALIBRATE_SECONDS:-240}" rpa-harness run --profile dev --backend tpu \
-      --target "$target" -n 1 --repro-dir "$logs/repros/$target"
+loadable_targets() {  # MODULE...: each that this jax loads (rpa_harness.targets.load), else why not, a line each
+  JAX_PLATFORMS=cpu python3 - "$@" <<'PY'
+import sys
+from rpa_harness import targets
+for name in sys.argv[1:]:
+    try:
+        targets.load(name)
+    except targets.TargetError as error:
+        print(f"not run here: {error}")
+    else:
+        print(name)
+PY
+}
+
+calibrate() {  # GROUP_NUMBER: that group's targets, one step each, sharing RPA_CALIBRATE_SECONDS
+  local group="calibrate-$1" deadline=$((SECONDS + ${RPA_CALIBRATE_SECONDS:-510})) line target left share
+  local -a runnable=()
+  while IFS= read -r line; do
+    case "$line" in
+      "not run here: "*) echo "$group: $line" | tee -a "$logs/$group.log" ;;
+      *) runnable+=("$line") ;;
+    esac
+  done < <(loadable_targets ${CALIBRATE_GROUPS[$1 - 1]})
+  left=${#runnable[@]}
+  for target in "${runnable[@]}"; do
+    share=$(((deadline - SECONDS) / left))
+    left=$((left - 1))
+    RPA_MAX_EXAMPLES="${RPA_MAX_EXAMPLES:-3}" step "calibrate-$target" "$((share > 1 ? share : 1))" \
+      rpa-harness run --profile dev --backend tpu --target "$target" -n 1 --repro-dir "$logs/repros/$target"
   done
 }
 
 for name in "$@"; do
   case "$name" in
     smoke) RPA_SMOKE_SECONDS="${RPA_SMOKE_SECONDS:-200}" step smoke 450 bash ci/tpu_smoke.sh ;;
-    calibrate) RPA_MAX_EXAMPLES="${RPA_MAX_EXAMPLES:-4}" calibrate ;;
+    calibrate) for i in "${!CALIBRATE_GROUPS[@]}"; do calibrate $((i + 1)); done ;;
+    calibrate-*) calibrate "${name#calibrate-}" ;;
     agreement) step agreement 540 python3 ci/chip_agreement.py check --folder chip-carry/agreement ;;
     arithmetic) step arithmetic 120 python3 benchmarks/chip_arithmetic.py ;;
     throughput)
@@ -66,8 +134,6 @@ for name in "$@"; do
     speed)
       step speed 300 rpa-harness bench --target rpa_harness.kernel --target rpa_harness.targets.tpu_inference_v3 \
         --json "$logs/bench.json" ;;
-    *) echo "chip_session: unknown step '$name'; steps: smoke calibrate agreement arithmetic throughput speed" >&2
-      exit 4 ;;
   esac
 done
 [ -d rpa-repros ] && cp -r rpa-repros "$logs/"

@@ -3,9 +3,14 @@
 # harness import already, or with RPA_SKIP_INSTALL=1), times the kernels at serving batches (`rpa-harness
 # bench`, targets RPA_BENCH_TARGETS, default the bundled kernel, each with its baseline), then runs the
 # properties compiled for TPU with the nightly profile over the production mix of buckets (RPA_BUCKETS,
-# default small,medium,production), in rounds until RPA_TIME_BUDGET seconds are spent, against our kernel
-# and upstream's. Each round prints one line; `rpa-harness run` prints progress while it runs and its summary
-# table after.
+# default small,medium,production), in rounds until RPA_TIME_BUDGET seconds are spent, against each target:
+#
+#   bash ci/nightly_tpu.sh [--targets MODULE[,MODULE...]]
+#
+# The targets: those --targets names, else RPA_NIGHTLY_TARGETS (the same list), else every shipped target this
+# jax loads (on jax 0.10.2 all but mla_swa; one whose kernel is not installed is named with the reason and
+# left out). A named target that does not load, or an unknown argument, is a one-line usage error (exit 4).
+# Each round prints one line; `rpa-harness run` prints progress while it runs and its summary table after.
 # Kept between nightly runs (restore them before, save them after, even on failure): the Hypothesis example
 # database in $RPA_HYPOTHESIS_DB, jax's compilation cache in $RPA_COMPILATION_CACHE (default
 # .jax-compilation-cache), and the last bench without a regression in $RPA_BENCH_DIR/previous.json (default
@@ -14,7 +19,40 @@
 # has no TPU and never runs it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+usage="usage: bash ci/nightly_tpu.sh [--targets MODULE[,MODULE...]]"
+named="${RPA_NIGHTLY_TARGETS:-}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --targets=?*) named="${1#--targets=}" ;;
+    --targets)
+      [ -n "${2:-}" ] || { echo "nightly: --targets needs a list of target modules; $usage" >&2; exit 4; }
+      named="$2"
+      shift ;;
+    *) echo "nightly: unknown argument '$1'; $usage" >&2
+      exit 4 ;;
+  esac
+  shift
+done
 bash ci/install_for_tpu.sh || exit 4
+# The targets to run, a line each: the named ones (one that does not load is a usage error, its reason the
+# line), else every shipped one this jax loads (the others named, with why, on stderr).
+listed=$(JAX_PLATFORMS=cpu python - ${named//,/ } <<'PY'
+import sys
+from rpa_harness import targets
+named = sys.argv[1:]
+for name in named or [shipped.name for shipped in targets.SHIPPED]:
+    try:
+        targets.load(name)
+    except targets.TargetError as error:
+        print(f"nightly: {error}", file=sys.stderr)
+        if named:
+            sys.exit(4)
+    else:
+        print(name)
+PY
+) || exit 4
+mapfile -t run_targets <<<"$listed"
+echo "nightly targets: ${run_targets[*]}"
 export RPA_HYPOTHESIS_DB="${RPA_HYPOTHESIS_DB:-.hypothesis/examples}"
 export RPA_BUCKETS="${RPA_BUCKETS:-small,medium,production}"
 export RPA_PROGRESS_SECONDS="${RPA_PROGRESS_SECONDS:-120}"
@@ -40,7 +78,7 @@ round=0
 while [ $((SECONDS - start)) -lt "$budget" ]; do
   round=$((round + 1))
   verdicts=""
-  for target in rpa_harness.kernel jax.experimental.pallas.ops.tpu.ragged_paged_attention; do
+  for target in "${run_targets[@]}"; do
     rpa-harness run --profile nightly --backend tpu --target "$target" -n 1 \
       --repro-dir "$repro_root/$target" --junit "reports/nightly-$target-round$round.xml"
     code=$?

@@ -1,12 +1,16 @@
-"""The shell entry points parse: the TPU ones never run here (no TPU), so this is what CPU can check of them.
-And `.ci/run`'s list of modules left to the newest-jax leg names modules that exist (pytest ignores a
-``--deselect`` that matches nothing, so a renamed module would silently run in both legs), each named in
-docs/test-suite.md."""
+"""The shell entry points parse: the TPU ones never run here (no TPU), so this is what CPU can check of them:
+their arguments, which targets they run (a stand-in ``rpa-harness`` records its calls) and that a chip
+session's step ends what it leaves running, and nothing else. And `.ci/run`'s list of modules left to the
+newest-jax leg names modules that exist (pytest ignores a ``--deselect`` that matches nothing, so a renamed
+module would silently run in both legs), each named in docs/test-suite.md."""
 
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,20 +62,203 @@ def test_the_newest_jax_only_modules_exist_and_are_documented():
     assert [m for m in modules if Path(m).name not in doc] == []
 
 
-def test_a_chip_session_names_its_steps_and_calibrates_every_shipped_target_this_jax_runs(tmp_path):
-    """An unknown step is a usage error (exit 4) naming the steps; the calibration covers every shipped
-    target but the two ci/tpu_smoke.sh runs and the one that needs jax >= 0.12."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    env["RPA_CHIP_LOGS"] = str(tmp_path / "logs")
-    result = subprocess.run(
-        ["bash", str(ROOT / "ci" / "chip_session.sh"), "smoke-test"], env=env, capture_output=True, text=True
-    )
-    assert result.returncode == 4, result.stdout + result.stderr
-    assert (
-        "unknown step 'smoke-test'; steps: smoke calibrate agreement arithmetic throughput speed"
-        in result.stderr
-    )
+# Stands in for `rpa-harness` on a chip: records each call's subcommand, target and --junit (whose name says
+# the nightly's round), takes $STAND_IN_SECONDS and, with STAND_IN_LEAVES_A_CHILD=1, leaves a child running,
+# its pid written to $STAND_IN_CHILDREN.
+STAND_IN = """#!/usr/bin/env bash
+command=$1 target=- junit=-
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --target) target=$2 ;;
+    --junit) junit=$2 ;;
+    --json) : >"$2" ;;
+  esac
+  shift
+done
+echo "$command $target $junit" >>"$STAND_IN_CALLS"
+if [ "${STAND_IN_LEAVES_A_CHILD:-0}" = 1 ]; then
+  sleep 300 &
+  echo $! >>"$STAND_IN_CHILDREN"
+fi
+sleep "${STAND_IN_SECONDS:-0}"
+"""
+# What the chip session's steps once ended by name on the whole host: a user's process so named survives.
+MATCHING_NAME = "pytest chip_agreement bench_throughput chip_arithmetic rpa-harness bench"
+USAGE = "usage: bash ci/nightly_tpu.sh [--targets MODULE[,MODULE...]]"
+SHIPPED = [shipped.name for shipped in targets.SHIPPED]
+UPSTREAM = targets.UPSTREAM_TARGET
+
+
+def loadable(names: list[str]) -> list[str]:
+    """Those of ``names`` this jax loads (the kernel installed, the jax it needs), in their order."""
+    found = []
+    for name in names:
+        try:
+            targets.load(name)
+        except targets.TargetError:
+            continue
+        found.append(name)
+    return found
+
+
+def calibrate_groups() -> list[list[str]]:
     text = (ROOT / "ci" / "chip_session.sh").read_text()
-    calibrated = set(re.findall(r"rpa_harness\.targets\.\w+", text))
-    shipped = {s.name for s in targets.SHIPPED if s.name.startswith("rpa_harness.targets.")}
-    assert calibrated == shipped - {"rpa_harness.targets.tpu_inference_mla_swa"}, shipped ^ calibrated
+    listed = re.search(r"^CALIBRATE_GROUPS=\((.*?)^\)", text, re.MULTILINE | re.DOTALL)
+    assert listed, "CALIBRATE_GROUPS=( ... ) not found in ci/chip_session.sh"
+    return [group.split() for group in re.findall(r'"([^"]*)"', listed[1])]
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a killed one not yet reaped is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def chip_host(tmp_path):
+    """A checkout's TPU scripts in ``tmp_path/checkout`` (what they write lands there) and their environment:
+    the stand-in first on PATH, then this environment's python and rpa_harness. Whatever children the
+    stand-in left are ended afterwards."""
+    checkout = tmp_path / "checkout"
+    (checkout / "ci").mkdir(parents=True)
+    for script in ("chip_session.sh", "nightly_tpu.sh", "install_for_tpu.sh"):
+        shutil.copy(ROOT / "ci" / script, checkout / "ci" / script)
+    stand_in = tmp_path / "bin" / "rpa-harness"
+    stand_in.parent.mkdir()
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{stand_in.parent}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "STAND_IN_CALLS": str(tmp_path / "calls"),
+        "STAND_IN_CHILDREN": str(tmp_path / "children"),
+        "RPA_CHIP_LOGS": "chip-logs",
+        "RPA_SKIP_INSTALL": "1",
+    }
+    yield checkout, env
+    for pid in stand_in_children(env):
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def stand_in_calls(env: dict) -> list[tuple[str, str, str]]:
+    """(subcommand, target, junit) of each call, ``-`` where it passed none."""
+    path = Path(env["STAND_IN_CALLS"])
+    return [tuple(line.split()) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def stand_in_children(env: dict) -> list[int]:
+    path = Path(env["STAND_IN_CHILDREN"])
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def run_script(checkout: Path, env: dict, script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(checkout / "ci" / script), *args], cwd=checkout, env=env, capture_output=True, text=True
+    )
+
+
+def test_the_calibrate_groups_hold_every_shipped_target_once_and_are_documented():
+    """Every jax's targets, those of the other jax (mla_swa, stacked RPA) included."""
+    named = [target for group in calibrate_groups() for target in group]
+    assert sorted(named) == sorted(SHIPPED)
+    doc = (ROOT / "docs" / "nightly-tpu.md").read_text()
+    steps = [f"calibrate-{number}" for number in range(1, len(calibrate_groups()) + 1)]
+    assert [step for step in steps if f"`{step}`" not in doc] == []
+
+
+@pytest.mark.parametrize("step", ["smoke-test", "calibrate-0", "calibrate-9", "calibrate-"])
+def test_an_unknown_chip_session_step_is_a_one_line_usage_error(chip_host, step):
+    checkout, env = chip_host
+    result = run_script(checkout, env, "chip_session.sh", "smoke", step)
+    assert result.returncode == 4 and result.stdout == "", result.stdout + result.stderr
+    groups = " ".join(f"calibrate-{number}" for number in range(1, len(calibrate_groups()) + 1))
+    assert result.stderr.splitlines() == [
+        f"chip_session: unknown step '{step}'; steps: smoke calibrate {groups} agreement arithmetic "
+        "throughput speed"
+    ]
+    assert not (checkout / "chip-logs").exists()  # nothing ran, not even the smoke step before it
+
+
+def test_calibrate_runs_each_target_this_jax_loads_once_and_ends_what_each_step_leaves(chip_host):
+    """Each target's step leaves a child running: the step's end kills it, while a process of the user's
+    whose name matches what the session once killed by name (``pkill -f``) survives."""
+    checkout, env = chip_host
+    env = {**env, "STAND_IN_LEAVES_A_CHILD": "1"}
+    bystander = subprocess.Popen(["bash", "-c", f'exec -a "{MATCHING_NAME}" sleep 300'])
+    try:
+        result = run_script(checkout, env, "chip_session.sh", "calibrate")
+        assert running(bystander.pid)
+    finally:
+        bystander.kill()
+        bystander.wait()
+    assert result.returncode == 0, result.stdout + result.stderr
+    calibrated = [target for _, target, _ in stand_in_calls(env)]
+    assert calibrated == loadable([target for group in calibrate_groups() for target in group])
+    assert sorted(calibrated) == sorted(loadable(SHIPPED))
+    children = stand_in_children(env)
+    assert len(children) == len(calibrated) and not any(running(pid) for pid in children)
+    for target in set(SHIPPED) - set(calibrated):
+        assert f"not run here: --rpa-target={target}: " in result.stdout
+    assert (checkout / "chip-logs.tgz").is_file()
+
+
+def test_a_calibrate_group_shares_its_time_and_cuts_off_a_target_past_its_share(chip_host):
+    """Every target of a group that outlives its share of RPA_CALIBRATE_SECONDS ends there (exit 124), its
+    child with it, and the group's command within its budget."""
+    checkout, env = chip_host
+    env = {**env, "STAND_IN_LEAVES_A_CHILD": "1", "RPA_CALIBRATE_SECONDS": "3", "STAND_IN_SECONDS": "60"}
+    started = time.monotonic()
+    result = run_script(checkout, env, "chip_session.sh", "calibrate-2")
+    assert time.monotonic() - started < 60
+    assert result.returncode == 1, result.stdout + result.stderr
+    cut_off = re.findall(r"^=== calibrate-(\S+): exit 124 in \d+ s$", result.stdout, re.MULTILINE)
+    assert cut_off == loadable(calibrate_groups()[1])
+    assert not any(running(pid) for pid in stand_in_children(env))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--night"], f"nightly: unknown argument '--night'; {USAGE}"),
+        (["--targets"], f"nightly: --targets needs a list of target modules; {USAGE}"),
+        (
+            ["--targets", "rpa_harness.kernel,no_such.kernel"],
+            "nightly: --rpa-target=no_such.kernel: cannot import it (No module named 'no_such'). Pass an "
+            "importable module that defines ragged_paged_attention, e.g. --rpa-target=rpa_harness.kernel.",
+        ),
+    ],
+)
+def test_a_nightly_usage_error_is_one_line(chip_host, args, message):
+    checkout, env = chip_host
+    result = run_script(checkout, env, "nightly_tpu.sh", *args)
+    assert result.returncode == 4 and result.stderr.splitlines() == [message], result.stdout + result.stderr
+    assert stand_in_calls(env) == []
+
+
+@pytest.mark.parametrize(
+    "args, variable, expected",
+    [
+        ([], None, None),  # every shipped target this jax loads
+        (["--targets", "rpa_harness.kernel,rpa_harness.tpu_inference_v2"], None,
+         ["rpa_harness.kernel", "rpa_harness.tpu_inference_v2"]),
+        (["--targets=rpa_harness.tpu_inference_v2"], "rpa_harness.kernel", ["rpa_harness.tpu_inference_v2"]),
+        ([], f"rpa_harness.kernel,{UPSTREAM}", ["rpa_harness.kernel", UPSTREAM]),
+    ],
+)  # fmt: skip
+def test_the_nightly_runs_the_named_targets_else_every_shipped_one_this_jax_loads(
+    chip_host, args, variable, expected
+):
+    checkout, env = chip_host
+    env = {**env, "RPA_TIME_BUDGET": "1", **({"RPA_NIGHTLY_TARGETS": variable} if variable else {})}
+    expected = expected or loadable(SHIPPED)
+    result = run_script(checkout, env, "nightly_tpu.sh", *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    first_round = [target for _, target, junit in stand_in_calls(env) if junit.endswith("-round1.xml")]
+    assert first_round == expected
+    assert f"nightly targets: {' '.join(expected)}" in result.stdout
+    assert [call for call in stand_in_calls(env) if call[0] == "bench"] == [
+        ("bench", "rpa_harness.kernel", "-")
+    ]

@@ -6,11 +6,14 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from rpa_harness import reference, targets
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import RaisedOnValidInput, check_differential
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.valid import valid_cases
 
 from tests.cases import skip_without_tpu_inference
 
@@ -109,3 +112,40 @@ def test_the_query_block_predicate_is_the_kernels_rule(heads, bq, q_dtype, chunk
     assert predicted == raised == fails
     moved = known_issues.with_query_block_dividing_q_heads(case)
     assert not known_issues.query_block_not_dividing_q_heads(moved)
+
+
+@pytest.mark.parametrize("generation", ["none", "v5e", "v6e"])
+def test_block_sizes_left_to_the_kernel_raise_on_every_generation(generation):
+    """No generation has block sizes of its own: either one None raises, emulated chip or not, as the
+    predicate says; given ones (the issue's nearest case) are taken."""
+    backend = Backend(FAST_INTERPRET, generation=generation)
+    for left in ("num_kv_pages_per_block", "num_queries_per_block"):
+        case = dataclasses.replace(LATENT, **{left: None})
+        assert known_issues.block_sizes_left_to_the_kernel(case)
+        with pytest.raises(
+            RaisedOnValidInput, match="num_kv_pages_per_block and num_queries_per_block must be"
+        ):
+            check_differential(TARGET, backend, case.arrays(), case.options())
+        moved = known_issues.with_given_block_sizes(case)
+        assert not known_issues.block_sizes_left_to_the_kernel(moved)
+        assert getattr(moved, left) == {"num_kv_pages_per_block": 4, "num_queries_per_block": 8}[left]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_an_emulated_generation_draws_given_block_sizes(data):
+    """Where the harness leaves block sizes to a kernel (a generation, emulated or the chip's), the known
+    issue moves every case to given ones: the kernel would raise for want of them."""
+    backend = Backend(FAST_INTERPRET, generation="v5e")
+    capabilities = TARGET.capabilities_on(backend)
+    assert not capabilities.needs_block_sizes
+    case = data.draw(valid_cases(capabilities, excluding=TARGET.known_issues_on(backend)))
+    assert case.num_kv_pages_per_block is not None and case.num_queries_per_block is not None
+
+
+def test_given_block_sizes_run_on_an_emulated_v5e():
+    """The nearest case outside the issue, then outside the query-block one (8 queries, 4 q heads), runs."""
+    left = dataclasses.replace(LATENT, num_kv_pages_per_block=None, num_queries_per_block=None)
+    case = known_issues.with_query_block_dividing_q_heads(known_issues.with_given_block_sizes(left))
+    assert (case.num_kv_pages_per_block, case.num_queries_per_block) == (4, 4)
+    check_differential(TARGET, Backend(FAST_INTERPRET, generation="v5e"), case.arrays(), case.options())

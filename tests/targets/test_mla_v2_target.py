@@ -115,3 +115,16 @@ def test_one_logger_stand_in_serves_every_kernel_module():
     hd64_kernel()
     logger = sys.modules["tpu_inference.logger"].init_logger("a kernel module")
     assert all(callable(getattr(logger, name)) for name in ("warning", "info", "warning_once", "info_once"))
+
+
+@pytest.mark.parametrize("generation", ["none", "v5e"])
+def test_block_sizes_left_to_the_kernel_raise_as_in_v1(generation):
+    """v2's tuned_params.py is its caller's: the kernel takes no block sizes of its own on any generation."""
+    backend = Backend(FAST_INTERPRET, generation=generation)
+    case = dataclasses.replace(LATENT, num_queries_per_block=None)
+    assert known_issues.block_sizes_left_to_the_kernel(case)
+    with pytest.raises(RaisedOnValidInput, match="num_kv_pages_per_block and num_queries_per_block must be"):
+        check_differential(TARGET, backend, case.arrays(), case.options())
+    moved = known_issues.with_given_block_sizes(case)
+    assert moved.num_queries_per_block == 8 and not any(issue.matches(moved) for issue in TARGET.known_issues)
+    check_differential(TARGET, backend, moved.arrays(), moved.options())

@@ -44,6 +44,11 @@ RPA_HARNESS_CAPABILITIES = dict(
     # k_scale multiplies the logits and v_scale P @ V, unrounded (no cache rounded to q's dtype).
     kv_scales_round_to_q_dtype=False,
     # Both block sizes must be given: "num_kv_pages_per_block and num_queries_per_block must be specified."
+    # No TPU generation has tuned ones: MLA v1 has no table and never asks which chip it is on (kernel.py's
+    # TODO: "support both autotuning table and heuristic logic"); MLA v2 raises alike, its tuned_params.py
+    # being read by its caller only (layers/common/attention_interface.py), keyed by the problem's shapes,
+    # not the chip. On a chip, or a generation the interpreters emulate, the harness leaves block sizes to
+    # the kernel: the known issue mla-v1-default-block-sizes-raise moves those cases to given ones.
     needs_block_sizes=True,
     chunk_prefill_size=True,
     backends=("interpret", "fast-interpret", "tpu"),

@@ -5,7 +5,9 @@ number of q's packing (bfloat16: 2) and compiles three paths into one kernel, ea
 each traced whatever the distribution: decodes (``static_q_len=1``), chunked prefills (``static_q_len=
 chunk_prefill_size``, only when it is given) and mixed sequences. A path's query block is ``min(
 num_queries_per_block, static_q_len)`` tokens, and ``flash_attention`` asserts that its rows (tokens times
-padded heads) are a multiple of ``num_queries_per_block``.
+padded heads) are a multiple of ``num_queries_per_block``. Both block sizes default to None in its signature,
+and it raises when either is None, on every TPU generation: it has no tuned table and never asks which chip
+it is on.
 """
 
 import dataclasses
@@ -22,6 +24,10 @@ from rpa_harness.strategies.case import Case
 from rpa_harness.targets.tpu_inference_v3.known_issues import finite_replacing_mask_value, v3_row_max_logits
 
 FINDINGS = findings_dir("tpu-inference-mla-v1-findings")
+# The block sizes tpu-inference's own MLA tests give (tests/kernels/mla_v2_test.py: 8 KV pages, 8 queries per
+# block), where a case leaves them to a kernel that has none of its own.
+GIVEN_KV_PAGES_PER_BLOCK = 8
+GIVEN_QUERIES_PER_BLOCK = 8
 
 
 def padded_q_heads(case: Case) -> int:
@@ -43,6 +49,28 @@ def with_query_block_dividing_q_heads(case: Case) -> Case:
     largest = min(case.num_queries_per_block or heads, heads)
     bq = max(d for d in range(1, largest + 1) if heads % d == 0)
     return dataclasses.replace(case, num_queries_per_block=bq)
+
+
+def block_sizes_left_to_the_kernel(case: Case) -> bool:
+    """Either block size None, the signature's default, which the kernel refuses on every TPU generation (and
+    off one): it has no block sizes of its own. The interpreters without a generation always give both (its
+    ``needs_block_sizes``); a chip, or an emulated generation, may leave them to the kernel, and this issue
+    moves those cases to given block sizes."""
+    return case.num_kv_pages_per_block is None or case.num_queries_per_block is None
+
+
+def with_given_block_sizes(case: Case) -> Case:
+    """A missing block size as tpu-inference's MLA tests give it: 8 KV pages (at most the sequence's pages), 8
+    queries (where that does not divide MLA v1's q heads, its query-block issue moves it on)."""
+    return dataclasses.replace(
+        case,
+        num_kv_pages_per_block=min(GIVEN_KV_PAGES_PER_BLOCK, case.pages_per_seq)
+        if case.num_kv_pages_per_block is None
+        else case.num_kv_pages_per_block,
+        num_queries_per_block=GIVEN_QUERIES_PER_BLOCK
+        if case.num_queries_per_block is None
+        else case.num_queries_per_block,
+    )
 
 
 def mask_value_none(case: Case) -> bool:
@@ -126,6 +154,23 @@ RPA_HARNESS_CATALOGUE = (
             "attends over exactly `kv_len` keys. With the default mask value the weight underflows to 0 and "
             "nothing shows; with a finite one (-2.0 here) one decode of one key in a block of 16 slots is off "
             "by 1.4e5 bounds."
+        ),
+    ),
+    KnownIssue(
+        "mla-v1-default-block-sizes-raise",
+        "num_kv_pages_per_block or num_queries_per_block left at its default (None) raises ValueError on "
+        "every TPU generation: the kernel has no block sizes of its own",
+        FINDINGS / "mla-v1-default-block-sizes-raise" / "differential_fast-interpret-v5e.json",
+        block_sizes_left_to_the_kernel,
+        with_given_block_sizes,
+        r"ValueError: num_kv_pages_per_block and num_queries_per_block must be specified\.",
+        explanation=(
+            "`mla_ragged_paged_attention` declares `num_kv_pages_per_block: int | None = None` and "
+            "`num_queries_per_block: int | None = None`, and its first statement raises a ValueError when "
+            "either is None, under a TODO to support an autotuning table and a heuristic for them. It has "
+            "neither, and never asks which chip it runs on, so a call with the signature's defaults raises "
+            "on every TPU generation (seen on a TPU v5e). `ref_mla_ragged_paged_attention` takes no block "
+            "sizes; a caller must choose both, with nothing in the kernel to say which fit a chip."
         ),
     ),
 )

@@ -21,6 +21,8 @@ from rpa_harness.targets.tpu_inference_mla_v2.rules import RULES as RPA_HARNESS_
 from rpa_harness.targets.tpu_inference_v3.adapter import installed_version
 
 RPA_HARNESS_UPDATES_CACHE = True  # it writes the new tokens into the cache it returns: judged bit for bit
+# MLA v1's, block sizes included: v2 has no tuned ones for any TPU generation either (see v1's), so on a chip
+# or an emulated generation mla-v2-default-block-sizes-raise moves the cases that leave them to it.
 RPA_HARNESS_CAPABILITIES = dict(V1_CAPABILITIES)
 # With s_dtype=float32 (the adapter's): logits, the running max and sum and the accumulator float32; P
 # rounded to the cache's dtype before P @ V (p_same_dtype_as_v, its default), v_scale multiplying P @ V

@@ -6,7 +6,9 @@ from rpa_harness.known_issues import NUMERIC_MISMATCH, KnownIssue, findings_dir
 from rpa_harness.spec.interface import values_per_word
 from rpa_harness.strategies.case import Case
 from rpa_harness.targets.tpu_inference_mla_v1.known_issues import (
+    block_sizes_left_to_the_kernel,
     finite_mask_value_weights_keys_past_kv_len,
+    with_given_block_sizes,
     with_its_default_mask_value,
 )
 
@@ -164,6 +166,23 @@ RPA_HARNESS_CATALOGUE = (
             "v2 keeps v1's masking: each query block computes logits for whole KV blocks and replaces every "
             "masked one, the slots from kv_len to the block's end included, with `mask_value`; a finite one "
             "gives those slots the weight `exp(mask_value - m)`."
+        ),
+    ),
+    KnownIssue(
+        "mla-v2-default-block-sizes-raise",
+        "num_kv_pages_per_block or num_queries_per_block left at its default (None) raises ValueError on "
+        "every TPU generation, as MLA v1's does (mla-v1-default-block-sizes-raise)",
+        FINDINGS / "mla-v2-default-block-sizes-raise" / "differential_fast-interpret-v5e.json",
+        block_sizes_left_to_the_kernel,
+        with_given_block_sizes,
+        r"ValueError: num_kv_pages_per_block and num_queries_per_block must be specified\.",
+        explanation=(
+            "v2 keeps v1's refusal: both block sizes (each an int or a (decode, prefill, mixed) tuple) default "
+            "to None, and the kernel raises the same ValueError when either is None. Its `tuned_params.py` "
+            "holds tuned block sizes, but the kernel never reads it: tpu-inference's own caller "
+            "(`layers/common/attention_interface.py`) looks them up by the problem's shapes and dtypes, never "
+            "the chip, falls back to defaults of its own where no entry matches, and passes them. So a call "
+            "with the signature's defaults raises on every TPU generation (seen on a TPU v5e)."
         ),
     ),
 )
