@@ -10,6 +10,9 @@
 #                default 3), ending with its summary; a target this jax cannot load (its kernel needs another
 #                jax, or is not installed) is named with the reason and skipped
 #   calibrate    every group, one after the other (a host without a limit per command)
+#   verdicts-N   ci/chip_verdicts.py on group N's targets: each declared finding's verdict on this chip
+#                (halting repros replayed in processes of their own), as a table in verdicts-N.md
+#   verdicts     every group's verdicts, one after the other
 #   agreement    ci/chip_agreement.py check on chip-carry/agreement
 #   arithmetic   benchmarks/chip_arithmetic.py
 #   throughput   benchmarks/bench_throughput.py --backend tpu, bundled and v3, failing cases kept
@@ -45,7 +48,8 @@ CALIBRATE_GROUPS=(
   "rpa_harness.targets.tpu_inference_mla_v1 rpa_harness.targets.tpu_inference_mla_v2 rpa_harness.targets.tpu_inference_v3_hd64"
   "rpa_harness.targets.tpu_inference_batched_rpa rpa_harness.targets.tpu_inference_rpa_v3_cp rpa_harness.targets.tpu_inference_stacked_rpa rpa_harness.targets.tpu_inference_mla_swa"
 )
-steps="smoke calibrate$(for i in "${!CALIBRATE_GROUPS[@]}"; do printf ' calibrate-%d' $((i + 1)); done) agreement arithmetic throughput speed"
+groups=$(for i in "${!CALIBRATE_GROUPS[@]}"; do printf ' calibrate-%d verdicts-%d' $((i + 1)) $((i + 1)); done)
+steps="smoke calibrate verdicts$groups agreement arithmetic throughput speed"
 for name in "$@"; do
   case " $steps " in
     *" $name "*) ;;
@@ -120,11 +124,20 @@ calibrate() {  # GROUP_NUMBER: that group's targets, one step each, sharing RPA_
   done
 }
 
+verdicts() {  # GROUP_NUMBER: the verdict of each declared finding of that group's targets on this chip
+  local -a named=()
+  local target
+  for target in ${CALIBRATE_GROUPS[$1 - 1]}; do named+=(--target "$target"); done
+  step "verdicts-$1" 560 python3 ci/chip_verdicts.py "${named[@]}" --markdown "$logs/verdicts-$1.md"
+}
+
 for name in "$@"; do
   case "$name" in
     smoke) RPA_SMOKE_SECONDS="${RPA_SMOKE_SECONDS:-200}" step smoke 450 bash ci/tpu_smoke.sh ;;
     calibrate) for i in "${!CALIBRATE_GROUPS[@]}"; do calibrate $((i + 1)); done ;;
     calibrate-*) calibrate "${name#calibrate-}" ;;
+    verdicts) for i in "${!CALIBRATE_GROUPS[@]}"; do verdicts $((i + 1)); done ;;
+    verdicts-*) verdicts "${name#verdicts-}" ;;
     agreement) step agreement 540 python3 ci/chip_agreement.py check --folder chip-carry/agreement ;;
     arithmetic) step arithmetic 120 python3 benchmarks/chip_arithmetic.py ;;
     throughput)

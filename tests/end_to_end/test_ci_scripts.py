@@ -169,14 +169,15 @@ def test_the_calibrate_groups_hold_every_shipped_target_once_and_are_documented(
     assert [step for step in steps if f"`{step}`" not in doc] == []
 
 
-@pytest.mark.parametrize("step", ["smoke-test", "calibrate-0", "calibrate-9", "calibrate-"])
+@pytest.mark.parametrize("step", ["smoke-test", "calibrate-0", "calibrate-9", "calibrate-", "verdicts-9"])
 def test_an_unknown_chip_session_step_is_a_one_line_usage_error(chip_host, step):
     checkout, env = chip_host
     result = run_script(checkout, env, "chip_session.sh", "smoke", step)
     assert result.returncode == 4 and result.stdout == "", result.stdout + result.stderr
-    groups = " ".join(f"calibrate-{number}" for number in range(1, len(calibrate_groups()) + 1))
+    numbers = range(1, len(calibrate_groups()) + 1)
+    groups = " ".join(f"calibrate-{number} verdicts-{number}" for number in numbers)
     assert result.stderr.splitlines() == [
-        f"chip_session: unknown step '{step}'; steps: smoke calibrate {groups} agreement arithmetic "
+        f"chip_session: unknown step '{step}'; steps: smoke calibrate verdicts {groups} agreement arithmetic "
         "throughput speed"
     ]
     assert not (checkout / "chip-logs").exists()  # nothing ran, not even the smoke step before it
