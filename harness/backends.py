@@ -455,6 +455,21 @@ def _exit_state_report(error: BaseException) -> str | None:
     )
 
 
+def _drop_ordered_effect_tokens() -> None:
+    """Forgets this thread's ordered-effect tokens, so that the next call starts on a fresh one.
+
+    The TPU interpreter orders each kernel call with ordered io_callbacks at its start and end; jax threads
+    one token through every computation with such effects. A call that fails in between can leave its error
+    in that token, and on jax 0.10.2 the next interpreted call then fails with the same error without
+    running (upstream's kernel, after an exit that would halt a TPU: every later call of its configuration
+    "failed" the same way, so a shrinker would shrink onto passing cases)."""
+    from jax._src import dispatch
+
+    tokens = getattr(dispatch, "runtime_tokens", None)
+    if tokens is not None:
+        tokens.clear()
+
+
 def _race_flagged_after_call() -> bool:
     """jax 0.10's verdict: ``races.races_found`` of the last interpreted call (False where jax has none)."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
@@ -671,6 +686,7 @@ class Backend:
             except BaseException:
                 if self.name == INTERPRET:
                     pltpu.reset_tpu_interpret_mode_state()
+                    _drop_ordered_effect_tokens()
                 raise
 
     def run(self, fn, *args, **kwargs):

@@ -59,6 +59,13 @@ class RaisedOnValidInput(PropertyFailure):
         self.error_type, self.error_message = error_type, error_message
 
 
+class WouldHaltATpu(PropertyFailure):
+    """The checking TPU interpreter saw the kernel end with a DMA never waited or a semaphore count left
+    (``backends.WouldHaltTpu``): no output is wrong, but a chip halts on that exit."""
+
+    kind = backends.WOULD_HALT_A_TPU
+
+
 class WrongRejection(PropertyFailure):
     """An invalid input accepted, or rejected with another exception or message than the specified one."""
 
@@ -359,12 +366,14 @@ def _oracle_thread() -> concurrent.futures.ThreadPoolExecutor:
 def run_valid(target: Target, backend: Backend, arrays: dict, options: dict) -> np.ndarray:
     """Runs the target on valid inputs and checks the output's contract (shape, dtype, finite live rows).
 
-    An exception is a failure (an out-of-bounds read, a race, a crash of the kernel), unless it is a
-    recognised interpreter limitation (``CannotRun``).
+    An exception is a failure (an out-of-bounds read, a race, a crash of the kernel; an exit that would halt
+    a TPU is one of its own kind), unless it is a recognised interpreter limitation (``CannotRun``).
     """
     label = f"{target.name} on {backend.name}"
     try:
         result = backend.run(target.attention, arrays, options)
+    except backends.WouldHaltTpu as error:
+        raise located(WouldHaltATpu, _live_kv_lens(arrays))(f"{label}: {error}") from None
     except Exception as error:
         message = first_line_of_error(error)
         reason = recognise(error)
@@ -373,8 +382,7 @@ def run_valid(target: Target, backend: Backend, arrays: dict, options: dict) -> 
         if backend.name == backends.TPU and ahead_of_time.is_refusal(error):
             raise _refused(target, _real_chip(), options, error) from None
         error_type = type(error).__name__
-        live_kv_lens = np.asarray(arrays["kv_lens"])[: int(np.asarray(arrays["num_seqs"])[0])]
-        raise located(RaisedOnValidInput, live_kv_lens)(
+        raise located(RaisedOnValidInput, _live_kv_lens(arrays))(
             f"{label} raised on valid inputs: {message}{jax_drift_hint(error)}",
             error_type,
             message.removeprefix(f"{error_type}: "),
@@ -384,6 +392,10 @@ def run_valid(target: Target, backend: Backend, arrays: dict, options: dict) -> 
     if target.updates_cache:
         check_updated_cache(cache, arrays, label)
     return out
+
+
+def _live_kv_lens(arrays: dict) -> np.ndarray:
+    return np.asarray(arrays["kv_lens"])[: int(np.asarray(arrays["num_seqs"])[0])]
 
 
 def attention_and_cache(target: Target, result, label: str) -> tuple:

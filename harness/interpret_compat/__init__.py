@@ -15,7 +15,7 @@ internals moved stays unpatched, with one warning naming it and the jax version,
 - ``views``: the pure-NumPy view algebra (TPU bitcast layout, reads and writes through view chains).
 - ``tpu``: the TPU interpreter's gaps (``tpu-ref-views``, ``tpu-masked-swap``, ``tpu-race-history``,
   ``tpu-callback-arguments``, ``tpu-clock-order``, ``tpu-deadlock``, ``tpu-empty-copy-at-end``,
-  ``tpu-wait-for-nothing``, ``tpu-empty-access-race``).
+  ``tpu-wait-for-nothing``, ``tpu-empty-access-race``, ``tpu-exit-state``).
 - ``generic``: the generic interpreter's gaps (``generic-literal-indices``, ``generic-view-stores``,
   ``generic-scalar-prefetch-state``, ``generic-narrow-float-bits``, ``generic-dynamic-size-copies``,
   ``generic-memory-space-operands``).

@@ -46,6 +46,15 @@ question "Do we need to handle zero-length slices?"), so a copy of no rows raced
 around it (batched RPA's query fetch of no tokens while the previous step's output is written back). An
 empty range touches nothing: the patch says it overlaps nothing.
 
+Gap ``tpu-exit-state`` (a missing check): a TPU needs every DMA a kernel starts waited for, and every
+semaphore back at 0, when the kernel ends; otherwise the chip halts (``RuntimeUnexpectedCoreHalt`` on a v5e),
+in that call or the next. jax's exit check (``_validate``) only prints a semaphore's count, and in its
+default ``on_wait`` mode a DMA runs when it is waited for, so one never waited is a task still queued on its
+semaphore and not even printed. The patch raises ``WOULD HALT A TPU:`` at kernel exit, naming the kernel
+line that started each such DMA and each count left (one device only, as jax's own TODO says: another
+device would wait forever at the clean-up barrier). A DMA of no elements is left out: its wait needs 0
+bytes, so the interpreter never runs it even when it is waited for.
+
 Race detection and views: an access through a reshape/bitcast view is reported to the race detector as an
 access to the smallest box of the region the view was taken of (the ref before its first reshape/bitcast)
 that holds every element it touches (``views.touched_box``; an empty box for an access of no elements): taking one slot of a bitcast double buffer
@@ -54,8 +63,12 @@ records that slot only. Stores through a view read the region without a record a
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
+import inspect
+import io
 import os
 import threading
 import types
@@ -1098,6 +1111,216 @@ EMPTY_ACCESS_RACE = Gap(
     patches=_empty_access_patches,
 )
 
+# ---------------------------------------------------------------------------------------------------------
+# Gap tpu-exit-state (a missing check).
+
+WOULD_HALT_MESSAGE = "WOULD HALT A TPU:"
+"""How the exit check's error starts (the harness finds it in the error a kernel call raises)."""
+
+_LISTED_AT_EXIT = 3
+"""How many kinds of unfinished work (DMAs from one line on one semaphore, a semaphore's count) the exit
+check's error names (then how many more)."""
+
+
+@contextlib.contextmanager
+def _probe_shared_memory():
+    """The interpreter's shared memory for one device of one core, fresh, while the block runs; the
+    interpreter's own state (a call's, or none) is put back after it."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    interpreter = _internals().interpreter
+    names = ("_shared_memory", "races", "dma_id_counter")
+    saved = {name: getattr(interpreter, name) for name in names}
+    interpreter._shared_memory = None
+    try:
+        interpreter._initialize_shared_memory(np.int32(0), 0, 1, 1, interpret_params=pltpu.InterpretParams())
+        yield interpreter._get_shared_memory()
+    finally:
+        for name, value in saved.items():
+            setattr(interpreter, name, value)
+
+
+def _exit_check_raises(leave: Callable) -> bool:
+    """Whether the interpreter's exit check (``_validate``) raises once ``leave(shared_memory, semaphore)``
+    has left one semaphore of a fresh shared memory as a kernel could end with it (its print hushed)."""
+    interpreter = _internals().interpreter
+    with _probe_shared_memory() as shared_memory:
+        semaphore_id = shared_memory.allocate_semaphores(0, 1)
+        leave(shared_memory, semaphore_id)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                interpreter._validate(np.int32(0), 0)
+        except Exception:  # noqa: BLE001 - any error at exit is the check jax lacks
+            return True
+    return False
+
+
+def _leave_a_copy_unwaited(shared_memory, semaphore_id: int) -> None:
+    shared_memory.append_semaphore_task(semaphore_id, 0, lambda: None)
+
+
+def _leave_a_count(shared_memory, semaphore_id: int) -> None:
+    shared_memory.sem[semaphore_id].signal(4, 0, clock=None)
+
+
+def _exit_state_probe() -> bool:
+    """Whether the unpatched interpreter lets a kernel end with a DMA never waited (a task still queued on
+    its semaphore: in ``on_wait`` mode a DMA runs at its wait) or with a semaphore count left, without
+    raising (jax prints the count, and only the count)."""
+    return not (_exit_check_raises(_leave_a_copy_unwaited) and _exit_check_raises(_leave_a_count))
+
+
+def _exit_state_internals() -> None:
+    interpreter = _internals().interpreter
+    require_attributes(
+        interpreter,
+        "_validate",
+        "fail_on_exception",
+        "_initialize_shared_memory",
+        "_get_shared_memory",
+        "_shared_memory",
+        "races",
+        "dma_id_counter",
+        "dma_start",
+        "DMA",
+    )
+    require(hasattr(interpreter._validate, "__wrapped__"), "_validate is not a fail_on_exception wrapper")
+    require_parameters(interpreter._validate.__wrapped__, ["token", "device_id"], "_validate")
+    dma_start = inspect.unwrap(interpreter.dma_start)
+    require(
+        {"append_semaphore_task", "execute_read_and_write"} <= set(dma_start.__code__.co_names),
+        "dma_start no longer queues a started DMA's execute_read_and_write on its semaphore",
+    )
+    dma_fields = {field.name for field in dataclasses.fields(interpreter.DMA)}
+    require(
+        {"source_info", "dst_transforms"} <= dma_fields,
+        f"a DMA no longer keeps the source_info of its start and its dst_transforms (fields {sorted(dma_fields)})",
+    )
+    require_attributes(_internals().indexing.NDIndexer, "get_indexer_shape")
+    from jax._src import source_info_util
+
+    require_attributes(source_info_util, "raw_frame_to_frame", "is_user_filename")
+    with _probe_shared_memory() as shared_memory:
+        for name in ("sem", "fixed_id_sem", "lock", "num_devices"):
+            require(hasattr(shared_memory, name), f"SharedMemory has no {name}")
+        require_attributes(
+            shared_memory, "get_global_core_ids", "allocate_semaphores", "append_semaphore_task"
+        )
+        semaphore = shared_memory.sem[shared_memory.allocate_semaphores(0, 1)]
+        for name in ("tasks", "count_by_core", "cv", "id", "signal"):
+            require(hasattr(semaphore, name), f"Semaphore has no {name}")
+
+
+def _started_at(source_info) -> str:
+    """Where a DMA was started: the kernel's innermost frame and, in the same file, its caller
+    (``kernel.py:65 (MultiPageAsyncCopyDescriptor.start), from line 409 (prefetch_first_kv_blk)``); file
+    names only, so that the message is the same wherever the kernel is installed."""
+    from jax._src import source_info_util
+
+    traceback = getattr(source_info, "traceback", None)
+    if traceback is None:
+        return "an unknown kernel line"
+    code, lasti = traceback.raw_frames()
+    frames = [
+        source_info_util.raw_frame_to_frame(code[i], lasti[i])
+        for i in range(len(code))
+        if _is_kernel_file(code[i].co_filename)
+    ]
+    if not frames:
+        return "an unknown kernel line"
+    innermost, *outer = frames
+    where = f"{os.path.basename(innermost.file_name)}:{innermost.start_line} ({_short_name(innermost)})"
+    if outer and outer[0].file_name == innermost.file_name:
+        where += f", from line {outer[0].start_line} ({_short_name(outer[0])})"
+    return where
+
+
+def _short_name(frame) -> str:
+    """A frame's function as the kernel's source names it: its qualified name past the last enclosing
+    function (``prefetch_first_kv_blk``, not ``ragged_paged_attention_kernel.<locals>.prefetch_first_kv_blk``)."""
+    return frame.function_name.rsplit(".<locals>.", 1)[-1]
+
+
+def _is_kernel_file(file_name: str) -> bool:
+    """A kernel's source (the user's code, or a kernel jax ships under ``pallas/ops``), not jax's internals
+    or Python's."""
+    from jax._src import source_info_util
+
+    return source_info_util.is_user_filename(file_name) or f"{os.sep}pallas{os.sep}ops{os.sep}" in file_name
+
+
+def _unfinished_at_exit(shared_memory, device_id: int) -> list[str]:
+    """What a kernel left unfinished on ``device_id``'s cores, alike ones counted together: DMAs started
+    and never waited (their tasks still queued on the semaphore they signal), and each semaphore whose
+    count is not back at 0."""
+    cores = shared_memory.get_global_core_ids(device_id)
+    with shared_memory.lock:
+        semaphores = [*shared_memory.sem.values(), *shared_memory.fixed_id_sem.values()]
+    unwaited: collections.Counter = collections.Counter()  # (where started, semaphore) -> DMAs
+    counts = []
+    for semaphore in semaphores:
+        with semaphore.cv:
+            for core in cores:
+                on = f"semaphore {semaphore.id}" + (f", core {core}" if len(cores) > 1 else "")
+                for task in semaphore.tasks[core]:
+                    dma = getattr(task, "__self__", None)
+                    if dma is not None and _copies_no_elements(dma):
+                        continue
+                    unwaited[(None if dma is None else _started_at(dma.source_info), on)] += 1
+                if count := int(semaphore.count_by_core[core]):
+                    counts.append(f"{on} at count {count}, not 0")
+    return [f"{_tasks(number, where)} ({on})" for (where, on), number in unwaited.items()] + counts
+
+
+def _copies_no_elements(dma) -> bool:
+    """Whether a DMA copies no elements (an empty slice of its destination). Its wait needs 0 bytes, which
+    the semaphore has at once, so the interpreter never runs it, waited for or not: it is left out."""
+    indexer = _internals().indexing.NDIndexer
+    return any(
+        isinstance(transform, indexer) and 0 in tuple(transform.get_indexer_shape())
+        for transform in dma.dst_transforms
+    )
+
+
+def _tasks(number: int, started_at: str | None) -> str:
+    """``number`` unfinished tasks of a semaphore in words: DMAs started at a line, else tasks."""
+    if started_at is None:
+        return f"{number} queued task{'s' * (number > 1)} that never ran"
+    return f"{'a DMA' if number == 1 else f'{number} DMAs'} started at {started_at} and never waited"
+
+
+def _exit_state_patches() -> list[Patch]:
+    interpreter = _internals().interpreter
+    original = interpreter._validate
+
+    def check_exit_state(token, device_id):
+        """jax's exit check, raising where a TPU would halt (``fail_on_exception`` then ends the call as any
+        failed callback does, its shared memory cleared). With one device only: another device's clean-up
+        barrier would wait forever for this one (jax's own reason to print instead)."""
+        shared_memory = interpreter._get_shared_memory()
+        if shared_memory.num_devices == 1:
+            unfinished = _unfinished_at_exit(shared_memory, int(device_id))
+            if unfinished:
+                more = len(unfinished) - _LISTED_AT_EXIT
+                listed = "; ".join(unfinished[:_LISTED_AT_EXIT]) + (f"; and {more} more" if more > 0 else "")
+                raise RuntimeError(
+                    f"{WOULD_HALT_MESSAGE} it ends with {listed}; a TPU needs every DMA a kernel starts "
+                    "waited and every semaphore back at 0 when it ends"
+                )
+        return original(token, device_id)
+
+    return [Patch(interpreter, "_validate", interpreter.fail_on_exception(check_exit_state))]
+
+
+EXIT_STATE = Gap(
+    name="tpu-exit-state",
+    interpreter="tpu",
+    symptom="a kernel may end with a DMA never waited or a semaphore count left: jax prints a count at most",
+    probe=_exit_state_probe,
+    check_internals=_exit_state_internals,
+    patches=_exit_state_patches,
+)
+
 GAPS = (
     REF_VIEWS,
     MASKED_SWAP,
@@ -1108,4 +1331,5 @@ GAPS = (
     EMPTY_COPY_AT_END,
     WAIT_FOR_NOTHING,
     EMPTY_ACCESS_RACE,
+    EXIT_STATE,
 )

@@ -9,6 +9,7 @@ the next block into the other half of a double buffer before it waits for the cu
 """
 
 import dataclasses
+import itertools
 import math
 import re
 
@@ -323,20 +324,59 @@ def with_one_head_block(case: Case) -> Case:
     return dataclasses.replace(case, num_kv_heads=combined // 2, num_q_heads=combined // 2 * group)
 
 
-# --- 8. zero-query-sequence-halts-the-chip --------------------------------------------------------------
+# --- 8. unwaited-kv-prefetch-halts-the-chip ---------------------------------------------------------------
 
 
-def zero_query_sequence(case: Case) -> bool:
-    """A live sequence with no query tokens (q_len == 0, whatever its kv_len): on a v5e every halting case
-    had one, in the halting call or the call before it."""
-    return 0 in case.q_lens
+def _final_kv_block_runs(case: Case, queries_per_block: int) -> bool:
+    """Whether upstream's loops reach the one KV-block iteration that starts no copy: the last sequence's
+    last KV block, in the query block where its rows end, in the last KV-head block.
+
+    Walks the kernel's grid (KV-head blocks, then query blocks of ``queries_per_block`` rows) and, in each
+    query block, its loop over sequences: the loop runs while the block starts before the last query row
+    and a sequence is left, starts at the sequence carried from the previous grid step, moves past a
+    sequence whose rows end in the block and stops at one whose rows reach the block's end. The carried
+    sequence goes back to 0 once the loop has passed the last one (kernel.py: ``seq_buf_idx_ref``)."""
+    ends = list(itertools.accumulate(case.q_lens))
+    total, last, head_blocks = sum(case.q_lens), case.num_seqs - 1, upstream_head_blocks(case)
+    seq = 0
+    for head_block in range(head_blocks):
+        for block_start in range(0, case.max_num_batched_tokens, queries_per_block):
+            block_end = block_start + queries_per_block
+            while block_start < total and seq <= last:
+                ends_here = ends[seq] <= block_end
+                if head_block == head_blocks - 1 and seq == last and ends_here and case.kv_lens[seq] > 0:
+                    return True
+                reaches_block_end = ends[seq] >= block_end
+                if ends_here:
+                    seq += 1
+                if reaches_block_end:
+                    break
+            if seq > last:
+                seq = 0
+    return False
 
 
-def without_zero_query_sequences(case: Case) -> Case:
-    """The sequences that have query tokens; where none has, the first with one query token."""
-    if any(q > 0 for q in case.q_lens):
-        return keep_sequences(case, [q > 0 for q in case.q_lens])
-    return dataclasses.replace(case, q_lens=(1,), kv_lens=(max(1, case.kv_lens[0]),))
+def unwaited_kv_prefetch(case: Case) -> bool:
+    """The call ends with a KV-block copy started and never waited for (a DMA in flight at kernel exit).
+
+    Grid step (0, 0) starts the copy of the first KV block whatever the batch holds; from then on each
+    iteration over a sequence's KV blocks starts the copy of the next block (its own, the next sequence's,
+    or the first of the next KV-head block) and waits for its own, except the iteration that has nothing
+    after it (``_final_kv_block_runs``). Where that iteration does not run, the last copy started is never
+    waited for: in an empty batch or one without query rows (the loop over sequences never runs), where
+    the last sequence has kv_len == 0 (it has no KV iteration), or where q_len == 0 sequences follow rows
+    that end on a query-block boundary (the loop stops at the boundary and never reaches them)."""
+    if sum(case.q_lens) == 0:
+        return True
+    return not _final_kv_block_runs(case, _blocks_on_the_chip(case)[1])
+
+
+def with_every_kv_prefetch_waited(case: Case) -> Case:
+    """The sequences up to the last one with query rows (the loop then reaches the last sequence, which
+    has keys); where none has rows, one sequence of one query token."""
+    if sum(case.q_lens) == 0:
+        return dataclasses.replace(case, q_lens=(1,), kv_lens=(max([1, *case.kv_lens[:1]]),))
+    return drop_zero_query_tail(case)
 
 
 # A halted chip's runtime error, which a halt repro's failure quotes (``backends.HALT_MESSAGES``).
@@ -400,13 +440,14 @@ RPA_HARNESS_CATALOGUE = (
         backends=CHIP_COMPILER,
     ),
     KnownIssue(
-        "zero-query-sequence-halts-the-chip",
-        "a sequence with no query tokens halts a TPU v5e (RuntimeUnexpectedCoreHalt), in its call or the next",
-        FINDINGS / "zero-query-sequence-halts-the-chip" / "differential_tpu.json",
-        zero_query_sequence,
-        without_zero_query_sequences,
-        HALTED,
-        backends=(backends.TPU,),
+        "unwaited-kv-prefetch-halts-the-chip",
+        "a KV-block copy started and never waited for (an empty batch, no query rows, a last sequence "
+        "never reached or without keys) halts a TPU v5e, in its call or the next",
+        FINDINGS / "unwaited-kv-prefetch-halts-the-chip" / "differential-checked_interpret.json",
+        unwaited_kv_prefetch,
+        with_every_kv_prefetch_waited,
+        f"{HALTED}|{re.escape(backends.WOULD_HALT_A_TPU)}",
+        backends=(backends.TPU, backends.INTERPRET),
     ),
     KnownIssue(
         "tuned-blocks-overflow-default-vmem",

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream_kernel
 from rpa_harness import known_issues, targets
 from rpa_harness import repro as repro_files
+from rpa_harness.backends import FAST_INTERPRET, INTERPRET
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import as_jax, upstream
@@ -24,6 +25,12 @@ NARROW = 0.25
 # it covers whole slices of the space, and its predicate is held to the compiler's verdicts instead
 # (tests/unit/test_ahead_of_time.py).
 NARROW_ON_A_CHIP = 0.5
+# Issues whose cause the strategies draw that often on purpose, with their predicate held to an
+# interpreter's own check instead. unwaited-kv-prefetch-halts-the-chip: layouts clip query rows to the token
+# budget, so sequences past it get q_len 0 (a tail the kernel's loop never reaches), and 1 batch in 16 is
+# empty; its predicate agrees with the checking interpreter's exit check on every case of
+# tests/unit/test_exit_state.py (a third of drawn cases match).
+NARROW_BY_ISSUE = {"unwaited-kv-prefetch-halts-the-chip": 0.45}
 
 
 def drawn(strategy, count: int) -> list[Case]:
@@ -51,6 +58,12 @@ def upstream_cases() -> list[Case]:
     return drawn(valid_cases(UPSTREAM), 200) + drawn(valid_cases(UPSTREAM, pooled=True), 200)
 
 
+def seen_on_a_chip_only(issue: known_issues.KnownIssue) -> bool:
+    """Whether no interpreter can see the issue (a compile finding, a halt): it is judged on what is drawn
+    for a chip."""
+    return bool(issue.backends) and not {INTERPRET, FAST_INTERPRET} & set(issue.backends)
+
+
 def on_its_chip(issue: known_issues.KnownIssue) -> known_issues.KnownIssue:
     """The issue's predicates seeing the TPU generation its repro was recorded for (a compile finding's
     chip: v5e; none for the interpreters' findings)."""
@@ -76,8 +89,8 @@ def test_predicate_matches_its_own_repro(issue):
 
 @pytest.mark.parametrize("issue", CATALOGUE, ids=lambda issue: issue.name)
 def test_predicate_is_narrow(issue, upstream_cases, upstream_cases_on_a_chip):
-    narrow = NARROW
-    if issue.backends:  # seen on a chip only: judged on what is drawn there
+    narrow = NARROW_BY_ISSUE.get(issue.name, NARROW)
+    if seen_on_a_chip_only(issue):  # judged on what is drawn there
         issue, upstream_cases, narrow = on_its_chip(issue), upstream_cases_on_a_chip, NARROW_ON_A_CHIP
     matching = [case for case in upstream_cases if issue.matches(case)]
     assert matching, f"{issue.name} matches none of {len(upstream_cases)} drawn cases: is it reachable?"
@@ -111,7 +124,7 @@ MOVABLE_ON_A_CHIP = {
 def test_moving_out_of_an_issue_keeps_the_case_close(upstream_cases, upstream_cases_on_a_chip):
     """The nearest case outside an issue changes only what the issue is about."""
     for issue in CATALOGUE:
-        cases = upstream_cases_on_a_chip if issue.backends else upstream_cases
+        cases = upstream_cases_on_a_chip if seen_on_a_chip_only(issue) else upstream_cases
         movable = MOVABLE_ON_A_CHIP.get(issue.name, MOVABLE)
         issue = on_its_chip(issue)
         for case in cases:

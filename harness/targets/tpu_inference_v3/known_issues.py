@@ -476,6 +476,9 @@ RPA_HARNESS_CATALOGUE = (
             "TPU's reduction takes has not been checked on hardware."
         ),
         releases=">=0.18.0",  # earlier kernels accumulate in float32
+        # Mosaic reduces a bfloat16 vector in float32 up to v5 (canonicalize_mosaic.cc: a bf16
+        # multi_reduction is extended to f32 where hardware_generation <= 5) and in bfloat16 from v6 on.
+        generations=generations.from_major_version(6),
     ),
     KnownIssue(
         "default-blocks-break-v3s-own-rules",
@@ -541,6 +544,7 @@ RPA_HARNESS_CATALOGUE = (
             "fixes it; float32 queries and v5e take int32."
         ),
         releases=">=0.18.0,<0.23.0",
+        generations=generations.from_major_version(6),  # int16 only where get_tpu_version() >= 6
     ),
     KnownIssue(
         "sliding-window-wraps-int16-positions",
@@ -559,5 +563,6 @@ RPA_HARNESS_CATALOGUE = (
             "32767` does it; v5e, float32 queries and a window that stays within int16 are right."
         ),
         releases=">=0.18.0",  # the releases before it compute positions in int32
+        generations=generations.from_major_version(6),  # int16 only where get_tpu_version() >= 6
     ),
 )
