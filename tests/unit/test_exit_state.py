@@ -4,6 +4,7 @@ kind; upstream's kernel does so wherever its known issue unwaited-kv-prefetch-ha
 
 import contextlib
 import dataclasses
+import types
 import warnings
 
 import jax
@@ -278,3 +279,16 @@ def test_predicate_on_the_chips_halts():
         assert ISSUE.matches(halted_alone.case)
         assert not ISSUE.matches(after_a_predecessor.case)
         assert ISSUE.matches(Case.from_json(after_a_predecessor.preceded_by[-1]["case"]))
+
+
+def test_v3s_own_property_reports_an_exit_that_would_halt_a_tpu_with_its_kind():
+    """v3's both-outputs check (attention and cache) turns the checking interpreter's exit check into the
+    failure kind, as the generic properties do, never a crash of the replay."""
+    from rpa_harness.targets.tpu_inference_v3.both_outputs import checks_both_outputs
+
+    def judge_outputs(arrays, options, backend, precision):
+        raise WouldHaltTpu("WOULD HALT A TPU: a DMA started at kernel.py:1 and never waited")
+
+    target = types.SimpleNamespace(name="v3", precision_on=lambda backend: ("float32",))
+    with pytest.raises(checks.WouldHaltATpu, match="v3 on interpret: WOULD HALT A TPU"):
+        checks_both_outputs(judge_outputs)(target, Backend(INTERPRET), {}, {})

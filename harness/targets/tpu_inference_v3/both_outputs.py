@@ -7,11 +7,12 @@ from typing import TypeVar
 
 import numpy as np
 from rpa_harness import reference
-from rpa_harness.backends import INTERPRET, Backend, Deadlock
+from rpa_harness.backends import INTERPRET, Backend, Deadlock, WouldHaltTpu
 from rpa_harness.checks import (
     CacheMismatch,
     ExpectedCache,
     RaisedOnValidInput,
+    WouldHaltATpu,
     cache_mismatch,
     numeric_failure,
 )
@@ -157,8 +158,8 @@ judge = judge_with(
 def checks_both_outputs(judge_outputs):
     """The property ``judge_outputs(arrays, options, backend, precision=...)`` (a ``Verdict``) decides, as a
     check ``check(target, backend, arrays, options)`` (what ``rpa_harness.checks.recheck`` runs for this
-    target's own kinds): it raises while either output is wrong, and a deadlock the TPU interpreter finds
-    is the call raising on valid inputs (a hang)."""
+    target's own kinds): it raises while either output is wrong, a deadlock the TPU interpreter finds is
+    the call raising on valid inputs (a hang), and an exit that would halt a TPU is a failure of its own."""
 
     def check(target, backend, arrays: dict, options: dict) -> None:
         try:
@@ -169,6 +170,8 @@ def checks_both_outputs(judge_outputs):
                 Deadlock.__name__,
                 str(deadlock),
             ) from None
+        except WouldHaltTpu as halting:
+            raise WouldHaltATpu(f"{target.name} on {backend.label}: {halting}") from None
         if verdict.cache_error is not None:
             finding = f"\n  (exactly the slots of {verdict.known_finding})" if verdict.known_finding else ""
             attention = "" if verdict.comparison.ok else f"\n{verdict.comparison}"
