@@ -9,11 +9,12 @@ repros recorded for another generation then replay under theirs, as they do in C
 Per target, the known-issue property (``tests/properties/test_known_issues.py``) replays the target's
 declared findings in one pytest process holding the chip, with the harness's own rules: the repro recorded
 for the chip's generation or for none, a finding outside the chip's generations not applying, a chip-only
-refusal masked by the finding that predicts it. A finding whose repro halts the chip is replayed with
-``rpa-harness replay`` in a process of its own (a halt ends the process that holds the chip). One row per
+refusal masked by the finding that predicts it. A finding whose repro halts the chip or hangs is replayed
+on the chip with ``rpa-harness replay`` in processes of its own (either would end the process that holds
+the chip). One row per
 finding: its target, its generations (the chips whose code has it), and the verdict:
 
-- ``reproduces``: the repro fails with the finding's symptom (``halts the chip`` for a halt);
+- ``reproduces``: the repro fails with the finding's symptom (``halts the chip``, ``hangs`` for those);
 - ``FIXED: does not reproduce``: it passes where the finding says it shows;
 - ``does not apply to G`` / ``recorded for G', not replayed on G``: the chip cannot show it (its code);
 - ``masked by NAME``, ``fails differently``, ``not run ...``: as the known-issue property says.
@@ -68,18 +69,21 @@ def replay_the_property(target_name: str, backend: str, tpu_generation: str, log
     return {name: "; ".join(sorted(set(seen))) for name, seen in outcomes.items()}
 
 
-def replay_the_halt(repro: Path) -> str:
-    """A halting repro replayed alone (then after its predecessors) in processes of their own."""
+def replay_apart(repro: Path, target_name: str) -> str:
+    """A repro that halts the chip or hangs, replayed on the chip in processes of its own (a halt's alone,
+    then after its predecessors), where the property does not replay it."""
     done = subprocess.run(
-        [sys.executable, "-m", "rpa_harness.cli", "replay", str(repro)],
+        [sys.executable, "-m", "rpa_harness.cli", "replay", str(repro), "--target", target_name,
+         "--backend", backends.TPU, "--timeout", "120"],
         capture_output=True,
         text=True,
         timeout=SECONDS_PER_TARGET,
-    )
+    )  # fmt: skip
+    ends = "halts the chip" if repro_files.read(repro).halt else "hangs"
     if done.returncode == FAILS:
-        return "reproduces: halts the chip"
+        return f"reproduces: {ends}"
     if done.returncode == PASSES:
-        return "FIXED: does not reproduce (the chip did not halt, alone or after its predecessors)"
+        return f"FIXED: does not reproduce (recorded: {ends}; on this chip it returned)"
     last = (done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or ["no output"])[-1]
     return f"not run: its replay exited {done.returncode} ({last[:160]})"
 
@@ -154,10 +158,10 @@ def main(argv=None) -> int:
             outcomes = replay_the_property(target_name, args.backend, args.tpu_generation, Path(log))
         for finding in findings:
             outcome = verdict(outcomes.get(finding.name, ""))
-            if chip:  # the property does not replay a halt in the process that holds the chip
+            if chip:  # the property does not replay a halt or a hang in the process that holds the chip
                 path, _ = finding.repro_on_chip(chip)
-                if path is not None and repro_files.read(path).halt:
-                    outcome = replay_the_halt(path)
+                if path is not None and (repro_files.read(path).halt or repro_files.read(path).hang):
+                    outcome = replay_apart(path, target_name)
             untold += any(word in outcome for word in UNTOLD_OUTCOMES)
             where = ", ".join(finding.generations) or "all"
             rows.append(f"| {target_name} | {finding.name} | {where} | {outcome} |")

@@ -18,7 +18,7 @@ internals moved stays unpatched, with one warning naming it and the jax version,
   ``tpu-wait-for-nothing``, ``tpu-empty-access-race``, ``tpu-exit-state``).
 - ``generic``: the generic interpreter's gaps (``generic-literal-indices``, ``generic-view-stores``,
   ``generic-scalar-prefetch-state``, ``generic-narrow-float-bits``, ``generic-dynamic-size-copies``,
-  ``generic-memory-space-operands``).
+  ``generic-memory-space-operands``, ``generic-clamped-reads``).
 - ``products``: float32 products at DEFAULT precision computed as a TPU does (one bfloat16 pass) while a
   TPU generation is emulated (``tpu-default-precision-products``, ``generic-default-precision-products``).
 - ``limitations``: the interpreter limitations the harness recognises by their error, the only errors on

@@ -20,6 +20,14 @@ and back, so every page DMA into an fp8 KV scratch converts the scratch and the 
 through f16 in software: a pooled fp8 RPA call took 190 ms instead of 3 ms). The patched accesses move the
 bits as unsigned integers of the same width instead; the values are bit-identical.
 
+Gap ``generic-clamped-reads``: a read of several elements from a data-dependent start that runs past its
+ref (``ref[pl.ds(i, n)]``, strided or not, through views or not) is discharged as ``lax.dynamic_slice``,
+which moves the start back until the slice fits, so every element comes from another position (v3's
+default blocks on v5e read their last KV chunk 8 rows past a 104-row buffer and got keys 48-103 at
+positions 56-111). A TPU reads each element where it is, and whatever memory holds past the buffer. The
+patched read does the same, reading NaN past the ref (every bit set for an integer dtype: NaN in any float
+view of it), so that a kernel that uses such a value shows NaN and one that masks it is right.
+
 Gap ``generic-dynamic-size-copies``: a DMA of a data-dependent size (``pl.ds(start, traced_size)``, as in
 tpu-inference's RPA v3) fails in the ``dma_start`` discharge rule (``state.discharge.transform_array`` ->
 ``_index_array`` -> ``lax.dynamic_slice``: "Shapes must be 1D sequences of concrete values"; the ``dma_wait``
@@ -515,7 +523,8 @@ def _transform_swap_array_moving_bits(original: Callable) -> Callable:
 
 
 def _narrow_float_patches() -> list[Patch]:
-    """Outermost wrappers (applied after the view-store one) on the read and the write path."""
+    """Wrappers on the read and the write path, around the view-store one (gap generic-clamped-reads wraps
+    the read path around this one)."""
     discharge = _internals().discharge
     return [
         Patch(discharge, "transform_array", _transform_array_moving_bits(discharge.transform_array)),
@@ -904,6 +913,165 @@ DYNAMIC_SIZE_COPIES = Gap(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Gap generic-clamped-reads.
+
+
+def read_rows_from(start_ref, x_ref, o_ref):
+    """``o = x[start : start + len(o)]``, ``start`` read from SMEM (a data-dependent start)."""
+    o_ref[...] = x_ref[pl.ds(start_ref[0], o_ref.shape[0])]
+
+
+def run_read_rows_from(x, start: int, rows: int) -> np.ndarray:
+    """``read_rows_from`` on ``x`` for ``rows`` rows from row ``start``, on the generic interpreter."""
+
+    def call(start, x):
+        return pl.pallas_call(
+            read_rows_from,
+            out_shape=jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec()],
+        )(start, x)
+
+    with pltpu.force_tpu_interpret_mode(True):  # type: ignore[arg-type]  # see run_step_counter
+        return np.asarray(jax.jit(call)(jnp.array([start], jnp.int32), x))
+
+
+def _clamped_reads_probe() -> bool:
+    x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+    got = run_read_rows_from(x, start=12, rows=8)
+    if np.array_equal(got[:4], np.asarray(x)[12:]):
+        return False  # the rows in bounds are read where they are
+    if np.array_equal(got, np.asarray(x)[8:]):
+        return True
+    raise InternalsMoved(
+        f"reading 8 rows from row 12 of a 16-row ref returned rows {(got[:, 0] // 128).tolist()}"
+    )
+
+
+def _clamped_reads_internals() -> None:
+    internals = _internals()
+    require_attributes(internals.discharge, "transform_array")
+    require_parameters(internals.discharge.transform_array, ["x", "transforms"], "transform_array")
+    require_attributes(internals.indexing, "Slice", "NDIndexer")
+    require_attributes(
+        internals.indexing.Slice, "is_dynamic_start", "is_dynamic_size", "start", "size", "stride"
+    )
+
+
+def _reads_several_from_a_data_dependent_start(transform) -> bool:
+    """An indexer with a slice of several elements from a data-dependent start, static sizes and no array
+    index: the reads a clamped start moves onto other elements. A single element read outside a ref (a
+    scalar index) is outside whole: clamped, it returns some element of the ref, as arbitrary as what a
+    TPU reads there, so those are left to jax."""
+    if not view_algebra.is_indexer(transform):
+        return False
+    slice_class = _internals().indexing.Slice
+    several = False
+    for index in transform.indices:
+        if isinstance(index, slice_class):
+            if index.is_dynamic_size:
+                return False  # the dynamic-size copies widen these to static windows first
+            several = several or (index.is_dynamic_start and index.size > 1)
+        elif np.shape(index) != ():
+            return False  # an array index: a gather, left to jax
+    return several
+
+
+def _value_outside(dtype) -> np.ndarray:
+    """What a read outside a ref returns: NaN for a float, every bit set for any other dtype (NaN too for a
+    float view of those bits, as v3's bfloat16 KV buffer read as uint32 is)."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return np.array(np.nan, dtype)
+    return np.invert(np.zeros((), dtype))
+
+
+def _clamp(low: int, value, high: int):
+    """``value`` (a data-dependent index) as int32, within ``[low, high]``."""
+    return jax.lax.clamp(np.int32(low), jax.lax.convert_element_type(value, jnp.int32), np.int32(high))
+
+
+def _read_in_place(x, indexer):
+    """``x[indexer]`` as a TPU reads it: each element of a slice from its own position, the positions outside
+    the ref (past its end or before its start) read as ``_value_outside``. A window that holds every
+    position inside the ref is sliced at a start kept inside it; along each axis of a slice of several
+    elements from a data-dependent start the window is padded with that value by the slice's reach on both
+    sides and sliced again where the slice's first position falls, so no ``lax.dynamic_slice`` clamps a
+    start onto other elements. A data-dependent scalar index is clamped into the ref. An 8- or 16-bit float
+    moves as bits (gap ``generic-narrow-float-bits``); any other dtype as it is (a bitcast would copy the
+    whole ref)."""
+    slice_class = _internals().indexing.Slice
+    window_starts, windows, pads, offsets, reaches, strides, squeezed = [], [], [], [], [], [], []
+    for axis, (index, extent) in enumerate(zip(indexer.indices, x.shape, strict=True)):
+        if isinstance(index, slice_class):
+            start, size, stride = index.start, index.size, index.stride
+        else:
+            start, size, stride = index, 1, 1
+            squeezed.append(axis)
+        reach = (size - 1) * stride + 1 if size else 0  # from the first position read to the last
+        pad, offset = (0, 0, 0), 0
+        if isinstance(start, (int, np.integer)):  # static: in bounds, as jax checks when it traces
+            window_start, window = int(start), reach
+        elif size <= 1:  # one element: outside whole when outside, clamped as jax clamps it
+            window_start, window = _clamp(0, start, extent - size), size
+        else:
+            start = jax.lax.convert_element_type(start, jnp.int32)
+            window = min(reach, extent)
+            window_start = _clamp(0, start, extent - window)
+            pad = (reach, reach, 0)
+            offset = _clamp(0, jax.lax.sub(jax.lax.add(start, np.int32(reach)), window_start), window + reach)
+        window_starts.append(window_start)
+        windows.append(window)
+        pads.append(pad)
+        offsets.append(offset)
+        reaches.append(reach)
+        strides.append(stride)
+    bits = _moves_bits(x, ())
+    fill = _value_outside(x.dtype) if bits is None else _value_outside(x.dtype).view(bits)
+    value = jax.lax.dynamic_slice(
+        x if bits is None else jax.lax.bitcast_convert_type(x, bits), window_starts, windows
+    )
+    if any(pad != (0, 0, 0) for pad in pads):
+        value = jax.lax.dynamic_slice(jax.lax.pad(value, fill, pads), offsets, reaches)
+    if any(stride != 1 for stride in strides):
+        value = jax.lax.slice(value, [0] * value.ndim, reaches, strides)
+    value = jax.lax.squeeze(value, squeezed)
+    return value if value.dtype == x.dtype else jax.lax.bitcast_convert_type(value, x.dtype)
+
+
+def _transform_array_reading_in_place(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def transform_array(x, transforms):
+        transforms = tuple(transforms or ())
+        if not any(_reads_several_from_a_data_dependent_start(transform) for transform in transforms):
+            return original(x, transforms)
+        result = x
+        for transform in transforms:
+            if _reads_several_from_a_data_dependent_start(transform):
+                result = _read_in_place(result, transform)
+            else:
+                result = original(result, (transform,))
+        return result
+
+    return transform_array
+
+
+def _clamped_reads_patches() -> list[Patch]:
+    """Wraps the read path outside the narrow-float one: its own reads move 8- and 16-bit floats as bits."""
+    discharge = _internals().discharge
+    return [Patch(discharge, "transform_array", _transform_array_reading_in_place(discharge.transform_array))]
+
+
+CLAMPED_READS = Gap(
+    name="generic-clamped-reads",
+    interpreter="generic",
+    symptom="a read that runs past its ref from a data-dependent start (ref[pl.ds(i, n)]): lax.dynamic_slice "
+    "moves the start back inside the ref, so every element comes from the wrong position (silently wrong)",
+    probe=_clamped_reads_probe,
+    check_internals=_clamped_reads_internals,
+    patches=_clamped_reads_patches,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Gap generic-memory-space-operands.
 
 MEMORY_SPACE_ERROR = "memory_space of all inputs passed to `dynamic_update_slice` must be the same"
@@ -981,6 +1149,7 @@ GAPS = (
     VIEW_STORES,
     SCALAR_PREFETCH_STATE,
     NARROW_FLOAT_BITS,
+    CLAMPED_READS,
     DYNAMIC_SIZE_COPIES,
     MEMORY_SPACE_OPERANDS,
 )

@@ -68,13 +68,14 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
                 "known-issue-replay", issue=known_issue.name, backend=replay_backend.label, outcome="not run"
             )
             pytest.skip(f"{known_issue.name}: its repro is compiled for a TPU: {replay_backend.skip_reason}")
-    if repro.halt and replay_backend.name == backends.TPU:
+    if (repro.halt or repro.hang) and replay_backend.name == backends.TPU:
         runlog.record_event(
             "known-issue-replay", issue=known_issue.name, backend=replay_backend.label, outcome="not run"
         )
+        ends = "halts the chip" if repro.halt else "hangs"
         pytest.skip(
-            f"{known_issue.name}: its repro halts the chip, which would end this process: replay it in one "
-            f"of its own, `rpa-harness replay {repro_path}`"
+            f"{known_issue.name}: its repro {ends}, which would end this process: replay it in one of its "
+            f"own, `rpa-harness replay {repro_path} --backend tpu`"
         )
     # Rebuilt as `rpa-harness replay` rebuilds it (the contract it failed under, the chip it was recorded
     # for: an issue of one generation's code does not show on another), on this run's backend.

@@ -820,6 +820,65 @@ def test_dynamic_size_dmas_along_axis_1_are_bit_exact_and_count_their_elements(d
     np.testing.assert_array_equal(np.asarray(counts), [2 * (first + second) * 128, 0])
 
 
+# --- reads that run past their ref (generic-clamped-reads) ---------------------------------------------
+
+
+def read_from(x, start: int, rows: int, stride: int = 1, *, through_view: bool = False) -> np.ndarray:
+    """``rows`` rows of ``x`` (16 rows, or a (2, 8, ...) ref read through a 16-row reshape) every ``stride``-th
+    from row ``start``, read from SMEM (a data-dependent start), on the generic interpreter."""
+
+    def kernel(start_ref, x_ref, o_ref):
+        ref = x_ref.reshape(16, *x_ref.shape[2:]) if through_view else x_ref
+        o_ref[...] = ref[pl.ds(start_ref[0], rows, stride)]
+
+    out_shape = jax.ShapeDtypeStruct((rows, *x.shape[1 + through_view :]), x.dtype)
+    in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec()]
+    return run(kernel, out_shape, jnp.array([start], jnp.int32), x, interpreter="generic", in_specs=in_specs)
+
+
+def expected_read(rows_of_x: np.ndarray, start: int, rows: int, stride: int, outside) -> np.ndarray:
+    """Row ``start + j * stride`` of ``rows_of_x`` for each j, ``outside`` where that row is not in it."""
+    expected = np.full((rows, *rows_of_x.shape[1:]), outside, rows_of_x.dtype)
+    for j in range(rows):
+        if 0 <= start + j * stride < len(rows_of_x):
+            expected[j] = rows_of_x[start + j * stride]
+    return expected
+
+
+# (start, rows, stride): inside, past the end, before the start, strided, entirely outside.
+READS = [(4, 8, 1), (12, 8, 1), (-2, 8, 1), (3, 5, 3), (12, 8, 2), (-3, 4, 2), (40, 8, 1)]
+
+
+@pytest.mark.parametrize("through_view", [False, True], ids=["ref", "view"])
+@pytest.mark.parametrize("start, rows, stride", READS, ids=["-".join(map(str, r)) for r in READS])
+def test_a_read_past_its_ref_reads_each_row_inside_from_its_own_position(start, rows, stride, through_view):
+    """As on a TPU: rows inside the ref come from where they are, rows outside it read NaN, none of them
+    moved onto rows inside (lax.dynamic_slice's clamped start)."""
+    x = np.arange(16 * 128, dtype=np.float32).reshape(16, 128)
+    source = jnp.asarray(x.reshape(2, 8, 128) if through_view else x)
+    got = read_from(source, start, rows, stride, through_view=through_view)
+    np.testing.assert_array_equal(got, expected_read(x, start, rows, stride, np.nan))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e4m3fnuz], ids=str)
+def test_a_read_past_a_narrow_float_ref_is_bit_exact_inside_and_nan_outside(dtype):
+    x = np.asarray(random_array((16, 128), jnp.float32)).astype(dtype)
+    x[13, :5] = np.nan  # a NaN payload inside survives only a bit-exact read
+    got = read_from(jnp.asarray(x), 12, 8)
+    bits = f"uint{8 * np.dtype(dtype).itemsize}"
+    np.testing.assert_array_equal(got[:4].view(bits), x[12:].view(bits))
+    assert np.isnan(got[4:].astype(np.float32)).all()
+
+
+def test_a_read_past_an_integer_ref_reads_every_bit_set():
+    """v3 reads its bfloat16 KV buffer through a uint32 view: rows past it read as every bit set, which is
+    NaN in any float the kernel bitcasts them to."""
+    x = np.arange(16 * 128, dtype=np.uint32).reshape(16, 128)
+    got = read_from(jnp.asarray(x), 12, 8)
+    np.testing.assert_array_equal(got, expected_read(x, 12, 8, 1, np.uint32(0xFFFFFFFF)))
+    assert np.isnan(unpacked_rows(got[4:], jnp.bfloat16).astype(np.float32)).all()
+
+
 # --- race history pruning --------------------------------------------------------------------------------
 
 LONG_CALL_COPIES = 300  # ~1,800 recorded accesses before the last copy: many prunes happen before it
@@ -1118,6 +1177,18 @@ def test_gap_dynamic_size_copy_still_in_generic_interpreter():
         "generic-dynamic-size-copies",
         lambda: generic_gaps.run_dynamic_size_copy(PAGES, 8, src=5, dst=2, size=3),
         generic_gaps.DYNAMIC_SIZE_ERROR,
+    )
+
+
+def test_gap_clamped_reads_still_in_generic_interpreter():
+    """Without the layer, 8 rows from row 12 of a 16-row ref come back as rows 8-15."""
+    x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+    with layer_off():
+        got = generic_gaps.run_read_rows_from(x, start=12, rows=8)
+    assert_probe_agrees(
+        "generic-clamped-reads",
+        np.array_equal(got, np.asarray(x)[8:]),
+        "reads the rows of a slice past its ref where they are",
     )
 
 

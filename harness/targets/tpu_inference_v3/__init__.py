@@ -72,7 +72,8 @@ _api = v3_api()  # the installed release's (None without tpu-inference)
 _early = _api is not None and not _api.block_tuples
 
 # What the strategies draw for v3 (fields of rpa_harness.strategies.valid.Capabilities). Outside of it: q_len == 0 (v3
-# forbids it and hangs on it: tests/targets/test_v3_target.py) and page sizes v3 rejects for a KV dtype.
+# forbids it, and before a live sequence the TPU interpreter finds the kernel deadlocked: finding
+# q-len-zero-before-a-live-sequence-hangs) and page sizes v3 rejects for a KV dtype.
 RPA_HARNESS_CAPABILITIES = dict(
     head_dims=(64, 128, 256),
     page_size_multiple_of_kv_packing=True,

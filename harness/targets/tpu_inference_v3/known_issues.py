@@ -415,7 +415,8 @@ RPA_HARNESS_CATALOGUE = (
     ),
     KnownIssue(
         "q-len-zero-before-a-live-sequence-hangs",
-        "a q_len == 0 sequence before one with query rows: the call never returns (a DMA wait)",
+        "a q_len == 0 sequence before one with query rows: the kernel never copies the live sequence's query "
+        "block or new key, and waits for them (the TPU interpreter: a deadlock; a TPU: not settled)",
         FINDINGS / "q-len-zero-before-a-live-sequence-hangs" / "v3-hang_interpret.json",
         v3_q_len_zero_before_live_sequence,
         drop_empty_sequences_before_live_ones,
@@ -423,10 +424,20 @@ RPA_HARNESS_CATALOGUE = (
         replay=_replay_v3_hang,
         explanation=(
             "`dynamic_validate_inputs` rejects `q_len == 0`, but `ragged_paged_attention` does not run it, so "
-            "the input reaches the kernel. Likely cause (not verified on hardware): a sequence with no query "
-            "block runs no iteration of its loops, so the KV prefetch the previous sequence started for it "
-            "is never waited for, and the next sequence waits for a copy that was never started. A single "
-            "`(0, 5)` sequence, or an empty sequence in the last slot, returns with the right outputs."
+            "the input reaches the kernel. A sequence with no query block runs no iteration of "
+            "`compute_with_bq`, so it starts none of the prefetches for the sequence after it, which waits "
+            "instead for the copies started for the empty one. In the repro (`(0, 1), (1, 1)`), sequence 1 "
+            "waits for its query block (one token, 512 bytes: `wait_fetch_bq`) on a semaphore that only "
+            "sequence 0's query copy of 0 tokens signalled: the Pallas TPU interpreter finds that wait a "
+            "deadlock. Its KV wait (one row) takes sequence 0's copy of its one cached row, so were the query "
+            "wait to return, sequence 1 would attend to sequence 0's key and value and write them into its "
+            "own cache slot: the generic interpreter, whose waits do not block, returns that (NaN attention "
+            "from the query buffer nothing wrote, sequence 0's key in sequence 1's slot). A v5e chip session "
+            "reported the call returning with the right attention and cache, which these copies cannot "
+            "produce; what a TPU does here is not settled (`ci/chip_probe_v3_q_len_zero.py` runs it step by "
+            "step). A single `(0, 5)` sequence, or an empty sequence in the last slot, gets the right "
+            "attention and cache, but the KV prefetch started for the empty sequence is never waited for "
+            "(the TPU interpreter's exit check: it would halt a TPU)."
         ),
     ),
     KnownIssue(
@@ -482,27 +493,41 @@ RPA_HARNESS_CATALOGUE = (
     ),
     KnownIssue(
         "default-blocks-break-v3s-own-rules",
-        "on TPU v5 and v6 v3's default mixed block sizes have a compute chunk that does not divide its block: "
-        "for a sequence with more keys than the whole chunks in a block, the kernel reads past its KV buffer "
-        "in VMEM (the TPU interpreter stops it) and returns wrong rows",
-        FINDINGS / "default-blocks-break-v3s-own-rules" / "differential-any-config_fast-interpret-v6e.json",
+        "on TPU v5 and v6 v3's default mixed block sizes have a KV compute chunk that does not divide its block: "
+        "for a sequence with more keys than the whole chunks in a block, the kernel reads past the end of its "
+        "KV buffer in VMEM (with pages of a power of two, keys it masks: the outputs stay right; the TPU "
+        "interpreter stops the read)",
+        FINDINGS / "default-blocks-break-v3s-own-rules" / "differential-any-config_interpret-v6e.json",
         v3_default_blocks_break_its_rules,
         with_given_block_sizes,
-        rf"Out-of-bounds read|{NUMERIC_MISMATCH}",
+        r"Out-of-bounds read",
+        # With pages of a power of two (all that is drawn) the rows past the buffer are keys past every
+        # kv_len, masked: only the checking interpreter's bounds check shows the read (the generic
+        # interpreter reads them as NaN, gap generic-clamped-reads, and the masked outputs are right).
+        backends=("interpret",),
         explanation=(
             "On v5 and v6, `get_default_block_sizes` gives the mixed kernel `bq_sz = min(1024 // r, max_q // "
             "2)` but `bq_csz = min(512 // r, max_q)` (r q heads per KV head, max_q the token budget rounded up "
             "to a power of 2), so every budget below `1024 // r` gets a query chunk twice the block, and "
             "`bkv_csz = min(512, max_kv // 2 aligned to a page)`, which need not divide `bkv_sz = min(1024, "
             "max_kv)`. Given explicitly, such sizes are rejected by `static_validate_inputs` (`bq_sz % bq_csz "
-            "== 0`, `bkv_sz % bkv_csz == 0`); the defaults are never validated. The kernel then reads the "
-            "second KV chunk past the end of its KV scratch buffer once a block holds more keys than the "
-            "whole chunks that fit in it: the Pallas TPU interpreter stops it (out-of-bounds read), the "
-            "generic interpreter returns wrong rows; what a TPU reads there has not been run on hardware. "
-            "Sequences with fewer keys, and the query chunk twice the block (the kernel clamps a query chunk "
-            "to the rows of its block), come out right. On 7x the same case gets valid sizes and is right."
+            "== 0`, `bkv_sz % bkv_csz == 0`); the defaults are never validated. Once a block holds more keys "
+            "than the whole chunks that fit in it, the kernel's last compute chunk (`load_bkv(bkv_sem_idx, "
+            "kv_head_idx, idx * bkv_csz, bkv_csz)`) runs past the end of its KV scratch buffer: 8 rows past a "
+            "104-row buffer in the repro. v3 turns Mosaic's bounds checks off (`disable_bounds_checks=True`), "
+            "so a TPU reads whatever VMEM holds there; the Pallas TPU interpreter stops the read "
+            "(out-of-bounds read). With a page size that divides 1,024 (every power of two), a block whose "
+            "chunk does not divide it is the whole page table (`bkv_sz = max_kv`, at most 1,024 keys), so "
+            "the rows past it are positions past every sequence's `kv_len`: the mask replaces their logits "
+            "and zeroes their values, and the outputs are right (the repro's on a v5e). With one that does "
+            "not (96: blocks of 1,056 keys in chunks of 576 once the page table holds more than 1,024), the "
+            "rows past a block are the next block's keys, within `kv_len` and not masked, and the output "
+            "depends on what VMEM holds past the buffer (NaN rows on the fast interpreter, which reads NaN "
+            "there); not drawn, not run on a chip. The query chunk twice the block does no harm (the kernel "
+            "clamps a query chunk to the rows of its block). On 7x the same case gets valid sizes."
         ),
         releases=">=0.18.0",  # earlier kernels take upstream's block options (their tuned table's blocks are whole)
+        generations=("v5e", "v5p", "v6e"),  # get_default_block_sizes: `case 5 | 6`
     ),
     KnownIssue(
         "out-dtype-other-than-q-dtype-fails-to-trace",
