@@ -40,5 +40,8 @@ def test_every_declared_finding_of_upstream_gets_its_verdict(pytestconfig, tmp_p
         if line.startswith(f"| {UPSTREAM}")
     }
     assert set(rows) == {issue.name for issue in targets.load(UPSTREAM).known_issues}
-    assert all("reproduces" in row or "passes (not visible here)" in row for row in rows.values()), rows
+    # A compile finding is not run without libtpu (the newest jax's leg): every other one is judged.
+    judged = {name: row for name, row in rows.items() if "not run" not in row}
+    assert all("reproduces" in row or "passes (not visible here)" in row for row in judged.values()), rows
+    assert sum("reproduces" in row for row in judged.values()) >= 4, rows
     assert table.read_text().startswith(tuple("0123456789")), "its first line says when, where and how"
