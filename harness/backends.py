@@ -427,32 +427,28 @@ def _race_report(error: BaseException) -> str | None:
     return "the TPU interpreter detected a data race in the kernel: " + "; ".join(lines[1:] or lines)
 
 
+def _interpreter_report(error: BaseException, marker: str, what: str) -> str | None:
+    """The first line of one of the compat layer's checks (its message starting ``marker``) in ``error``,
+    as "the TPU interpreter found WHAT: ...", or None where the error is not that check's."""
+    text = str(error)
+    start = text.find(marker)
+    if start < 0:
+        return None
+    return f"the TPU interpreter found {what}: " + text[start:].splitlines()[0].removeprefix(marker).strip()
+
+
 def _deadlock_report(error: BaseException) -> str | None:
     """The deadlock check's account (``interpret_compat`` gap tpu-deadlock), or None if not a deadlock."""
     from rpa_harness.interpret_compat.tpu import DEADLOCK_MESSAGE
 
-    text = str(error)
-    start = text.find(DEADLOCK_MESSAGE)
-    if start < 0:
-        return None
-    return (
-        "the TPU interpreter found a deadlock in the kernel: "
-        + text[start:].splitlines()[0].removeprefix(DEADLOCK_MESSAGE).strip()
-    )
+    return _interpreter_report(error, DEADLOCK_MESSAGE, "a deadlock in the kernel")
 
 
 def _exit_state_report(error: BaseException) -> str | None:
     """The exit check's account (``interpret_compat`` gap tpu-exit-state), or None if the error is not its."""
     from rpa_harness.interpret_compat.tpu import WOULD_HALT_MESSAGE
 
-    text = str(error)
-    start = text.find(WOULD_HALT_MESSAGE)
-    if start < 0:
-        return None
-    return (
-        f"the TPU interpreter found that the kernel {WOULD_HALT_A_TPU}: "
-        + text[start:].splitlines()[0].removeprefix(WOULD_HALT_MESSAGE).strip()
-    )
+    return _interpreter_report(error, WOULD_HALT_MESSAGE, f"that the kernel {WOULD_HALT_A_TPU}")
 
 
 def _drop_ordered_effect_tokens() -> None:
