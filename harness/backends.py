@@ -77,6 +77,23 @@ def on_hang(handler):
         _hang_handler = previous
 
 
+# Called with the message when a call that was still stepping ends the process as too slow; returns
+# (message, exit code). Set by the chip's owner process, which passes the verdict to the caller.
+_slow_handler = None
+
+
+@contextlib.contextmanager
+def on_slow(handler):
+    """While the enclosed block runs, a call too slow to judge calls ``handler(message) -> (message, exit
+    code)`` before the process ends (``end_too_slow``)."""
+    global _slow_handler
+    previous, _slow_handler = _slow_handler, handler
+    try:
+        yield
+    finally:
+        _slow_handler = previous
+
+
 # A kernel that faults a TPU halts it for the process: that call and every later one raise a runtime error
 # (these messages are libtpu's). The first is the finding; nothing after it can be judged, so the process
 # ends (HALT_EXIT_CODE) once the handler has kept the example in flight as the halt's repro. Recognised on
@@ -212,39 +229,45 @@ def _interpreter_steps() -> int:
     return returned_callbacks()
 
 
+def end_too_slow(what: str, seconds: float, slow_timeouts: int, steps: int):
+    """Ends the process after a call that was still stepping when its watch ran out: an error of the run
+    (``SLOW_EXIT_CODE``), no verdict on the kernel."""
+    message = (
+        f"rpa-harness: TOO SLOW: {what} was still running after {seconds * slow_timeouts:g} s "
+        f"({slow_timeouts} x RPA_CALL_TIMEOUT; the TPU interpreter made {steps} steps in the last "
+        f"{seconds:g} s): not a hang, and no verdict on the kernel. Run it on a less loaded machine or "
+        "raise RPA_CALL_TIMEOUT."
+    )
+    message, code = _reported_by(_slow_handler, (message, SLOW_EXIT_CODE), "slow", message)
+    if _release_captured_output is not None:
+        _release_captured_output()
+    sys.stderr.write(f"\n{message}\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def end_on_hang(what: str, seconds: float, *, stacks: bool = True):
+    """Ends the process after a call taken for a hang: the handler's message (it writes the hang's repro),
+    this process's stacks where ``stacks``, then its exit code."""
+    default = (f"rpa-harness: {what} did not return within {seconds:g} s (RPA_CALL_TIMEOUT)", HANG_EXIT_CODE)
+    message, code = _reported_by(_hang_handler, default, "hang", what, seconds)
+    if _release_captured_output is not None:
+        _release_captured_output()
+    sys.stderr.write(f"\n{message}\n(taken for a hang, e.g. a DMA wait with nothing pending).")
+    if stacks:
+        sys.stderr.write(" Stacks:\n")
+        faulthandler.dump_traceback(all_threads=True)
+    sys.stderr.write(f"\n{message}\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
 @contextlib.contextmanager
 def watchdog(what: str, seconds: float | None = None, *, slow_timeouts: int = SLOW_CALL_TIMEOUTS):
     """Ends the process if the enclosed call has not returned after ``seconds`` (default RPA_CALL_TIMEOUT)
     in which the TPU interpreter made no step: as a hang. A call that is still stepping is watched for
     another ``seconds``, up to ``slow_timeouts`` in all, then ends the process as too slow."""
     seconds = CALL_TIMEOUT_SECONDS if seconds is None else seconds
-
-    def too_slow(steps: int):
-        message = (
-            f"rpa-harness: TOO SLOW: {what} was still running after {seconds * slow_timeouts:g} s "
-            f"({slow_timeouts} x RPA_CALL_TIMEOUT; the TPU interpreter made {steps} steps in the last "
-            f"{seconds:g} s): not a hang, and no verdict on the kernel. Run it on a less loaded machine or "
-            "raise RPA_CALL_TIMEOUT."
-        )
-        if _release_captured_output is not None:
-            _release_captured_output()
-        sys.stderr.write(f"\n{message}\n")
-        sys.stderr.flush()
-        os._exit(SLOW_EXIT_CODE)
-
-    def expire():
-        default = (
-            f"rpa-harness: {what} did not return within {seconds:g} s (RPA_CALL_TIMEOUT)",
-            HANG_EXIT_CODE,
-        )
-        message, code = _reported_by(_hang_handler, default, "hang", what, seconds)
-        if _release_captured_output is not None:
-            _release_captured_output()
-        sys.stderr.write(f"\n{message}\n(taken for a hang, e.g. a DMA wait with nothing pending). Stacks:\n")
-        faulthandler.dump_traceback(all_threads=True)
-        sys.stderr.write(f"\n{message}\n")
-        sys.stderr.flush()
-        os._exit(code)
 
     returned = threading.Event()
 
@@ -255,8 +278,8 @@ def watchdog(what: str, seconds: float | None = None, *, slow_timeouts: int = SL
                 return
             steps, before = _interpreter_steps(), steps
             if steps == before:
-                expire()
-        too_slow(steps - before)
+                end_on_hang(what, seconds)
+        end_too_slow(what, seconds, slow_timeouts, steps - before)
 
     watcher = threading.Thread(target=watch, name="rpa-harness watchdog", daemon=True)
     watcher.start()
@@ -642,10 +665,10 @@ class Backend:
 
     @property
     def generation_seen(self) -> str:
-        """The TPU generation kernels traced here see: a real chip's own (opening it, in the worker that
-        holds it), else the emulated one (``none``: the CPU device)."""
+        """The TPU generation kernels traced here see: a real chip's own (``tpus``: as the process that
+        holds it names it), else the emulated one (``none``: the CPU device)."""
         if self.name == TPU:
-            return lowering.real_tpu_generation() or generations.NONE
+            return lowering.generation_of_device_kind(tpus().kind) or generations.NONE
         return self.generation
 
     @property
@@ -687,7 +710,12 @@ class Backend:
 
     def run(self, fn, *args, **kwargs):
         """Calls ``fn`` on this backend and returns its output as NumPy (an array, or a tuple of them for a
-        kernel with several outputs); races, deadlocks and an exit that would halt a TPU raise."""
+        kernel with several outputs); races, deadlocks and an exit that would halt a TPU raise. Where a chip
+        owner makes this process's kernel calls (``rpa_harness.chip_owner``), it makes this one."""
+        from rpa_harness import chip_owner
+
+        if chip_owner.address() is not None:
+            return chip_owner.call(self, fn, args, kwargs)
         if self.name == TPU:  # with no case's handlers: a hang or halt here is not the case's
             with on_hang(None), on_halt(None), watchdog("the known-good call on the chip"):
                 check_the_chip_once()

@@ -29,6 +29,9 @@ Options (each also read from an environment variable):
                                 RPA_TPU_GENERATION  TPU generations the interpreters emulate (default: auto,
                                                     the target's declared tpu_generations; see
                                                     rpa_harness.generations)
+  --rpa-chip-owner=auto|on|off RPA_CHIP_OWNER      one process makes every kernel call for the xdist workers
+                                                    (default: auto, on the tpu backend with -n 2 or more;
+                                                    on: on any backend; off: -n 1 on the tpu backend)
 Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
 RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
 
@@ -53,7 +56,7 @@ from hypothesis.database import (
     MultiplexedDatabase,
     ReadOnlyDatabase,
 )
-from rpa_harness import backends, checks, generations, known_issues, repro, runlog, targets
+from rpa_harness import backends, checks, chip_owner, generations, known_issues, repro, runlog, targets
 from rpa_harness.recording import DEVICE_HALTED, CannotRunHere, preceded_by_line
 from rpa_harness.reference.tolerance import BF16_MATMUL, CONTRACTS, TPU_TRANSCENDENTALS
 from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, from_options, in_cli_terms
@@ -188,6 +191,14 @@ def pytest_addoption(parser):
         "under the nightly profile; none if it declares none); each is its own parametrisation",
     )
     group.addoption(
+        "--rpa-chip-owner",
+        default=os.environ.get("RPA_CHIP_OWNER", "auto"),
+        choices=("auto", "on", "off"),
+        help="one process makes every kernel call while the xdist workers draw, build arrays and judge "
+        "(rpa_harness.chip_owner; default auto: on the tpu backend with -n 2 or more; on: on any backend, "
+        "the interpreters standing in for the chip; off: the tpu backend runs one worker)",
+    )
+    group.addoption(
         "--rpa-allow-no-numeric",
         action="store_true",
         default=os.environ.get("RPA_ALLOW_NO_NUMERIC", "") not in ("", "0"),
@@ -284,7 +295,7 @@ def pytest_configure_after_hypothesis(config):
         raise pytest.UsageError(
             in_cli_terms(str(error)) if os.environ.get(CLI_TERMS_ENV) else str(error)
         ) from None
-    _one_worker_on_a_tpu(config)
+    _chip_owner_or_one_worker(config)
     _name_the_chip(config)
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
@@ -306,18 +317,50 @@ def _on_a_tpu(config) -> bool:
 
 
 WORKERS_ASKED = pytest.StashKey[int]()
+OWNER = pytest.StashKey[chip_owner.Supervisor]()
 
 
-def _one_worker_on_a_tpu(config) -> None:
-    """On the tpu backend the controller starts one worker, whatever ``-n`` asked: a process opens every chip
-    of its host (libtpu's lockfile), so a second worker could open none. Its header says so."""
-    if not _is_controller(config) or not _on_a_tpu(config):
+def _chip_owner_or_one_worker(config) -> None:
+    """In the controller: with several workers on the tpu backend (or ``--rpa-chip-owner=on``), a chip
+    owner makes every kernel call (``rpa_harness.chip_owner``) and the workers feed it; else one worker on
+    the tpu backend, whatever ``-n`` asked: a process opens every chip of its host (libtpu's lockfile), so
+    a second worker could open none. The header says which."""
+    if not _is_controller(config):
         return
-    asked = len(config.option.tx)
-    if asked > 1:
+    choice, workers = config.getoption("--rpa-chip-owner"), len(config.option.tx)
+    if choice == "on" or (choice == "auto" and _on_a_tpu(config) and workers > 1):
+        _start_chip_owner(config)
+    elif _on_a_tpu(config) and workers > 1:
         config.option.tx = config.option.tx[:1]
         config.option.numprocesses = 1
-        config.stash[WORKERS_ASKED] = asked
+        config.stash[WORKERS_ASKED] = workers
+
+
+def _start_chip_owner(config) -> None:
+    """Starts the owner and points the workers at it (they start after configuration, from this process's
+    environment); on a chip they compute on the CPU and take the chip's description from the owner."""
+    environ = dict(os.environ)
+    folder = backends.compilation_cache_setting(config.getoption("--rpa-compilation-cache"))
+    environ[backends.COMPILATION_CACHE_ENV] = str(folder) if folder is not None else "off"
+    supervisor = chip_owner.Supervisor(environ).start()
+    try:
+        facts = chip_owner.owner_facts(supervisor.where)
+    except chip_owner.OwnerUnavailable as error:
+        supervisor.stop()
+        pytest.exit(
+            f"rpa-harness: {backends.CHIP_FAULTED}: {error}", returncode=backends.CHIP_FAULTED_EXIT_CODE
+        )
+    config.stash[OWNER] = supervisor
+    os.environ[chip_owner.ADDRESS_ENV] = supervisor.where
+    if facts["platform"] == "tpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ[backends.TPU_PROBE_ENV] = f"{facts['tpu_kind']}:{facts['tpu_count']}"
+
+
+def pytest_unconfigure(config):
+    supervisor = config.stash.get(OWNER, None)
+    if supervisor is not None:
+        supervisor.stop()
 
 
 def _name_the_chip(config) -> None:
@@ -578,14 +621,32 @@ class RunVerdicts:
         verdict = self.no_numeric_verdict()
         if verdict and exitstatus == pytest.ExitCode.OK:
             session.exitstatus = NO_NUMERIC_EXIT
+        if OWNER in self.config.stash:
+            runlog.record_event("chip_owner", **self.chip_owner_summary())
         if os.environ.get(runlog.ENV):
             chips = [e for e in runlog.read_events(os.environ[runlog.ENV]) if e["kind"] == "device"]
             runlog.write_session(
                 no_numeric=verdict, cannot_run=self.cannot_run, header=run_header(self.config, chips or None)
             )
 
+    def chip_owner_summary(self) -> dict:
+        """The chip owners' calls and the fraction of the run's wall time the chip spent in them."""
+        summary = self.config.stash[OWNER].summary()
+        wall = time.time() - self.started
+        return {**summary, "wall_s": wall, "busy_fraction": summary["busy_s"] / wall if wall > 0 else 0.0}
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_terminal_summary(self, terminalreporter):
+        if OWNER in self.config.stash:
+            owners = self.chip_owner_summary()
+            ended = (
+                f"; {len(owners['exits'])} ended early (exit {owners['exits']})" if owners["exits"] else ""
+            )
+            terminalreporter.write_line(
+                f"rpa-harness: chip owner: {owners['calls']} kernel calls, busy {owners['busy_s']:.1f} s of "
+                f"{owners['wall_s']:.1f} s ({owners['busy_fraction']:.0%}); {owners['owners']} owner "
+                f"process(es){ended}"
+            )
         verdict = self.no_numeric_verdict()
         if verdict:
             terminalreporter.write_line(verdict, red=True, bold=True)
@@ -639,6 +700,8 @@ def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
         )
         if WORKERS_ASKED in config.stash:
             chip_line += f"; 1 worker (-n {config.stash[WORKERS_ASKED]} asked: one process holds the chips)"
+    if OWNER in config.stash:
+        chip_line += f"; one chip owner process makes the kernel calls of {len(config.option.tx)} workers"
     buckets = run.buckets or target.capabilities.buckets
     chip_products = (
         f", + {BF16_MATMUL} on a TPU generation (float32 products at DEFAULT precision)"

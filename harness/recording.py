@@ -13,7 +13,7 @@ import contextlib
 import os
 
 import pytest
-from rpa_harness import backends, known_issues, repro, runlog
+from rpa_harness import backends, chip_owner, known_issues, repro, runlog
 from rpa_harness.checks import CannotRun, RaisedOnValidInput
 from rpa_harness.property_names import PropertyName
 from rpa_harness.strategies.coverage import coverage_labels
@@ -67,7 +67,7 @@ def preceded_by_line(halt: repro.Repro) -> str:
     if not halt.preceded_by:
         return ""
     return (
-        f"  preceded by: {len(halt.preceded_by)} example(s) in this process, in the repro's preceded_by "
+        f"  preceded by: {len(halt.preceded_by)} example(s) run just before it on the device, in the repro's preceded_by "
         "(replay runs them before it where it passes alone: a call can leave a fault for the next)\n"
     )
 
@@ -124,10 +124,22 @@ class Recorded:
         self.pending = repro.write_pending(self.example, self.directory, self.without_arrays)
         self.hang_watch.enter_context(backends.on_hang(self.on_hang))
         self.hang_watch.enter_context(backends.on_halt(self.on_halt))
+        if self.runs_on_a_device:
+            chip_owner.set_example_in_flight(self.without_arrays)
+            self.hang_watch.callback(chip_owner.set_example_in_flight, None)
         return self.notes
 
+    @property
+    def runs_on_a_device(self) -> bool:
+        """Whether the example runs a kernel (a compile property's, ``shapes_only``, runs nothing) and has a
+        case, which a replay before a halt's suspect rebuilds."""
+        return self.case is not None and not self.example.shapes_only
+
     def on_halt(self, what, error):
-        self.example.preceded_by = [example for example in _ran_before if repro.rebuilds_arrays(example)]
+        # Where a chip owner made the call, the calls before it on the chip were any process's.
+        before = chip_owner.calls_before_the_halt()
+        before = list(_ran_before) if before is None else before
+        self.example.preceded_by = [example for example in before if repro.rebuilds_arrays(example)]
         path = self.ended("halt", {"error": error}, error, f"{DEVICE_HALTED}: {what} raised {error}")
         return (
             f"rpa-harness: DEVICE HALTED: {what} raised {error} in {self.where()}\n"
@@ -165,7 +177,7 @@ class Recorded:
         __tracebackhide__ = True
         self.hang_watch.close()
         repro.discard_pending(self.pending)
-        if self.case is not None and not self.example.shapes_only:
+        if self.runs_on_a_device:
             _ran_before.append(self.without_arrays)
         if failure is None:
             runlog.record(**self.notes)

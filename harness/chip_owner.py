@@ -1,0 +1,427 @@
+"""One process owns the chip; the host's other processes send it their kernel calls.
+
+A TPU is opened by one process (libtpu's lockfile), and a kernel call is a small part of an example: the
+draw, the case's arrays, the float64 oracle and the comparison run on the host. So a run on a chip has one
+**owner** process that holds the chip and makes the kernel calls (the known-good call first, then each
+call under the watchdog, its output transferred back), and any number of host processes (pytest-xdist
+workers) that draw, build arrays, compute oracles and judge in parallel, each sending its calls to the owner
+over a unix socket (``Backend.run`` does it where ``ADDRESS_ENV`` is set). The owner takes requests from all
+of them at once, one thread a connection; calls reach the chip one at a time, so every halt has one call to
+blame, while the next requests are already received and unpickled.
+
+A call that halts the chip, hangs or runs too slow ends the owner as it would end any process that holds
+the chip (``backends``); first the owner tells the process whose call it was (with the calls that ran on the
+chip just before it), and that process ends as it would have with the chip in hand: its halt or hang repro
+written, its exit status. A ``Supervisor`` starts a fresh owner at the same address, and the other processes
+send their calls there. Hypothesis shrinks in the worker as ever: each call of a shrink is a request.
+
+With ``--rpa-chip-owner=on`` an owner serves the interpreters too: the fast interpreter in one process
+stands in for the chip on a CPU host (what the tests check).
+"""
+
+import collections
+import dataclasses
+import functools
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+
+ADDRESS_ENV = "RPA_CHIP_OWNER"  # the owner's socket, in the processes whose kernel calls it makes
+OWNER_FILE = "owner.sock"
+ENDED_FILE = "ended.json"  # the supervisor's last word, where it starts no more owners
+STATS_FILE = "stats-{pid}.json"  # each owner's counts, rewritten after every call
+START_SECONDS = 600.0  # how long a process waits for an owner to accept (an owner opening a chip: 8-15 s)
+STARTS_BEFORE_GIVING_UP = 3  # owners in a row that end before serving a call
+# Calls that ran on the chip just before a call that halts it, named in the halt's repro (a kernel can leave
+# a DMA running after its call returns; its fault then surfaces in a later call, maybe another process's).
+CALLS_KEPT = 2
+
+
+class OwnerUnavailable(RuntimeError):
+    """No owner accepted this process's call: the message says why (the supervisor's last word)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a request carries.
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetMethod:
+    """``target.attention`` or ``target.validate`` as a request carries it: a target is a loaded module, so
+    its method travels by the target's name and the owner loads the target once."""
+
+    target: str
+    method: str
+
+    def __call__(self, *args, **kwargs):
+        return getattr(_loaded_target(self.target), self.method)(*args, **kwargs)
+
+
+@functools.cache
+def _loaded_target(name: str):
+    from rpa_harness.targets import load
+
+    return load(name)
+
+
+def portable(fn):
+    """``fn`` as a request can carry it: a target's method by name, anything else as pickle carries it
+    (a module-level function by reference)."""
+    from rpa_harness.targets import Target
+
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, Target):
+        return TargetMethod(owner.name, fn.__name__)
+    return fn
+
+
+def _raised(error: BaseException) -> tuple:
+    """The answer for a call that raised: the exception where it pickles, else its class's module and name
+    and its message, what the checks read of it (``stand_in`` rebuilds it)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return ("raised", error)
+    except Exception:
+        return ("raised-as", type(error).__module__, type(error).__name__, str(error))
+
+
+def stand_in(module: str, name: str, message: str) -> Exception:
+    """An exception of a class named as the owner's was, carrying its message."""
+    return type(name, (Exception,), {"__module__": module})(message)
+
+
+# The example in flight in this process (``recording`` sets it): sent with each call, so that the owner
+# can name it among the calls that ran before a halt.
+_example_in_flight: dict | None = None
+# Set from the owner's report of a halt: the examples whose calls ran on the chip just before it.
+_calls_before_the_halt: list | None = None
+
+
+def set_example_in_flight(example: dict | None) -> None:
+    global _example_in_flight
+    _example_in_flight = example
+
+
+def calls_before_the_halt() -> list | None:
+    """The examples the owner ran just before the call that halted the chip (any process's), or None where
+    this process holds the chip itself."""
+    return _calls_before_the_halt
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The processes that send calls.
+
+
+def address() -> str | None:
+    return os.environ.get(ADDRESS_ENV) or None
+
+
+_connection: Connection | None = None
+_connection_lock = threading.Lock()
+
+
+def _connect(where: str) -> Connection:
+    """A connection to the owner at ``where``, waiting for one to accept (a fresh owner is opening the chip);
+    ``OwnerUnavailable`` where the supervisor has given up or none accepts in ``START_SECONDS``."""
+    deadline = time.monotonic() + START_SECONDS
+    ended = Path(where).parent / ENDED_FILE
+    while True:
+        if ended.exists():
+            raise OwnerUnavailable(json.loads(ended.read_text())["reason"])
+        try:
+            return Client(where, family="AF_UNIX")
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise OwnerUnavailable(
+                    f"no chip owner accepted a call at {where} within {START_SECONDS:g} s"
+                ) from None
+            time.sleep(0.05)
+
+
+def _drop_connection() -> None:
+    global _connection
+    if _connection is not None:
+        _connection.close()
+    _connection = None
+
+
+def call(backend, fn, args: tuple, kwargs: dict):
+    """``backend.run(fn, *args, **kwargs)`` made by the owner: its output, or what it raised. A call that
+    halts the chip, hangs or is too slow ends this process as it would with the chip in hand; a call the
+    owner had not started when it ended (another process's call halted the chip) goes to the next owner."""
+    global _connection, _calls_before_the_halt
+    where = address()
+    assert where is not None
+    request = ("call", backend, portable(fn), args, kwargs, _example_in_flight)
+    try:
+        payload = pickle.dumps(request)
+    except Exception as error:
+        raise TypeError(
+            f"a kernel call for the chip's owner process must pickle ({type(error).__name__}: {error}); pass "
+            "a module-level function or a target's method"
+        ) from None
+    what = f"a kernel call on {backend.name} (in the chip's owner process)"
+    with _connection_lock:
+        while True:
+            if _connection is None:
+                _connection = _connect(where)
+            started = False
+            try:
+                _connection.send_bytes(payload)
+                while True:
+                    kind, *rest = _connection.recv()
+                    if kind == "started":
+                        started = True
+                    elif kind == "returned":
+                        return rest[0]
+                    elif kind == "raised":
+                        raise rest[0]
+                    elif kind == "raised-as":
+                        raise stand_in(*rest)
+                    elif kind == "halted":
+                        _calls_before_the_halt = rest[2]
+                        from rpa_harness import backends
+
+                        backends.end_on_halt(rest[0], rest[1])
+                    elif kind == "hung":
+                        from rpa_harness import backends
+
+                        backends.end_on_hang(rest[0], rest[1], stacks=False)
+                    elif kind == "slow":
+                        from rpa_harness import backends
+
+                        backends.end_too_slow(*rest)
+            except (EOFError, OSError):
+                _drop_connection()
+                if started:
+                    from rpa_harness import backends
+
+                    backends.end_on_halt(
+                        what,
+                        "the owner process ended during the call without a word (a crash of the device?)",
+                    )
+
+
+def owner_facts(where: str) -> dict:
+    """What the owner at ``where`` runs on: its platform, and the chips it holds (``backends.Tpus``)."""
+    connection = _connect(where)
+    try:
+        connection.send_bytes(pickle.dumps(("facts",)))
+        return connection.recv()
+    finally:
+        connection.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The owner.
+
+
+class Owner:
+    """The process that makes every kernel call: ``serve`` until the supervisor ends it."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.chip = threading.Lock()  # one call on the chip at a time
+        self.recent: collections.deque = collections.deque(maxlen=CALLS_KEPT)
+        self.started = time.monotonic()
+        self.calls = 0
+        self.busy = 0.0
+        self.stats_path = Path(where).parent / STATS_FILE.format(pid=os.getpid())
+
+    def serve(self) -> None:
+        from rpa_harness import backends
+
+        with backends.on_hang(None), backends.on_halt(None):
+            backends.check_the_chip_once()  # a faulted chip ends the owner before it accepts a call
+        self.write_stats()
+        listener = Listener(self.where, family="AF_UNIX")
+        while True:
+            connection = listener.accept()
+            threading.Thread(target=self.serve_connection, args=(connection,), daemon=True).start()
+
+    def serve_connection(self, connection: Connection) -> None:
+        try:
+            while True:
+                request = pickle.loads(connection.recv_bytes())
+                if request[0] == "facts":
+                    connection.send(self.facts())
+                else:
+                    connection.send(self.run(connection, *request[1:]))
+        except (EOFError, OSError):
+            connection.close()
+
+    def facts(self) -> dict:
+        import jax
+        from rpa_harness import backends
+
+        tpus = backends.tpus()
+        return {"platform": jax.devices()[0].platform, "tpu_kind": tpus.kind, "tpu_count": tpus.count}
+
+    def run(self, connection: Connection, backend, fn, args, kwargs, example) -> tuple:
+        from rpa_harness import backends
+
+        with self.chip:
+            connection.send(("started",))
+            began = time.perf_counter()
+            handlers = (
+                backends.on_halt(
+                    lambda what, error: self.ends(connection, "halted", what, error, list(self.recent))
+                ),
+                backends.on_hang(lambda what, seconds: self.ends(connection, "hung", what, seconds)),
+                backends.on_slow(lambda message: self.ends(connection, "slow", message)),
+            )
+            try:
+                with handlers[0], handlers[1], handlers[2]:
+                    answer: tuple = ("returned", backend.run(fn, *args, **kwargs))
+            except Exception as error:
+                answer = _raised(error)
+            self.calls += 1
+            self.busy += time.perf_counter() - began
+            if example is not None:
+                self.recent.append(example)
+            self.write_stats()
+            return answer
+
+    def ends(self, connection: Connection, kind: str, *report) -> tuple[str, int]:
+        """Tells the caller how its call ended this owner; the owner's own message and exit status."""
+        from rpa_harness import backends
+
+        codes = {
+            "halted": backends.HALT_EXIT_CODE,
+            "hung": backends.HANG_EXIT_CODE,
+            "slow": backends.SLOW_EXIT_CODE,
+        }
+        if kind != "slow":  # (what, ...): the caller's message names the owner as where the call ran
+            report = (f"{report[0]} (in the chip's owner process)", *report[1:])
+        try:
+            connection.send((kind, *report))
+        except OSError:
+            pass
+        return f"rpa-harness chip owner: the call in flight {kind}: {report[0]}", codes[kind]
+
+    def write_stats(self) -> None:
+        stats = {
+            "pid": os.getpid(),
+            "calls": self.calls,
+            "busy_s": self.busy,
+            "alive_s": time.monotonic() - self.started,
+        }
+        self.stats_path.write_text(json.dumps(stats))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The supervisor, in the process that starts the workers.
+
+
+class Supervisor:
+    """Keeps an owner serving at one address for a run: starts one, and a fresh one whenever it ends,
+    until ``stop``; gives up (``ENDED_FILE``) after ``STARTS_BEFORE_GIVING_UP`` owners in a row that ended
+    before serving a call."""
+
+    def __init__(self, environ: dict, log_path: Path | None = None):
+        self.folder = Path(tempfile.mkdtemp(prefix="rpa-chip-owner-"))
+        self.where = str(self.folder / OWNER_FILE)
+        self.environ = {key: value for key, value in environ.items() if key != ADDRESS_ENV}
+        self.environ["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
+        self.log_path = log_path or self.folder / "owner.log"
+        self.exits: list[int] = []
+        self.stopping = threading.Event()
+        self.process: subprocess.Popen | None = None
+        self.watcher = threading.Thread(
+            target=self.keep_one_serving, name="rpa-harness chip owner", daemon=True
+        )
+
+    def start(self) -> "Supervisor":
+        self.watcher.start()
+        return self
+
+    def spawn(self) -> subprocess.Popen:
+        Path(self.where).unlink(missing_ok=True)
+        with open(self.log_path, "a") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "rpa_harness.chip_owner", self.where],
+                env=self.environ, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def keep_one_serving(self) -> None:
+        unserved = 0
+        while not self.stopping.is_set():
+            self.process = self.spawn()
+            code = self.process.wait()
+            if self.stopping.is_set():
+                return
+            self.exits.append(code)
+            served = sum(stats["calls"] for stats in self.owner_stats() if stats["pid"] == self.process.pid)
+            unserved = 0 if served else unserved + 1
+            if unserved >= STARTS_BEFORE_GIVING_UP:
+                reason = (
+                    f"{unserved} chip owners in a row ended before serving a call (last exit status {code}); "
+                    f"see {self.log_path}"
+                )
+                (self.folder / ENDED_FILE).write_text(json.dumps({"reason": reason}))
+                return
+
+    def owner_stats(self) -> list[dict]:
+        found = []
+        for path in self.folder.glob(STATS_FILE.format(pid="*")):
+            try:
+                found.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return found
+
+    def summary(self) -> dict:
+        """The run's owners together: calls made, seconds the chip was busy, seconds owners were up, owners
+        started, and the exit statuses of those that ended before the run did."""
+        stats = self.owner_stats()
+        return {
+            "calls": sum(s["calls"] for s in stats),
+            "busy_s": sum(s["busy_s"] for s in stats),
+            "alive_s": sum(s["alive_s"] for s in stats),
+            "owners": len(stats),
+            "exits": list(self.exits),
+        }
+
+    def stop(self) -> dict:
+        """Ends the owner (its own process group: nothing else) and returns ``summary``."""
+        self.stopping.set()
+        process = self.process
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        summary = self.summary()
+        for path in self.folder.iterdir():
+            if path != self.log_path:
+                path.unlink(missing_ok=True)
+        return summary
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        sys.stderr.write("usage: python -m rpa_harness.chip_owner SOCKET_PATH\n")
+        return 4
+    from rpa_harness import backends
+
+    backends.count_compilations()
+    cache = backends.compilation_cache_setting(None)
+    if cache is not None:
+        backends.enable_compilation_cache(cache)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    Owner(argv[0]).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,126 @@
+"""One process makes every kernel call for the xdist workers (``rpa_harness.chip_owner``): on a CPU host the
+fast interpreter in the owner stands in for the chip. A run through an owner judges as a run without one; a
+halt, a hang or a fault a call leaves for the next ends the owner and is reported by the worker whose case
+it was, as the process holding the chip would report it, and a fresh owner serves the rest of the run."""
+
+import json
+import os
+import pickle
+import re
+
+import numpy as np
+import pytest
+from rpa_harness import backends, chip_owner, recording
+from rpa_harness.backends import Backend
+from rpa_harness.plugin import settings_of
+from rpa_harness.targets import load
+
+from tests.processes import run_python
+
+DIFFERENTIAL = "tests/properties/test_differential.py::test_kernel_matches_oracle"
+OWNER_LINE = re.compile(
+    r"chip owner: (\d+) kernel calls, busy [\d.]+ s of [\d.]+ s \(\d+%\); (\d+) owner process"
+)
+
+
+@pytest.fixture(autouse=True)
+def _bundled_kernel_only(pytestconfig):
+    if settings_of(pytestconfig).target.name != "rpa_harness.kernel":
+        pytest.skip("the broken targets' capabilities assume the bundled kernel's")
+
+
+def run_through_an_owner(target: str, repro_dir, root, *extra, env=None):
+    """The pooled differential property, two workers feeding one owner on the fast interpreter."""
+    return run_python(
+        "-m", "pytest", DIFFERENTIAL, "-p", "no:cacheprovider", "-n", "2", "--rpa-chip-owner=on",
+        f"--rpa-target={target}", "--rpa-backend=fast-interpret", "--hypothesis-profile=dev",
+        f"--rpa-repro-dir={repro_dir}", *extra, cwd=root, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def owner_line(output: str) -> tuple[int, int]:
+    found = OWNER_LINE.search(output)
+    assert found is not None, output[-3000:]
+    return int(found[1]), int(found[2])
+
+
+def test_a_run_through_an_owner_makes_every_call_there(tmp_path, pytestconfig):
+    result = run_through_an_owner("rpa_harness.kernel", tmp_path, pytestconfig.rootpath)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "one chip owner process makes the kernel calls of 2 workers" in output, output[:3000]
+    calls, owners = owner_line(output)
+    assert calls >= 10 and owners == 1, output[-3000:]
+
+
+def test_a_halt_in_the_owner_is_the_workers_finding_and_a_fresh_owner_serves_on(tmp_path, pytestconfig):
+    """tests.broken.halts halts "the chip" (the owner's process) on its first case of 2 or more query tokens:
+    the worker whose call it was writes the halt's repro and ends; a fresh owner (a fresh chip) serves the
+    calls that follow."""
+    result = run_through_an_owner("tests.broken.halts", tmp_path, pytestconfig.rootpath)
+    output = result.stdout + result.stderr
+    path = tmp_path / "differential_fast-interpret.json"
+    assert result.returncode == 1, output[-3000:]
+    assert "crashed while running" in result.stdout and "failure kind: device halted" in result.stdout, (
+        output[-3000:]
+    )
+    meta = json.loads(path.read_text())
+    assert meta["halt"] == {"error": "FAILED_PRECONDITION: The program continuator has halted unexpectedly."}
+    assert json.loads(meta["case"])["q_lens"][0] >= 2, "the case that halted, not an earlier one"
+    _, owners = owner_line(output)
+    assert owners >= 2, f"a fresh owner after the halt: {output[-3000:]}"
+
+
+def test_a_fault_left_for_the_next_call_names_the_calls_before_it_on_the_chip(tmp_path, pytestconfig):
+    """tests.broken.leaves_the_chip_faulted faults "the chip" on a call that returns; the next call halts,
+    whichever worker made it: its repro names the calls the owner ran just before it."""
+    result = run_through_an_owner(
+        "tests.broken.leaves_the_chip_faulted", tmp_path, pytestconfig.rootpath, "--hypothesis-seed=0"
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    meta = json.loads((tmp_path / "differential_fast-interpret.json").read_text())
+    assert meta["halt"] is not None and len(meta["preceded_by"]) == recording.EXAMPLES_BEFORE_A_HALT, meta
+    faulting = json.loads(meta["preceded_by"][-1]["case"])
+    assert faulting["q_lens"][0] >= 2, f"the call just before the halt is the one that faulted: {faulting}"
+
+
+def test_a_hang_in_the_owner_is_the_workers_hang_repro(tmp_path, pytestconfig):
+    result = run_through_an_owner(
+        "tests.broken.hangs", tmp_path, pytestconfig.rootpath, env={"RPA_CALL_TIMEOUT": "2"}
+    )
+    output = result.stdout + result.stderr
+    path = tmp_path / "differential_fast-interpret.json"
+    assert result.returncode == 1, output[-3000:]
+    assert (
+        "HANG: a kernel call on fast-interpret (in the chip's owner process) did not return within 2 s"
+        in output
+    )
+    assert json.loads(path.read_text())["hang"] == {"seconds": 2.0}
+
+
+def test_a_targets_method_travels_by_name_and_runs_as_itself():
+    target = load("rpa_harness.kernel")
+    carried = pickle.loads(pickle.dumps(chip_owner.portable(target.validate)))
+    assert carried == chip_owner.TargetMethod("rpa_harness.kernel", "validate")
+    assert chip_owner.portable(np.add) is np.add
+
+
+def test_a_call_that_cannot_travel_says_what_to_pass(monkeypatch):
+    monkeypatch.setenv(chip_owner.ADDRESS_ENV, "/nonexistent/owner.sock")
+    with pytest.raises(TypeError, match="must pickle .*pass a module-level function or a target's method"):
+        Backend(backends.FAST_INTERPRET).run(lambda: None)
+
+
+def test_an_error_that_does_not_pickle_keeps_its_class_name_and_message():
+    class Unpicklable(Exception):
+        def __reduce__(self):
+            raise TypeError("no")
+
+    kind, *carried = chip_owner._raised(Unpicklable("the kernel's words"))
+    rebuilt = chip_owner.stand_in(*pickle.loads(pickle.dumps(carried)))
+    assert (
+        kind == "raised-as"
+        and type(rebuilt).__name__ == "Unpicklable"
+        and str(rebuilt) == "the kernel's words"
+    )
