@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -59,9 +58,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from rpa_harness.interpret_compat import patching
 from rpa_harness.interpret_compat import views as view_algebra
 from rpa_harness.interpret_compat.patching import (
-    Gap,
     InternalsMoved,
     Patch,
     parameter_names,
@@ -74,35 +73,22 @@ if TYPE_CHECKING:  # at run time jax's internals are read where a patch needs th
     from jax._src.state.indexing import NDIndexer
 
 
-@functools.cache
-def _internals() -> types.SimpleNamespace:
-    from jax._src import core as jax_core
-    from jax._src import literals as jax_literals
-    from jax._src import tree_util as jax_tree_util
-    from jax._src.pallas import core as pallas_core
-    from jax._src.pallas import hlo_interpreter
-    from jax._src.pallas import primitives as pallas_primitives
-    from jax._src.pallas.mosaic import primitives as tpu_primitives
-    from jax._src.state import discharge as state_discharge
-    from jax._src.state import indexing as state_indexing
-    from jax._src.state import primitives as state_primitives
-    from jax._src.state import types as state_types
-    from jax._src.state import utils as state_utils
-
-    return types.SimpleNamespace(
-        core=jax_core,
-        literals=jax_literals,
-        tree_util=jax_tree_util,
-        hlo_interpreter=hlo_interpreter,
-        pallas_core=pallas_core,
-        primitives=pallas_primitives,
-        tpu_primitives=tpu_primitives,
-        discharge=state_discharge,
-        indexing=state_indexing,
-        state_primitives=state_primitives,
-        state_types=state_types,
-        state_utils=state_utils,
-    )
+_internals = patching.private_modules(
+    {
+        "core": "jax._src.core",
+        "literals": "jax._src.literals",
+        "tree_util": "jax._src.tree_util",
+        "pallas_core": "jax._src.pallas.core",
+        "hlo_interpreter": "jax._src.pallas.hlo_interpreter",
+        "primitives": "jax._src.pallas.primitives",
+        "tpu_primitives": "jax._src.pallas.mosaic.primitives",
+        "discharge": "jax._src.state.discharge",
+        "indexing": "jax._src.state.indexing",
+        "state_primitives": "jax._src.state.primitives",
+        "state_types": "jax._src.state.types",
+        "state_utils": "jax._src.state.utils",
+    }
+)
 
 
 def _run_generic(kernel, out_shape, *operands, **call_options):
@@ -204,19 +190,9 @@ def _literal_indices_patches() -> list[Patch]:
     internals = _internals()
     rules = internals.discharge._discharge_rules
     return [
-        Patch(rules, primitive, _with_untyped_literals(rules[primitive]))
+        Patch.wrapping(rules, primitive, _with_untyped_literals)
         for primitive in (internals.primitives.load_p, internals.primitives.swap_p)
     ]
-
-
-LITERAL_INDICES = Gap(
-    name="generic-literal-indices",
-    interpreter="generic",
-    symptom="masked store/load on ref.at[<int>]: 'TypedInt' object has no attribute 'shape'",
-    probe=_literal_indices_probe,
-    check_internals=_literal_indices_internals,
-    patches=_literal_indices_patches,
-)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -321,23 +297,9 @@ def _view_stores_patches() -> list[Patch]:
     rules = internals.discharge._discharge_rules
     swap_p = internals.primitives.swap_p
     return [
-        Patch(
-            internals.discharge,
-            "transform_swap_array",
-            _transform_swap_array_through_views(internals.discharge.transform_swap_array),
-        ),
-        Patch(rules, swap_p, _swap_rule_writing_back(rules[swap_p])),
+        Patch.wrapping(internals.discharge, "transform_swap_array", _transform_swap_array_through_views),
+        Patch.wrapping(rules, swap_p, _swap_rule_writing_back),
     ]
-
-
-VIEW_STORES = Gap(
-    name="generic-view-stores",
-    interpreter="generic",
-    symptom="stores and DMAs through ref.reshape/ref.bitcast: 'Unsupported transform: ReshapeTransform'",
-    probe=_view_stores_probe,
-    check_internals=_view_stores_internals,
-    patches=_view_stores_patches,
-)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -439,23 +401,7 @@ def _kernel_jaxpr_carrying_scalar_prefetch(original_kernel_to_hlo_jaxpr: Callabl
 
 def _scalar_prefetch_patches() -> list[Patch]:
     interpreter = _internals().hlo_interpreter
-    return [
-        Patch(
-            interpreter,
-            "kernel_to_hlo_jaxpr",
-            _kernel_jaxpr_carrying_scalar_prefetch(interpreter.kernel_to_hlo_jaxpr),
-        )
-    ]
-
-
-SCALAR_PREFETCH_STATE = Gap(
-    name="generic-scalar-prefetch-state",
-    interpreter="generic",
-    symptom="writes to scalar-prefetch refs are dropped between grid steps (stale values, no error)",
-    probe=_scalar_prefetch_probe,
-    check_internals=_scalar_prefetch_internals,
-    patches=_scalar_prefetch_patches,
-)
+    return [Patch.wrapping(interpreter, "kernel_to_hlo_jaxpr", _kernel_jaxpr_carrying_scalar_prefetch)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -527,23 +473,9 @@ def _narrow_float_patches() -> list[Patch]:
     the read path around this one)."""
     discharge = _internals().discharge
     return [
-        Patch(discharge, "transform_array", _transform_array_moving_bits(discharge.transform_array)),
-        Patch(
-            discharge,
-            "transform_swap_array",
-            _transform_swap_array_moving_bits(discharge.transform_swap_array),
-        ),
+        Patch.wrapping(discharge, "transform_array", _transform_array_moving_bits),
+        Patch.wrapping(discharge, "transform_swap_array", _transform_swap_array_moving_bits),
     ]
-
-
-NARROW_FLOAT_BITS = Gap(
-    name="generic-narrow-float-bits",
-    interpreter="generic",
-    symptom="every access to an 8/16-bit float buffer converts the whole buffer (slow, not wrong)",
-    probe=narrow_float_store_converts,
-    check_internals=_narrow_float_internals,
-    patches=_narrow_float_patches,
-)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -896,20 +828,9 @@ def _dynamic_size_patches() -> list[Patch]:
     rules = _dma_rules()
     start, wait = internals.tpu_primitives.dma_start_p, internals.tpu_primitives.dma_wait_p
     return [
-        Patch(rules, start, _dma_start_of_dynamic_size(rules[start])),
-        Patch(rules, wait, _dma_wait_of_dynamic_size(rules[wait])),
+        Patch.wrapping(rules, start, _dma_start_of_dynamic_size),
+        Patch.wrapping(rules, wait, _dma_wait_of_dynamic_size),
     ]
-
-
-DYNAMIC_SIZE_COPIES = Gap(
-    name="generic-dynamic-size-copies",
-    interpreter="generic",
-    symptom="DMAs of a data-dependent size (pl.ds with a traced length): 'Shapes must be 1D sequences of "
-    "concrete values'",
-    probe=_dynamic_size_probe,
-    check_internals=_dynamic_size_internals,
-    patches=_dynamic_size_patches,
-)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1057,18 +978,7 @@ def _transform_array_reading_in_place(original: Callable) -> Callable:
 def _clamped_reads_patches() -> list[Patch]:
     """Wraps the read path outside the narrow-float one: its own reads move 8- and 16-bit floats as bits."""
     discharge = _internals().discharge
-    return [Patch(discharge, "transform_array", _transform_array_reading_in_place(discharge.transform_array))]
-
-
-CLAMPED_READS = Gap(
-    name="generic-clamped-reads",
-    interpreter="generic",
-    symptom="a read that runs past its ref from a data-dependent start (ref[pl.ds(i, n)]): lax.dynamic_slice "
-    "moves the start back inside the ref, so every element comes from the wrong position (silently wrong)",
-    probe=_clamped_reads_probe,
-    check_internals=_clamped_reads_internals,
-    patches=_clamped_reads_patches,
-)
+    return [Patch.wrapping(discharge, "transform_array", _transform_array_reading_in_place)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1125,26 +1035,29 @@ def _interpret_in_default_memory_space(original: Callable) -> Callable:
 
 def _memory_space_patches() -> list[Patch]:
     interpreter = _internals().hlo_interpreter
-    return [
-        Patch(
-            interpreter,
-            "pallas_call_hlo_interpret",
-            _interpret_in_default_memory_space(interpreter.pallas_call_hlo_interpret),
-        )
-    ]
+    return [Patch.wrapping(interpreter, "pallas_call_hlo_interpret", _interpret_in_default_memory_space)]
 
 
-MEMORY_SPACE_OPERANDS = Gap(
-    name="generic-memory-space-operands",
-    interpreter="generic",
-    symptom="operands constrained to a memory space (pltpu.with_memory_space_constraint): "
-    f"'{MEMORY_SPACE_ERROR}'",
-    probe=_memory_space_probe,
-    check_internals=_memory_space_internals,
-    patches=_memory_space_patches,
-)
-
-GAPS = (
+GAPS = patching.gap_table(
+    "generic",
+    # (name, symptom, probe, check_internals, patches), in the order install() applies them: a later
+    # gap's patch may wrap an earlier one's
+    ("generic-literal-indices", "masked store/load on ref.at[<int>]: 'TypedInt' object has no attribute 'shape'",
+     _literal_indices_probe, _literal_indices_internals, _literal_indices_patches),
+    ("generic-view-stores", "stores and DMAs through ref.reshape/ref.bitcast: 'Unsupported transform: ReshapeTransform'",
+     _view_stores_probe, _view_stores_internals, _view_stores_patches),
+    ("generic-scalar-prefetch-state", "writes to scalar-prefetch refs are dropped between grid steps (stale values, no error)",
+     _scalar_prefetch_probe, _scalar_prefetch_internals, _scalar_prefetch_patches),
+    ("generic-narrow-float-bits", "every access to an 8/16-bit float buffer converts the whole buffer (slow, not wrong)",
+     narrow_float_store_converts, _narrow_float_internals, _narrow_float_patches),
+    ("generic-clamped-reads", "a read that runs past its ref from a data-dependent start (ref[pl.ds(i, n)]): lax.dynamic_slice moves the start back inside the ref, so every element comes from the wrong position (silently wrong)",
+     _clamped_reads_probe, _clamped_reads_internals, _clamped_reads_patches),
+    ("generic-dynamic-size-copies", "DMAs of a data-dependent size (pl.ds with a traced length): 'Shapes must be 1D sequences of concrete values'",
+     _dynamic_size_probe, _dynamic_size_internals, _dynamic_size_patches),
+    ("generic-memory-space-operands", f"operands constrained to a memory space (pltpu.with_memory_space_constraint): '{MEMORY_SPACE_ERROR}'",
+     _memory_space_probe, _memory_space_internals, _memory_space_patches),
+)  # fmt: skip
+(
     LITERAL_INDICES,
     VIEW_STORES,
     SCALAR_PREFETCH_STATE,
@@ -1152,4 +1065,4 @@ GAPS = (
     CLAMPED_READS,
     DYNAMIC_SIZE_COPIES,
     MEMORY_SPACE_OPERANDS,
-)
+) = GAPS

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import inspect
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,6 +14,11 @@ from typing import Any
 
 class InternalsMoved(Exception):
     """The jax internals a patch replaces are not the ones it was written against."""
+
+
+def _held(owner: Any, name: Any) -> Any:
+    """What ``owner`` holds under ``name``: an attribute, or a dict's entry."""
+    return owner[name] if isinstance(owner, dict) else getattr(owner, name)
 
 
 @dataclasses.dataclass
@@ -21,6 +29,11 @@ class Patch:
     name: Any
     replacement: Any
     original: Any = None
+
+    @classmethod
+    def wrapping(cls, owner: Any, name: Any, wrap: Callable[[Any], Any]) -> Patch:
+        """The patch that replaces ``owner``'s ``name`` with ``wrap`` of what it holds now."""
+        return cls(owner, name, wrap(_held(owner, name)))
 
     def apply(self) -> None:
         self.original = self._get()
@@ -37,7 +50,7 @@ class Patch:
         self._set(self.original)
 
     def _get(self) -> Any:
-        return self.owner[self.name] if isinstance(self.owner, dict) else getattr(self.owner, self.name)
+        return _held(self.owner, self.name)
 
     def _set(self, value: Any) -> None:
         if isinstance(self.owner, dict):
@@ -61,6 +74,29 @@ class Gap:
     probe: Callable[[], bool]
     check_internals: Callable[[], None]
     patches: Callable[[], list[Patch]]
+
+
+GapRow = tuple[str, str, Callable[[], bool], Callable[[], None], Callable[[], list[Patch]]]
+"""One gap of an interpreter's table: (name, symptom, probe, check_internals, patches)."""
+
+
+def gap_table(interpreter: str, *rows: GapRow) -> tuple[Gap, ...]:
+    """The gaps of ``interpreter``, one for each row of its table."""
+    return tuple(
+        Gap(name, interpreter, symptom, probe, check_internals, patches)
+        for name, symptom, probe, check_internals, patches in rows
+    )
+
+
+def private_modules(paths: dict[str, str]) -> Callable[[], types.SimpleNamespace]:
+    """A loader of jax's private modules ``{name: module path}``, imported at its first call and kept:
+    importing this package imports none of them, only a gap that needs them does."""
+
+    @functools.cache
+    def load() -> types.SimpleNamespace:
+        return types.SimpleNamespace(**{name: importlib.import_module(path) for name, path in paths.items()})
+
+    return load
 
 
 def require(condition: bool, what: str) -> None:

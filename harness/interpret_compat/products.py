@@ -36,7 +36,6 @@ out exact.
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 
 import jax
@@ -46,17 +45,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core
+from rpa_harness.interpret_compat import patching
 from rpa_harness.interpret_compat.patching import Gap, Patch, parameter_names, require, require_attributes
 
 _FLOAT32 = np.dtype(np.float32)
 
 
-@functools.cache
-def _internals() -> types.SimpleNamespace:
-    from jax._src.pallas import hlo_interpreter
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-
-    return types.SimpleNamespace(generic=hlo_interpreter, tpu=interpret_pallas_call)
+_internals = patching.private_modules(
+    {
+        "generic": "jax._src.pallas.hlo_interpreter",
+        "tpu": "jax._src.pallas.mosaic.interpret.interpret_pallas_call",
+    }
+)
 
 
 def _mxu_passes(precision) -> int | None:
@@ -214,14 +214,11 @@ def _generic_internals() -> None:
 
 
 def _tpu_patches() -> list[Patch]:
-    module = _internals().tpu
-    return [Patch(module, "interpret_pallas_call", _interpreting_as_the_chip(module.interpret_pallas_call))]
+    return [Patch.wrapping(_internals().tpu, "interpret_pallas_call", _interpreting_as_the_chip)]
 
 
 def _generic_patches() -> list[Patch]:
-    module = _internals().generic
-    replacement = _interpreting_as_the_chip(module.pallas_call_hlo_interpret)
-    return [Patch(module, "pallas_call_hlo_interpret", replacement)]
+    return [Patch.wrapping(_internals().generic, "pallas_call_hlo_interpret", _interpreting_as_the_chip)]
 
 
 _SYMPTOM = (

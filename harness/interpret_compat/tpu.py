@@ -77,9 +77,9 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from rpa_harness.interpret_compat import patching
 from rpa_harness.interpret_compat import views as view_algebra
 from rpa_harness.interpret_compat.patching import (
-    Gap,
     Patch,
     parameter_names,
     require,
@@ -90,21 +90,16 @@ from rpa_harness.interpret_compat.patching import (
 _ACCESS_PARAMETERS = ["token", "device_id", "local_core_id", "memory_space", "buffer_id", "transforms"]
 
 
-@functools.cache
-def _internals() -> types.SimpleNamespace:
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call, race_detection_state, shared_memory
-    from jax._src.pallas.mosaic.interpret import utils as interpret_utils
-    from jax._src.state import indexing as state_indexing
-    from jax._src.state import types as state_types
-
-    return types.SimpleNamespace(
-        interpreter=interpret_pallas_call,
-        races=race_detection_state,
-        shared_memory=shared_memory,
-        utils=interpret_utils,
-        indexing=state_indexing,
-        state_types=state_types,
-    )
+_internals = patching.private_modules(
+    {
+        "interpreter": "jax._src.pallas.mosaic.interpret.interpret_pallas_call",
+        "races": "jax._src.pallas.mosaic.interpret.race_detection_state",
+        "shared_memory": "jax._src.pallas.mosaic.interpret.shared_memory",
+        "utils": "jax._src.pallas.mosaic.interpret.utils",
+        "indexing": "jax._src.state.indexing",
+        "state_types": "jax._src.state.types",
+    }
+)
 
 
 def _thread_argument(get_buffer_content: Callable) -> Callable:
@@ -194,124 +189,131 @@ def _view_error(error: view_algebra.ViewOutOfBounds, what: str, location: str, v
     )
 
 
-def _view_patches() -> list[Patch]:
-    """Hand the interpreter the indexers *before* the first reshape or bitcast (so its bounds, race and NaN
-    machinery sees a plain region) and apply the views to that region in NumPy. DMAs call
-    ``get.__wrapped__`` / ``store.__wrapped__``, so they are covered too."""
-    internals = _internals()
-    interpreter = internals.interpreter
-    thread_of = _thread_argument(internals.shared_memory.SharedMemory.get_buffer_content)
-    space_names = interpreter.TPU_MEMORY_SPACE_NAMES
+def _views_with_ints(transforms) -> tuple[tuple, tuple]:
+    """``transforms`` split at the first reshape/bitcast: the indexers before it, and the views with their
+    parameters as Python ints (empty without views)."""
+    prefix, views = view_algebra.split_at_first_view(transforms)
+    return prefix, jax.tree.map(int, views) if views else views
 
-    def location(device_id, local_core_id, memory_space, buffer_id) -> str:
-        return _location(space_names[int(memory_space)], device_id, local_core_id, buffer_id)
 
-    def read_region_unrecorded(device_id, local_core_id, memory_space, buffer_id, prefix, what: str):
+class _ViewedBuffers:
+    """The TPU interpreter's buffers as the view patches reach them: a buffer's name in messages, the region
+    a view was taken of, and the box of that region the views touch. A buffer is
+    ``(device_id, local_core_id, memory_space, buffer_id)`` as the interpreter's accesses take them."""
+
+    def __init__(self):
+        internals = _internals()
+        self.interpreter = internals.interpreter
+        self._utils = internals.utils
+        self._indexing = internals.indexing
+        self._thread_of = _thread_argument(internals.shared_memory.SharedMemory.get_buffer_content)
+        self._space_names = self.interpreter.TPU_MEMORY_SPACE_NAMES
+
+    def location(self, device_id, local_core_id, memory_space, buffer_id) -> str:
+        return _location(self._space_names[int(memory_space)], device_id, local_core_id, buffer_id)
+
+    def read_region_unrecorded(self, buffer: tuple, prefix, what: str) -> np.ndarray:
         """The region a view was taken of, read without a race-detector record (a recorded write follows)."""
-        shared_memory = interpreter._get_shared_memory()
-        space = space_names[int(memory_space)]
+        device_id, local_core_id, memory_space, buffer_id = buffer
+        shared_memory = self.interpreter._get_shared_memory()
+        space = self._space_names[int(memory_space)]
         device_id, local_core_id = int(device_id), int(local_core_id)
         key = (
             space,
             int(buffer_id),
             device_id,
-            interpreter._local_core_id_or_zero_if_hbm(local_core_id, space),
+            self.interpreter._local_core_id_or_zero_if_hbm(local_core_id, space),
         )
-        read_range = internals.utils.to_range(jax.tree.map(int, prefix))
+        read_range = self._utils.to_range(jax.tree.map(int, prefix))
         content, (buffer_shape, _), _ = shared_memory.get_buffer_content(
-            key, read_range, thread_of(shared_memory, device_id, local_core_id), increment_clock=False
+            key, read_range, self._thread_of(shared_memory, device_id, local_core_id), increment_clock=False
         )
         if content is None or content.shape != _region_shape(read_range, buffer_shape):
             raise ValueError(
-                f"Out-of-bounds {what} of {location(device_id, local_core_id, memory_space, buffer_id)}: the "
-                f"reshaped/bitcast ref covers [{read_range}] but the buffer has shape {tuple(buffer_shape)}."
+                f"Out-of-bounds {what} of {self.location(*buffer)}: the reshaped/bitcast ref covers "
+                f"[{read_range}] but the buffer has shape {tuple(buffer_shape)}."
             )
         return content
 
-    def narrowed(prefix, region: np.ndarray, views) -> tuple[tuple, tuple[slice, ...] | None]:
+    def narrowed(self, prefix, region: np.ndarray, views) -> tuple[tuple, tuple[slice, ...] | None]:
         """``prefix`` extended to the box of ``region`` the views touch, and that box (None: the whole)."""
         box = view_algebra.touched_box(region.shape, region.dtype, views)
         if box is None:
             return tuple(prefix), None
-        slices = tuple(internals.indexing.Slice(part.start, part.stop - part.start, 1) for part in box)
-        return (*prefix, internals.indexing.NDIndexer.from_indices_shape(slices, region.shape)), box
+        slices = tuple(self._indexing.Slice(part.start, part.stop - part.start, 1) for part in box)
+        return (*prefix, self._indexing.NDIndexer.from_indices_shape(slices, region.shape)), box
 
-    original_get = interpreter.get.__wrapped__
-    original_store = interpreter.store.__wrapped__
-    original_swap = interpreter.swap.__wrapped__
 
-    @interpreter.fail_on_exception
+def _get_through_views(buffers: _ViewedBuffers, original_get: Callable) -> Callable:
+    """``get`` that reads the region a view was taken of and applies the views to it in NumPy; with race
+    detection on, only the box of the region the views touch is recorded as read."""
+    utils = _internals().utils
+
+    @buffers.interpreter.fail_on_exception
     def get(token, device_id, local_core_id, memory_space, buffer_id, transforms, *args, **kwargs):
-        prefix, views = view_algebra.split_at_first_view(transforms)
+        buffer = (device_id, local_core_id, memory_space, buffer_id)
+        prefix, views = _views_with_ints(transforms)
         if not views:
-            return original_get(
-                token, device_id, local_core_id, memory_space, buffer_id, transforms, *args, **kwargs
-            )
-        views = jax.tree.map(int, views)
-        where = location(device_id, local_core_id, memory_space, buffer_id)
-        shared_memory = interpreter._get_shared_memory()
+            return original_get(token, *buffer, transforms, *args, **kwargs)
+        where = buffers.location(*buffer)
+        shared_memory = buffers.interpreter._get_shared_memory()
         region = None
         if shared_memory.detect_races:  # record a read of the touched box only
             try:
-                region = read_region_unrecorded(
-                    device_id, local_core_id, memory_space, buffer_id, prefix, "read"
-                )
+                region = buffers.read_region_unrecorded(buffer, prefix, "read")
             except ValueError:
                 region = None  # out of bounds: the read of the whole region below reports it
-        touched, box = (tuple(prefix), None) if region is None else narrowed(prefix, region, views)
+        touched, box = (tuple(prefix), None) if region is None else buffers.narrowed(prefix, region, views)
         if box is None:
-            token, region = original_get(
-                token, device_id, local_core_id, memory_space, buffer_id, prefix, *args, **kwargs
-            )
+            token, region = original_get(token, *buffer, prefix, *args, **kwargs)
         else:
-            token, _ = original_get(
-                token, device_id, local_core_id, memory_space, buffer_id, touched, *args, **kwargs
-            )
+            token, _ = original_get(token, *buffer, touched, *args, **kwargs)
         fill = None
         if shared_memory.out_of_bounds_reads != "raise":
-            fill = internals.utils.get_uninitialized_value(region.dtype, shared_memory.uninitialized_memory)
+            fill = utils.get_uninitialized_value(region.dtype, shared_memory.uninitialized_memory)
         try:
             return token, view_algebra.read_view(region, views, fill=fill)
         except view_algebra.ViewOutOfBounds as error:
             raise IndexError(_view_error(error, "read", where, views)) from None
 
-    @interpreter.fail_on_exception
+    return get
+
+
+def _store_through_views(buffers: _ViewedBuffers, original_store: Callable) -> Callable:
+    """``store`` that writes through the views into the region they were taken of, then hands the
+    interpreter the box of it they touch."""
+
+    @buffers.interpreter.fail_on_exception
     def store(token, device_id, local_core_id, memory_space, buffer_id, transforms, val, *args, **kwargs):
-        prefix, views = view_algebra.split_at_first_view(transforms)
+        buffer = (device_id, local_core_id, memory_space, buffer_id)
+        prefix, views = _views_with_ints(transforms)
         if not views:
-            return original_store(
-                token, device_id, local_core_id, memory_space, buffer_id, transforms, val, *args, **kwargs
-            )
-        views = jax.tree.map(int, views)
-        region = read_region_unrecorded(device_id, local_core_id, memory_space, buffer_id, prefix, "write")
+            return original_store(token, *buffer, transforms, val, *args, **kwargs)
+        region = buffers.read_region_unrecorded(buffer, prefix, "write")
         try:
             updated = view_algebra.write_view(region, views, np.asarray(val))
         except view_algebra.ViewOutOfBounds as error:
-            where = location(device_id, local_core_id, memory_space, buffer_id)
-            raise ValueError(_view_error(error, "write", where, views)) from None
-        touched, box = narrowed(prefix, region, views)
+            raise ValueError(_view_error(error, "write", buffers.location(*buffer), views)) from None
+        touched, box = buffers.narrowed(prefix, region, views)
         return original_store(
-            token,
-            device_id,
-            local_core_id,
-            memory_space,
-            buffer_id,
-            touched,
-            updated if box is None else updated[box],
-            *args,
-            **kwargs,
+            token, *buffer, touched, updated if box is None else updated[box], *args, **kwargs
         )
 
-    @interpreter.fail_on_exception
+    return store
+
+
+def _swap_through_views(buffers: _ViewedBuffers, original_swap: Callable) -> Callable:
+    """``swap`` that merges the mask and writes through the views as ``store`` does, and returns the
+    previous values as the views see them."""
+
+    @buffers.interpreter.fail_on_exception
     def swap(token, device_id, local_core_id, memory_space, buffer_id, transforms, val, mask, **kwargs):
-        prefix, views = view_algebra.split_at_first_view(transforms)
+        buffer = (device_id, local_core_id, memory_space, buffer_id)
+        prefix, views = _views_with_ints(transforms)
         if not views:
-            return original_swap(
-                token, device_id, local_core_id, memory_space, buffer_id, transforms, val, mask, **kwargs
-            )
-        views = jax.tree.map(int, views)
-        where = location(device_id, local_core_id, memory_space, buffer_id)
-        region = read_region_unrecorded(device_id, local_core_id, memory_space, buffer_id, prefix, "swap")
+            return original_swap(token, *buffer, transforms, val, mask, **kwargs)
+        where = buffers.location(*buffer)
+        region = buffers.read_region_unrecorded(buffer, prefix, "swap")
         try:
             new_value = np.asarray(val)
             if mask is not None:
@@ -319,17 +321,9 @@ def _view_patches() -> list[Patch]:
             updated = view_algebra.write_view(region, views, new_value)
         except view_algebra.ViewOutOfBounds as error:
             raise ValueError(_view_error(error, "swap", where, views)) from None
-        touched, box = narrowed(prefix, region, views)
+        touched, box = buffers.narrowed(prefix, region, views)
         token, previous = original_swap(
-            token,
-            device_id,
-            local_core_id,
-            memory_space,
-            buffer_id,
-            touched,
-            updated if box is None else updated[box],
-            None,
-            **kwargs,
+            token, *buffer, touched, updated if box is None else updated[box], None, **kwargs
         )
         if box is not None:
             whole = region.copy()
@@ -340,21 +334,20 @@ def _view_patches() -> list[Patch]:
             old_value = np.where(np.asarray(mask), old_value, np.asarray(val))
         return token, old_value
 
+    return swap
+
+
+def _view_patches() -> list[Patch]:
+    """Hand the interpreter the indexers *before* the first reshape or bitcast (so its bounds, race and NaN
+    machinery sees a plain region) and apply the views to that region in NumPy. DMAs call
+    ``get.__wrapped__`` / ``store.__wrapped__``, so they are covered too."""
+    buffers = _ViewedBuffers()
+    interpreter = buffers.interpreter
     return [
-        Patch(interpreter, "get", get),
-        Patch(interpreter, "store", store),
-        Patch(interpreter, "swap", swap),
+        Patch(interpreter, "get", _get_through_views(buffers, interpreter.get.__wrapped__)),
+        Patch(interpreter, "store", _store_through_views(buffers, interpreter.store.__wrapped__)),
+        Patch(interpreter, "swap", _swap_through_views(buffers, interpreter.swap.__wrapped__)),
     ]
-
-
-REF_VIEWS = Gap(
-    name="tpu-ref-views",
-    interpreter="tpu",
-    symptom="ref.reshape/ref.bitcast: 'ReshapeTransform' object has no attribute 'indices'",
-    probe=_views_probe,
-    check_internals=_views_internals,
-    patches=_view_patches,
-)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -448,16 +441,6 @@ def _masked_swap_patches() -> list[Patch]:
     return [Patch(memory_class, "swap_buffer_content", swap_buffer_content)]
 
 
-MASKED_SWAP = Gap(
-    name="tpu-masked-swap",
-    interpreter="tpu",
-    symptom="a valid mask on a ref whose later axes are shorter than axis 0: 'Out-of-bounds masked swap'",
-    probe=_masked_swap_probe,
-    check_internals=_masked_swap_internals,
-    patches=_masked_swap_patches,
-)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Gap tpu-race-history (a cost, not an error).
 
@@ -525,6 +508,85 @@ def _history_internals() -> None:
     require({"clocks", "lock"} <= memory_fields, "SharedMemory has no clocks/lock")
 
 
+class _LiveClocks:
+    """The vector clocks live in the current simulated memory: each core's and each uncompleted DMA's
+    (every future access's clock is at least one of them; see ``_history_patches``)."""
+
+    def __init__(self):
+        self._interpreter = _internals().interpreter
+        self._completed = self._interpreter.DmaState.COMPLETED
+        # DMAs created since the last prune that may still access memory, with the id of the simulated
+        # memory they were created in: a DMA of an earlier call that ended in an exception never completes,
+        # and must not count as live in later calls (it would stop all pruning). Matching by id is safe: the
+        # DMAs of the current memory always match (a live object's id is unique); a stale match only prunes
+        # less.
+        self._started: list[tuple[weakref.ref, int]] = []
+
+    def dma_created(self, dma) -> None:
+        self._started.append((weakref.ref(dma), id(self._interpreter._shared_memory)))
+
+    def now(self) -> np.ndarray | None:
+        """The live clocks, stacked; None where none can be pruned against (no memory, several cores)."""
+        shared_memory = self._interpreter._shared_memory
+        if shared_memory is None or shared_memory.num_cores != 1:
+            return None
+        with shared_memory.lock:
+            clocks = shared_memory.clocks
+            cores = list(clocks.values()) if isinstance(clocks, dict) else list(clocks)
+            live = [_clock_array(clock).copy() for clock in cores]
+        current = id(shared_memory)
+        pending = [
+            (dma, memory)
+            for dma, memory in ((ref(), memory) for ref, memory in self._started)
+            if dma is not None and dma.state != self._completed and memory == current
+        ]
+        self._started[:] = [(weakref.ref(dma), memory) for dma, memory in pending]
+        live += [_clock_array(dma.clock).copy() for dma, _ in pending]
+        if not live or len({clock.shape for clock in live}) != 1:
+            return None
+        return np.stack(live)
+
+
+def _not_below_every_live_clock(entries: list, live: np.ndarray, position: int) -> list:
+    """The history ``entries`` (clock at ``position``) that a later access may still race with."""
+    if not entries:
+        return entries
+    clocks = np.stack([_clock_array(entry[position]) for entry in entries])[:, None, :]
+    below_every_live = ((clocks <= live).all(-1) & (clocks != live).any(-1)).all(-1)
+    return [entry for entry, prune in zip(entries, below_every_live, strict=True) if not prune]
+
+
+def _prune(state, buffer_key, live_clocks: _LiveClocks, position: int) -> None:
+    """Prune ``buffer_key``'s history in race detection ``state`` once it has reached its next size."""
+    sizes = state.__dict__.setdefault("_interpret_compat_prune_at", {})
+    count = len(state.reads[buffer_key]) + len(state.writes[buffer_key])
+    if count < sizes.get(buffer_key, _PRUNE_FROM):
+        return
+    live = live_clocks.now()
+    if live is None:
+        sizes[buffer_key] = 2 * count
+        return
+    with state.lock:  # new lists: a check running concurrently keeps iterating over the old ones
+        state.reads[buffer_key] = _not_below_every_live_clock(state.reads[buffer_key], live, position)
+        state.writes[buffer_key] = _not_below_every_live_clock(state.writes[buffer_key], live, position)
+        remaining = len(state.reads[buffer_key]) + len(state.writes[buffer_key])
+    sizes[buffer_key] = max(_PRUNE_FROM, 2 * remaining)
+
+
+def _pruning(check: Callable, live_clocks: _LiveClocks, position: int) -> Callable:
+    """``RaceDetectionState.check_read`` or ``check_write``, pruning the history of the buffer it checked."""
+    key_position = parameter_names(check).index("buffer_key") - 1  # after self
+
+    @functools.wraps(check)
+    def checked(self, *args, **kwargs):
+        result = check(self, *args, **kwargs)
+        buffer_key = kwargs["buffer_key"] if "buffer_key" in kwargs else args[key_position]
+        _prune(self, buffer_key, live_clocks, position)
+        return result
+
+    return checked
+
+
 def _history_patches() -> list[Patch]:
     """Drop from a buffer's race history the accesses that happened before every access still to come.
 
@@ -543,88 +605,20 @@ def _history_patches() -> list[Patch]:
     internals = _internals()
     state_class = internals.races.RaceDetectionState
     dma_class = internals.interpreter.DMA
-    completed = internals.interpreter.DmaState.COMPLETED
+    live_clocks = _LiveClocks()
     position = _clock_position()
-    # DMAs created since the last prune that may still access memory, with the id of the simulated memory
-    # they were created in: a DMA of an earlier call that ended in an exception never completes, and must
-    # not count as live in later calls (it would stop all pruning). Matching by id is safe: the DMAs of the
-    # current memory always match (a live object's id is unique); a stale match only prunes less.
-    started: list[tuple[weakref.ref, int]] = []
-
     original_init = dma_class.__init__
 
     @functools.wraps(original_init)
     def dma_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        started.append((weakref.ref(self), id(internals.interpreter._shared_memory)))
-
-    def live_clocks(shared_memory) -> np.ndarray | None:
-        if shared_memory is None or shared_memory.num_cores != 1:
-            return None
-        with shared_memory.lock:
-            clocks = shared_memory.clocks
-            cores = list(clocks.values()) if isinstance(clocks, dict) else list(clocks)
-            live = [_clock_array(clock).copy() for clock in cores]
-        current = id(shared_memory)
-        pending = [
-            (dma, memory)
-            for dma, memory in ((ref(), memory) for ref, memory in started)
-            if dma is not None and dma.state != completed and memory == current
-        ]
-        started[:] = [(weakref.ref(dma), memory) for dma, memory in pending]
-        live += [_clock_array(dma.clock).copy() for dma, _ in pending]
-        if not live or len({clock.shape for clock in live}) != 1:
-            return None
-        return np.stack(live)
-
-    def kept(entries: list, live: np.ndarray) -> list:
-        if not entries:
-            return entries
-        clocks = np.stack([_clock_array(entry[position]) for entry in entries])[:, None, :]
-        below_every_live = ((clocks <= live).all(-1) & (clocks != live).any(-1)).all(-1)
-        return [entry for entry, prune in zip(entries, below_every_live, strict=True) if not prune]
-
-    def prune(self, buffer_key) -> None:
-        sizes = self.__dict__.setdefault("_interpret_compat_prune_at", {})
-        count = len(self.reads[buffer_key]) + len(self.writes[buffer_key])
-        if count < sizes.get(buffer_key, _PRUNE_FROM):
-            return
-        live = live_clocks(internals.interpreter._shared_memory)
-        if live is None:
-            sizes[buffer_key] = 2 * count
-            return
-        with self.lock:  # new lists: a check running concurrently keeps iterating over the old ones
-            self.reads[buffer_key] = kept(self.reads[buffer_key], live)
-            self.writes[buffer_key] = kept(self.writes[buffer_key], live)
-            remaining = len(self.reads[buffer_key]) + len(self.writes[buffer_key])
-        sizes[buffer_key] = max(_PRUNE_FROM, 2 * remaining)
-
-    def pruning(check: Callable) -> Callable:
-        key_position = parameter_names(check).index("buffer_key") - 1  # after self
-
-        @functools.wraps(check)
-        def checked(self, *args, **kwargs):
-            result = check(self, *args, **kwargs)
-            prune(self, kwargs["buffer_key"] if "buffer_key" in kwargs else args[key_position])
-            return result
-
-        return checked
+        live_clocks.dma_created(self)
 
     return [
         Patch(dma_class, "__init__", dma_init),
-        Patch(state_class, "check_read", pruning(state_class.check_read)),
-        Patch(state_class, "check_write", pruning(state_class.check_write)),
+        Patch(state_class, "check_read", _pruning(state_class.check_read, live_clocks, position)),
+        Patch(state_class, "check_write", _pruning(state_class.check_write, live_clocks, position)),
     ]
-
-
-RACE_HISTORY = Gap(
-    name="tpu-race-history",
-    interpreter="tpu",
-    symptom="race detection keeps every access, so each access is checked against all earlier ones (slow)",
-    probe=_history_probe,
-    check_internals=_history_internals,
-    patches=_history_patches,
-)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -746,16 +740,6 @@ def _callback_arguments_patches() -> list[Patch]:
     ]
 
 
-CALLBACK_ARGUMENTS = Gap(
-    name="tpu-callback-arguments",
-    interpreter="tpu",
-    symptom="each interpreter callback puts its arguments on the CPU device as jax arrays first (slow)",
-    probe=_callback_arguments_probe,
-    check_internals=_callback_arguments_internals,
-    patches=_callback_arguments_patches,
-)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Gap tpu-clock-order (a cost, not an error).
 
@@ -813,16 +797,6 @@ def _clock_order_patches() -> list[Patch]:
 
         return [Patch(vector_clock.NpVectorClock, "ordered", ordered)]
     return [Patch(vector_clock, "ordered", _ordered)]
-
-
-CLOCK_ORDER = Gap(
-    name="tpu-clock-order",
-    interpreter="tpu",
-    symptom="race detection orders two vector clocks with four NumPy reductions per earlier access (slow)",
-    probe=_clock_order_probe,
-    check_internals=_clock_order_internals,
-    patches=_clock_order_patches,
-)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -957,15 +931,6 @@ def _deadlock_patches() -> list[Patch]:
     return [Patch(semaphore_class, "__init__", init), Patch(semaphore_class, "wait", wait)]
 
 
-DEADLOCK = Gap(
-    name="tpu-deadlock",
-    interpreter="tpu",
-    symptom="a wait nothing can signal (one core, no DMA in flight) loops forever: only a watchdog ends it",
-    probe=_deadlock_probe,
-    check_internals=_deadlock_internals,
-    patches=_deadlock_patches,
-)
-
 # ---------------------------------------------------------------------------------------------------------
 # Gap tpu-empty-copy-at-end (a false out-of-bounds read).
 
@@ -998,15 +963,6 @@ def _empty_copy_patches() -> list[Patch]:
 
     return [Patch(utils, "clip_range_to_shape", clip_range_to_shape)]
 
-
-EMPTY_COPY_AT_END = Gap(
-    name="tpu-empty-copy-at-end",
-    interpreter="tpu",
-    symptom="a DMA of no elements from the end of its source is reported as an out-of-bounds read",
-    probe=_empty_copy_probe,
-    check_internals=_empty_copy_internals,
-    patches=_empty_copy_patches,
-)
 
 # ---------------------------------------------------------------------------------------------------------
 # Gap tpu-wait-for-nothing (a wait for no elements on a semaphore never signalled).
@@ -1050,15 +1006,6 @@ def _wait_for_nothing_patches() -> list[Patch]:
     return [Patch(semaphore_class, "wait", wait)]
 
 
-WAIT_FOR_NOTHING = Gap(
-    name="tpu-wait-for-nothing",
-    interpreter="tpu",
-    symptom="with race detection, a wait for a copy of no elements on a semaphore never signalled fails an assertion",
-    probe=_wait_for_nothing_probe,
-    check_internals=_wait_for_nothing_internals,
-    patches=_wait_for_nothing_patches,
-)
-
 # ---------------------------------------------------------------------------------------------------------
 # Gap tpu-empty-access-race (an access of no elements taken for a race).
 
@@ -1101,15 +1048,6 @@ def _empty_access_patches() -> list[Patch]:
 
     return [Patch(races, "_slices_overlap", slices_overlap)]
 
-
-EMPTY_ACCESS_RACE = Gap(
-    name="tpu-empty-access-race",
-    interpreter="tpu",
-    symptom="with race detection, an access of no elements is reported as racing with one around its start",
-    probe=_empty_access_probe,
-    check_internals=_empty_access_internals,
-    patches=_empty_access_patches,
-)
 
 # ---------------------------------------------------------------------------------------------------------
 # Gap tpu-exit-state (a missing check).
@@ -1312,16 +1250,32 @@ def _exit_state_patches() -> list[Patch]:
     return [Patch(interpreter, "_validate", interpreter.fail_on_exception(check_exit_state))]
 
 
-EXIT_STATE = Gap(
-    name="tpu-exit-state",
-    interpreter="tpu",
-    symptom="a kernel may end with a DMA never waited or a semaphore count left: jax prints a count at most",
-    probe=_exit_state_probe,
-    check_internals=_exit_state_internals,
-    patches=_exit_state_patches,
-)
-
-GAPS = (
+GAPS = patching.gap_table(
+    "tpu",
+    # (name, symptom, probe, check_internals, patches), in the order install() applies them: a later
+    # gap's patch may wrap an earlier one's
+    ("tpu-ref-views", "ref.reshape/ref.bitcast: 'ReshapeTransform' object has no attribute 'indices'",
+     _views_probe, _views_internals, _view_patches),
+    ("tpu-masked-swap", "a valid mask on a ref whose later axes are shorter than axis 0: 'Out-of-bounds masked swap'",
+     _masked_swap_probe, _masked_swap_internals, _masked_swap_patches),
+    ("tpu-race-history", "race detection keeps every access, so each access is checked against all earlier ones (slow)",
+     _history_probe, _history_internals, _history_patches),
+    ("tpu-callback-arguments", "each interpreter callback puts its arguments on the CPU device as jax arrays first (slow)",
+     _callback_arguments_probe, _callback_arguments_internals, _callback_arguments_patches),
+    ("tpu-clock-order", "race detection orders two vector clocks with four NumPy reductions per earlier access (slow)",
+     _clock_order_probe, _clock_order_internals, _clock_order_patches),
+    ("tpu-deadlock", "a wait nothing can signal (one core, no DMA in flight) loops forever: only a watchdog ends it",
+     _deadlock_probe, _deadlock_internals, _deadlock_patches),
+    ("tpu-empty-copy-at-end", "a DMA of no elements from the end of its source is reported as an out-of-bounds read",
+     _empty_copy_probe, _empty_copy_internals, _empty_copy_patches),
+    ("tpu-wait-for-nothing", "with race detection, a wait for a copy of no elements on a semaphore never signalled fails an assertion",
+     _wait_for_nothing_probe, _wait_for_nothing_internals, _wait_for_nothing_patches),
+    ("tpu-empty-access-race", "with race detection, an access of no elements is reported as racing with one around its start",
+     _empty_access_probe, _empty_access_internals, _empty_access_patches),
+    ("tpu-exit-state", "a kernel may end with a DMA never waited or a semaphore count left: jax prints a count at most",
+     _exit_state_probe, _exit_state_internals, _exit_state_patches),
+)  # fmt: skip
+(
     REF_VIEWS,
     MASKED_SWAP,
     RACE_HISTORY,
@@ -1332,4 +1286,4 @@ GAPS = (
     WAIT_FOR_NOTHING,
     EMPTY_ACCESS_RACE,
     EXIT_STATE,
-)
+) = GAPS
