@@ -15,7 +15,9 @@
 #   verdicts     every group's verdicts, one after the other
 #   agreement    ci/chip_agreement.py check on chip-carry/agreement
 #   arithmetic   benchmarks/chip_arithmetic.py
-#   throughput   benchmarks/bench_throughput.py --backend tpu, bundled and v3, failing cases kept
+#   throughput-pooled, throughput-any-config
+#                benchmarks/bench_throughput.py --backend tpu: that differential property of the bundled kernel
+#                and v3, 1 worker making its own calls, then 12 feeding a chip owner; cold and warm caches
 #   speed        rpa-harness bench: the bundled kernel, upstream's and v3 at the serving batches
 #
 # The calibration groups (CALIBRATE_GROUPS below) hold every shipped target once; on jax 0.10.2 (Python 3.11,
@@ -49,7 +51,7 @@ CALIBRATE_GROUPS=(
   "rpa_harness.targets.tpu_inference_batched_rpa rpa_harness.targets.tpu_inference_rpa_v3_cp rpa_harness.targets.tpu_inference_stacked_rpa rpa_harness.targets.tpu_inference_mla_swa"
 )
 groups=$(for i in "${!CALIBRATE_GROUPS[@]}"; do printf ' calibrate-%d verdicts-%d' $((i + 1)) $((i + 1)); done)
-steps="smoke calibrate verdicts$groups agreement arithmetic throughput speed"
+steps="smoke calibrate verdicts$groups agreement arithmetic throughput-pooled throughput-any-config speed"
 for name in "$@"; do
   case " $steps " in
     *" $name "*) ;;
@@ -140,10 +142,10 @@ for name in "$@"; do
     verdicts-*) verdicts "${name#verdicts-}" ;;
     agreement) step agreement 540 python3 ci/chip_agreement.py check --folder chip-carry/agreement ;;
     arithmetic) step arithmetic 120 python3 benchmarks/chip_arithmetic.py ;;
-    throughput)
-      step throughput 540 python3 benchmarks/bench_throughput.py --backend tpu --examples 600 --seconds 60 \
-        --properties pooled,pooled-groups,any-config \
-        --cache cold,warm --cache-dir /tmp/rpa-bench-cache --failures-dir "$logs/failures" ;;
+    throughput-*)  # the property per target, one worker making its own calls, then 12 feeding an owner
+      step "$name" 540 python3 benchmarks/bench_throughput.py --backend tpu --seconds 50 --workers 1,12 \
+        --properties "${name#throughput-}" --cache cold,warm --cache-dir /tmp/rpa-bench-cache \
+        --repro-dir "$logs/repros/$name" ;;
     speed)
       step speed 300 rpa-harness bench --target rpa_harness.kernel --target rpa_harness.targets.tpu_inference_v3 \
         --json "$logs/bench.json" ;;

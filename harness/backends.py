@@ -708,6 +708,22 @@ class Backend:
                     _drop_ordered_effect_tokens()
                 raise
 
+    @contextlib.contextmanager
+    def guarded(self, what: str):
+        """Kernel calls made in the enclosed block as every tool makes them here: on a chip, the known-good
+        call first (once a process); the backend's context; the watchdog (a hang ends the process); and a
+        halted device ends the process (``end_on_halt``). ``what`` names the call in those messages."""
+        if self.name == TPU:  # with no case's handlers: a hang or halt here is not the case's
+            with on_hang(None), on_halt(None), watchdog("the known-good call on the chip"):
+                check_the_chip_once()
+        try:
+            with self.context(), watchdog(what):
+                yield
+        except Exception as error:
+            if (halted := halt_report(error)) is not None:
+                end_on_halt(what, halted)
+            raise
+
     def run(self, fn, *args, **kwargs):
         """Calls ``fn`` on this backend and returns its output as NumPy (an array, or a tuple of them for a
         kernel with several outputs); races, deadlocks and an exit that would halt a TPU raise. Where a chip
@@ -716,15 +732,10 @@ class Backend:
 
         if chip_owner.address() is not None:
             return chip_owner.call(self, fn, args, kwargs)
-        if self.name == TPU:  # with no case's handlers: a hang or halt here is not the case's
-            with on_hang(None), on_halt(None), watchdog("the known-good call on the chip"):
-                check_the_chip_once()
         try:
-            with self.context(), watchdog(f"a kernel call on {self.name}"):
+            with self.guarded(f"a kernel call on {self.name}"):
                 out = jax.tree.map(np.asarray, jax.block_until_ready(fn(*args, **kwargs)))
         except Exception as error:
-            if (halted := halt_report(error)) is not None:
-                end_on_halt(f"a kernel call on {self.name}", halted)
             if self.name == INTERPRET:
                 if (report := _race_report(error)) is not None:
                     raise RaceDetected(report) from error

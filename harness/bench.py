@@ -164,11 +164,12 @@ class Timing:
 
 class Call:
     """The target's call on the batch (``checks.kernel_call``: a compiled call's kernel function, or its
-    ``ragged_paged_attention``), its inputs on the device. An input the call donated is put back before
-    the next call."""
+    ``ragged_paged_attention``), its inputs on the device, made as every kernel call is
+    (``Backend.guarded``: the known-good call, the watchdog, a halt ends the bench), timed inside. An input
+    the call donated is put back before the next call."""
 
-    def __init__(self, target: Target, backend: backends.Backend, case: Case):
-        self.backend = backend
+    def __init__(self, target: Target, backend: backends.Backend, case: Case, what: str):
+        self.backend, self.what = backend, what
         self.call, self.host = kernel_call(target, backend.generation, case.arrays(), case.options())
         self.device = jax.block_until_ready(
             {name: jax.device_put(value) for name, value in self.host.items()}
@@ -178,7 +179,7 @@ class Call:
         for name, value in self.device.items():
             if value.is_deleted():
                 self.device[name] = jax.block_until_ready(jax.device_put(self.host[name]))
-        with self.backend.context():
+        with self.backend.guarded(self.what):
             start = time.perf_counter()
             jax.block_until_ready(self.call(**self.device))
             return time.perf_counter() - start
@@ -190,12 +191,10 @@ def time_target(target: Target, backend: backends.Backend, batch: Batch, calls: 
     if timing.skipped is not None:
         return timing
     try:
-        call = Call(target, backend, batch.case)
+        call = Call(target, backend, batch.case, f"{target.name} on batch {batch.name}")
         timing.first_call_s = call()
         timing.seconds = [call() for _ in range(calls)]
-    except Exception as error:  # reported in its row; the other targets still run
-        if (halted := backends.halt_report(error)) is not None:
-            backends.end_on_halt(f"{target.name} on batch {batch.name}", halted)
+    except Exception as error:  # reported in its row; the other targets still run (a halt ends the bench)
         timing.error = first_line_of_error(error)
     return timing
 
