@@ -24,6 +24,7 @@ when a verdict differs.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -141,51 +142,40 @@ def verdict_class(verdict: str) -> str:
     return verdict if verdict in ("compiles", HALTS) else "refused"
 
 
-def check_entries(args) -> int:
-    """The child of ``check``: runs the entries from ``--first`` on, one JSON line each (``START`` before its
-    call, so that a call that halts the chip and ends this process is known to the parent)."""
-    from rpa_harness import backends, checks, reference, targets
+def check_entry(entry: dict, chip, outputs) -> dict:
+    """One configuration on the chip: its verdict (compiled for it and called once: a refusal raises on
+    valid input) and, where the interpreter ran it, |chip - interpreter| / bound and each one's error/bound."""
+    from rpa_harness import checks, reference, targets
     from rpa_harness.reference.tolerance import error_bound
     from rpa_harness.strategies.case import Case
 
-    folder = Path(args.folder)
-    recorded = json.loads((folder / "predictions.json").read_text())
-    outputs = np.load(folder / "outputs.npz")
-    generation = recorded["generation"] if args.backend != backends.TPU else "none"
-    chip = backends.Backend(args.backend, True, generation)
-    for entry in recorded["entries"][args.first :]:
-        print("START " + entry["key"], flush=True)
-        target = targets.load(entry["target"])
-        case = Case.from_json(entry["case"])
-        arrays, options = case.arrays(), case.options()
-        try:  # compiled for the chip and called once: a refusal raises on valid input
-            actual, error = checks.run_valid(target, chip, arrays, options), None
-        except (checks.PropertyFailure, checks.CannotRun) as failure:
-            actual, error = None, failure
-        result = {"key": entry["key"], "verdict": verdict_of(error)}
-        if entry.get("interpreted") and actual is not None:
-            expected = reference.oracle(**arrays, **options)
-            precision = target.precision_on(chip)
-            bound = error_bound(expected, precision=precision)
-            live = checks.valid_rows(arrays)
-            gap = np.abs(actual.astype(np.float64) - outputs[entry["key"]])[live] / bound[live]
-            result["diff"] = float(gap.max(initial=0.0))
-            result["chip"] = reference.compare(actual, expected, precision=precision).max_ratio
-            result["interp"] = reference.compare(
-                outputs[entry["key"]], expected, precision=precision
-            ).max_ratio
-        print("RESULT " + json.dumps(result), flush=True)
-    return 0
+    target = targets.load(entry["target"])
+    case = Case.from_json(entry["case"])
+    arrays, options = case.arrays(), case.options()
+    try:
+        actual, error = checks.run_valid(target, chip, arrays, options), None
+    except (checks.PropertyFailure, checks.CannotRun) as failure:
+        actual, error = None, failure
+    result = {"key": entry["key"], "verdict": verdict_of(error)}
+    if entry.get("interpreted") and actual is not None:
+        expected = reference.oracle(**arrays, **options)
+        precision = target.precision_on(chip)
+        bound = error_bound(expected, precision=precision)
+        live = checks.valid_rows(arrays)
+        gap = np.abs(actual.astype(np.float64) - outputs[entry["key"]])[live] / bound[live]
+        result["diff"] = float(gap.max(initial=0.0))
+        result["chip"] = reference.compare(actual, expected, precision=precision).max_ratio
+        result["interp"] = reference.compare(outputs[entry["key"]], expected, precision=precision).max_ratio
+    return result
 
 
 def check(args) -> int:
-    """Runs the entries in a child process that opens the chip; a call that halts the chip ends the child,
-    is that configuration's verdict ("halts the chip"), and a fresh child goes on with the next one."""
-    import subprocess
+    """Runs the entries' calls through a chip owner (``rpa_harness.chip_owner``), this process computing the
+    oracles and comparisons; a call that halts the chip ends that owner and is that configuration's verdict
+    ("halts the chip"), and a fresh owner goes on with the next one."""
+    from rpa_harness import backends, chip_owner
 
-    from rpa_harness import backends
-
-    backends.keep_off_the_chips()  # the children open the chip, one at a time
+    backends.keep_off_the_chips()  # the owner opens the chip
     if args.backend == backends.TPU and not backends.tpus():
         print(
             f"chip_agreement check: jax sees no TPU here, not a TPU host; run it on the chip, or rehearse it "
@@ -193,34 +183,31 @@ def check(args) -> int:
             file=sys.stderr,
         )
         return 4
-    chip = backends.tpus().kind if args.backend == backends.TPU else args.backend
-    recorded = json.loads((Path(args.folder) / "predictions.json").read_text())
+    chip_name = backends.tpus().kind if args.backend == backends.TPU else args.backend
+    folder = Path(args.folder)
+    recorded = json.loads((folder / "predictions.json").read_text())
+    outputs = np.load(folder / "outputs.npz")
+    chip = backends.Backend(
+        args.backend, True, "none" if args.backend == backends.TPU else recorded["generation"]
+    )
     entries = recorded["entries"]
     results: dict[str, dict] = {}
-    first = 0
-    while first < len(entries):
-        command = [sys.executable, __file__, "check", "--folder", args.folder, "--backend", args.backend]
-        child = subprocess.run([*command, "--first", str(first)], capture_output=True, text=True)
-        started = None
-        for line in child.stdout.splitlines():
-            if line.startswith("START "):
-                started = line.removeprefix("START ")
-            elif line.startswith("RESULT "):
-                result = json.loads(line.removeprefix("RESULT "))
-                results[result["key"]] = result
-                print(f"{result['key']}: {result['verdict']}", flush=True)
-        if child.returncode == 0:
-            break
-        if started is None or started in results:
-            sys.stderr.write(child.stderr[-3000:])
-            print(f"chip_agreement check: the child process failed before a call (exit {child.returncode})")
-            return 3
-        words = (
-            "halted" if child.returncode == backends.HALT_EXIT_CODE else f"ended with exit {child.returncode}"
-        )
-        results[started] = {"key": started, "verdict": HALTS}
-        print(f"{started}: {HALTS} (the process {words}; a fresh one goes on)", flush=True)
-        first = [entry["key"] for entry in entries].index(started) + 1
+    supervisor = chip_owner.Supervisor(dict(os.environ)).start()
+    os.environ[chip_owner.ADDRESS_ENV] = supervisor.where
+    try:
+        for entry in entries:
+            try:
+                with chip_owner.endings_raise():
+                    result = check_entry(entry, chip, outputs)
+            except chip_owner.CallEndedTheOwner as ended:
+                verdict = HALTS if ended.kind in ("halted", "crashed") else f"{ended.kind}: {ended}"
+                result = {"key": entry["key"], "verdict": verdict}
+                print(f"{entry['key']}: the call {ended.kind}; a fresh owner goes on", flush=True)
+            results[entry["key"]] = result
+            print(f"{result['key']}: {result['verdict']}", flush=True)
+    finally:
+        owners = supervisor.stop()
+    print(f"chip owner: {owners['calls']} calls, busy {owners['busy_s']:.1f} s, {owners['owners']} owner(s)")
     rows: dict[tuple, dict] = defaultdict(
         lambda: {"n": 0, "agree": 0, "halts": [0, 0], "diffs": [], "chip": 0.0, "interp": 0.0}
     )
@@ -240,7 +227,7 @@ def check(args) -> int:
             row["diffs"].append(result["diff"])
         for measure in ("chip", "interp"):
             row[measure] = max(row[measure], result.get(measure, 0.0))
-    print(f"chip: {chip}; predictions for {recorded['generation']}")
+    print(f"chip: {chip_name}; predictions for {recorded['generation']}")
     print(
         "| target | q / kv | configurations | verdicts agreeing | halts predicted / seen "
         "| abs(chip - interpreter) / bound: max, median | max error/bound chip | interpreter |"
@@ -278,14 +265,13 @@ def main() -> int:
         "--backend", default="tpu", choices=("tpu", "fast-interpret", "interpret"),
         help="where to run (default tpu; an interpreter emulating the generation rehearses the check on CPU)",
     )  # fmt: skip
-    on_chip.add_argument("--first", type=int, help=argparse.SUPPRESS)  # the child: entries from this one on
     args = parser.parse_args()
     if args.step == "predict":
         from rpa_harness import targets
 
         args.targets = args.targets or [shipped.name for shipped in targets.SHIPPED]
         return predict(args)
-    return check(args) if args.first is None else check_entries(args)
+    return check(args)
 
 
 if __name__ == "__main__":

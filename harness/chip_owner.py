@@ -20,6 +20,7 @@ stands in for the chip on a CPU host (what the tests check).
 """
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -43,10 +44,36 @@ STARTS_BEFORE_GIVING_UP = 3  # owners in a row that end before serving a call
 # Calls that ran on the chip just before a call that halts it, named in the halt's repro (a kernel can leave
 # a DMA running after its call returns; its fault then surfaces in a later call, maybe another process's).
 CALLS_KEPT = 2
+ENDINGS = ("halted", "hung", "slow")  # the answers of a call that ended the owner
 
 
 class OwnerUnavailable(RuntimeError):
     """No owner accepted this process's call: the message says why (the supervisor's last word)."""
+
+
+class CallEndedTheOwner(RuntimeError):
+    """Raised, where ``endings_raise`` is in force, for a call that ended the owner: ``kind`` is halted,
+    hung, slow or crashed; ``report`` what the owner said (for a halt: what, the error's first line)."""
+
+    def __init__(self, kind: str, report: tuple):
+        super().__init__(f"the call {kind}: {report[0] if report else 'the owner ended without a word'}")
+        self.kind, self.report = kind, report
+
+
+_endings_raise = False
+
+
+@contextlib.contextmanager
+def endings_raise():
+    """Within the block, a call that ends the owner raises ``CallEndedTheOwner`` in this process instead of
+    ending it too: for a tool that goes on after a halt (``ci/chip_agreement.py``), not for a property,
+    whose process ends with its repro."""
+    global _endings_raise
+    previous, _endings_raise = _endings_raise, True
+    try:
+        yield
+    finally:
+        _endings_raise = previous
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -157,7 +184,6 @@ def call(backend, fn, args: tuple, kwargs: dict):
     """``backend.run(fn, *args, **kwargs)`` made by the owner: its output, or what it raised. A call that
     halts the chip, hangs or is too slow ends this process as it would with the chip in hand; a call the
     owner had not started when it ended (another process's call halted the chip) goes to the next owner."""
-    global _connection, _calls_before_the_halt
     where = address()
     assert where is not None
     request = ("call", backend, portable(fn), args, kwargs, _example_in_flight)
@@ -170,44 +196,57 @@ def call(backend, fn, args: tuple, kwargs: dict):
         ) from None
     what = f"a kernel call on {backend.name} (in the chip's owner process)"
     with _connection_lock:
+        answer = None
+        while answer is None:  # None: the owner ended before it started this call
+            answer = _exchange(where, payload, what)
+    kind, rest = answer
+    if kind == "returned":
+        return rest[0]
+    if kind == "raised":
+        raise rest[0]
+    if kind == "raised-as":
+        raise stand_in(*rest)
+    _end_as_the_owner_did(kind, rest)
+
+
+def _exchange(where: str, payload: bytes, what: str) -> tuple[str, list] | None:
+    """Sends a call and waits for its answer: (kind, the rest of it); "crashed" where the owner ended during
+    the call without one; None where it ended before starting it (the call goes to the next owner)."""
+    global _connection
+    if _connection is None:
+        _connection = _connect(where)
+    started = False
+    try:
+        _connection.send_bytes(payload)
         while True:
-            if _connection is None:
-                _connection = _connect(where)
-            started = False
-            try:
-                _connection.send_bytes(payload)
-                while True:
-                    kind, *rest = _connection.recv()
-                    if kind == "started":
-                        started = True
-                    elif kind == "returned":
-                        return rest[0]
-                    elif kind == "raised":
-                        raise rest[0]
-                    elif kind == "raised-as":
-                        raise stand_in(*rest)
-                    elif kind == "halted":
-                        _calls_before_the_halt = rest[2]
-                        from rpa_harness import backends
+            kind, *rest = _connection.recv()
+            if kind != "started":
+                if kind in ENDINGS:
+                    _drop_connection()
+                return kind, rest
+            started = True
+    except (EOFError, OSError):
+        _drop_connection()
+        return (
+            ("crashed", [what, "the owner process ended during the call without a word"]) if started else None
+        )
 
-                        backends.end_on_halt(rest[0], rest[1])
-                    elif kind == "hung":
-                        from rpa_harness import backends
 
-                        backends.end_on_hang(rest[0], rest[1], stacks=False)
-                    elif kind == "slow":
-                        from rpa_harness import backends
+def _end_as_the_owner_did(kind: str, report: list | tuple):
+    """A call that ended the owner ends this process the same way (its handlers write the case's repro),
+    or raises ``CallEndedTheOwner`` within ``endings_raise``."""
+    global _calls_before_the_halt
+    from rpa_harness import backends
 
-                        backends.end_too_slow(*rest)
-            except (EOFError, OSError):
-                _drop_connection()
-                if started:
-                    from rpa_harness import backends
-
-                    backends.end_on_halt(
-                        what,
-                        "the owner process ended during the call without a word (a crash of the device?)",
-                    )
+    if _endings_raise:
+        raise CallEndedTheOwner(kind, tuple(report))
+    if kind == "hung":
+        backends.end_on_hang(report[0], report[1], stacks=False)
+    elif kind == "slow":
+        backends.end_too_slow(*report)
+    if kind == "halted":
+        _calls_before_the_halt = report[2]
+    backends.end_on_halt(report[0], report[1])
 
 
 def owner_facts(where: str) -> dict:
@@ -234,6 +273,7 @@ class Owner:
         self.started = time.monotonic()
         self.calls = 0
         self.busy = 0.0
+        self.began = 0.0  # when the call in flight started
         self.stats_path = Path(where).parent / STATS_FILE.format(pid=os.getpid())
 
     def serve(self) -> None:
@@ -270,7 +310,7 @@ class Owner:
 
         with self.chip:
             connection.send(("started",))
-            began = time.perf_counter()
+            self.began = time.perf_counter()
             handlers = (
                 backends.on_halt(
                     lambda what, error: self.ends(connection, "halted", what, error, list(self.recent))
@@ -283,17 +323,21 @@ class Owner:
                     answer: tuple = ("returned", backend.run(fn, *args, **kwargs))
             except Exception as error:
                 answer = _raised(error)
-            self.calls += 1
-            self.busy += time.perf_counter() - began
+            self.count_the_call()
             if example is not None:
                 self.recent.append(example)
-            self.write_stats()
             return answer
+
+    def count_the_call(self) -> None:
+        self.calls += 1
+        self.busy += time.perf_counter() - self.began
+        self.write_stats()
 
     def ends(self, connection: Connection, kind: str, *report) -> tuple[str, int]:
         """Tells the caller how its call ended this owner; the owner's own message and exit status."""
         from rpa_harness import backends
 
+        self.count_the_call()
         codes = {
             "halted": backends.HALT_EXIT_CODE,
             "hung": backends.HANG_EXIT_CODE,

@@ -15,6 +15,7 @@ from rpa_harness.backends import Backend
 from rpa_harness.plugin import settings_of
 from rpa_harness.targets import load
 
+from tests.cases import sized_case
 from tests.processes import run_python
 
 DIFFERENTIAL = "tests/properties/test_differential.py::test_kernel_matches_oracle"
@@ -124,3 +125,22 @@ def test_an_error_that_does_not_pickle_keeps_its_class_name_and_message():
         and type(rebuilt).__name__ == "Unpicklable"
         and str(rebuilt) == "the kernel's words"
     )
+
+
+def test_within_endings_raise_a_halt_is_an_exception_and_a_fresh_owner_takes_the_next_call(monkeypatch):
+    """What ci/chip_agreement.py relies on to go on after a configuration that halts the chip."""
+    supervisor = chip_owner.Supervisor(dict(os.environ)).start()
+    monkeypatch.setenv(chip_owner.ADDRESS_ENV, supervisor.where)
+    target, backend = load("tests.broken.halts"), Backend(backends.FAST_INTERPRET)
+    halting, passing = (
+        sized_case([q_len], [8], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=8) for q_len in (2, 1)
+    )
+    try:
+        with chip_owner.endings_raise(), pytest.raises(chip_owner.CallEndedTheOwner) as ended:
+            backend.run(target.attention, halting.arrays(), halting.options())
+        out = backend.run(target.attention, passing.arrays(), passing.options())
+    finally:
+        owners = supervisor.stop()
+    assert ended.value.kind == "halted" and "The program continuator has halted" in ended.value.report[1]
+    assert out.shape == (passing.max_num_batched_tokens, passing.num_q_heads, 64)
+    assert owners["calls"] == 2 and owners["owners"] == 2 and owners["exits"] == [backends.HALT_EXIT_CODE]
