@@ -17,8 +17,10 @@ options, verdict) and ``outputs.npz`` (the interpreter's outputs) into the folde
 each configuration is compiled for it (same verdict: compiles, or refused the same way), and each
 interpreted case is run there and compared with the interpreter's output and the float64 oracle. It prints a
 table per target and dtype pair: verdicts agreeing, halts predicted and seen, the largest and median
-|chip - interpreter| as a fraction of the judge's bound, and the largest error/bound of each; it exits 1
-when a verdict differs.
+|chip - interpreter| as a fraction of the judge's bound, the largest in units of the output's last place
+(1: a result the two computed a hair apart, rounded either way of an output boundary) and the largest
+fraction of the bound where they are more than one unit apart, and the largest error/bound of each; it
+exits 1 when a verdict differs.
 """
 
 import argparse
@@ -146,7 +148,7 @@ def check_entry(entry: dict, chip, outputs) -> dict:
     """One configuration on the chip: its verdict (compiled for it and called once: a refusal raises on
     valid input) and, where the interpreter ran it, |chip - interpreter| / bound and each one's error/bound."""
     from rpa_harness import checks, reference, targets
-    from rpa_harness.reference.tolerance import error_bound
+    from rpa_harness.reference.tolerance import error_bound, half_ulp
     from rpa_harness.strategies.case import Case
 
     target = targets.load(entry["target"])
@@ -162,8 +164,16 @@ def check_entry(entry: dict, chip, outputs) -> dict:
         precision = target.precision_on(chip)
         bound = error_bound(expected, precision=precision)
         live = checks.valid_rows(arrays)
-        gap = np.abs(actual.astype(np.float64) - outputs[entry["key"]])[live] / bound[live]
+        interpreted = outputs[entry["key"]].astype(np.float64)[live]
+        apart = np.abs(actual.astype(np.float64)[live] - interpreted)
+        gap = apart / bound[live]
+        # In the output's own units: one unit is a result the two computed a hair apart rounded either way
+        # of an output rounding boundary, which no emulation short of the chip's bits removes.
+        larger = np.maximum(np.abs(actual.astype(np.float64)[live]), np.abs(interpreted))
+        units = apart / (2 * half_ulp(larger, actual.dtype))
         result["diff"] = float(gap.max(initial=0.0))
+        result["units"] = float(units.max(initial=0.0))
+        result["beyond_one_unit"] = float(gap[units > 1].max(initial=0.0))
         result["chip"] = reference.compare(actual, expected, precision=precision).max_ratio
         result["interp"] = reference.compare(outputs[entry["key"]], expected, precision=precision).max_ratio
     return result
@@ -209,7 +219,16 @@ def check(args) -> int:
         owners = supervisor.stop()
     print(f"chip owner: {owners['calls']} calls, busy {owners['busy_s']:.1f} s, {owners['owners']} owner(s)")
     rows: dict[tuple, dict] = defaultdict(
-        lambda: {"n": 0, "agree": 0, "halts": [0, 0], "diffs": [], "chip": 0.0, "interp": 0.0}
+        lambda: {
+            "n": 0,
+            "agree": 0,
+            "halts": [0, 0],
+            "diffs": [],
+            "chip": 0.0,
+            "interp": 0.0,
+            "units": 0.0,
+            "beyond_one_unit": 0.0,
+        }  # fmt: skip
     )
     differing = []
     for entry in entries:
@@ -225,20 +244,22 @@ def check(args) -> int:
             differing.append((entry["key"], entry["verdict"], result["verdict"]))
         if "diff" in result:
             row["diffs"].append(result["diff"])
-        for measure in ("chip", "interp"):
+        for measure in ("chip", "interp", "units", "beyond_one_unit"):
             row[measure] = max(row[measure], result.get(measure, 0.0))
     print(f"chip: {chip_name}; predictions for {recorded['generation']}")
     print(
         "| target | q / kv | configurations | verdicts agreeing | halts predicted / seen "
-        "| abs(chip - interpreter) / bound: max, median | max error/bound chip | interpreter |"
+        "| abs(chip - interpreter) / bound: max, median | output units apart: max | / bound where over "
+        "1 unit | max error/bound chip | interpreter |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (name, q, kv), row in sorted(rows.items()):
         diffs = sorted(row["diffs"])
         spread = f"{diffs[-1]:.3g}, {diffs[len(diffs) // 2]:.3g}" if diffs else "-"
         print(
             f"| {name} | {q} / {kv} | {row['n']} | {row['agree']} | {row['halts'][0]} / {row['halts'][1]} "
-            f"| {spread} | {row['chip']:.3g} | {row['interp']:.3g} |"
+            f"| {spread} | {row['units']:.3g} | {row['beyond_one_unit']:.3g} | {row['chip']:.3g} "
+            f"| {row['interp']:.3g} |"
         )
     for key, predicted, seen in differing:
         print(f"DIFFERS {key}: predicted {predicted!r}, the chip: {seen!r}")
