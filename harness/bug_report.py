@@ -14,6 +14,7 @@ with the module's own reference.
 import dataclasses
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -21,17 +22,19 @@ import numpy as np
 from rpa_harness import known_issues, reference
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, TPU, Backend
-from rpa_harness.generations import NONE
+from rpa_harness.generations import DEVICE_KINDS, NONE
 from rpa_harness.property_names import COMPILATION, DIFFERENTIAL
 from rpa_harness.report_sections import (
+    UpstreamReadyReport,
     case_in_words,
+    code_block,
     environment,
     error_map_block,
-    found_by,
     script_output,
     worst_element_table,
 )
 from rpa_harness.run_settings import for_repro
+from rpa_harness.snippets import snippet
 from rpa_harness.spec.interface import ARRAY_NAMES, EXTENSION_NAMES
 from rpa_harness.targets import UPSTREAM_TARGET, V2_TARGET, Target, first_line_of_error, shipped_catalogue
 
@@ -163,46 +166,6 @@ def script(
 ) -> str:
     """A standalone program: jax, numpy and ml_dtypes (and, off TPU when needed, the compat layer and the
     emulated TPU generation)."""
-    arrays, options = repro.arrays, repro.options
-    q, kv_pages = arrays["q"], arrays["kv_pages"]
-    interpret = "pltpu.InterpretParams()" if backend_name == INTERPRET else "True"
-    compat = (
-        [
-            "    # jax's TPU interpreters cannot run this kernel as they ship (ref reshape/bitcast transforms,",
-            "    # masked stores, scalar-prefetch state between grid steps): rpa-harness's compatibility layer",
-            "    # patches the interpreters, never the kernel (pip install rpa-harness).",
-            "    from rpa_harness import interpret_compat",
-            "",
-            "    interpret_compat.install()",
-        ]
-        if needs_compat
-        else []
-    )
-    if generation != NONE:
-        compat += [
-            f"    # The kernel reads the chip while it is traced: rpa-harness makes the CPU device report a TPU {generation}",
-            "    # (device kind and TPU info), so that it takes that chip's tuned defaults and branches.",
-            "    from rpa_harness import generations",
-            "",
-        ]
-    run_on = (
-        [f"    run_on = pltpu.force_tpu_interpret_mode({interpret})"]
-        if generation == NONE
-        else [
-            "    run_on = contextlib.ExitStack()  # entered now, left after the kernel's call",
-            f"    run_on.enter_context(pltpu.force_tpu_interpret_mode({interpret}))",
-            f"    run_on.enter_context(generations.emulated({generation!r}))",
-        ]
-    )
-    own_reference = (
-        [
-            "own = module.ref_ragged_paged_attention(*inputs, **{k: v for k, v in options.items() if k not in "
-            f"{BLOCK_OPTIONS!r}}})",
-            'print("module reference at the worst element:", float(np.asarray(own, np.float64)[worst]))',
-        ]
-        if target_name.startswith("jax.experimental.pallas.ops.tpu.ragged_paged_attention")
-        else []
-    )
     lines = [
         "import contextlib",
         "import importlib",
@@ -216,11 +179,53 @@ def script(
         f"module = importlib.import_module({target_name!r})",
         'on_tpu = jax.default_backend() == "tpu"',
         "if not on_tpu:",
-        *compat,
-        *run_on,
+        *_off_tpu_lines(backend_name, needs_compat, generation),
         "else:",
         "    run_on = contextlib.nullcontext()",
         "",
+        *_data_lines(repro),
+        SCRIPT_REFERENCE,
+        *_comparison_lines(target_name, repro.arrays["kv_pages"].dtype),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _off_tpu_lines(backend_name: str, needs_compat: bool, generation: str) -> list[str]:
+    """The script's ``run_on`` off a TPU: the repro's interpreter, behind the compat layer when the kernel
+    needs it, with the emulated generation when the repro had one."""
+    interpret = "pltpu.InterpretParams()" if backend_name == INTERPRET else "True"
+    compat = (
+        [
+            "    # jax's TPU interpreters cannot run this kernel as they ship (ref reshape/bitcast transforms,",
+            "    # masked stores, scalar-prefetch state between grid steps): rpa-harness's compatibility layer",
+            "    # patches the interpreters, never the kernel (pip install rpa-harness).",
+            "    from rpa_harness import interpret_compat",
+            "",
+            "    interpret_compat.install()",
+        ]
+        if needs_compat
+        else []
+    )
+    if generation == NONE:
+        return [*compat, f"    run_on = pltpu.force_tpu_interpret_mode({interpret})"]
+    return [
+        *compat,
+        f"    # The kernel reads the chip while it is traced: rpa-harness makes the CPU device report a TPU {generation}",
+        "    # (device kind and TPU info), so that it takes that chip's tuned defaults and branches.",
+        "    from rpa_harness import generations",
+        "",
+        "    run_on = contextlib.ExitStack()  # entered now, left after the kernel's call",
+        f"    run_on.enter_context(pltpu.force_tpu_interpret_mode({interpret}))",
+        f"    run_on.enter_context(generations.emulated({generation!r}))",
+    ]
+
+
+def _data_lines(repro: repro_files.Repro) -> list[str]:
+    """The script's inputs: q and the cache drawn from seed 0 in the repro's shapes and dtypes, the repro's
+    own metadata and options."""
+    arrays = repro.arrays
+    q, kv_pages = arrays["q"], arrays["kv_pages"]
+    return [
         "rng = np.random.default_rng(0)",
         "# unit-variance logits: q scaled by 1 / sqrt(head_dim)",
         f"q = (rng.standard_normal({q.shape}, dtype=np.float32) / np.float32({q.shape[-1]} ** 0.5)).astype("
@@ -231,8 +236,23 @@ def script(
             f"{name} = np.array({arrays[name].tolist()}, np.int32)"
             for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")
         ),
-        f"options = {options!r}",
-        SCRIPT_REFERENCE,
+        f"options = {repro.options!r}",
+    ]
+
+
+def _comparison_lines(target_name: str, cache_dtype: np.dtype) -> list[str]:
+    """The script's verdict: the kernel's call against the script's reference (and upstream's own, where the
+    module has one), failing past the tolerance upstream's own tests allow."""
+    own_reference = (
+        [
+            "own = module.ref_ragged_paged_attention(*inputs, **{k: v for k, v in options.items() if k not in "
+            f"{BLOCK_OPTIONS!r}}})",
+            'print("module reference at the worst element:", float(np.asarray(own, np.float64)[worst]))',
+        ]
+        if target_name.startswith("jax.experimental.pallas.ops.tpu.ragged_paged_attention")
+        else []
+    )
+    return [
         "inputs = [jnp.asarray(x) for x in (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)]",
         "rows = int(cu_q_lens[num_seqs[0]])",
         "expected = reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)[:rows]",
@@ -245,10 +265,9 @@ def script(
         'print("expected (float64 reference):", expected[worst], " kernel:", actual[worst], " error:", error[worst])',
         *own_reference,
         "# upstream's own tests allow 0.15 (float32 cache) / 0.2 (other caches); the error is far larger",
-        f"assert error.max() <= {0.15 if kv_pages.dtype == np.float32 else 0.2}, "
+        f"assert error.max() <= {0.15 if cache_dtype == np.float32 else 0.2}, "
         '"the kernel disagrees with the reference"',
     ]
-    return "\n".join(lines) + "\n"
 
 
 def _dtype_expr(dtype: np.dtype) -> str:
@@ -289,6 +308,13 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
         )
     if repro.kind == COMPILATION:
         return compile_report(path, repro, target, backend, with_script_output=with_script_output)
+    _check_upstreams_api_states_it(path, repro)
+    return differential_report(path, repro, target, backend, with_script_output=with_script_output)
+
+
+def _check_upstreams_api_states_it(path: Path, repro: repro_files.Repro) -> None:
+    """Raises ``ReproError`` for a repro the report for upstream's API cannot state: one of another property
+    than the differential, or a case with options outside upstream's signature."""
     if repro.kind != DIFFERENTIAL:
         raise repro_files.ReproError(
             f"{path}: a report is written for differential repros (kernel output against the reference); "
@@ -301,28 +327,55 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
             "upstream's signature, such as tpu-inference v3's); a report's script calls upstream's API and "
             f"reference, which cannot state it: replay it with `rpa-harness replay {path}`"
         )
+
+
+def differential_report(
+    path: Path, repro: repro_files.Repro, target: Target, backend: Backend, *, with_script_output=False
+) -> str:
+    """The report of a kernel with upstream's API whose output is wrong (or that raises) on valid inputs:
+    the case re-run on ``backend``, and a script that compares the kernel with a float64 reference."""
     issue = known_issue_for(path)
     observation = observe(target, backend, repro)
     # Upstream's kernel (and RPA v2, the same kernel) runs in jax's interpreters only with the compat layer.
     needs_compat = backend.name != TPU and target.name.startswith((UPSTREAM_TARGET, V2_TARGET))
-    function = f"{target.name}.ragged_paged_attention"
-    if issue is not None:
-        title = f"`{function}`: {issue.description}"
-    elif observation.error is not None:
-        title = f"`{function}` raises on valid inputs: {observation.error[:100]}"
-    else:
-        assert observation.comparison is not None  # the call returned
-        worst = observation.comparison.worst
-        assert worst is not None, "no live rows, so no worst element: only the output's dtype is wrong"
-        title = f"`{function}` returns wrong output (error {worst.error:.3g})"
     program = script(repro, target.name, backend.name, needs_compat, generation=backend.generation)
-    sections = [
-        f"# {title}",
-        "",
-        "## Environment",
-        "",
-        *environment(repro.versions),
-        f"- ml_dtypes {ml_dtypes.__version__}",
+    return UpstreamReadyReport(
+        title=_title(f"{target.name}.ragged_paged_attention", issue, observation),
+        environment=[
+            *environment(repro.versions),
+            f"- ml_dtypes {ml_dtypes.__version__}",
+            _run_on_words(backend, needs_compat),
+        ],
+        case=[
+            *case_in_words(repro),
+            "",
+            "The inputs are valid: upstream's `dynamic_validate_inputs` accepts them.",
+        ],
+        outcome=expected_vs_actual(observation),
+        reproduce=[_script_needs(needs_compat), "", *code_block(program.rstrip())],
+        script_output=(
+            _ran(program, " on the CPU of this report's environment", _differential_verdict)
+            if with_script_output
+            else []
+        ),
+        shown_path=_relative(path),
+    ).markdown()
+
+
+def _title(function: str, issue: known_issues.KnownIssue | None, observation: Observation) -> str:
+    if issue is not None:
+        return f"`{function}`: {issue.description}"
+    if observation.error is not None:
+        return f"`{function}` raises on valid inputs: {observation.error[:100]}"
+    assert observation.comparison is not None  # the call returned
+    worst = observation.comparison.worst
+    assert worst is not None, "no live rows, so no worst element: only the output's dtype is wrong"
+    return f"`{function}` returns wrong output (error {worst.error:.3g})"
+
+
+def _run_on_words(backend: Backend, needs_compat: bool) -> str:
+    """The environment's line on where the kernel ran: the backend, the emulated chip, the compat layer."""
+    return (
         f"- run on: {_backend_words(backend.name)}"
         + (
             f", traced as on a TPU {backend.generation} (the chip's device kind and TPU info emulated on the "
@@ -335,20 +388,12 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
             "layer (`rpa_harness.interpret_compat`), which patches the interpreters, never the kernel"
             if needs_compat
             else ""
-        ),  # fmt: skip
-        "",
-        "## The case",
-        "",
-        *case_in_words(repro),
-        "",
-        "The inputs are valid: upstream's `dynamic_validate_inputs` accepts them.",
-        "",
-        "## Expected and actual",
-        "",
-        *expected_vs_actual(observation),
-        "",
-        "## Reproduce",
-        "",
+        )
+    )
+
+
+def _script_needs(needs_compat: bool) -> str:
+    return (
         "Needs jax, numpy and ml_dtypes"
         + (
             "; off TPU also rpa-harness's interpreter compatibility layer (`pip install` rpa-harness: the "
@@ -358,91 +403,83 @@ def render(path: Path, *, target_name=None, backend_name=None, with_script_outpu
             else "."
         )
         + " The data is random (seed 0, logits of unit variance); the lengths, page table and options are "
-        "the failing case's.",
-        "",
-        "```python",
-        program.rstrip(),
-        "```",
-    ]
-    if with_script_output:
-        status, output = run_script(program)
-        if status == 0:
-            verdict = "PASSES: the issue does not show with this data"
-        elif "the kernel disagrees with the reference" in output:
-            verdict = "fails: the kernel disagrees with the reference"
-        else:
-            verdict = "fails with an exception (see the output)"
-        sections += script_output(
-            f"Output of the script on the CPU of this report's environment (exit status {status}: {verdict}):",
-            output,
-        )
-    return "\n".join(sections + found_by(_relative(path))) + "\n"
+        "the failing case's."
+    )
+
+
+def _ran(program: str, where: str, verdict: Callable[[int, str], str]) -> list[str]:
+    """The script's output, run here, under a heading that says where it ran, its exit status and what that
+    status means (``verdict`` of the status and the output)."""
+    status, output = run_script(program)
+    return script_output(
+        f"Output of the script{where} (exit status {status}: {verdict(status, output)}):", output
+    )
+
+
+def _differential_verdict(status: int, output: str) -> str:
+    if status == 0:
+        return "PASSES: the issue does not show with this data"
+    if "the kernel disagrees with the reference" in output:
+        return "fails: the kernel disagrees with the reference"
+    return "fails with an exception (see the output)"
 
 
 def compile_report(path: Path, repro, target: Target, backend: Backend, *, with_script_output=False) -> str:
     """The report of a configuration the chip's compiler refuses: the call by its shapes and options (its
     values do not matter), the compiler's words now, and a script that compiles it with libtpu on any
     host."""
-    from importlib.metadata import PackageNotFoundError, version
-
     from rpa_harness.checks import PropertyFailure, check_compiles
-    from rpa_harness.cli import snippet
-    from rpa_harness.generations import DEVICE_KINDS
 
     issue = known_issue_for(path)
     chip = f"TPU {backend.generation} (`{DEVICE_KINDS.get(backend.generation, '?')}`)"
-    function = f"{target.name}.ragged_paged_attention"
     title = issue.description if issue is not None else f"does not compile for {chip}"
     try:
         check_compiles(target, backend, repro.arrays, repro.options)
         refusal = "it compiles now: the repro no longer shows the issue"
     except PropertyFailure as failure:
         refusal = str(failure)
-    try:
-        libtpu = version("libtpu")
-    except PackageNotFoundError:
-        libtpu = "not installed"
-    shapes = [f"- `{name}`: {list(value.shape)} {value.dtype}" for name, value in repro.arrays.items()]
     case = repro.case.describe() if repro.case is not None else "see the repro"
     program = snippet(repro, path, target.name, backend)
-    sections = [
-        f"# `{function}`: {title}",
-        "",
-        "## Environment",
-        "",
-        *environment(repro.versions),
-        f"- libtpu {libtpu}",
-        f"- compiled for {chip} on a host without a TPU: jax's topology API describes the chip and libtpu "
-        "compiles for it (the compiler a TPU VM runs); traced as on that chip (its device kind and TPU info "
-        "emulated), so the kernel takes the chip's tuned defaults and branches",
-        "",
-        "## The call",
-        "",
-        f"Valid inputs of these shapes (the values do not matter: nothing runs): {case}",
-        "",
-        *shapes,
-        f"- options: `{repro.options}`" if repro.options else "- options: none (every default)",
-        "",
-        "## What the compiler says",
-        "",
-        "```",
-        refusal,
-        "```",
-        "",
-        "## Reproduce",
-        "",
-        'Needs jax with libtpu (`pip install "jax[tpu]"`; no TPU) and rpa-harness for '
-        "`rpa_harness.generations`, which makes the kernel see the chip while it is traced.",
-        "",
-        "```python",
-        program.rstrip(),
-        "```",
-    ]
-    if with_script_output:
-        status, output = run_script(program)
-        verdict = "compiles" if status == 0 else "refused"
-        sections += script_output(f"Output of the script (exit status {status}: {verdict}):", output)
-    return "\n".join(sections + found_by(_relative(path))) + "\n"
+    return UpstreamReadyReport(
+        title=f"`{target.name}.ragged_paged_attention`: {title}",
+        environment=[
+            *environment(repro.versions),
+            f"- libtpu {_libtpu_version()}",
+            f"- compiled for {chip} on a host without a TPU: jax's topology API describes the chip and libtpu "
+            "compiles for it (the compiler a TPU VM runs); traced as on that chip (its device kind and TPU info "
+            "emulated), so the kernel takes the chip's tuned defaults and branches",
+        ],
+        case_heading="The call",
+        case=[
+            f"Valid inputs of these shapes (the values do not matter: nothing runs): {case}",
+            "",
+            *(f"- `{name}`: {list(value.shape)} {value.dtype}" for name, value in repro.arrays.items()),
+            f"- options: `{repro.options}`" if repro.options else "- options: none (every default)",
+        ],
+        outcome_heading="What the compiler says",
+        outcome=code_block(refusal, language=""),
+        reproduce=[
+            'Needs jax with libtpu (`pip install "jax[tpu]"`; no TPU) and rpa-harness for '
+            "`rpa_harness.generations`, which makes the kernel see the chip while it is traced.",
+            "",
+            *code_block(program.rstrip()),
+        ],
+        script_output=(
+            _ran(program, "", lambda status, _: "compiles" if status == 0 else "refused")
+            if with_script_output
+            else []
+        ),
+        shown_path=_relative(path),
+    ).markdown()
+
+
+def _libtpu_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("libtpu")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def _backend_words(name: str) -> str:

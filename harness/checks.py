@@ -1,206 +1,39 @@
 """The checks behind every property, shared by the pytest properties and ``rpa-harness replay``.
 
 Each check takes concrete inputs (NumPy arrays and keyword options), runs the target on a backend and
-raises ``PropertyFailure`` with the report a kernel developer reads; it returns quietly when it holds.
+raises ``PropertyFailure`` (a kind of ``rpa_harness.failures``) with the report a kernel developer reads;
+it returns quietly when it holds.
 """
 
 import concurrent.futures
 import dataclasses
 import functools
 import re
-from collections.abc import Callable
 
 import jax
 import numpy as np
 from rpa_harness import ahead_of_time, backends, generations, lowering, reference
 from rpa_harness.backends import Backend
+from rpa_harness.cache_judge import check_updated_cache
+from rpa_harness.failures import (  # noqa: F401  (the failures the checks raise, part of their interface)
+    CacheMismatch,
+    DoesNotCompile,
+    NeedsMoreSmem,
+    NeedsMoreVmem,
+    NonFiniteOutput,
+    OutputsDiffer,
+    OverTheBound,
+    PropertyFailure,
+    RaisedOnValidInput,
+    WouldHaltATpu,
+    WrongOutputLayout,
+    WrongRejection,
+    located,
+    numeric_failure,
+)
 from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.property_names import COMPILATION, DETERMINISM, DIFFERENTIAL, KINDS, PADDING, VALIDATION
-from rpa_harness.targets import Target, first_line_of_error, layouts
-
-
-class PropertyFailure(AssertionError):
-    """A property does not hold; ``str()`` is the report.
-
-    Its class is its identity: Hypothesis tells failures apart by exception type (and raise site), shrinks
-    each apart and reports each, so every kind of failure has a class of its own (``kind`` says it in
-    words), and a numeric failure's class also says past which of ``CONTEXT_BOUNDARIES`` the longest
-    context it shows in lies (``located``): a long-context failure neither shrinks into, nor hides behind,
-    a short-context failure of the same kind."""
-
-    kind = "the property does not hold"
-
-
-class OverTheBound(PropertyFailure):
-    """Finite outputs off the float64 oracle by more than the tolerance model allows."""
-
-    kind = "outputs over the bound"
-
-
-class NonFiniteOutput(PropertyFailure):
-    """NaN or Inf in rows some sequence owns."""
-
-    kind = "non-finite outputs"
-
-
-class WrongOutputLayout(PropertyFailure):
-    """An output of another shape or dtype than the specification's."""
-
-    kind = "wrong output shape or dtype"
-
-
-class RaisedOnValidInput(PropertyFailure):
-    """The target raised on valid input: a failure like any other, with the exception kept for replay."""
-
-    kind = "raised on valid input"
-
-    def __init__(self, report: str, error_type: str = "", error_message: str = ""):
-        super().__init__(report)
-        self.error_type, self.error_message = error_type, error_message
-
-
-class WouldHaltATpu(PropertyFailure):
-    """The checking TPU interpreter saw the kernel end with a DMA never waited or a semaphore count left
-    (``backends.WouldHaltTpu``): no output is wrong, but a chip halts on that exit."""
-
-    kind = backends.WOULD_HALT_A_TPU
-
-
-class WrongRejection(PropertyFailure):
-    """An invalid input accepted, or rejected with another exception or message than the specified one."""
-
-    kind = "invalid input not rejected as specified"
-
-
-class CacheMismatch(PropertyFailure):
-    """The updated cache a target returns is not the expected one; ``str()`` says which slots and whose.
-    ``slots`` is the bool [pages, page_size] map of the slots that differ, ``stale`` whether each still
-    holds the value it had before the call (None where the cache's shape or dtype is wrong)."""
-
-    kind = "returned cache differs from the expected one"
-
-    def __init__(self, message: str, slots: np.ndarray | None = None, stale: np.ndarray | None = None):
-        super().__init__(message)
-        self.slots, self.stale = slots, stale
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpectedCache:
-    """The cache a kernel that writes the new tokens must return, and whose each slot is: what
-    ``cache_mismatch`` reads. Arrays are ``[pages, page_size, ...]`` in the kernel's layout."""
-
-    cache: np.ndarray  # every live key and value in its slot
-    before: np.ndarray  # the cache the kernel was given
-    new_slots: np.ndarray  # bool [pages, page_size]: the slots the kernel writes
-    slot_owner: np.ndarray  # int [pages, page_size]: the live sequence whose page holds the slot, -1 none
-    slot_position: np.ndarray  # int [pages, page_size]: the slot's key position in its owner, -1 none
-
-
-def cache_mismatch(
-    actual, expected: ExpectedCache, *, who: str, element: Callable[[int], str] = lambda i: f"element {i}"
-) -> CacheMismatch | None:
-    """``actual`` against the expected cache bit for bit (NaN payloads included): None where they agree,
-    else the mismatch naming up to five differing slots, their owners and roles. ``element`` names a
-    slot's element by its flat index (the kernel's layout: a packed word, a head and dim)."""
-    actual, cache = np.asarray(actual), expected.cache
-    if actual.shape != cache.shape or actual.dtype != cache.dtype:
-        return CacheMismatch(
-            f"{who} returned a cache of {actual.shape} {actual.dtype}, expected {cache.shape} {cache.dtype}"
-        )
-    bits = f"u{cache.dtype.itemsize}"
-    slot_shape = (*cache.shape[:2], -1)
-    differs = (actual.view(bits) != cache.view(bits)).reshape(slot_shape)
-    if not differs.any():
-        return None
-    before = np.asarray(expected.before).view(bits).reshape(slot_shape)
-    stale = (actual.view(bits).reshape(slot_shape) == before).all(axis=-1)
-    slots = np.argwhere(differs.any(axis=-1))
-    lines = []
-    for page, slot in slots[:5]:
-        owner, position = expected.slot_owner[page, slot], expected.slot_position[page, slot]
-        whose = f"sequence {owner}, key position {position}" if owner >= 0 else "a page no live sequence uses"
-        role = (
-            "a new token's slot" if expected.new_slots[page, slot] else f"a slot {who} must leave unchanged"
-        )
-        left = ", left as it was" if stale[page, slot] else ""
-        flat = np.flatnonzero(differs[page, slot])
-        got, wanted = (_bits_and_value(array[page, slot].reshape(-1)[flat[0]]) for array in (actual, cache))
-        lines.append(
-            f"  page {page}, slot {slot} ({role}; {whose}{left}): {len(flat)} elements differ, first at "
-            f"{element(int(flat[0]))}: got {got}, expected {wanted}"
-        )
-    written = int((differs.any(axis=-1) & expected.new_slots).sum())
-    return CacheMismatch(
-        f"{who}'s updated cache differs from the expected cache in {_slots(len(slots))} ({written} of "
-        f"{_slots(int(expected.new_slots.sum()), 'new-token slot')}, {_slots(len(slots) - written)} it must "
-        "leave unchanged):\n" + "\n".join(lines),
-        slots=differs.any(axis=-1),
-        stale=stale,
-    )
-
-
-def _bits_and_value(element: np.generic) -> str:
-    """A cache element as its value and its bits: the cache is judged bit for bit (NaN payloads too)."""
-    bits = int(np.asarray(element).view(f"u{element.dtype.itemsize}"))
-    return f"{float(element):.8g} (0x{bits:0{2 * element.dtype.itemsize}x})"
-
-
-def _slots(count: int, noun: str = "slot") -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
-def expected_upstream_cache(arrays: dict) -> ExpectedCache:
-    """What a target declaring ``RPA_HARNESS_UPDATES_CACHE`` must return, in upstream's layout: the case's
-    ``kv_pages`` bit for bit (every new token in its slot, every other slot as given), the new tokens'
-    slots as ``layouts.split_new_tokens`` finds them."""
-    new = layouts.split_new_tokens(
-        *(arrays[name] for name in ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"))
-    )
-    kv_pages = np.asarray(arrays["kv_pages"])
-    return ExpectedCache(
-        kv_pages, new.poisoned_cache(kv_pages), new.new_slots, new.slot_owner, new.slot_position
-    )
-
-
-def check_updated_cache(cache, arrays: dict, label: str) -> None:
-    """The cache a target declaring ``RPA_HARNESS_UPDATES_CACHE`` returned is the expected one, bit for bit."""
-    head_dim = np.asarray(arrays["kv_pages"]).shape[-1]
-
-    def element(index: int) -> str:
-        head, dim = divmod(index, head_dim)
-        return f"{'KV'[head % 2]} head {head // 2}, dim {dim}"
-
-    expected = expected_upstream_cache(arrays)
-    mismatch = cache_mismatch(cache, expected, who=label, element=element)
-    if mismatch is None:
-        return
-    kv_lens = np.asarray(arrays["kv_lens"])
-    owners: list[int] | np.ndarray = (
-        [] if mismatch.slots is None else np.unique(expected.slot_owner[mismatch.slots])
-    )
-    raise located(CacheMismatch, [kv_lens[owner] for owner in owners if owner >= 0])(
-        str(mismatch), mismatch.slots, mismatch.stale
-    )
-
-
-class DoesNotCompile(PropertyFailure):
-    """The TPU compiler refuses a valid configuration for a generation (Mosaic's tiling or lowering rules):
-    the chip cannot run what the interpreters run."""
-
-    kind = "does not compile for the chip"
-
-
-class NeedsMoreVmem(DoesNotCompile):
-    """The kernel's buffers for a valid configuration exceed the chip's scoped VMEM limit."""
-
-    kind = "needs more VMEM than the chip's scoped limit"
-
-
-class NeedsMoreSmem(DoesNotCompile):
-    """The kernel's scalar operands (e.g. a page table prefetched whole) exceed the chip's SMEM."""
-
-    kind = "needs more SMEM than the chip has"
-
+from rpa_harness.targets import Target, first_line_of_error
 
 # Raised while a kernel is traced on shapes alone by a target that reads its inputs' values in Python (an
 # adapter converting with NumPy): such a target cannot be compiled ahead of time, which is no finding.
@@ -272,46 +105,6 @@ def _refused(target: Target, chip: str, options: dict, error: BaseException) -> 
     if ahead_of_time.is_smem_overflow(error):
         return NeedsMoreSmem(f"{target.name} needs more SMEM than {chip} has: {said}")
     return DoesNotCompile(f"{target.name} does not compile for {chip}: {said}")
-
-
-class OutputsDiffer(PropertyFailure):
-    """Two runs that must agree bit for bit (padding isolation, determinism) do not."""
-
-    kind = "outputs differ bit for bit"
-
-
-# Context lengths past which narrow integer arithmetic (int16, uint16 positions) breaks.
-CONTEXT_BOUNDARIES = (1 << 15, 1 << 16)
-
-
-@functools.cache
-def _past(kind: type[PropertyFailure], boundary: int) -> type:
-    name = f"{kind.__name__}Past2To{boundary.bit_length() - 1}Keys"
-    words = f"{kind.kind}, in a context past 2^{boundary.bit_length() - 1} keys"
-    return type(name, (kind,), {"kind": words, "__module__": __name__, "__qualname__": name})
-
-
-def located(kind: type[PropertyFailure], kv_lens) -> type:
-    """``kind`` for a failure that shows in sequences of these ``kv_lens``: a subclass per boundary of
-    ``CONTEXT_BOUNDARIES`` the longest of them passes (made once per kind and boundary), else ``kind``."""
-    longest = max((int(kv) for kv in kv_lens), default=0)
-    passed = [boundary for boundary in CONTEXT_BOUNDARIES if longest > boundary]
-    # mypy does not see a class as Hashable, which functools.cache asks of arguments (python/mypy#11470).
-    return _past(kind, passed[-1]) if passed else kind  # type: ignore[arg-type]
-
-
-def numeric_failure(comparison, arrays: dict) -> PropertyFailure:
-    """The failure a numeric ``Comparison`` that does not hold raises: its kind (non-finite values, else
-    values over the bound), located by the longest context among the sequences it shows in."""
-    kv_lens = np.asarray(arrays["kv_lens"])
-    shown = comparison.error_map
-    failing: list[int] | np.ndarray = (
-        [] if shown is None else np.unique(shown.sequence[(shown.ratio > 1.0).any(axis=1)])
-    )
-    kind = (
-        NonFiniteOutput if comparison.nonfinite else OverTheBound if shown is not None else WrongOutputLayout
-    )
-    return located(kind, kv_lens[failing])(str(comparison))
 
 
 class CannotRun(Exception):

@@ -36,8 +36,8 @@ from pathlib import Path
 from rpa_harness import backends, bench, generations, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import AUTO, BACKENDS, Backend
-from rpa_harness.property_names import COMPILATION, DIFFERENTIAL, KINDS, PADDING
 from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, for_repro, in_cli_terms
+from rpa_harness.snippets import snippet
 from rpa_harness.targets import DEFAULT_TARGET
 
 PROPERTIES_PACKAGE = "rpa_harness.properties"  # the shipped properties (tests/properties/ in a checkout)
@@ -55,131 +55,6 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
-
-
-def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Backend) -> str:
-    """A standalone Python program that makes the failing call, as the backend made it, and prints the outcome.
-
-    Same interpreter parameters as the backend, the compatibility layer installed when the backend had it
-    on; a differential repro prints the comparison with the float64 oracle (its worst element), a padding or
-    determinism repro the first element that differs, a validation repro the error raised, a compile repro
-    whether the chip's compiler accepts the call.
-    """
-    if repro.kind == COMPILATION:
-        return _compile_snippet(repro, json_path, target, backend)
-    npz = (repro.arrays_file or json_path.with_suffix(".npz")).resolve()
-    dtypes = {name: str(value.dtype) for name, value in repro.arrays.items()}
-    if backend.name == backends.TPU:
-        context = "contextlib.nullcontext()"
-    elif backend.name == backends.INTERPRET:
-        params = ", ".join(f"{k}={v!r}" for k, v in backends.CHECKING_INTERPRET_PARAMS.items())
-        context = f"pltpu.force_tpu_interpret_mode(pltpu.InterpretParams({params}))"
-    else:
-        context = "pltpu.force_tpu_interpret_mode(True)"
-    compat = backend.name != backends.TPU and backend.interpreter_compat
-    emulated = backend.generation != generations.NONE
-    if emulated:  # the kernel sees the chip while it is traced (rpa_harness.generations)
-        context = f"{context}, generations.emulated({backend.generation!r})"
-    lines = [
-        f'"""Standalone reproduction of {json_path} ({repro.property}, {target} on {backend.label})."""',
-        "import contextlib, dataclasses, importlib",
-        "import jax, jax.numpy as jnp, ml_dtypes, numpy as np",
-        "from jax.experimental.pallas import tpu as pltpu",
-        *(["from rpa_harness import generations"] if emulated else []),
-        *(["from rpa_harness import interpret_compat", "interpret_compat.install()"] if compat else []),
-        f"target = importlib.import_module({target!r})",
-        f"stored = np.load({str(npz)!r})",
-        f"dtypes = {dtypes!r}",
-        "inputs = {k: stored[k].view(np.dtype(getattr(ml_dtypes, d, d))).reshape(stored[k].shape)",
-        "          for k, d in dtypes.items()}",
-        f"options = {repro.options!r}",
-        "",
-        "def run(inputs):",
-        f"    with {context}:",
-        "        arrays = {k: jnp.asarray(v) for k, v in inputs.items()}",
-        "        return np.asarray(jax.block_until_ready(target.ragged_paged_attention(**arrays, **options)))",
-        "",
-    ]
-    if repro.expected_error is not None:
-        call = (
-            "target.dynamic_validate_inputs(**{k: jnp.asarray(v) for k, v in inputs.items()}, **options)"
-            if repro.stage == "dynamic"
-            else "run(inputs)"
-        )
-        lines += [
-            "try:",
-            f"    {call}",
-            "except Exception as error:",
-            '    print(f"raised {type(error).__name__}: {error}")',
-            "else:",
-            '    print("accepted the input")',
-            f"print({'expected: ValueError: ' + repro.expected_error!r})",
-        ]
-    elif repro.kind == DIFFERENTIAL or repro.kind not in KINDS:
-        own = (
-            [f"# {repro.kind!r} is the target's own property; this program compares the attention only, replay "
-             "judges all it declares"]
-            if repro.kind not in KINDS
-            else []
-        )  # fmt: skip
-        lines += [
-            *own,
-            "from rpa_harness import reference",
-            "out = run(inputs)",
-            f"print(reference.compare(out, reference.oracle(**inputs, **options), label={target + ' on ' + backend.name!r}))",
-        ]
-    else:
-        if repro.kind == PADDING and repro.case is not None:
-            lines += [
-                "from rpa_harness.strategies.case import Case",
-                f"case = {repro.case!r}",
-                "first = run(dataclasses.replace(case, poison=False, garbage=False).arrays())  # clean padding",
-            ]
-        else:
-            lines += ["first = run(inputs)"]
-        lines += [
-            "second = run(inputs)",
-            "rows = slice(0, int(inputs['cu_q_lens'][int(inputs['num_seqs'][0])]))",
-            "a, b = first[rows], second[rows]",
-            "differ = a.view(f'u{a.dtype.itemsize}') != b.view(f'u{b.dtype.itemsize}')",
-            "print(f'{int(differ.sum())} of {differ.size} valid output elements differ')",
-            "if differ.any():",
-            "    row, head, dim = np.argwhere(differ)[0]",
-            "    print(f'first at row {row}, head {head}, dim {dim}: {a[row, head, dim]!r} vs {b[row, head, dim]!r}')",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def _compile_snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Backend) -> str:
-    """The compile property's standalone program: the call traced on shapes placed on a device of the
-    generation's topology, lowered and compiled by libtpu on this host (``rpa_harness.ahead_of_time``)."""
-    from rpa_harness.ahead_of_time import TOPOLOGY_NAMES
-
-    generation = backend.generation
-    shapes = {name: (tuple(value.shape), str(value.dtype)) for name, value in repro.arrays.items()}
-    lines = [
-        f'"""Standalone reproduction of {json_path} ({repro.property}, {target} compiled for {generation})."""',
-        "import importlib, os",
-        "import jax, ml_dtypes, numpy as np",
-        "from jax.experimental import topologies",
-        "from jax.experimental.pallas import tpu as pltpu",
-        "from rpa_harness import generations",
-        'os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # libtpu: this host is the slice',
-        f"target = importlib.import_module({target!r})",
-        f"topology = topologies.get_topology_desc(platform='tpu', topology_name={TOPOLOGY_NAMES.get(generation)!r})",
-        "sharding = jax.sharding.SingleDeviceSharding(topology.devices[0])",
-        f"shapes = {shapes!r}",
-        "inputs = {k: jax.ShapeDtypeStruct(s, np.dtype(getattr(ml_dtypes, d, d)), sharding=sharding)",
-        "          for k, (s, d) in shapes.items()}",
-        f"options = {repro.options!r}",
-        "",
-        "# The kernel traced as on the chip (its generation's defaults and branches), then compiled for it.",
-        f"with pltpu.force_tpu_interpret_mode(None), generations.emulated({generation!r}):",
-        "    traced = jax.jit(lambda inputs: target.ragged_paged_attention(**inputs, **options)).trace(inputs)",
-        "    traced.lower().compile()  # raises what the chip's compiler refuses",
-        f"print('compiles for {generation}')",
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def _recorded(repro: repro_files.Repro) -> str:
@@ -808,6 +683,14 @@ def parser() -> argparse.ArgumentParser:
     top = _Parser(prog="rpa-harness", description=DESCRIPTION)
     top.add_argument("--version", action="version", version=_version())
     commands = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_replay_parser(commands)
+    _add_run_parser(commands)
+    _add_report_parser(commands)
+    bench.add_parser(commands)
+    return top
+
+
+def _add_replay_parser(commands) -> None:
     replay_parser = commands.add_parser(
         "replay", help="replay a repro file without Hypothesis",
         description="Re-run one repro (NAME.json next to NAME.npz): exit 0 if the property holds now, 1 if it "
@@ -836,6 +719,9 @@ def parser() -> argparse.ArgumentParser:
         "(default) replays it alone in a fresh process and, where it passes, its predecessors then it in "
         "another; skip: it alone, in this process; first: its predecessors then it, in this process",
     )
+
+
+def _add_run_parser(commands) -> None:
     run_parser = commands.add_parser(
         "run", help="run the property campaign (pytest) and print a summary",
         description="Run the shipped properties with pytest against one target and end with a summary table "
@@ -879,6 +765,9 @@ def parser() -> argparse.ArgumentParser:
         help="TPU generations to emulate, comma-separated (--rpa-tpu-generation; default: auto, the target's)",
     )
     run_parser.add_argument("pytest_args", nargs="*", help="passed to pytest after --")
+
+
+def _add_report_parser(commands) -> None:
     report_parser = commands.add_parser(
         "report", help="print an upstream-ready bug report for a repro",
         description="Print a Markdown bug report for a differential repro or any tpu-inference v3 repro: the "
@@ -889,8 +778,6 @@ def parser() -> argparse.ArgumentParser:
     report_parser.add_argument("--target", help="module to report on (default: the one in the repro)")
     report_parser.add_argument("--backend", choices=BACKENDS, help="default: the one in the repro")
     report_parser.add_argument("--run-script", action="store_true", help="run the script, show its output")
-    bench.add_parser(commands)
-    return top
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,10 @@
-"""What every upstream-ready report says the same way, whichever API the kernel has: the case in words,
-the worst element as a table, the map of where the output is wrong, and the refusal to report a repro
-that does not reproduce. ``rpa_harness.bug_report`` (upstream's API) and each target's own report
-(``RPA_HARNESS_REPORT``, e.g. tpu-inference v3's) write their reports from these."""
+"""What every upstream-ready report says the same way, whichever API the kernel has: its sections in order
+(``UpstreamReadyReport``), the case in words, the worst element as a table, the map of where the output
+is wrong, the closing line, and the refusal to report a repro that does not reproduce.
+``rpa_harness.bug_report`` (upstream's API) and each target's own report (``RPA_HARNESS_REPORT``, e.g.
+tpu-inference v3's) fill the sections with what their kernel's call, reference and cache need said."""
+
+import dataclasses
 
 from rpa_harness import repro as repro_files
 
@@ -99,3 +102,39 @@ def found_by(shown_path: str) -> list[str]:
         "Found by rpa-harness (property-based differential testing of RPA kernels): "
         f"`rpa-harness replay {shown_path}` re-runs the exact failing inputs.",
     ]
+
+
+def code_block(text: str, language: str = "python") -> list[str]:
+    """``text`` as a fenced Markdown block (``language`` empty for plain text, such as a compiler's words)."""
+    return [f"```{language}", text, "```"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UpstreamReadyReport:
+    """The sections every upstream-ready report has, in this order, each under its heading: the environment,
+    the case, what was expected against what happened, why (a known issue's explanation, when it has one),
+    how to reproduce it without the harness, the script's output when it was run, and the closing line."""
+
+    title: str
+    environment: list[str]
+    case: list[str]
+    outcome: list[str]
+    reproduce: list[str]  # what the standalone script needs and does, and the script
+    shown_path: str  # the repro as the closing line names it
+    why: str | None = None
+    script_output: list[str] = dataclasses.field(default_factory=list)  # ``script_output``'s lines
+    case_heading: str = "The case"
+    outcome_heading: str = "Expected and actual"
+
+    def markdown(self) -> str:
+        sections = [
+            ("Environment", self.environment),
+            (self.case_heading, self.case),
+            (self.outcome_heading, self.outcome),
+            *([("Why", [self.why])] if self.why else []),
+            ("Reproduce", self.reproduce),
+        ]
+        lines = [f"# {self.title}"]
+        for heading, body in sections:
+            lines += ["", f"## {heading}", "", *body]
+        return "\n".join([*lines, *self.script_output, *found_by(self.shown_path)]) + "\n"

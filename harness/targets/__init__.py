@@ -26,7 +26,7 @@ Its profile is read from these module attributes, each optional:
   targets judge both outputs, the attention and the returned cache).
 - ``RPA_HARNESS_UPDATES_CACHE``: True for a kernel that writes the new tokens into the cache: its
   ``ragged_paged_attention`` returns ``(attention, updated kv_pages)`` in upstream's layout, and every
-  numeric property judges that cache bit for bit (``rpa_harness.checks.check_updated_cache``).
+  numeric property judges that cache bit for bit (``rpa_harness.cache_judge.check_updated_cache``).
 - ``RPA_HARNESS_KERNEL``: for an adapter that imports its kernel on first use (so that its catalogue
   imports without the kernel), the function that imports it, raising ImportError with how to install it:
   loading the target calls it, so a missing kernel is one usage error, not a failure of every call.
@@ -340,6 +340,27 @@ def load(name: str) -> Target:
 
 
 def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> Target:
+    """The target ``profile`` declares for ``module``, each declaration checked in turn (TargetError says
+    which is wrong and what to declare)."""
+    capabilities = _capabilities(name, profile)
+    precision, product_precision = _precision(name, profile), _product_precision(name, profile)
+    rules = _rules(name, module, profile)
+    updates_cache = _updates_cache(name, profile)
+    issues, catalogue = _known_issues(name, profile)
+    hook = _optional_function(name, profile, "RPA_HARNESS_GENERATION_HOOK", _DECLARE_HOOK)
+    compiled_call = _optional_function(name, profile, "RPA_HARNESS_COMPILED_CALL", _DECLARE_COMPILED_CALL)
+    report = _optional_function(name, profile, "RPA_HARNESS_REPORT", _DECLARE_REPORT)
+    properties = _properties(name, profile)
+    baseline = _baseline(name, profile)
+    version = _version(name, module, profile)
+    return Target(
+        name, module, capabilities, precision, issues, rules, catalogue, version, hook, report, properties,
+        updates_cache, product_precision, compiled_call,
+        None if baseline is None else ALIASES.get(baseline, baseline),
+    )  # fmt: skip
+
+
+def _capabilities(name: str, profile: types.ModuleType) -> Capabilities:
     declared = getattr(profile, "RPA_HARNESS_CAPABILITIES", None)
     try:
         if declared is None:
@@ -351,10 +372,17 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
         generations.check_declared(capabilities.tpu_generations)
     except (TypeError, ValueError) as error:
         raise TargetError(f"--rpa-target={name}: RPA_HARNESS_CAPABILITIES: {error}") from None
+    return capabilities
+
+
+def _precision(name: str, profile: types.ModuleType) -> tuple[str, ...]:
     try:
-        precision = parse_precision(getattr(profile, "RPA_HARNESS_PRECISION", DEFAULT_PRECISION))
+        return parse_precision(getattr(profile, "RPA_HARNESS_PRECISION", DEFAULT_PRECISION))
     except PrecisionError as error:
         raise TargetError(f"--rpa-target={name}: RPA_HARNESS_PRECISION: {error}") from None
+
+
+def _product_precision(name: str, profile: types.ModuleType) -> str:
     product_precision = getattr(profile, "RPA_HARNESS_PRODUCT_PRECISION", HIGHEST_PRODUCTS)
     if product_precision not in (HIGHEST_PRODUCTS, DEFAULT_PRODUCTS):
         raise TargetError(
@@ -362,6 +390,11 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
             f"{HIGHEST_PRODUCTS!r} (its float32 products pass precision=HIGHEST) or {DEFAULT_PRODUCTS!r} "
             "(they pass DEFAULT or none: one bfloat16 pass on a TPU)"
         )
+    return product_precision
+
+
+def _rules(name: str, module: types.ModuleType, profile: types.ModuleType) -> dict:
+    """The declared rule table, checked, and checkable: dynamic rules need the module's validator."""
     try:
         rules = check_table(
             getattr(profile, "RPA_HARNESS_RULES", RULES), f"--rpa-target={name}: RPA_HARNESS_RULES"
@@ -378,12 +411,21 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
             f"({', '.join(dynamic[:3])}{', ...' if len(dynamic) > 3 else ''}); define {VALIDATOR}, or declare "
             "RPA_HARNESS_RULES with the kernel's static rules only (docs/targets.md)"
         )
+    return rules
+
+
+def _updates_cache(name: str, profile: types.ModuleType) -> bool:
     updates_cache = getattr(profile, "RPA_HARNESS_UPDATES_CACHE", False)
     if not isinstance(updates_cache, bool):
         raise TargetError(
             f"--rpa-target={name}: RPA_HARNESS_UPDATES_CACHE is {updates_cache!r}; declare True (its "
             "ragged_paged_attention returns the attention and the updated kv_pages) or leave it out"
         )
+    return updates_cache
+
+
+def _known_issues(name: str, profile: types.ModuleType) -> tuple[tuple, tuple]:
+    """(the known issues whose cases are not drawn, every issue a failure may be named by)."""
     own_catalogue = tuple(getattr(profile, "RPA_HARNESS_CATALOGUE", ()))
     where = f"--rpa-target={name}: RPA_HARNESS_KNOWN_ISSUES"
     try:
@@ -398,24 +440,28 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
     for issue in shipped_catalogue() + issues:
         if all(issue.name != known.name for known in catalogue):
             catalogue += (issue,)
-    hook = getattr(profile, "RPA_HARNESS_GENERATION_HOOK", None)
-    if hook is not None and not callable(hook):
-        raise TargetError(
-            f"--rpa-target={name}: RPA_HARNESS_GENERATION_HOOK is {hook!r}; declare a function of the "
-            "generation name that returns a context manager"
-        )
-    compiled_call = getattr(profile, "RPA_HARNESS_COMPILED_CALL", None)
-    if compiled_call is not None and not callable(compiled_call):
-        raise TargetError(
-            f"--rpa-target={name}: RPA_HARNESS_COMPILED_CALL is {compiled_call!r}; declare a function "
-            "(arrays, options) -> (kernel function, positional arguments), or leave it out"
-        )
-    report = getattr(profile, "RPA_HARNESS_REPORT", None)
-    if report is not None and not callable(report):
-        raise TargetError(
-            f"--rpa-target={name}: RPA_HARNESS_REPORT is {report!r}; declare a function that renders the "
-            "report (rpa_harness.targets docstring), or leave it out for upstream's API's report"
-        )
+    return issues, catalogue
+
+
+# What an optional function of the profile is, said when it declares something else.
+_DECLARE_HOOK = "a function of the generation name that returns a context manager"
+_DECLARE_COMPILED_CALL = (
+    "a function (arrays, options) -> (kernel function, positional arguments), or leave it out"
+)
+_DECLARE_REPORT = (
+    "a function that renders the report (rpa_harness.targets docstring), or leave it out for upstream's "
+    "API's report"
+)
+
+
+def _optional_function(name: str, profile: types.ModuleType, attribute: str, declare: str) -> Callable | None:
+    function = getattr(profile, attribute, None)
+    if function is not None and not callable(function):
+        raise TargetError(f"--rpa-target={name}: {attribute} is {function!r}; declare {declare}")
+    return function
+
+
+def _properties(name: str, profile: types.ModuleType) -> dict:
     properties = getattr(profile, "RPA_HARNESS_PROPERTIES", {})
     if not isinstance(properties, dict) or not all(
         isinstance(kind, str) and kind not in property_names.KINDS and callable(check)
@@ -425,18 +471,17 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
             f"--rpa-target={name}: RPA_HARNESS_PROPERTIES is {properties!r}; declare a dict of kind -> "
             f"check(target, backend, arrays, options), kinds other than the built-in {', '.join(property_names.KINDS)}"
         )
+    return properties
+
+
+def _baseline(name: str, profile: types.ModuleType) -> str | None:
     baseline = getattr(profile, "RPA_HARNESS_BASELINE", None)
     if baseline is not None and not isinstance(baseline, str):
         raise TargetError(
             f"--rpa-target={name}: RPA_HARNESS_BASELINE is {baseline!r}; declare the module name of the target "
             "`rpa-harness bench` compares it with, or leave it out (upstream's kernel)"
         )
-    version = _version(name, module, profile)
-    return Target(
-        name, module, capabilities, precision, issues, rules, catalogue, version, hook, report, properties,
-        updates_cache, product_precision, compiled_call,
-        None if baseline is None else ALIASES.get(baseline, baseline),
-    )  # fmt: skip
+    return baseline
 
 
 def first_line_of_error(error: BaseException) -> str:

@@ -12,7 +12,7 @@ Install as for v3:
 """
 
 import jax
-from rpa_harness.spec.interface import MASK_REPLACES
+from rpa_harness.targets import kit
 from rpa_harness.targets.tpu_inference_batched_rpa import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_batched_rpa.adapter import (  # noqa: F401  (the adapter's public names)
     BatchedInputs,
@@ -23,31 +23,17 @@ from rpa_harness.targets.tpu_inference_batched_rpa.adapter import (  # noqa: F40
 )
 from rpa_harness.targets.tpu_inference_batched_rpa.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
 from rpa_harness.targets.tpu_inference_v3 import both_outputs as v3_judge
-from rpa_harness.targets.tpu_inference_v3.adapter import installed_version
 
-RPA_HARNESS_CAPABILITIES = dict(
-    head_dims=(64, 128, 256),
+RPA_HARNESS_CAPABILITIES = kit.v3_derived_capabilities(
     # XLA:CPU (jax 0.12) cannot run some of its bfloat16 x bfloat16 dots with a float32 result ("Unsupported
     # element type for DotThunk::Execute: BF16 x BF16 = F32", e.g. one KV head), which the interpreters
     # compile for the CPU: that pair is drawn only where jax runs on a TPU.
     excluded_dtype_pairs=(("bfloat16", "bfloat16"),) if jax.default_backend() == "cpu" else (),
     page_size_multiple_of_kv_packing=True,
-    empty_sequences=False,  # v3's distribution: every live sequence has a query row
-    mask_value_meaning=MASK_REPLACES,  # a masked logit is replaced (jnp.where), default finfo(out_dtype).min
-    # q / q_scale clipped to the KV dtype's range and cast to it; logits times q_scale and k_scale; v_scale
-    # multiplies P @ V, unrounded.
-    q_scale=True,
-    kv_scales_round_to_q_dtype=False,
-    # Its own blocks fill the chip's VMEM whatever the problem size (adapter.py): on the interpreters the
-    # case gives them; a TPU draws its own too.
-    needs_block_sizes=True,
-    kernel_block_sizes_on_interpreters=False,
     # Its code grows with a KV block's pages (a copy per page, per batched sequence and buffer): a block of
     # 16 two-key pages took 144 s to compile, of 4 52 s, of 1 28 s (a loaded machine); 49 outlived the
     # watchdog's 300 s, a slow compilation taken for a hang.
     max_kv_pages_per_block=8,
-    update_kv_cache=True,
-    backends=("interpret", "fast-interpret", "tpu"),
     # It reads the chip (pltpu.get_tpu_info) for its layout's alignment, SMEM budget and position integers
     # (int16 for packed queries on v6 and v7).
     tpu_generations=("v5e", "v6e", "7x"),
@@ -61,21 +47,12 @@ RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype", "softmax-in-output-dtyp
 # batched_rpa/flash_attention.py: q @ K^T and P @ V are lax.dot calls without a precision: DEFAULT, one
 # bfloat16 pass for float32 operands on a TPU.
 RPA_HARNESS_PRODUCT_PRECISION = "default"
-RPA_HARNESS_VERSION = f"tpu-inference {installed_version()} (experimental batched_rpa)"
+RPA_HARNESS_VERSION = kit.version("experimental batched_rpa")
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
 judge = v3_judge.judge_with("tpu-inference batched RPA", batched_inputs, call_batched)
 check_both_outputs = v3_judge.checks_both_outputs(judge)
-RPA_HARNESS_PROPERTIES = dict.fromkeys((v3_judge.ATTENTION_AND_CACHE, v3_judge.HANG), check_both_outputs)
-
+RPA_HARNESS_PROPERTIES = kit.both_outputs_judged(check_both_outputs)
 # Its known issues (docs/tpu-inference-batched-rpa-findings/): their cases are not drawn.
-RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
-RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
-
-
-def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
-    """v3's report with batched RPA's call and v3's reference (``report.BATCHED``): imported when a report
-    is asked for."""
-    from rpa_harness.targets.tpu_inference_batched_rpa.report import BATCHED
-    from rpa_harness.targets.tpu_inference_v3 import report as v3_report
-
-    return v3_report.render(BATCHED, *args, **kwargs)
+RPA_HARNESS_CATALOGUE, RPA_HARNESS_KNOWN_ISSUES = kit.every_finding(_known_issues.RPA_HARNESS_CATALOGUE)
+# v3's report with batched RPA's call and v3's reference.
+RPA_HARNESS_REPORT = kit.deferred_report(kit.V3_REPORT, f"{__name__}.report", "BATCHED")

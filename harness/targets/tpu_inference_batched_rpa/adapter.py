@@ -11,10 +11,9 @@ import dataclasses
 import functools
 import types
 
-import jax.numpy as jnp
 import numpy as np
 from rpa_harness.spec.interface import options_taken
-from rpa_harness.targets import layouts
+from rpa_harness.targets import experimental, layouts
 from rpa_harness.targets.tpu_inference_v3 import adapter as v3
 
 _WRAPPER = "tpu_inference.kernels.experimental.batched_rpa.wrapper"
@@ -70,9 +69,7 @@ def batched_block_sizes(num_queries_per_block, num_kv_pages_per_block, page_size
         return None, None
     given = v3.given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
     assert given is not None  # a block is given
-    bq, bkv_pages = given
-    bq, bq_chunk = v3.block_sizes(bq, 1)
-    bkv = bkv_pages * page_size
+    bq, bq_chunk, bkv = experimental.mixed_blocks(given, page_size)
     block = configs().BlockSizes
     return (
         block(bq_sz=1, bq_c_sz=1, bkv_sz=bkv, batch_size=DECODE_SEQUENCES_PER_STEP, n_buffer=BUFFERS),
@@ -82,21 +79,10 @@ def batched_block_sizes(num_queries_per_block, num_kv_pages_per_block, page_size
 
 def batched_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywords) -> BatchedInputs:
     """Maps an upstream-style call to batched RPA's (the arrays as ``v3.v3_inputs`` maps them; v3's
-    meaning of ``mask_value``). ``keywords``: the specification's options but ``attention_sink`` and
-    ``skip_kv_mask``, which it does not take; ``chunk_prefill_size`` and ``use_causal_mask=False`` are
-    passed on, for its own refusal."""
-    options = options_taken(keywords, by="batched_inputs", without=("attention_sink", "skip_kv_mask"))
+    meaning of ``mask_value``). ``keywords``: the specification's options but ``experimental.NOT_TAKEN``."""
+    options = options_taken(keywords, by="batched_inputs", without=experimental.NOT_TAKEN)
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
-    tokens, args = v3.v3_arguments(
-        q,
-        kv_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        update_kv_cache=options.update_kv_cache,
-        chunk_prefill_size=None,  # its distribution has no chunked prefills (it refuses chunk_prefill_size)
-    )
+    tokens, args = experimental.v3_arguments(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options)
     decode, mixed = batched_block_sizes(
         options.num_queries_per_block,
         options.num_kv_pages_per_block,
@@ -104,15 +90,7 @@ def batched_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **ke
         np.asarray(page_indices).shape[1],
     )
     kwargs = dict(
-        **v3.score_options(options),
-        mask_value=v3.replacing_mask_value(options.mask_value, options.mask_value_meaning),
-        chunk_prefill_size=options.chunk_prefill_size,
-        decode_block_sizes=decode,
-        prefill_block_sizes=mixed,
-        vmem_limit_bytes=v3.vmem_limit(options.vmem_limit_bytes),
-        out_dtype=None if options.out_dtype is None else jnp.dtype(options.out_dtype),
-        use_causal_mask=options.use_causal_mask,
-        update_kv_cache=options.update_kv_cache,
+        **experimental.kernel_options(options, decode, mixed),
         kv_layout=configs().KVLayout.HEAD_ALONG_SUBLANE,  # v3's packed cache, whatever the environment says
     )
     return BatchedInputs.of_tokens(args, kwargs, layouts.pack_cache(kv_pages), tokens, decode, mixed)
@@ -120,7 +98,7 @@ def batched_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **ke
 
 def call_batched(inputs: BatchedInputs):
     """Runs batched RPA (on whatever backend the caller's context selects): ``(attention, updated cache)``."""
-    return v3.jitted(kernel().ragged_paged_attention, inputs.kwargs)(*v3.device_arrays(inputs.args))
+    return v3.run_jitted(kernel().ragged_paged_attention, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

@@ -12,6 +12,7 @@ slot by slot (``RPA_HARNESS_UPDATES_CACHE``). It needs jax >= 0.12 (``pltpu.reci
     pip install --no-deps tpu-inference==0.32.0
 """
 
+from rpa_harness.targets import kit
 from rpa_harness.targets.tpu_inference_mla_swa import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_mla_swa.adapter import (  # noqa: F401  (the adapter's public names)
     VALUE_HEAD_DIMS,
@@ -26,14 +27,10 @@ from rpa_harness.targets.tpu_inference_mla_swa.adapter import (  # noqa: F401  (
     upstream_cache,
 )
 from rpa_harness.targets.tpu_inference_mla_swa.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
-from rpa_harness.targets.tpu_inference_v3.adapter import installed_version
 
-RPA_HARNESS_UPDATES_CACHE = True  # it writes the new tokens into the cache it returns: judged bit for bit
-
-RPA_HARNESS_CAPABILITIES = dict(
-    head_dims=tuple(head_dim for head_dim, _ in VALUE_HEAD_DIMS),
-    value_head_dims=VALUE_HEAD_DIMS,
-    num_kv_heads=(1,),  # one latent vector per token, shared by every q head
+# The latent vector is key and value at once: the value is the whole key (VALUE_HEAD_DIMS).
+RPA_HARNESS_CAPABILITIES = kit.latent_capabilities(
+    VALUE_HEAD_DIMS,
     # Its cache holds bfloat16 bytes (`assert new_kv.dtype == jnp.bfloat16`). Float32 queries, which its
     # wrapper takes and divides exactly, fail to trace: a known issue, whose cases are moved to bfloat16.
     q_dtypes=("float32", "bfloat16"),
@@ -42,25 +39,21 @@ RPA_HARNESS_CAPABILITIES = dict(
     # the default mask's zero weight).
     options_not_taken=("soft_cap", "mask_value", "k_scale", "v_scale"),
     attention_sink=True,
-    # Both block sizes must be given: "num_kv_pages_per_block and num_queries_per_block must be specified."
-    needs_block_sizes=True,
     # It unrolls a copy per page of a KV block (and one more): its code grows with the block's pages.
     max_kv_pages_per_block=8,
-    chunk_prefill_size=True,
-    backends=("interpret", "fast-interpret", "tpu"),
     buckets=("tiny", "small"),
 )
 # Logits (a float32 product of bfloat16 operands), P, the running max and sum and the accumulator are float32;
 # P is not rounded before P @ V. Its bfloat16 output multiplies by pltpu.reciprocal(l + exp(sink - m),
 # approx=True); a float32 one would divide exactly (lax.div), were float32 queries to trace.
 RPA_HARNESS_PRECISION = ("approx-reciprocal-for-narrow-output",)
+RPA_HARNESS_UPDATES_CACHE = True  # it writes the new tokens into the cache it returns: judged bit for bit
 # deepseek_v4/core_attention/mla_swa.py: its logits and P @ V are jnp.einsum calls without a precision:
 # DEFAULT, one bfloat16 pass for float32 operands on a TPU.
 RPA_HARNESS_PRODUCT_PRECISION = "default"
-RPA_HARNESS_VERSION = f"tpu-inference {installed_version()} (experimental deepseek_v4 mla_swa)"
+RPA_HARNESS_VERSION = kit.version("experimental deepseek_v4 mla_swa")
 # Imported on first use: the target loads only where tpu-inference is installed and jax has what it calls.
 RPA_HARNESS_KERNEL = kernel
 
 # Its known issues (docs/tpu-inference-mla-swa-findings/): their cases are not drawn.
-RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
-RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
+RPA_HARNESS_CATALOGUE, RPA_HARNESS_KNOWN_ISSUES = kit.every_finding(_known_issues.RPA_HARNESS_CATALOGUE)

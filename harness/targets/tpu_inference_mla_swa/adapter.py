@@ -157,9 +157,7 @@ def swa_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **option
 
 def call_swa(inputs: SwaInputs):
     """Runs the kernel (on whatever backend the caller's context selects): ``(attention, byte cache, l, m)``."""
-    return v3_adapter.jitted(kernel().mla_sliding_window_ragged_paged_attention, inputs.kwargs)(
-        *v3_adapter.device_arrays(inputs.args)
-    )
+    return v3_adapter.run_jitted(kernel().mla_sliding_window_ragged_paged_attention, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

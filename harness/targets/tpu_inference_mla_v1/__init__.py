@@ -13,6 +13,7 @@ holds its validators' rules and messages. Install as for v3:
 """
 
 from rpa_harness.spec.interface import MASK_REPLACES
+from rpa_harness.targets import kit
 from rpa_harness.targets.tpu_inference_mla_v1 import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_mla_v1.adapter import (  # noqa: F401  (the adapter's public names)
     HAS_TPU_RECIPROCAL,
@@ -27,14 +28,11 @@ from rpa_harness.targets.tpu_inference_mla_v1.adapter import (  # noqa: F401  (t
     upstream_cache,
 )
 from rpa_harness.targets.tpu_inference_mla_v1.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
-from rpa_harness.targets.tpu_inference_v3.adapter import installed_version
 
 RPA_HARNESS_UPDATES_CACHE = True  # it writes the new tokens into the cache it returns: judged bit for bit
 
-RPA_HARNESS_CAPABILITIES = dict(
-    head_dims=tuple(head_dim for head_dim, _ in VALUE_HEAD_DIMS),
-    value_head_dims=VALUE_HEAD_DIMS,
-    num_kv_heads=(1,),  # one latent vector per token, shared by every q head
+RPA_HARNESS_CAPABILITIES = kit.latent_capabilities(
+    VALUE_HEAD_DIMS,
     q_dtypes=("float32", "bfloat16") if HAS_TPU_RECIPROCAL else ("float32",),
     kv_dtypes=("float32", "bfloat16"),
     page_size_multiple_of_kv_packing=True,
@@ -43,15 +41,12 @@ RPA_HARNESS_CAPABILITIES = dict(
     mask_value_meaning=MASK_REPLACES,
     # k_scale multiplies the logits and v_scale P @ V, unrounded (no cache rounded to q's dtype).
     kv_scales_round_to_q_dtype=False,
-    # Both block sizes must be given: "num_kv_pages_per_block and num_queries_per_block must be specified."
-    # No TPU generation has tuned ones: MLA v1 has no table and never asks which chip it is on (kernel.py's
-    # TODO: "support both autotuning table and heuristic logic"); MLA v2 raises alike, its tuned_params.py
+    # Both block sizes must be given (kit.latent_capabilities). No TPU generation has tuned ones: MLA v1
+    # has no table and never asks which chip it is on (kernel.py's TODO: "support both autotuning table
+    # and heuristic logic"); MLA v2 raises alike, its tuned_params.py
     # being read by its caller only (layers/common/attention_interface.py), keyed by the problem's shapes,
     # not the chip. On a chip, or a generation the interpreters emulate, the harness leaves block sizes to
     # the kernel: the known issue mla-v1-default-block-sizes-raise moves those cases to given ones.
-    needs_block_sizes=True,
-    chunk_prefill_size=True,
-    backends=("interpret", "fast-interpret", "tpu"),
     buckets=("tiny", "small", "long"),
 )
 # Logits, P, the running max and sum and the accumulator are float32 (its l/m/acc scratch is float32, P is
@@ -61,16 +56,11 @@ RPA_HARNESS_PRECISION = ("approx-reciprocal-for-narrow-output",)
 # mla/v1/kernel.py: the latent and rope logits and P @ V are jnp.einsum calls without a precision: DEFAULT,
 # one bfloat16 pass for float32 operands on a TPU.
 RPA_HARNESS_PRODUCT_PRECISION = "default"
-RPA_HARNESS_VERSION = f"tpu-inference {installed_version()} (MLA v1)"
+RPA_HARNESS_VERSION = kit.version("MLA v1")
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
 
 # Its known issues (docs/tpu-inference-mla-v1-findings/): their cases are not drawn.
-RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
-RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
-
-
-def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
-    """MLA's report (``report.render``) for MLA v1: imported when a report is asked for."""
-    from rpa_harness.targets.tpu_inference_mla_v1 import report
-
-    return report.render(report.MLA_V1, *args, **kwargs)
+RPA_HARNESS_CATALOGUE, RPA_HARNESS_KNOWN_ISSUES = kit.every_finding(_known_issues.RPA_HARNESS_CATALOGUE)
+RPA_HARNESS_REPORT = kit.deferred_report(
+    kit.V3_REPORT, kit.MLA_REPORT, "MLA_V1"
+)  # v3's report, MLA's sections

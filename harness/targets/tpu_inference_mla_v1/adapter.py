@@ -106,9 +106,7 @@ def mla_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **option
 
 def call_mla(inputs: MlaInputs):
     """Runs MLA v1 (on whatever backend the caller's context selects): ``(attention, updated cache)``."""
-    return v3_adapter.jitted(kernel().mla_ragged_paged_attention, inputs.kwargs)(
-        *v3_adapter.device_arrays(inputs.args)
-    )
+    return v3_adapter.run_jitted(kernel().mla_ragged_paged_attention, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

@@ -5,9 +5,9 @@ is their own; ``ReportedMla`` holds what differs between MLA v1 (``MLA_V1``) and
 ``report.MLA_V2``). The report re-runs the repro on its backend through the target (the attention and the
 cache in upstream's layout, judged as the properties judge them), runs MLA v1's
 ``ref_mla_ragged_paged_attention`` (the reference tpu-inference ships for both) on the same case, and
-writes what v3's report writes (``tpu_inference_v3.report``, whose pieces it shares): the case, the call,
-expected against actual for both outputs, and a standalone script in the kernel's own layout that needs
-only jax, numpy and tpu-inference and exits 1 while the kernel disagrees with that reference.
+writes what v3's report writes (``ReportedMla`` fills ``tpu_inference_v3.report.render``): the case, the
+call, expected against actual for both outputs, and a standalone script in the kernel's own layout that
+needs only jax, numpy and tpu-inference and exits 1 while the kernel disagrees with that reference.
 """
 
 import base64
@@ -18,19 +18,29 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from rpa_harness import reference
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend, Deadlock
-from rpa_harness.checks import CacheMismatch, check_updated_cache, expected_upstream_cache
+from rpa_harness.backends import TPU, Backend
+from rpa_harness.cache_judge import check_updated_cache, expected_upstream_cache
 from rpa_harness.generations import NONE
-from rpa_harness.report_sections import NothingToReport, case_in_words, environment, found_by
-from rpa_harness.targets import first_line_of_error
+from rpa_harness.report_sections import case_in_words, environment
 from rpa_harness.targets import tpu_inference_mla_v1 as mla_v1
 from rpa_harness.targets import tpu_inference_v3 as v3
 from rpa_harness.targets.tpu_inference_v3 import report as v3_report
 
 # MLA v1's options that its reference does not take.
 TUNING_OPTIONS = ("chunk_prefill_size", "num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallInputs:
+    """The kernel's call (``mla``) and what the report reads of the expected cache: its cache table, and
+    the cache the reference's is compared with."""
+
+    mla: mla_v1.MlaInputs
+    expected_cache: np.ndarray
+    new_slots: np.ndarray
+    slot_owner: np.ndarray
+    slot_position: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +57,7 @@ class ReportedMla:
     function: str = "mla_ragged_paged_attention"
     reference: str = "ref_mla_ragged_paged_attention"  # MLA v1's: v2 ships none
     reference_owner: str = "its own"  # the words that name whose reference it is
+    tuning_options: tuple[str, ...] = TUNING_OPTIONS  # the call's options its reference does not take
 
     @property
     def qualified_function(self) -> str:
@@ -56,73 +67,81 @@ class ReportedMla:
     def reference_in_words(self) -> str:
         return f"{self.reference_owner} `{self.reference}`"
 
+    @property
+    def reference_functions(self) -> types.ModuleType:
+        return mla_v1.kernel()
 
-@dataclasses.dataclass(frozen=True)
-class CallInputs:
-    """The kernel's call (``mla``) and what the report's cache table reads of the expected cache."""
-
-    mla: mla_v1.MlaInputs
-    new_slots: np.ndarray
-    slot_owner: np.ndarray
-    slot_position: np.ndarray
-
-
-def observe(kernel: ReportedMla, repro: repro_files.Repro, backend: Backend) -> v3_report.Observation:
-    """Runs the kernel once as the harness ran it (mapped inside the backend, which may emulate a chip),
-    judges both outputs in upstream's layout, then runs MLA v1's reference on v1's call for the case."""
-    mapped = []
-
-    def call():
-        mapped.append(kernel.inputs(**repro.arrays, **repro.options))
-        return kernel.call(mapped[0])
-
-    expected = expected_upstream_cache(repro.arrays)
-    try:
-        outputs = backend.run(call)
-    except Exception as error:  # the report says what the call raised (or refuses it as a crash)
-        if not mapped:
-            raise NothingToReport(
-                f"the repro's case cannot be mapped to the kernel's call: {first_line_of_error(error)}"
-            ) from None
-        observation = v3_report.Observation(_call_inputs(mapped[0], expected))
-        if isinstance(error, Deadlock):
-            observation.hang = str(error)
-        else:
-            observation.error = first_line_of_error(error)
-    else:
-        observation = v3_report.Observation(_call_inputs(mapped[0], expected))
-        attention, cache = upstream_outputs(kernel, outputs, mapped[0])
-        observation.comparison = reference.compare(
-            attention,
-            reference.oracle(**repro.arrays, **repro.options),
-            label="kernel",
-            precision=kernel.precision,
+    # What v3's shared report (``v3_report.observe``, ``v3_report.render``) asks of a kernel:
+    # ``v3_report.Reported``. The kernel is judged in upstream's layout; its reference is MLA v1's on v1's
+    # call for the case.
+    def observed_inputs(self, inputs: mla_v1.MlaInputs, repro: repro_files.Repro) -> CallInputs:
+        expected = expected_upstream_cache(repro.arrays)
+        return CallInputs(
+            inputs, expected.cache, expected.new_slots, expected.slot_owner, expected.slot_position
         )
-        try:
-            check_updated_cache(cache, repro.arrays, "the kernel")
-        except CacheMismatch as mismatch:
-            observation.cache_error = mismatch
-    v1_inputs = mla_v1.mla_inputs(**repro.arrays, **repro.options)
-    try:
-        own_out, own_cache = getattr(mla_v1.kernel(), kernel.reference)(
-            *v3.device_arrays(v1_inputs.args),
-            **{k: v for k, v in v1_inputs.kwargs.items() if k not in TUNING_OPTIONS},
-        )
-    except ValueError as error:
-        observation.reference_rejects = str(error)
-    else:
-        own = np.asarray(own_out, np.float64)[..., : v1_inputs.lkv]  # its lanes are padded to 128
-        observation.own_reference = _padded(own, v1_inputs.head_dim)
-        cache = mla_v1.upstream_cache(own_cache, v1_inputs.lkv, v1_inputs.head_dim)
-        bits = f"u{expected.cache.dtype.itemsize}"
-        observation.own_reference_cache_matches = bool(
-            np.array_equal(cache.view(bits), expected.cache.view(bits))
-        )
-    return observation
 
+    def upstream_outputs(self, outputs, inputs: CallInputs) -> tuple:
+        """The kernel's (attention, cache) in upstream's layout: ``[T, H, head_dim]`` and the target's cache."""
+        out, cache = outputs
+        attention = np.asarray(out).transpose(1, 0, 2) if self.head_major else np.asarray(out)
+        mla = inputs.mla
+        return _padded(attention, mla.head_dim), mla_v1.upstream_cache(cache, mla.lkv, mla.head_dim)
 
-def _call_inputs(inputs: mla_v1.MlaInputs, expected) -> CallInputs:
-    return CallInputs(inputs, expected.new_slots, expected.slot_owner, expected.slot_position)
+    def check_cache(self, cache, inputs: CallInputs, repro: repro_files.Repro) -> None:
+        check_updated_cache(cache, repro.arrays, "the kernel")
+
+    def reference_inputs(self, inputs: CallInputs, repro: repro_files.Repro) -> mla_v1.MlaInputs:
+        return mla_v1.mla_inputs(**repro.arrays, **repro.options)
+
+    def reference_outputs(self, own_out, own_cache, inputs: mla_v1.MlaInputs) -> tuple[np.ndarray, Any]:
+        own = np.asarray(own_out, np.float64)[..., : inputs.lkv]  # its lanes are padded to 128
+        return _padded(own, inputs.head_dim), mla_v1.upstream_cache(own_cache, inputs.lkv, inputs.head_dim)
+
+    def environment_words(self, repro: repro_files.Repro, backend: Backend) -> list[str]:
+        return [
+            f"- tpu-inference {v3.installed_version()} (`{self.qualified_function}`, installed with "
+            f"`{v3.INSTALL_COMMAND}`)",
+            *environment(repro.versions, leave_out=("hypothesis",)),
+            f"- observed on: {v3_report.interpreter_words(backend.name)}"
+            + (
+                " on CPU, through rpa-harness's interpreter compatibility layer"
+                if backend.name != TPU
+                else ""
+            )
+            + (
+                f", the CPU device reporting a TPU {backend.generation}" if backend.generation != NONE else ""
+            ),
+        ]
+
+    def case_words(self, repro: repro_files.Repro, inputs: CallInputs) -> list[str]:
+        return [
+            "Latent attention as the harness states it: one KV head whose key is `[kv_c ; k_pe]` and whose "
+            "value is `[kv_c ; 0]` (the key's first lkv dims), the query split the same way.",
+            "",
+            *case_in_words(repro),
+            *call_in_words(self, inputs),
+        ]
+
+    def standalone_script(
+        self, inputs: CallInputs, repro: repro_files.Repro, description: str, generation: str
+    ) -> tuple[str, str]:
+        v1_inputs = mla_v1.mla_inputs(**repro.arrays, **repro.options)
+        program = script(self, v1_inputs, inputs.mla, description, generation)
+        return program, v3_report.data_words(embedded_inputs(v1_inputs))
+
+    def script_words(self, data: str, backend: Backend) -> str:
+        return (
+            f"The script needs only jax, numpy and tpu-inference; its data is {data}, its lengths, page table, "
+            "block sizes and options the case's. It compares the kernel with MLA v1's "
+            "`ref_mla_ragged_paged_attention`, the attention within a tolerance and the returned cache slot by "
+            "slot, and exits 1 while they disagree."
+        )
+
+    def launcher_words(self, backend: Backend) -> str:
+        return (
+            "On a CPU, with rpa-harness installed, this runs the same script on the interpreter the case was "
+            "observed on:"
+        )
 
 
 def _padded(attention: np.ndarray, head_dim: int) -> np.ndarray:
@@ -135,7 +154,7 @@ def _padded(attention: np.ndarray, head_dim: int) -> np.ndarray:
 def call_in_words(kernel: ReportedMla, inputs: CallInputs) -> list[str]:
     """The kernel's side of the case: what it is passed besides the arrays."""
     ql_nope, q_pe, new_kv_c, _, cache, _, _, cu_q_lens, distribution = inputs.mla.args
-    options = {k: v for k, v in inputs.mla.kwargs.items() if v is not None and k not in TUNING_OPTIONS}
+    options = {k: v for k, v in inputs.mla.kwargs.items() if v is not None and k not in kernel.tuning_options}
     layout = "[H, T, lkv], head-major" if kernel.head_major else "[T, H, lkv]"
     return [
         f"- the kernel's call: `ql_nope` {ql_nope.shape} ({layout}), `q_pe` {q_pe.shape}, new tokens' "
@@ -331,91 +350,13 @@ def script(kernel: ReportedMla, v1_inputs: mla_v1.MlaInputs, call: mla_v1.MlaInp
         distribution=distribution.tolist(),
         options=v3_report.options_source(call.kwargs),
         data_lines=data,
-        tuning=TUNING_OPTIONS,
+        tuning=kernel.tuning_options,
         kernel_only=kernel_only,
         hang_seconds=v3_report.HANG_SECONDS,
         reproduces=v3_report.REPRODUCES,
         query_arg="ql_nope.transpose(1, 0, 2)" if kernel.head_major else "ql_nope",
         attention_out="out.transpose(1, 0, 2)" if kernel.head_major else "out",
     )
-
-
-def render(
-    kernel: ReportedMla,
-    path,
-    repro: repro_files.Repro,
-    backend: Backend,
-    issue,
-    shown_path: str,
-    *,
-    precision: tuple[str, ...],
-    with_script_output=False,
-):
-    """The Markdown report, or ``NothingToReport`` when the repro does not reproduce on ``backend``; the
-    attention judged under ``precision`` (the contract the repro failed under)."""
-    kernel = dataclasses.replace(kernel, precision=precision)
-    observation = observe(kernel, repro, backend)
-    v3_report.check_reproduces(observation, repro, issue, path, backend, shown_path)
-    heading = v3_report.title(kernel, observation, issue)
-    description = issue.description if issue is not None else heading.removeprefix(f"{kernel.name} ")
-    inputs: CallInputs = observation.inputs
-    v1_inputs = mla_v1.mla_inputs(**repro.arrays, **repro.options)
-    program = script(kernel, v1_inputs, inputs.mla, description, backend.generation)
-    data = "random (seed 0)" if embedded_inputs(v1_inputs) is None else "the case's own"
-    interpreter = {INTERPRET: "the Pallas TPU interpreter", FAST_INTERPRET: "the generic Pallas interpreter"}
-    sections = [
-        f"# {heading}",
-        "",
-        "## Environment",
-        "",
-        f"- tpu-inference {v3.installed_version()} (`{kernel.qualified_function}`, installed with "
-        f"`{v3.INSTALL_COMMAND}`)",
-        *environment(repro.versions, leave_out=("hypothesis",)),
-        f"- observed on: {interpreter.get(backend.name, 'a TPU')}"
-        + (" on CPU, through rpa-harness's interpreter compatibility layer" if backend.name != TPU else "")
-        + (f", the CPU device reporting a TPU {backend.generation}" if backend.generation != NONE else ""),
-        "",
-        "## The case",
-        "",
-        "Latent attention as the harness states it: one KV head whose key is `[kv_c ; k_pe]` and whose value "
-        "is `[kv_c ; 0]` (the key's first lkv dims), the query split the same way.",
-        "",
-        *case_in_words(repro),
-        *call_in_words(kernel, inputs),
-        "",
-        "## Expected and actual",
-        "",
-        *v3_report.expected_vs_actual(kernel, observation),
-        "",
-        *(["## Why", "", issue.explanation, ""] if issue is not None and issue.explanation else []),
-        "## Reproduce",
-        "",
-        f"The script needs only jax, numpy and tpu-inference; its data is {data}, its lengths, page table, "
-        "block sizes and options the case's. It compares the kernel with MLA v1's "
-        "`ref_mla_ragged_paged_attention`, the attention within a tolerance and the returned cache slot by "
-        "slot, and exits 1 while they disagree.",
-        "",
-        "```python",
-        program.rstrip(),
-        "```",
-        "",
-        "On a CPU, with rpa-harness installed, this runs the same script on the interpreter the case was "
-        "observed on:",
-        "",
-        "```python",
-        v3_report.cpu_launcher("repro.py", backend.name, backend.generation),
-        "```",
-    ]
-    if with_script_output:
-        sections += v3_report.script_run(program, backend)
-    return "\n".join(sections + found_by(shown_path)) + "\n"
-
-
-def upstream_outputs(kernel: ReportedMla, outputs, inputs: mla_v1.MlaInputs):
-    """The kernel's (attention, cache) in upstream's layout: ``[T, H, head_dim]`` and the target's cache."""
-    out, cache = outputs
-    attention = np.asarray(out).transpose(1, 0, 2) if kernel.head_major else np.asarray(out)
-    return _padded(attention, inputs.head_dim), mla_v1.upstream_cache(cache, inputs.lkv, inputs.head_dim)
 
 
 MLA_V1 = ReportedMla(

@@ -6,8 +6,7 @@ latent cache has one KV head and no separate value."""
 from rpa_harness.strategies import violations as shared
 from rpa_harness.strategies.violations import Rule
 from rpa_harness.targets.tpu_inference_mla_v1.adapter import latent_dim
-from rpa_harness.targets.tpu_inference_v3 import messages
-from rpa_harness.targets.tpu_inference_v3.rules import RULES as V3_RULES
+from rpa_harness.targets.tpu_inference_v3 import rules as v3_rules
 
 
 def head_dim_mismatch_message(q_head_dim, kv_head_dim) -> str:
@@ -18,18 +17,9 @@ def head_dim_mismatch_message(q_head_dim, kv_head_dim) -> str:
     return f"Expected q_pe.shape[2]={q_head_dim - lkv} to be equal to new_k_pe.shape[1]={kv_head_dim - lkv}"
 
 
-def _positive(name):
-    return lambda value: messages.not_positive_message(name, value)
-
-
 _OWN: dict[str, Rule] = {
     "head_dim mismatch": Rule("static", shared.break_head_dim, head_dim_mismatch_message),
-    "num_kv_pages_per_block not positive": Rule(
-        "static", shared.break_kv_block_sign, _positive("num_kv_pages_per_block")
-    ),
-    "num_queries_per_block not positive": Rule(
-        "static", shared.break_query_block, _positive("num_queries_per_block")
-    ),
+    **v3_rules.UPSTREAM_BLOCK_OPTION_RULES,
 }
 # In MLA v1's order: its own rules where they differ from v3's, v3's rule by that name elsewhere.
 _ORDER = (
@@ -40,4 +30,4 @@ _ORDER = (
     "decreasing cu_q_lens", "too few pages per sequence", "page index out of range",
 )  # fmt: skip
 
-RULES: dict[str, Rule] = {name: _OWN.get(name) or V3_RULES[name] for name in _ORDER}
+RULES = v3_rules.in_order(_ORDER, _OWN)

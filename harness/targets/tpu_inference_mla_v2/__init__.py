@@ -8,6 +8,7 @@ latent cases onto it as MLA v1's adapter does, with ``s_dtype=float32`` (see the
     pip install --no-deps tpu-inference==0.32.0
 """
 
+from rpa_harness.targets import kit
 from rpa_harness.targets.tpu_inference_mla_v1 import RPA_HARNESS_CAPABILITIES as V1_CAPABILITIES
 from rpa_harness.targets.tpu_inference_mla_v2 import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_mla_v2.adapter import (  # noqa: F401  (the adapter's public names)
@@ -18,7 +19,6 @@ from rpa_harness.targets.tpu_inference_mla_v2.adapter import (  # noqa: F401  (t
     ragged_paged_attention,
 )
 from rpa_harness.targets.tpu_inference_mla_v2.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
-from rpa_harness.targets.tpu_inference_v3.adapter import installed_version
 
 RPA_HARNESS_UPDATES_CACHE = True  # it writes the new tokens into the cache it returns: judged bit for bit
 # MLA v1's, block sizes included: v2 has no tuned ones for any TPU generation either (see v1's), so on a chip
@@ -31,17 +31,10 @@ RPA_HARNESS_PRECISION = ("probabilities-in-cache-dtype", "approx-reciprocal-for-
 # mla/v2/kernel.py: its logits and P @ V are jnp.einsum calls without a precision: DEFAULT, one bfloat16
 # pass for float32 operands on a TPU.
 RPA_HARNESS_PRODUCT_PRECISION = "default"
-RPA_HARNESS_VERSION = f"tpu-inference {installed_version()} (MLA v2, s_dtype=float32)"
+RPA_HARNESS_VERSION = kit.version("MLA v2, s_dtype=float32")
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
 
 # Its known issues (docs/tpu-inference-mla-v2-findings/): their cases are not drawn.
-RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
-RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
-
-
-def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
-    """MLA's report (``tpu_inference_mla_v1.report``) with v2's call: imported when a report is asked for."""
-    from rpa_harness.targets.tpu_inference_mla_v1 import report
-    from rpa_harness.targets.tpu_inference_mla_v2.report import MLA_V2
-
-    return report.render(MLA_V2, *args, **kwargs)
+RPA_HARNESS_CATALOGUE, RPA_HARNESS_KNOWN_ISSUES = kit.every_finding(_known_issues.RPA_HARNESS_CATALOGUE)
+# v3's report with MLA's sections (tpu_inference_mla_v1.report) and v2's call.
+RPA_HARNESS_REPORT = kit.deferred_report(kit.V3_REPORT, f"{__name__}.report", "MLA_V2")

@@ -12,6 +12,7 @@ several devices and a mesh: not drawn (docs/experimental-kernels.md). Install as
     pip install --no-deps tpu-inference==0.32.0
 """
 
+from rpa_harness.targets import kit
 from rpa_harness.targets import tpu_inference_v3 as v3_target
 from rpa_harness.targets.tpu_inference_rpa_v3_cp.adapter import (  # noqa: F401  (the adapter's public names)
     call_cp,
@@ -32,8 +33,8 @@ RPA_HARNESS_PRECISION = ("probabilities-in-cache-dtype", "accumulators-in-output
 # rpa_v3_cp/kernel.py: q @ K^T and P @ V are jnp.matmul calls without a precision: DEFAULT, one bfloat16
 # pass for float32 operands on a TPU.
 RPA_HARNESS_PRODUCT_PRECISION = "default"
-RPA_HARNESS_PROPERTIES = dict.fromkeys((v3_target.ATTENTION_AND_CACHE, v3_target.HANG), check_both_outputs)
-RPA_HARNESS_VERSION = f"tpu-inference {v3_target.installed_version()} (experimental rpa_v3_cp, no CP)"
+RPA_HARNESS_PROPERTIES = kit.both_outputs_judged(check_both_outputs)
+RPA_HARNESS_VERSION = kit.version("experimental rpa_v3_cp, no CP")
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
 RPA_HARNESS_BASELINE = v3_target.__name__  # `rpa-harness bench` times the fork against v3
 # v3's findings of the installed release, each replayed on the fork (docs/tpu-inference-v3-findings/): all
@@ -45,10 +46,5 @@ RPA_HARNESS_KNOWN_ISSUES = tuple(
     if issue.name != "default-blocks-break-v3s-own-rules" and issue.affects(v3_target.installed_version())
 )
 
-
-def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
-    """v3's report with the fork's module (``report.CP``): imported when a report is asked for."""
-    from rpa_harness.targets.tpu_inference_rpa_v3_cp.report import CP
-    from rpa_harness.targets.tpu_inference_v3 import report as v3_report
-
-    return v3_report.render(CP, *args, **kwargs)
+# v3's report with the fork's module.
+RPA_HARNESS_REPORT = kit.deferred_report(kit.V3_REPORT, f"{__name__}.report", "CP")

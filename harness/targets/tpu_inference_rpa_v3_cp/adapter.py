@@ -27,7 +27,7 @@ def cp_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options
 
 def call_cp(inputs: v3.V3Inputs):
     """Runs the fork (on whatever backend the caller's context selects): ``(attention, updated cache)``."""
-    return v3.jitted(kernel().ragged_paged_attention, inputs.kwargs)(*v3.device_arrays(inputs.args))
+    return v3.run_jitted(kernel().ragged_paged_attention, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

@@ -12,7 +12,7 @@ target is a usage error that says so. Install as for v3:
     pip install --no-deps tpu-inference==0.32.0
 """
 
-from rpa_harness.spec.interface import MASK_REPLACES
+from rpa_harness.targets import kit
 from rpa_harness.targets.tpu_inference_stacked_rpa import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_stacked_rpa import layout  # noqa: F401  (the converter, public)
 from rpa_harness.targets.tpu_inference_stacked_rpa.adapter import (  # noqa: F401  (the adapter's public names)
@@ -25,32 +25,18 @@ from rpa_harness.targets.tpu_inference_stacked_rpa.adapter import (  # noqa: F40
 from rpa_harness.targets.tpu_inference_stacked_rpa.both_outputs import check_updated_cache, judge  # noqa: F401
 from rpa_harness.targets.tpu_inference_stacked_rpa.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
 from rpa_harness.targets.tpu_inference_v3 import both_outputs as v3_judge
-from rpa_harness.targets.tpu_inference_v3.adapter import installed_version
 
-RPA_HARNESS_CAPABILITIES = dict(
-    head_dims=(64, 128, 256),
+RPA_HARNESS_CAPABILITIES = kit.v3_derived_capabilities(
     # Its validator requires a multiple of 128 (the sequence is on the lanes); 256 and up would only
     # lengthen each call's compilation.
     page_sizes=(128,),
-    empty_sequences=False,  # v3's distribution: every live sequence has a query row
-    mask_value_meaning=MASK_REPLACES,  # a masked logit is replaced (jnp.where), default finfo(out_dtype).min
-    # q / q_scale clipped to the KV dtype's range and cast to it; logits times q_scale and k_scale; v_scale
-    # multiplies P @ V, unrounded (flash_attention.py).
-    q_scale=True,
-    kv_scales_round_to_q_dtype=False,
-    # Its own blocks fill the chip's VMEM whatever the problem (a decode KV block of every page a sequence
-    # may hold, eight sequences per step): on the interpreters the case gives them; a TPU draws its own too.
-    needs_block_sizes=True,
-    kernel_block_sizes_on_interpreters=False,
     # Its schedules emit a DMA per page of a KV block, unrolled (for i in range(bkv_p_cache)), per stacked
     # sequence; larger blocks were not measured.
     max_kv_pages_per_block=2,
-    update_kv_cache=True,
     # The generic interpreter judges the attention. The TPU interpreter (with the compat gap
     # tpu-wait-for-nothing) takes 8-50 s a call, too slow for a campaign: the target's tests and its
     # findings' replays run it, to judge the cache where jax 0.10's generic interpreter returns it as
     # given (0.11 writes it).
-    backends=("interpret", "fast-interpret", "tpu"),
     slow_backends=("interpret",),
     # It reads the chip (pltpu.get_tpu_info) for lanes, sublanes, its MXU width, VMEM and position integers
     # (int16 for packed queries on v6 and v7). v6e is what an everyday run emulates; each compilation takes
@@ -66,11 +52,9 @@ RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype", "softmax-in-output-dtyp
 # stacked_rpa/flash_attention.py: q @ K^T and P @ V are lax.dot_general calls without a precision: DEFAULT,
 # one bfloat16 pass for float32 operands on a TPU.
 RPA_HARNESS_PRODUCT_PRECISION = "default"
-RPA_HARNESS_VERSION = f"tpu-inference {installed_version()} (experimental stacked_rpa)"
+RPA_HARNESS_VERSION = kit.version("experimental stacked_rpa")
 RPA_HARNESS_KERNEL = kernel  # imported on first use: it fails to load where the kernel cannot run
 check_both_outputs = v3_judge.checks_both_outputs(judge)
-RPA_HARNESS_PROPERTIES = dict.fromkeys((v3_judge.ATTENTION_AND_CACHE, v3_judge.HANG), check_both_outputs)
-
+RPA_HARNESS_PROPERTIES = kit.both_outputs_judged(check_both_outputs)
 # Its known issues (docs/tpu-inference-stacked-rpa-findings/): their cases are not drawn.
-RPA_HARNESS_CATALOGUE = _known_issues.RPA_HARNESS_CATALOGUE
-RPA_HARNESS_KNOWN_ISSUES = tuple(issue.name for issue in RPA_HARNESS_CATALOGUE)
+RPA_HARNESS_CATALOGUE, RPA_HARNESS_KNOWN_ISSUES = kit.every_finding(_known_issues.RPA_HARNESS_CATALOGUE)

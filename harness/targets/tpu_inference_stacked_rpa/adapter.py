@@ -13,9 +13,9 @@ import functools
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from rpa_harness.spec.interface import options_taken
+from rpa_harness.targets import experimental
 from rpa_harness.targets.tpu_inference_stacked_rpa import layout
 from rpa_harness.targets.tpu_inference_v3 import adapter as v3
 
@@ -92,9 +92,7 @@ def stacked_block_sizes(
     given = v3.given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
     if given is None:
         return None, None
-    bq, bkv_pages = given
-    bq, bq_chunk = v3.block_sizes(bq, 1)
-    bkv = bkv_pages * page_size
+    bq, bq_chunk, bkv = experimental.mixed_blocks(given, page_size)
     decode_bkv = (
         bkv if sliding_window is None else max(bkv, window_span(sliding_window, page_size, pages_per_seq))
     )
@@ -108,15 +106,10 @@ def stacked_block_sizes(
 def stacked_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywords) -> StackedInputs:
     """Maps an upstream-style call to stacked RPA's: the new tokens split from the cache and their slots
     poisoned (``v3.v3_arguments``), the cache stacked, v3's meaning of ``mask_value``. ``keywords``: the
-    specification's options but ``attention_sink`` and ``skip_kv_mask``, which it does not take;
-    ``chunk_prefill_size`` and ``use_causal_mask=False`` are passed on, for its own refusal."""
-    options = options_taken(keywords, by="stacked_inputs", without=("attention_sink", "skip_kv_mask"))
+    specification's options but ``experimental.NOT_TAKEN``."""
+    options = options_taken(keywords, by="stacked_inputs", without=experimental.NOT_TAKEN)
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
-    tokens, args = v3.v3_arguments(
-        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-        update_kv_cache=options.update_kv_cache,
-        chunk_prefill_size=None,  # its distribution has no prefill range (it refuses chunk_prefill_size)
-    )  # fmt: skip
+    tokens, args = experimental.v3_arguments(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, options)
     if options.update_kv_cache:
         given = tokens.poisoned_cache(kv_pages)
     else:
@@ -130,17 +123,7 @@ def stacked_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **ke
         pages_per_seq=np.asarray(page_indices).shape[1],
         sliding_window=options.sliding_window,
     )
-    kwargs = dict(
-        **v3.score_options(options),
-        mask_value=v3.replacing_mask_value(options.mask_value, options.mask_value_meaning),
-        chunk_prefill_size=options.chunk_prefill_size,
-        decode_block_sizes=decode,
-        prefill_block_sizes=mixed,
-        vmem_limit_bytes=v3.vmem_limit(options.vmem_limit_bytes),
-        out_dtype=None if options.out_dtype is None else jnp.dtype(options.out_dtype),
-        use_causal_mask=options.use_causal_mask,
-        update_kv_cache=options.update_kv_cache,
-    )
+    kwargs = experimental.kernel_options(options, decode, mixed)
     expected_cache = layout.slots_first(layout.stack_cache(kv_pages))
     return StackedInputs.of_tokens(
         args, kwargs, expected_cache, tokens, layout.slots_first(stacked), decode, mixed
@@ -150,7 +133,7 @@ def stacked_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **ke
 def call_stacked(inputs: StackedInputs):
     """Runs stacked RPA (on whatever backend the caller's context selects): ``(attention, updated cache)``,
     the cache in the kernel's layout."""
-    return v3.jitted(kernel().ragged_paged_attention, inputs.kwargs)(*v3.device_arrays(inputs.args))
+    return v3.run_jitted(kernel().ragged_paged_attention, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

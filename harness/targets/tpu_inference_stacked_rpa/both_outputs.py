@@ -7,7 +7,7 @@ its sliding-window write-back leaves unwritten is attributed to that finding (``
 from typing import Any
 
 import numpy as np
-from rpa_harness.checks import ExpectedCache, cache_mismatch
+from rpa_harness.cache_judge import ExpectedCache, cache_mismatch
 from rpa_harness.targets.tpu_inference_stacked_rpa import layout
 from rpa_harness.targets.tpu_inference_stacked_rpa.adapter import StackedInputs, call_stacked, stacked_inputs
 from rpa_harness.targets.tpu_inference_v3 import both_outputs as v3_judge

@@ -52,7 +52,7 @@ def unstack_cache(stacked, *, head_dim: int) -> np.ndarray:
 
 def slots_first(stacked) -> np.ndarray:
     """stacked RPA's cache as ``[pages, page_size, 2 * kv_heads, padded_head_dim]``: every element, padding
-    included, grouped by slot, as the cache judge (``rpa_harness.checks.cache_mismatch``) reads a cache."""
+    included, grouped by slot, as the cache judge (``rpa_harness.cache_judge.cache_mismatch``) reads a cache."""
     stacked = np.asarray(stacked)
     if stacked.ndim != 4:
         raise layouts.LayoutError(

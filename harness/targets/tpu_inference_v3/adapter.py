@@ -356,18 +356,37 @@ def v3_inputs(
         update_kv_cache=options.update_kv_cache,
         chunk_prefill_size=options.chunk_prefill_size,
     )
-    packed_cache = args[3]
-    page_size, pages_per_seq = kv_pages.shape[1], np.asarray(page_indices).shape[1]
+    pages_per_seq = np.asarray(page_indices).shape[1]
+    passed = passed_block_sizes(options, kv_pages.shape[1], pages_per_seq)
+    kwargs = v3_options(options, v3_mask_value, passed, api_of(module))
+    if passed is None:
+        decode_sizes, mixed_sizes = chosen_block_sizes(module, args, kwargs, tokens, pages_per_seq)
+    else:
+        decode_sizes = mixed_sizes = passed
+    return V3Inputs.of_tokens(args, kwargs, layouts.pack_cache(kv_pages), tokens, decode_sizes, mixed_sizes)
+
+
+def passed_block_sizes(options, page_size: int, pages_per_seq: int) -> tuple[int, int, int, int] | None:
+    """The (bq, bkv, bq_chunk, bkv_chunk) passed to each of v3's kernels: the case's blocks, each computed
+    in halves when even; None where v3 chooses its own for the chip (``given_block_options``)."""
     given = given_block_options(options.num_queries_per_block, options.num_kv_pages_per_block, pages_per_seq)
-    passed: tuple[int, int, int, int] | None = None  # None: v3's own for the chip, known once it validated
-    if given is not None:
-        bq, bkv_pages = given
-        bq, bq_chunk = block_sizes(bq, 1)
-        bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
-        passed = (bq, bkv, bq_chunk, bkv_chunk)
-    kwargs = dict(
+    if given is None:
+        return None
+    bq, bkv_pages = given
+    bq, bq_chunk = block_sizes(bq, 1)
+    bkv, bkv_chunk = block_sizes(bkv_pages * page_size, page_size)
+    return bq, bkv, bq_chunk, bkv_chunk
+
+
+def v3_options(
+    options, mask_value: float | None, passed: tuple[int, int, int, int] | None, api: V3Api
+) -> dict:
+    """v3's keyword options for the specification's ``options``: ``mask_value`` v3's
+    (``replacing_mask_value``), ``passed`` the block sizes of all three of its kernels (decode, prefill,
+    mixed)."""
+    return dict(
         **score_options(options),
-        mask_value=v3_mask_value,
+        mask_value=mask_value,
         d_block_sizes=passed,
         p_block_sizes=passed,
         m_block_sizes=passed,
@@ -376,28 +395,22 @@ def v3_inputs(
         skip_kv_mask=options.skip_kv_mask,
         out_dtype=None if options.out_dtype is None else jnp.dtype(options.out_dtype),
         chunk_prefill_size=options.chunk_prefill_size,
-        **update_kv_cache_option(options.update_kv_cache, api_of(module)),
+        **update_kv_cache_option(options.update_kv_cache, api),
     )
-    if passed is None:
-        # v3 validates its inputs before it chooses its block sizes: an invalid input raises its message,
-        # not an assertion of the sizing helpers. (Its prefill kernel's defaults are its mixed kernel's:
-        # get_default_block_sizes tells only the decode case apart.)
-        module.static_validate_inputs(*args, **validator_options(kwargs))
-        decode_sizes, mixed_sizes = (
-            v3_default_block_sizes(
-                q, packed_cache, tokens.keys.shape[1], len(kv_lens), pages_per_seq, case, module=module
-            )
-            for case in (module.RpaCase.DECODE, module.RpaCase.MIXED)
+
+
+def chosen_block_sizes(module: types.ModuleType, args: tuple, kwargs: dict, tokens, pages_per_seq: int):
+    """(decode, mixed) block sizes ``module`` chooses for the chip, once its static validator accepted
+    the inputs: v3 validates before it sizes, so an invalid input raises its message, not an assertion of
+    the sizing helpers. (Its prefill kernel's defaults are its mixed kernel's: get_default_block_sizes
+    tells only the decode case apart.)"""
+    module.static_validate_inputs(*args, **validator_options(kwargs))
+    q, packed_cache, kv_lens = args[0], args[3], args[4]
+    return tuple(
+        v3_default_block_sizes(
+            q, packed_cache, tokens.keys.shape[1], len(kv_lens), pages_per_seq, case, module=module
         )
-    else:
-        decode_sizes = mixed_sizes = passed
-    return V3Inputs.of_tokens(
-        args,
-        kwargs,
-        layouts.pack_cache(kv_pages),
-        tokens,
-        decode_sizes,
-        mixed_sizes,
+        for case in (module.RpaCase.DECODE, module.RpaCase.MIXED)
     )
 
 
@@ -445,6 +458,13 @@ def device_arrays(args) -> list:
     return [None if a is None else jax.device_put(a) for a in args]
 
 
+def run_jitted(function, inputs):
+    """``function`` (a kernel function of tpu-inference's) on mapped ``inputs`` (its positional ``args``,
+    its keyword ``kwargs``) under ``jitted``, on whatever backend the caller's context selects: how every
+    tpu-inference target runs its kernel."""
+    return jitted(function, inputs.kwargs)(*device_arrays(inputs.args))
+
+
 def compiled_call(arrays: dict, options: dict, module: types.ModuleType | None = None):
     """What the chip compiles for an upstream-style call (the compile property): the kernel function with
     its keyword options, and its positional arguments as mapped here (their shapes are what matter)."""
@@ -455,7 +475,7 @@ def compiled_call(arrays: dict, options: dict, module: types.ModuleType | None =
 
 def call_v3(inputs: V3Inputs):
     """Runs v3 (on whatever backend the caller's context selects): ``(attention, updated packed cache)``."""
-    return jitted(kernel().ragged_paged_attention, inputs.kwargs)(*device_arrays(inputs.args))
+    return run_jitted(kernel().ragged_paged_attention, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

@@ -7,24 +7,8 @@ positive.``, the KV block first) instead of v3's block-size tuples, and they hav
 rule on it). Broken through the v3 target's upstream-style interface, as v3's rules are.
 """
 
-from rpa_harness.strategies import violations as shared
-from rpa_harness.strategies.violations import Rule
-from rpa_harness.targets.tpu_inference_v3 import messages
-from rpa_harness.targets.tpu_inference_v3.rules import RULES as V3_RULES
+from rpa_harness.targets.tpu_inference_v3 import rules as v3_rules
 
-
-def _not_positive(name):
-    return lambda value: messages.not_positive_message(name, value)
-
-
-_OWN = {
-    "num_kv_pages_per_block not positive": Rule(
-        "static", shared.break_kv_block_sign, _not_positive("num_kv_pages_per_block")
-    ),
-    "num_queries_per_block not positive": Rule(
-        "static", shared.break_query_block, _not_positive("num_queries_per_block")
-    ),
-}
 _ORDER = (
     "k and v shapes differ", "head_dim mismatch", "heads not divisible", "index dtype", "kv_lens shape",
     "cu_q_lens shape", "page_size not a multiple of the KV packing", "sliding_window not positive",
@@ -33,4 +17,4 @@ _ORDER = (
     "num_seqs over max_num_seqs", "too many q tokens", "q_len over kv_len", "q_len zero", "decreasing cu_q_lens",
     "too few pages per sequence", "page index out of range",
 )  # fmt: skip
-RULES: dict[str, Rule] = {name: _OWN.get(name) or V3_RULES[name] for name in _ORDER}
+RULES = v3_rules.in_order(_ORDER, v3_rules.UPSTREAM_BLOCK_OPTION_RULES)

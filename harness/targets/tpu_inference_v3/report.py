@@ -2,7 +2,10 @@
 
 Their API is not upstream's: they take the new tokens' keys and values and return the cache with the
 attention, so their report is their own; ``ReportedKernel`` holds what differs between v3's kernel
-(``V3``) and the head_dim-64 one (the hd64 target's ``report.HD64``). The report re-runs the repro on its
+(``V3``) and the others of its family (the hd64 target's ``report.HD64``, batched RPA's, the CP fork's).
+``render`` is the report of every kernel that fills ``Reported`` (MLA's ``ReportedMla`` too): its call,
+its cache check, its reference, its words and its script, in one skeleton
+(``report_sections.UpstreamReadyReport``). The report re-runs the repro on its
 backend (and emulated TPU generation), says what is wrong (the known issue's description when the repro
 is a finding's), the case in the upstream-style words the harness draws and as the kernel's call
 (distribution, block sizes, options), expected against actual for both outputs (the attention's worst
@@ -29,7 +32,7 @@ import tempfile
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 from rpa_harness import reference
@@ -38,10 +41,11 @@ from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend, Deadlo
 from rpa_harness.generations import NONE
 from rpa_harness.report_sections import (
     NothingToReport,
+    UpstreamReadyReport,
     case_in_words,
+    code_block,
     environment,
     error_map_block,
-    found_by,
     script_output,
     worst_element_table,
 )
@@ -89,26 +93,111 @@ class ReportedKernel:
     def reference_in_words(self) -> str:
         return f"{self.reference_owner} `{self.reference}`"
 
+    # What the shared report (``observe``, ``render``) asks of a v3 kernel: ``Reported``.
+    def observed_inputs(self, inputs: v3.KernelInputs, repro: repro_files.Repro) -> v3.KernelInputs:
+        return inputs
+
+    def upstream_outputs(self, outputs, inputs: v3.KernelInputs) -> tuple:
+        return outputs
+
+    def check_cache(self, cache, inputs: v3.KernelInputs, repro: repro_files.Repro) -> None:
+        v3.check_updated_cache(inputs, cache)
+
+    def reference_inputs(self, inputs: v3.KernelInputs, repro: repro_files.Repro) -> v3.KernelInputs:
+        return inputs
+
+    def reference_outputs(self, own_out, own_cache, inputs: v3.KernelInputs) -> tuple[np.ndarray, Any]:
+        return np.asarray(own_out, np.float64), own_cache
+
+    def environment_words(self, repro: repro_files.Repro, backend: Backend) -> list[str]:
+        return [
+            f"- {v3.RPA_HARNESS_VERSION} (`{self.qualified_function}`, installed with `{v3.install_command()}`)",
+            *environment(repro.versions, leave_out=("hypothesis",)),
+            f"- chip: {chip_words(self, backend.generation)}",
+            f"- observed on: {interpreter_words(backend.name)}"
+            + (
+                " on CPU, through rpa-harness's interpreter compatibility layer (jax's TPU interpreters cannot "
+                "run the kernel as it ships: its `ref.bitcast`/`ref.reshape` views; the layer patches the "
+                "interpreters, never the kernel)"
+                if backend.name != TPU
+                else ""
+            ),
+        ]
+
+    def case_words(self, repro: repro_files.Repro, inputs: v3.KernelInputs) -> list[str]:
+        return [*case_in_words(repro), *call_in_words(self, inputs)]
+
+    def standalone_script(
+        self, inputs: v3.KernelInputs, repro: repro_files.Repro, description: str, generation: str
+    ) -> tuple[str, str]:
+        return script(self, inputs, description, generation), data_words(embedded_inputs(inputs))
+
+    def script_words(self, data: str, backend: Backend) -> str:
+        return (
+            f"The script needs only jax, numpy and tpu-inference. It runs as written on "
+            f"{'a TPU ' + backend.generation if backend.generation != NONE else 'a TPU'}"
+            f" (`python repro.py`); its data is {data}, its lengths, page table, block sizes and options "
+            f"the case's. It compares the kernel with {self.reference_in_words}, the attention "
+            "within a tolerance and the returned cache slot by slot, and exits 1 while they disagree."
+        )
+
+    def launcher_words(self, backend: Backend) -> str:
+        return (
+            "On a CPU, jax's interpreters cannot run the kernel without rpa-harness's compatibility layer; with "
+            "rpa-harness installed, this runs the same script there, on the interpreter the case was observed on"
+            + (f", the CPU device reporting a TPU {backend.generation}" if backend.generation != NONE else "")
+            + ":"
+        )
+
 
 class Reported(Protocol):
-    """What the report's words read of a reported kernel (``ReportedKernel``, MLA's ``ReportedMla``)."""
+    """A reported kernel (``ReportedKernel``, MLA's ``ReportedMla``): a frozen dataclass (the report judges
+    it under the precision contract it is given), what the report's words read of it, and the pieces it
+    fills the shared report with: its call, its cache check, its reference, its words and its script."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     @property
     def name(self) -> str: ...
-
     @property
     def reference(self) -> str: ...
-
     @property
     def reference_in_words(self) -> str: ...  # "its own `ref_...`", or whose reference it is
+    @property
+    def reference_functions(self) -> types.ModuleType: ...  # the module its reference is called from
+    @property
+    def tuning_options(self) -> tuple[str, ...]: ...  # the call's options its reference does not take
+    @property
+    def precision(self) -> tuple[str, ...]: ...
+    @property
+    def inputs(self) -> Callable: ...  # (arrays, options of a repro) -> the target's inputs for the call
+    @property
+    def call(self) -> Callable: ...  # those inputs -> the kernel's outputs, on the caller's backend
+
+    # The call's inputs as the report reads them: the cache's words read their new_slots, slot_owner,
+    # slot_position, and the reference's cache is compared with their expected_cache.
+    def observed_inputs(self, inputs, repro: repro_files.Repro) -> Any: ...
+    def upstream_outputs(self, outputs, inputs) -> tuple: ...  # (attention in upstream's layout, cache)
+    def check_cache(self, cache, inputs, repro: repro_files.Repro) -> None: ...  # raises CacheMismatch
+    # The inputs of its reference's call (their args and kwargs).
+    def reference_inputs(self, inputs, repro: repro_files.Repro) -> Any: ...
+    # The reference's (attention, cache) in the layouts the observed ones are in.
+    def reference_outputs(self, own_out, own_cache, inputs) -> tuple[np.ndarray, Any]: ...
+    def environment_words(self, repro: repro_files.Repro, backend: Backend) -> list[str]: ...
+    def case_words(self, repro: repro_files.Repro, inputs) -> list[str]: ...
+    # The standalone script and the words for its data.
+    def standalone_script(
+        self, inputs, repro: repro_files.Repro, description: str, generation: str
+    ) -> tuple[str, str]: ...
+    def script_words(self, data: str, backend: Backend) -> str: ...  # what the script needs and does
+    def launcher_words(self, backend: Backend) -> str: ...  # what the CPU launcher does
 
 
 @dataclasses.dataclass
 class Observation:
     """What the kernel does on the repro's inputs now, on the repro's backend."""
 
-    # The target's inputs (v3.V3Inputs, the hd64 target's, MLA's): the cache's words read their new_slots,
-    # slot_owner and slot_position.
+    # The call's inputs as the kernel's report reads them (``Reported.observed_inputs``).
     inputs: Any
     hang: str | None = None  # the TPU interpreter's deadlock account
     error: str | None = None  # the exception the call raised
@@ -123,9 +212,9 @@ class Observation:
         return self.comparison is not None and (not self.comparison.ok or self.cache_error is not None)
 
 
-def observe(kernel: ReportedKernel, repro: repro_files.Repro, backend: Backend) -> Observation:
+def observe(kernel: Reported, repro: repro_files.Repro, backend: Backend) -> Observation:
     """Runs the kernel once as the harness ran it (the inputs mapped inside the backend, which may emulate a
-    chip), then the kernel's own reference on the same inputs."""
+    chip), judges both outputs, then runs the kernel's reference on the same case."""
     mapped = []
 
     def call():
@@ -133,30 +222,44 @@ def observe(kernel: ReportedKernel, repro: repro_files.Repro, backend: Backend) 
         return kernel.call(mapped[0])
 
     try:
-        out, cache = backend.run(call)
+        outputs = backend.run(call)
     except Exception as error:  # the report says what the call raised (or refuses it as a crash)
         if not mapped:
             raise NothingToReport(
                 f"the repro's case cannot be mapped to the kernel's call: {first_line_of_error(error)}"
             ) from None
-        observation = Observation(mapped[0])
+        observation = Observation(kernel.observed_inputs(mapped[0], repro))
         if isinstance(error, Deadlock):
             observation.hang = str(error)
         else:
             observation.error = first_line_of_error(error)
     else:
-        observation = Observation(mapped[0])
-        observation.comparison = reference.compare(
-            out,
-            reference.oracle(**repro.arrays, **repro.options),
-            label="kernel",
-            precision=kernel.precision,
-        )
-        try:
-            v3.check_updated_cache(observation.inputs, cache)
-        except v3.CacheMismatch as mismatch:
-            observation.cache_error = mismatch
-    inputs = observation.inputs
+        observation = Observation(kernel.observed_inputs(mapped[0], repro))
+        judge_outputs(kernel, observation, outputs, repro)
+    run_reference(kernel, observation, repro)
+    return observation
+
+
+def judge_outputs(kernel: Reported, observation: Observation, outputs, repro: repro_files.Repro) -> None:
+    """The attention against the float64 oracle under the kernel's precision contract; the cache by the
+    kernel's check."""
+    attention, cache = kernel.upstream_outputs(outputs, observation.inputs)
+    observation.comparison = reference.compare(
+        attention,
+        reference.oracle(**repro.arrays, **repro.options),
+        label="kernel",
+        precision=kernel.precision,
+    )
+    try:
+        kernel.check_cache(cache, observation.inputs, repro)
+    except v3.CacheMismatch as mismatch:
+        observation.cache_error = mismatch
+
+
+def run_reference(kernel: Reported, observation: Observation, repro: repro_files.Repro) -> None:
+    """The kernel's reference on the same case: its attention, whether its cache is the expected one bit for
+    bit, or what its validator rejects the inputs with."""
+    inputs = kernel.reference_inputs(observation.inputs, repro)
     try:
         own_out, own_cache = getattr(kernel.reference_functions, kernel.reference)(
             *v3.device_arrays(inputs.args),
@@ -164,14 +267,13 @@ def observe(kernel: ReportedKernel, repro: repro_files.Repro, backend: Backend) 
         )
     except ValueError as error:
         observation.reference_rejects = str(error)
-    else:
-        observation.own_reference = np.asarray(own_out, np.float64)
-        expected = inputs.expected_cache
-        bits = f"u{expected.dtype.itemsize}"
-        observation.own_reference_cache_matches = bool(
-            np.array_equal(np.asarray(own_cache).view(bits), expected.view(bits))
-        )
-    return observation
+        return
+    observation.own_reference, own_cache = kernel.reference_outputs(own_out, own_cache, inputs)
+    expected = observation.inputs.expected_cache
+    bits = f"u{expected.dtype.itemsize}"
+    observation.own_reference_cache_matches = bool(
+        np.array_equal(np.asarray(own_cache).view(bits), expected.view(bits))
+    )
 
 
 def reproduces(observation: Observation, repro: repro_files.Repro, issue) -> bool:
@@ -625,7 +727,7 @@ def title(kernel: Reported, observation: Observation, issue) -> str:
 
 
 def render(
-    kernel: ReportedKernel,
+    kernel: Reported,
     path,
     repro: repro_files.Repro,
     backend: Backend,
@@ -636,66 +738,44 @@ def render(
     with_script_output=False,
 ):
     """The Markdown report, or ``NothingToReport`` when the repro does not reproduce on ``backend``;
-    the attention judged under ``precision`` (the contract the repro failed under)."""
+    the attention judged under ``precision`` (the contract the repro failed under), the sections filled by
+    ``kernel``."""
     kernel = dataclasses.replace(kernel, precision=precision)
     observation = observe(kernel, repro, backend)
     check_reproduces(observation, repro, issue, path, backend, shown_path)
     heading = title(kernel, observation, issue)
     description = issue.description if issue is not None else heading.removeprefix(f"{kernel.name} ")
-    program = script(kernel, observation.inputs, description, backend.generation)
-    data = "random (seed 0)" if embedded_inputs(observation.inputs) is None else "the case's own"
-    interpreter = {INTERPRET: "the Pallas TPU interpreter", FAST_INTERPRET: "the generic Pallas interpreter"}
-    sections = [
-        f"# {heading}",
-        "",
-        "## Environment",
-        "",
-        f"- {v3.RPA_HARNESS_VERSION} (`{kernel.qualified_function}`, installed with `{v3.install_command()}`)",
-        *environment(repro.versions, leave_out=("hypothesis",)),
-        f"- chip: {chip_words(kernel, backend.generation)}",
-        f"- observed on: {interpreter.get(backend.name, 'a TPU')}"
-        + (
-            " on CPU, through rpa-harness's interpreter compatibility layer (jax's TPU interpreters cannot "
-            "run the kernel as it ships: its `ref.bitcast`/`ref.reshape` views; the layer patches the "
-            "interpreters, never the kernel)"
-            if backend.name != TPU
-            else ""
-        ),
-        "",
-        "## The case",
-        "",
-        *case_in_words(repro),
-        *call_in_words(kernel, observation.inputs),
-        "",
-        "## Expected and actual",
-        "",
-        *expected_vs_actual(kernel, observation),
-        "",
-        *(["## Why", "", issue.explanation, ""] if issue is not None and issue.explanation else []),
-        "## Reproduce",
-        "",
-        f"The script needs only jax, numpy and tpu-inference. It runs as written on "
-        f"{'a TPU ' + backend.generation if backend.generation != NONE else 'a TPU'}"
-        f" (`python repro.py`); its data is {data}, its lengths, page table, block sizes and options "
-        f"the case's. It compares the kernel with {kernel.reference_in_words}, the attention "
-        "within a tolerance and the returned cache slot by slot, and exits 1 while they disagree.",
-        "",
-        "```python",
-        program.rstrip(),
-        "```",
-        "",
-        "On a CPU, jax's interpreters cannot run the kernel without rpa-harness's compatibility layer; with "
-        "rpa-harness installed, this runs the same script there, on the interpreter the case was observed on"
-        + (f", the CPU device reporting a TPU {backend.generation}" if backend.generation != NONE else "")
-        + ":",
-        "",
-        "```python",
-        cpu_launcher("repro.py", backend.name, backend.generation),
-        "```",
-    ]
-    if with_script_output:
-        sections += script_run(program, backend)
-    return "\n".join(sections + found_by(shown_path)) + "\n"
+    program, data = kernel.standalone_script(observation.inputs, repro, description, backend.generation)
+    return UpstreamReadyReport(
+        title=heading,
+        environment=kernel.environment_words(repro, backend),
+        case=kernel.case_words(repro, observation.inputs),
+        outcome=expected_vs_actual(kernel, observation),
+        why=issue.explanation if issue is not None else None,
+        reproduce=[
+            kernel.script_words(data, backend),
+            "",
+            *code_block(program.rstrip()),
+            "",
+            kernel.launcher_words(backend),
+            "",
+            *code_block(cpu_launcher("repro.py", backend.name, backend.generation)),
+        ],
+        script_output=script_run(program, backend) if with_script_output else [],
+        shown_path=shown_path,
+    ).markdown()
+
+
+def interpreter_words(backend_name: str) -> str:
+    """Where the case was observed, as the environment's words name it."""
+    return {INTERPRET: "the Pallas TPU interpreter", FAST_INTERPRET: "the generic Pallas interpreter"}.get(
+        backend_name, "a TPU"
+    )
+
+
+def data_words(encoded: str | None) -> str:
+    """The script's data in words: the case's own where it embeds them (``embedded_inputs``), else random."""
+    return "random (seed 0)" if encoded is None else "the case's own"
 
 
 V3 = ReportedKernel(

@@ -96,6 +96,11 @@ def _range_message(q_len, kv_len, seq):
     return messages.q_len_range_message(q_len, kv_len, seq)
 
 
+def not_positive(name: str):
+    """v3's message for option ``name`` given a value that is not positive."""
+    return lambda value: messages.not_positive_message(name, value)
+
+
 RULES: dict[str, Rule] = {
     # v3's static checks, in v3's order.
     "skip_kv_mask with the causal mask": Rule(
@@ -119,7 +124,7 @@ RULES: dict[str, Rule] = {
     "sliding_window not positive": Rule(
         "static",
         shared.break_sliding_window,
-        lambda value: messages.not_positive_message("sliding_window", value),
+        not_positive("sliding_window"),
     ),
     "soft_cap zero": Rule(
         "static", shared.break_soft_cap, lambda value: messages.soft_cap_zero_message(value)
@@ -127,7 +132,7 @@ RULES: dict[str, Rule] = {
     "chunk_prefill_size not positive": Rule(
         "static",
         _break_chunk_prefill_size,
-        lambda value: messages.not_positive_message("chunk_prefill_size", value),
+        not_positive("chunk_prefill_size"),
     ),
     "num_queries_per_block not positive": Rule(
         "static", shared.break_query_block, lambda value: messages.query_block_message("decode", value, value)
@@ -143,7 +148,7 @@ RULES: dict[str, Rule] = {
     "vmem_limit_bytes not positive": Rule(
         "static",
         shared.break_vmem_limit,
-        lambda value: messages.not_positive_message("vmem_limit_bytes", value),
+        not_positive("vmem_limit_bytes"),
     ),
     # v3's dynamic checks, in v3's order.
     "negative num_seqs": Rule(
@@ -179,3 +184,20 @@ RULES: dict[str, Rule] = {
         ),
     ),
 }
+
+# The block options checked as upstream names them (``num_kv_pages_per_block=-1 must be positive.``) instead
+# of v3's block-size tuples: the early releases', the head_dim-64 kernel's and MLA v1's validators.
+UPSTREAM_BLOCK_OPTION_RULES: dict[str, Rule] = {
+    "num_kv_pages_per_block not positive": Rule(
+        "static", shared.break_kv_block_sign, not_positive("num_kv_pages_per_block")
+    ),
+    "num_queries_per_block not positive": Rule(
+        "static", shared.break_query_block, not_positive("num_queries_per_block")
+    ),
+}
+
+
+def in_order(order: tuple[str, ...], own: dict[str, Rule]) -> dict[str, Rule]:
+    """The rule table of a kernel with v3's validators that checks ``order``'s rules in that order: its
+    ``own`` rule by a name where it words or breaks it otherwise, v3's elsewhere."""
+    return {name: own.get(name) or RULES[name] for name in order}

@@ -17,6 +17,7 @@ the new tokens split from the cache, the distribution, the replacing mask value,
 """
 
 from rpa_harness.spec.interface import MASK_REPLACES
+from rpa_harness.targets import kit
 from rpa_harness.targets import tpu_inference_v3 as v3_target
 from rpa_harness.targets.tpu_inference_v3.both_outputs import ATTENTION_AND_CACHE
 from rpa_harness.targets.tpu_inference_v3.releases import run_header
@@ -80,10 +81,5 @@ RPA_HARNESS_KNOWN_ISSUES = tuple(
     and (NARROW_OUTPUT_TRACES or issue.name != "hd64-sink-on-padded-q-heads")
 )
 
-
-def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
-    """v3's report with this kernel's calls (``report.HD64``): imported when a report is asked for."""
-    from rpa_harness.targets.tpu_inference_v3 import report as v3_report
-    from rpa_harness.targets.tpu_inference_v3_hd64.report import HD64
-
-    return v3_report.render(HD64, *args, **kwargs)
+# v3's report with this kernel's calls.
+RPA_HARNESS_REPORT = kit.deferred_report(kit.V3_REPORT, f"{__name__}.report", "HD64")

@@ -124,9 +124,7 @@ def tuned_block_sizes(
 
 def call_hd64(inputs: Hd64Inputs):
     """Runs the kernel (on whatever backend the caller's context selects): ``(attention, updated cache)``."""
-    return v3_target.jitted(kernel().ragged_paged_attention_hd64, inputs.kwargs)(
-        *v3_target.device_arrays(inputs.args)
-    )
+    return v3_target.run_jitted(kernel().ragged_paged_attention_hd64, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

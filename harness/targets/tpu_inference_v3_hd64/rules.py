@@ -10,8 +10,7 @@ import dataclasses
 
 from rpa_harness.strategies import violations as shared
 from rpa_harness.strategies.violations import Rule
-from rpa_harness.targets.tpu_inference_v3 import messages as v3_messages
-from rpa_harness.targets.tpu_inference_v3.rules import RULES as V3_RULES
+from rpa_harness.targets.tpu_inference_v3 import rules as v3_rules
 from rpa_harness.targets.tpu_inference_v3_hd64 import messages
 
 WIDER_HEAD_DIM = 128
@@ -31,19 +30,10 @@ def _break_head_dim_64(arrays, options, case, param):
     return dict(head_dim=WIDER_HEAD_DIM)
 
 
-def _not_positive(name):
-    return lambda value: v3_messages.not_positive_message(name, value)
-
-
 _OWN = {
     "attention_sink length": Rule("static", _break_sink_length, messages.attention_sink_length_message),
     "head_dim not 64": Rule("static", _break_head_dim_64, messages.head_dim_not_64_message),
-    "num_kv_pages_per_block not positive": Rule(
-        "static", shared.break_kv_block_sign, _not_positive("num_kv_pages_per_block")
-    ),
-    "num_queries_per_block not positive": Rule(
-        "static", shared.break_query_block, _not_positive("num_queries_per_block")
-    ),
+    **v3_rules.UPSTREAM_BLOCK_OPTION_RULES,
 }
 # The kernel's order: after v3's head_dim mismatch come the sink's length and head_dim 64; the KV block is
 # checked before the query block.
@@ -56,4 +46,4 @@ _ORDER = (
     "q_len over kv_len", "q_len zero", "decreasing cu_q_lens", "too few pages per sequence",
     "page index out of range",
 )  # fmt: skip
-RULES: dict[str, Rule] = {name: _OWN.get(name) or V3_RULES[name] for name in _ORDER}
+RULES = v3_rules.in_order(_ORDER, _OWN)
