@@ -21,8 +21,6 @@ stands in for the chip on a CPU host (what the tests check).
 
 import collections
 import contextlib
-import dataclasses
-import functools
 import json
 import os
 import pickle
@@ -78,36 +76,6 @@ def endings_raise():
 
 # ---------------------------------------------------------------------------------------------------------
 # What a request carries.
-
-
-@dataclasses.dataclass(frozen=True)
-class TargetMethod:
-    """``target.attention`` or ``target.validate`` as a request carries it: a target is a loaded module, so
-    its method travels by the target's name and the owner loads the target once."""
-
-    target: str
-    method: str
-
-    def __call__(self, *args, **kwargs):
-        return getattr(_loaded_target(self.target), self.method)(*args, **kwargs)
-
-
-@functools.cache
-def _loaded_target(name: str):
-    from rpa_harness.targets import load
-
-    return load(name)
-
-
-def portable(fn):
-    """``fn`` as a request can carry it: a target's method by name, anything else as pickle carries it
-    (a module-level function by reference)."""
-    from rpa_harness.targets import Target
-
-    owner = getattr(fn, "__self__", None)
-    if isinstance(owner, Target):
-        return TargetMethod(owner.name, fn.__name__)
-    return fn
 
 
 def _raised(error: BaseException) -> tuple:
@@ -186,7 +154,7 @@ def call(backend, fn, args: tuple, kwargs: dict):
     owner had not started when it ended (another process's call halted the chip) goes to the next owner."""
     where = address()
     assert where is not None
-    request = ("call", backend, portable(fn), args, kwargs, _example_in_flight)
+    request = ("call", backend, fn, args, kwargs, _example_in_flight)
     try:
         payload = pickle.dumps(request)
     except Exception as error:

@@ -51,6 +51,7 @@ harness) gets them from its profile module in this package. The shipped targets 
 """
 
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -165,6 +166,11 @@ class Target:
         if backend.name == TPU:
             precision = (*precision, TPU_TRANSCENDENTALS)
         return parse_precision(precision)
+
+    def __reduce__(self):
+        """A target travels by its name (a kernel call to the chip's owner process carries its method): the
+        module is loaded there, once."""
+        return (loaded, (self.name,))
 
     def __repr__(self) -> str:  # one line where Hypothesis prints a failing example's arguments
         return f"Target({self.name!r})"
@@ -304,6 +310,12 @@ PROFILE_ATTRIBUTES = (
     "RPA_HARNESS_BASELINE",
     "RPA_HARNESS_COMPILED_CALL",
 )
+
+
+@functools.cache
+def loaded(name: str) -> Target:
+    """``load(name)``, once a process."""
+    return load(name)
 
 
 def load(name: str) -> Target:
