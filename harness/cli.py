@@ -730,7 +730,7 @@ def _add_run_parser(commands) -> None:
         "interrupted; 3 internal error; 4 usage error (one line: what was wrong and what to pass); 5 no "
         "numeric property ran (NOT GREEN). Without xdist (-n 0) a hang ends the run with 70, a call too slow to "
         "judge (still stepping after four RPA_CALL_TIMEOUTs) with 71, a halted device with 72. On --backend tpu "
-        "one worker runs (one process holds the chips).",
+        "with -n 2 or more, one chip owner process makes the kernel calls the workers send it.",
     )  # fmt: skip
     run_parser.add_argument(
         "--profile", default="ci", choices=("dev", "ci", "nightly", "repro"),
@@ -750,7 +750,7 @@ def _add_run_parser(commands) -> None:
         type=int,
         default=2,
         help="pytest-xdist workers (default 2; 0: one process, where a native crash ends the run; on --backend "
-        "tpu at most 1, which opens the chip)",
+        "tpu, 2 or more feed one chip owner process, 1 opens the chip itself)",
     )
     run_parser.add_argument(
         "--repro-dir", default=repro_files.DEFAULT_REPRO_DIR,

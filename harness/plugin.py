@@ -318,6 +318,7 @@ def _on_a_tpu(config) -> bool:
 
 WORKERS_ASKED = pytest.StashKey[int]()
 OWNER = pytest.StashKey[chip_owner.Supervisor]()
+OWNER_CHIPS = pytest.StashKey[list]()  # the chips the owner holds, as the run log's device events name them
 
 
 def _chip_owner_or_one_worker(config) -> None:
@@ -352,7 +353,8 @@ def _start_chip_owner(config) -> None:
         )
     config.stash[OWNER] = supervisor
     os.environ[chip_owner.ADDRESS_ENV] = supervisor.where
-    if facts["platform"] == "tpu":
+    if facts["tpu_count"]:
+        config.stash[OWNER_CHIPS] = [{"device_kind": facts["tpu_kind"], "count": facts["tpu_count"]}]
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ[backends.TPU_PROBE_ENV] = f"{facts['tpu_kind']}:{facts['tpu_count']}"
 
@@ -692,6 +694,7 @@ def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
         if chips_seen is None and not _is_controller(config):
             tpus = backends.tpus()
             chips_seen = [{"device_kind": tpus.kind, "count": tpus.count}]
+        chips_seen = config.stash.get(OWNER_CHIPS, None) if chips_seen is None else chips_seen
         kinds = sorted({seen["device_kind"] for seen in chips_seen or ()})
         chip_line = (
             f"  TPU: {', '.join(kinds)}, real"

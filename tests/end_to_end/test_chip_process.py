@@ -1,4 +1,5 @@
-"""The process model on a TPU, simulated on CPU: the xdist controller never opens the chip, one worker does.
+"""The process model on a TPU, simulated on CPU: the xdist controller never opens the chip; one worker does,
+or a chip owner for several.
 
 ``RPA_TPU_PROBE`` states what the TPU probe would answer, so the controller's path runs here as on a chip
 host: its child process is not started, and a worker that asks for the chip gets the stated one. The witness
@@ -19,7 +20,8 @@ from tests.processes import run_python
 NO_KERNEL_TEST = "tests/properties/test_lowering.py::test_known_generations_include_v5e_and_v6e"
 
 
-def test_the_controller_never_opens_the_chip_and_starts_one_worker(tmp_path, pytestconfig):
+def run_on_a_stated_chip(tmp_path, pytestconfig, *options):
+    """The no-kernel test with -n 2 on a stated v5e; (its output, the witnessed processes, the run log)."""
     witness, log = tmp_path / "witness", tmp_path / "log"
     log.mkdir()
     env = {
@@ -33,24 +35,41 @@ def test_the_controller_never_opens_the_chip_and_starts_one_worker(tmp_path, pyt
     }
     result = run_python(
         "-m", "pytest", NO_KERNEL_TEST, "-p", "tests.backends_witness", "-p", "no:cacheprovider", "-n", "2",
-        "--rpa-backend=tpu", f"--rpa-repro-dir={tmp_path / 'repros'}", cwd=pytestconfig.rootpath, env=env,
+        "--rpa-backend=tpu", f"--rpa-repro-dir={tmp_path / 'repros'}", *options, cwd=pytestconfig.rootpath,
+        env=env,
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     processes = [json.loads(path.read_text()) for path in witness.glob("*.json")]
     controllers = [seen for seen in processes if not seen["worker"]]
-    workers = [seen for seen in processes if seen["worker"]]
     # A target module may compute as it is imported (the shipped catalogue imports them all): in the
     # controller that computation runs on the CPU, the only platform it allows, never on the chip.
     assert len(controllers) == 1 and controllers[0]["allowed"] == "cpu", processes
     assert set(controllers[0]["platforms"]) <= {"cpu"}, processes
-    assert len(workers) == 1, f"one worker on a chip, whatever -n asked: {processes}"
-    assert (
-        "TPU: a real chip, named in the summary by the worker that opens it; 1 worker (-n 2 asked" in output
-    )
     header = runlog.read_session(log)["header"]
     assert any(line.startswith("  TPU: TPU v5 lite, real;") for line in header), header
     assert not any("TPU generations emulated" in line for line in header), header
+    return output, [seen for seen in processes if seen["worker"]]
+
+
+def test_without_a_chip_owner_the_controller_never_opens_the_chip_and_starts_one_worker(
+    tmp_path, pytestconfig
+):
+    output, workers = run_on_a_stated_chip(tmp_path, pytestconfig, "--rpa-chip-owner=off")
+    assert len(workers) == 1, f"one worker on a chip, whatever -n asked: {workers}"
+    assert (
+        "TPU: a real chip, named in the summary by the worker that opens it; 1 worker (-n 2 asked" in output
+    )
+
+
+def test_with_a_chip_owner_every_worker_keeps_off_the_chip(tmp_path, pytestconfig):
+    """-n 2 on a chip (``--rpa-chip-owner=auto``): the owner holds the chip, and the workers, which make their
+    kernel calls there, allow their own jax the CPU only."""
+    output, workers = run_on_a_stated_chip(tmp_path, pytestconfig)
+    assert len(workers) == 2 and all(seen["allowed"] == "cpu" for seen in workers), workers
+    assert "TPU: TPU v5 lite, real; one chip owner process makes the kernel calls of 2 workers" in output, (
+        output
+    )
 
 
 def test_the_stated_probe_answer_is_read_and_a_bad_one_says_what_to_write(monkeypatch):
