@@ -64,9 +64,11 @@ def main():
     )
     args = parser.parse_args()
 
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import given
     from rpa_harness import backends, interpret_compat
     from rpa_harness.interpret_compat import tpu as tpu_gaps
+
+    from benchmarks.drawn import same_examples
 
     if args.races == "off":
         backends.CHECKING_INTERPRET_PARAMS["detect_races"] = False
@@ -87,13 +89,7 @@ def main():
     target, backend = load("rpa_harness.kernel"), backends.Backend(backends.INTERPRET)
     cases = []
 
-    @settings(
-        max_examples=args.examples,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @same_examples(args.examples)
     @given(case=valid_cases(pooled=True))
     def collect(case):
         cases.append((case.arrays(), case.options()))

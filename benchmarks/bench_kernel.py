@@ -28,20 +28,16 @@ from rpa_harness.kernel import pallas_rpa
 from rpa_harness.kernel.pallas_rpa import _ragged_paged_attention as compiled_kernel
 from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
 from rpa_harness.strategies.case import Case
+from rpa_harness.strategies.shapes import config_fields
 
 
 def size(seqs, num_tokens, max_num_seqs, pages_per_seq, page_size, num_q_heads, num_kv_heads, head_dim):
     """The cold call's case: static shapes and its (q_len, kv_len) layout; warm calls permute and shrink it."""
     q_lens, kv_lens = (tuple(lens) for lens in zip(*seqs, strict=True))
+    sizes = (num_tokens, max_num_seqs, pages_per_seq, max_num_seqs * pages_per_seq)
+    heads = (num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     return Case(
-        max_num_batched_tokens=num_tokens,
-        max_num_seqs=max_num_seqs,
-        pages_per_seq=pages_per_seq,
-        total_num_pages=max_num_seqs * pages_per_seq,
-        page_size=page_size,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+        **config_fields(sizes, page_size, heads, "float32", "float32"),
         q_lens=q_lens,
         kv_lens=kv_lens,
         poison=False,  # every slot of the cache holds data

@@ -33,24 +33,20 @@ def main():
     args = parser.parse_args()
 
     import numpy as np
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import given
     from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
     from rpa_harness.strategies.capabilities import Capabilities
     from rpa_harness.strategies.valid import valid_cases
     from rpa_harness.targets import tpu_inference_v3 as v3target
+
+    from benchmarks.drawn import same_examples
 
     capabilities = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)
     fast, checking = Backend(FAST_INTERPRET), Backend(INTERPRET)
     totals = {"fast": [0.0, 0.0], "checking": [0.0, 0.0]}
     count = 0
 
-    @settings(
-        max_examples=args.examples,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @same_examples(args.examples)
     @given(case=valid_cases(capabilities, pooled=not args.any_config))
     def run(case):
         nonlocal count

@@ -20,8 +20,10 @@ from collections import defaultdict
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from jax import lax
+
+from benchmarks.drawn import same_examples
 
 
 def perturbed_exp(ulps: int):
@@ -46,13 +48,7 @@ def draw(count: int, target, backend) -> list:
     capabilities = dataclasses.replace(target.capabilities_on(backend), q_dtypes=("bfloat16",))
     drawn = []
 
-    @settings(
-        max_examples=count,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @same_examples(count)
     @given(case=valid_cases(capabilities, pooled=True, excluding=target.known_issues_on(backend)))
     def collect(case):
         drawn.append(case)

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rpa_harness.reference import CONTRACTS, compare, error_bound, oracle  # noqa: E402
 from rpa_harness.reference.variants import contract_attention  # noqa: E402
 from rpa_harness.strategies.case import Case  # noqa: E402
+from rpa_harness.strategies.shapes import config_fields  # noqa: E402
 
 F32 = np.dtype(np.float32)
 DTYPE_PAIRS = (
@@ -78,17 +79,10 @@ def random_case(rng) -> Case:
         q_len = min(q_len, num_tokens - sum(q_lens))
         q_lens.append(q_len)
         kv_lens.append(kv_len)
+    sizes = (num_tokens, max_seqs, pages_per_seq, max_seqs * pages_per_seq + 1)
+    heads = (num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     return Case(
-        max_num_batched_tokens=num_tokens,
-        max_num_seqs=max_seqs,
-        pages_per_seq=pages_per_seq,
-        total_num_pages=max_seqs * pages_per_seq + 1,
-        page_size=page_size,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        q_dtype=q_dtype,
-        kv_dtype=kv_dtype,
+        **config_fields(sizes, page_size, heads, q_dtype, kv_dtype),
         q_lens=tuple(q_lens),
         kv_lens=tuple(kv_lens),
         seed=int(rng.integers(2**32)),

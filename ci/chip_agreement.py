@@ -32,8 +32,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+
+from benchmarks.drawn import same_examples
 
 # Cases larger than this many output elements are compiled but not run (the interpreter's time).
 LARGEST_RUN = 1 << 18
@@ -63,10 +65,7 @@ def draw_cases(target, backend, count: int) -> list:
     )
     drawn = []
 
-    @settings(
-        max_examples=count, derandomize=True, database=None, deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )  # fmt: skip
+    @same_examples(count)
     @given(case=strategy)
     def collect(case):
         drawn.append(dataclasses.replace(case, vmem_limit_bytes=None))

@@ -54,6 +54,15 @@ def _exec_module(module_name: str, source: str, label: str) -> types.ModuleType:
     return module
 
 
+def _as_target(module: types.ModuleType, mutant, kernel: str, profile: dict) -> types.ModuleType:
+    """``module``, a patched ``kernel``, as a target: the ``profile`` (``RPA_HARNESS_*`` attributes) of the
+    kernel it mutates, the mutant as ``MUTANT`` and a docstring naming both."""
+    vars(module).update(
+        profile, MUTANT=mutant, __doc__=f"Mutant {mutant.name} of {kernel}: {mutant.description}."
+    )
+    return module
+
+
 def build(mutant: Mutant) -> types.ModuleType:
     """The target module of one mutant (not registered anywhere)."""
     name = f"{__name__}.{mutant.name}"
@@ -74,10 +83,9 @@ def build(mutant: Mutant) -> types.ModuleType:
     # The kernel source imports the validator from rpa_harness.spec.interface; point it at this mutant's instead.
     module.static_validate_inputs = validation.static_validate_inputs
     module.dynamic_validate_inputs = validation.dynamic_validate_inputs
-    module.RPA_HARNESS_CAPABILITIES = bundled.RPA_HARNESS_CAPABILITIES
-    module.MUTANT = mutant
-    module.__doc__ = f"Mutant {mutant.name} of our kernel: {mutant.description}."
-    return module
+    return _as_target(
+        module, mutant, "our kernel", {"RPA_HARNESS_CAPABILITIES": bundled.RPA_HARNESS_CAPABILITIES}
+    )
 
 
 def _register_all() -> None:

@@ -18,10 +18,12 @@ from pathlib import Path
 
 from rpa_harness.targets import upstream
 
-from mutants import PatchError, _exec_module
+from mutants import PatchError, _as_target, _exec_module
 
 UPSTREAM_PACKAGE = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
 UPSTREAM_KERNEL_FILE = Path(importlib.util.find_spec(f"{UPSTREAM_PACKAGE}.kernel").origin)
+# What a mutant keeps of upstream's target: its whole profile.
+PROFILE = ("RPA_HARNESS_CAPABILITIES", "RPA_HARNESS_KNOWN_ISSUES", "RPA_HARNESS_CATALOGUE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +87,8 @@ def build(mutant: UpstreamMutant):
     module = _exec_module(
         f"{__name__}.{mutant.name}", patched_source(mutant), f"upstream mutant {mutant.name}: kernel.py"
     )
-    module.RPA_HARNESS_CAPABILITIES = upstream.RPA_HARNESS_CAPABILITIES
-    module.RPA_HARNESS_KNOWN_ISSUES = upstream.RPA_HARNESS_KNOWN_ISSUES
-    module.RPA_HARNESS_CATALOGUE = upstream.RPA_HARNESS_CATALOGUE
-    module.MUTANT = mutant
-    module.__doc__ = f"Mutant {mutant.name} of upstream's RPA kernel: {mutant.description}."
-    return module
+    profile = {name: getattr(upstream, name) for name in PROFILE}
+    return _as_target(module, mutant, "upstream's RPA kernel", profile)
 
 
 for _mutant in MUTANTS:

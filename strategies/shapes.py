@@ -64,11 +64,23 @@ def make_config(
     capacity = BUCKETS[bucket]
     assert isinstance(capacity, Bucket), f"{bucket!r} is a large bucket: its configs are drawn"
     pages_per_seq = math.ceil(capacity.max_kv_len / page_size) + 1  # one page more than the longest needs
+    total_num_pages = capacity.max_num_seqs * pages_per_seq + 3  # spare pages never referenced
+    sizes = (capacity.max_num_batched_tokens, capacity.max_num_seqs, pages_per_seq, total_num_pages)
+    return config_fields(sizes, page_size, (num_kv_heads, gqa_ratio, head_dim), q_dtype, kv_dtype)
+
+
+def config_fields(
+    sizes: tuple[int, int, int, int], page_size: int, heads: tuple[int, int, int], q_dtype: str, kv_dtype: str
+) -> dict:
+    """The static Case fields of a configuration, from its ``sizes`` (max_num_batched_tokens, max_num_seqs,
+    pages_per_seq, total_num_pages), page size, ``heads`` (num_kv_heads, gqa_ratio, head_dim) and dtypes."""
+    max_num_batched_tokens, max_num_seqs, pages_per_seq, total_num_pages = sizes
+    num_kv_heads, gqa_ratio, head_dim = heads
     return dict(
-        max_num_batched_tokens=capacity.max_num_batched_tokens,
-        max_num_seqs=capacity.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
         pages_per_seq=pages_per_seq,
-        total_num_pages=capacity.max_num_seqs * pages_per_seq + 3,  # spare pages never referenced
+        total_num_pages=total_num_pages,
         page_size=page_size,
         num_q_heads=num_kv_heads * gqa_ratio,
         num_kv_heads=num_kv_heads,
@@ -190,18 +202,9 @@ def production_configs(draw, capabilities: Capabilities, bucket: ProductionBucke
     max_num_batched_tokens = draw(st.sampled_from(tokens or [min(bucket.token_budgets)]))
     pages_per_seq = max(1, max_model_len // page_size)
     cache_pages = bucket.kv_cache_bytes // page_bytes(page_size, num_kv_heads, head_dim, kv_dtype)
-    return dict(
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
-        pages_per_seq=pages_per_seq,
-        total_num_pages=max(1, min(max_num_seqs * pages_per_seq, cache_pages)),
-        page_size=page_size,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        q_dtype=q_dtype,
-        kv_dtype=kv_dtype,
-    )
+    total_num_pages = max(1, min(max_num_seqs * pages_per_seq, cache_pages))
+    sizes = (max_num_batched_tokens, max_num_seqs, pages_per_seq, total_num_pages)
+    return config_fields(sizes, page_size, (num_kv_heads, ratio, head_dim), q_dtype, kv_dtype)
 
 
 def long_layouts_of(
@@ -274,18 +277,10 @@ def long_configs(
     max_num_seqs = draw(st.sampled_from(bucket.seq_slots))
     pages_per_seq = bucket.max_model_len // page_size
     cache_pages = bucket.kv_cache_bytes // page_bytes(page_size, num_kv_heads, head_dim, kv_dtype)
-    return dict(
-        max_num_batched_tokens=draw(st.sampled_from(bucket.token_budgets)),
-        max_num_seqs=max_num_seqs,
-        pages_per_seq=pages_per_seq,
-        total_num_pages=min(max_num_seqs * pages_per_seq, cache_pages),
-        page_size=page_size,
-        num_q_heads=num_kv_heads * ratio,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        q_dtype=q_dtype,
-        kv_dtype=kv_dtype,
-    )
+    max_num_batched_tokens = draw(st.sampled_from(bucket.token_budgets))
+    total_num_pages = min(max_num_seqs * pages_per_seq, cache_pages)
+    sizes = (max_num_batched_tokens, max_num_seqs, pages_per_seq, total_num_pages)
+    return config_fields(sizes, page_size, (num_kv_heads, ratio, head_dim), q_dtype, kv_dtype)
 
 
 @st.composite

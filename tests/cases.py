@@ -6,6 +6,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
 from jax.experimental.pallas import tpu as pltpu
 from rpa_harness.strategies.case import Case
 
@@ -36,26 +37,39 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 F32 = np.dtype(np.float32)
 
+
+def sized_case(
+    q_lens,
+    kv_lens,
+    *,
+    page_size=4,
+    spare_seqs=1,
+    spare_rows=3,
+    spare_pages=1,
+    spare_cache_pages=2,
+    **fields,
+) -> Case:
+    """A ``Case`` sized to its layout plus room: spare sequence slots, query rows, pages per sequence and
+    cache pages no sequence owns (a case states what it holds, and its static shape follows)."""
+    return Case(
+        max_num_batched_tokens=sum(q_lens) + spare_rows,
+        max_num_seqs=len(q_lens) + spare_seqs,
+        pages_per_seq=max(1, math.ceil(max(kv_lens, default=1) / page_size)) + spare_pages,
+        total_num_pages=sum(math.ceil(kv / page_size) for kv in kv_lens) + spare_cache_pages,
+        page_size=page_size,
+        q_lens=tuple(q_lens),
+        kv_lens=tuple(kv_lens),
+        **fields,
+    )
+
+
 # Three sequences: a chunk straddling query blocks (4 rows each), a decode and a prefill; partial last
 # pages, several KV blocks (2 pages each), two KV heads with two query heads each, NaN in page tails and
 # padding, garbage in the padding slot's metadata.
-MIXED = Case(
-    max_num_batched_tokens=16,
-    max_num_seqs=4,
-    pages_per_seq=6,
-    total_num_pages=27,
-    page_size=4,
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    q_lens=(5, 1, 8),
-    kv_lens=(13, 9, 8),
-    sm_scale=0.125,
-    num_kv_pages_per_block=2,
-    num_queries_per_block=4,
-    seed=7,
-    garbage=True,
-)
+MIXED = sized_case(
+    (5, 1, 8), (13, 9, 8), spare_rows=2, spare_pages=2, spare_cache_pages=18, num_q_heads=4, num_kv_heads=2,
+    head_dim=64, sm_scale=0.125, num_kv_pages_per_block=2, num_queries_per_block=4, seed=7, garbage=True,
+)  # fmt: skip
 
 # Every run-time option set, two sequences, one KV head: one compilation of our kernel serves any values.
 SMALL = Case(
@@ -65,39 +79,35 @@ SMALL = Case(
 )  # fmt: skip
 
 
-def build_case(
-    seed,
-    q_lens,
-    kv_lens,
-    *,
-    page_size=4,
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    q_dtype=F32,
-    kv_dtype=F32,
-    spare_seqs=1,
-    spare_rows=3,
-    spare_pages=1,
-    garbage=True,
-):
-    """The arrays of a ``Case`` sized to the layout plus spare sequence slots, query rows and pages: NaN in
-    every slot no live key or row owns, and (with ``garbage``) arbitrary int32 in unused page-table entries
-    and metadata slots past num_seqs."""
-    case = Case(
-        max_num_batched_tokens=sum(q_lens) + spare_rows,
-        max_num_seqs=len(q_lens) + spare_seqs,
-        pages_per_seq=max(1, math.ceil(max(kv_lens, default=1) / page_size)) + spare_pages,
-        total_num_pages=sum(math.ceil(kv / page_size) for kv in kv_lens) + 2,
-        page_size=page_size,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        q_dtype=np.dtype(q_dtype).name,
-        kv_dtype=np.dtype(kv_dtype).name,
-        q_lens=tuple(q_lens),
-        kv_lens=tuple(kv_lens),
-        seed=seed,
-        garbage=garbage,
+# What a built case holds unless told otherwise: two KV heads with two query heads each, of 32 dims, and
+# garbage in unused metadata.
+BUILT_CASE = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, garbage=True)
+
+
+def build_case(seed, q_lens, kv_lens, *, q_dtype=F32, kv_dtype=F32, **fields):
+    """The arrays of a ``sized_case`` of these NumPy dtypes, with BUILT_CASE's fields unless ``fields``
+    (its room, heads, any other Case field) say otherwise: NaN in every slot no live key or row owns, and
+    (with ``garbage``) arbitrary int32 in unused page-table entries and metadata slots past num_seqs."""
+    dtypes = dict(q_dtype=np.dtype(q_dtype).name, kv_dtype=np.dtype(kv_dtype).name)
+    return sized_case(q_lens, kv_lens, seed=seed, **dtypes, **{**BUILT_CASE, **fields}).arrays()
+
+
+def drawn_cases(strategy, count: int) -> list[Case]:
+    """``count`` cases from a strategy, the same on every run: a fixed sample for what is stated about a
+    share of drawn cases (generated only, none shrunk)."""
+    cases = []
+
+    @settings(
+        max_examples=count,
+        derandomize=True,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        deadline=None,
     )
-    return case.arrays()
+    @given(strategy)
+    def collect(case):
+        cases.append(case)
+
+    collect()
+    return cases

@@ -344,7 +344,10 @@ def test_a_fault_a_call_leaves_for_the_next_is_replayed_after_the_calls_before_t
     )  # fmt: skip
     path = tmp_path / "differential_fast-interpret.json"
     assert result.returncode == backends.HALT_EXIT_CODE, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "preceded by: 2 example(s) run just before it on the device, in the repro's preceded_by" in result.stderr
+    assert (
+        "preceded by: 2 example(s) run just before it on the device, in the repro's preceded_by"
+        in result.stderr
+    )
     meta = json.loads(path.read_text())
     assert meta["halt"] is not None and len(meta["preceded_by"]) == recording.EXAMPLES_BEFORE_A_HALT
     faulting = Case.from_json(meta["preceded_by"][-1]["case"])

@@ -190,7 +190,10 @@ def test_a_halts_repro_names_the_last_examples_before_it_whose_case_rebuilds_the
     suspect = recorded(tmp_path, name, target, backend, case(0).arrays(), case(0).options(), case=case(0))
     with suspect:
         message, code = suspect.on_halt("a kernel call on fast-interpret", "TPU_EXECUTE_ERROR: halted")
-    assert code == backends.HALT_EXIT_CODE and "preceded by: 1 example(s) run just before it on the device" in message, message
+    assert (
+        code == backends.HALT_EXIT_CODE
+        and "preceded by: 1 example(s) run just before it on the device" in message
+    ), message
     path = tmp_path / "differential_x.json"
     halt = repro_files.read(path)
     [before] = repro_files.predecessors(path, halt)

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given, settings
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream_kernel
 from rpa_harness import known_issues, targets
 from rpa_harness import repro as repro_files
@@ -15,6 +15,7 @@ from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import as_jax, upstream
 
+from tests.cases import drawn_cases
 from tests.processes import run_python
 
 CATALOGUE = upstream.RPA_HARNESS_CATALOGUE
@@ -33,29 +34,9 @@ NARROW_ON_A_CHIP = 0.5
 NARROW_BY_ISSUE = {"unwaited-kv-prefetch-halts-the-chip": 0.45}
 
 
-def drawn(strategy, count: int) -> list[Case]:
-    """``count`` cases from a strategy, the same on every run."""
-    cases = []
-
-    @settings(
-        max_examples=count,
-        derandomize=True,
-        database=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-        deadline=None,
-    )
-    @given(strategy)
-    def collect(case):
-        cases.append(case)
-
-    collect()
-    return cases
-
-
 @pytest.fixture(scope="module")
 def upstream_cases() -> list[Case]:
-    return drawn(valid_cases(UPSTREAM), 200) + drawn(valid_cases(UPSTREAM, pooled=True), 200)
+    return drawn_cases(valid_cases(UPSTREAM), 200) + drawn_cases(valid_cases(UPSTREAM, pooled=True), 200)
 
 
 def seen_on_a_chip_only(issue: known_issues.KnownIssue) -> bool:
@@ -75,8 +56,8 @@ def upstream_cases_on_a_chip() -> list[Case]:
     """What the compile property draws for upstream: block sizes may be left to its tuned table, the long
     bucket included."""
     on_a_chip = dataclasses.replace(UPSTREAM, needs_block_sizes=False)
-    long = drawn(valid_cases(on_a_chip, large="long", selection=("tiny", "small", "long")), 100)
-    return drawn(valid_cases(on_a_chip), 400) + long
+    long = drawn_cases(valid_cases(on_a_chip, large="long", selection=("tiny", "small", "long")), 100)
+    return drawn_cases(valid_cases(on_a_chip), 400) + long
 
 
 @pytest.mark.parametrize("issue", CATALOGUE, ids=lambda issue: issue.name)

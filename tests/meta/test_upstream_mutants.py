@@ -8,31 +8,20 @@ import dataclasses
 import pytest
 from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import CannotRun, PropertyFailure, check_differential
-from rpa_harness.strategies.case import Case
 from rpa_harness.targets import UPSTREAM_TARGET, load, upstream
 
 import mutants.upstream
+from tests.cases import sized_case
 
 FAST = Backend(FAST_INTERPRET)
 
 
 # One sequence with context (3 queries over 6 keys, two pages), one KV block per page, 2 query heads on 1
 # KV head: no empty sequence, no query tail, default mask value, no scales.
-BASE = Case(
-    max_num_batched_tokens=8,
-    max_num_seqs=2,
-    pages_per_seq=4,
-    total_num_pages=9,
-    page_size=4,
-    num_q_heads=2,
-    num_kv_heads=1,
-    head_dim=128,
-    q_lens=(3,),
-    kv_lens=(6,),
-    num_kv_pages_per_block=1,
-    num_queries_per_block=8,
-    poison=False,
-)
+BASE = sized_case(
+    (3,), (6,), spare_rows=5, spare_pages=2, spare_cache_pages=7, num_q_heads=2, num_kv_heads=1, head_dim=128,
+    num_kv_pages_per_block=1, num_queries_per_block=8, poison=False,
+)  # fmt: skip
 WITNESSES = {
     "causal_off_by_one": BASE,
     "sliding_window_off_by_one": dataclasses.replace(BASE, sliding_window=2),

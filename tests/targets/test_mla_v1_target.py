@@ -16,6 +16,7 @@ from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
 
 from tests.cases import skip_without_tpu_inference
+from tests.references import assert_matches_mla_v1_reference
 
 skip_without_tpu_inference(module_level=True)
 
@@ -75,14 +76,9 @@ def test_mla_v1_agrees_with_its_own_reference():
     case as the kernel's authors mean it."""
     case = dataclasses.replace(LATENT, poison=False)
     arrays = case.arrays()
-    inputs = mla.mla_inputs(**arrays, **case.options())
-    kwargs = {k: v for k, v in inputs.kwargs.items() if k not in ("chunk_prefill_size", "num_kv_pages_per_block",
-                                                                     "num_queries_per_block", "vmem_limit_bytes")}  # fmt: skip
-    expected, _ = mla.kernel().ref_mla_ragged_paged_attention(*inputs.args, **kwargs)
     with Backend(FAST_INTERPRET).context():
         out, _ = mla.ragged_paged_attention(**arrays, **case.options())
-    rows = slice(0, case.num_tokens)
-    np.testing.assert_allclose(out[rows, :, :128], np.asarray(expected)[rows, :, :128], rtol=1e-5, atol=1e-5)
+    assert_matches_mla_v1_reference(out, arrays, case.options(), case.num_tokens)
 
 
 @pytest.mark.parametrize(

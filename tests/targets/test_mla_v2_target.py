@@ -4,7 +4,6 @@ and its findings' predicates (each checked against the kernel, not assumed)."""
 import dataclasses
 import sys
 
-import numpy as np
 import pytest
 from rpa_harness import targets
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
@@ -12,11 +11,11 @@ from rpa_harness.checks import CacheMismatch, RaisedOnValidInput, check_differen
 from rpa_harness.strategies.case import Case
 
 from tests.cases import skip_without_tpu_inference
+from tests.references import assert_matches_mla_v1_reference
 
 skip_without_tpu_inference(module_level=True)
 
-from rpa_harness.targets import tpu_inference_mla_v1 as mla_v1  # noqa: E402  (needs tpu-inference)
-from rpa_harness.targets import tpu_inference_mla_v2 as mla_v2  # noqa: E402
+from rpa_harness.targets import tpu_inference_mla_v2 as mla_v2  # noqa: E402  (needs tpu-inference)
 from rpa_harness.targets.tpu_inference_mla_v2 import known_issues  # noqa: E402
 
 TARGET = targets.load(targets.MLA_V2_TARGET)
@@ -45,14 +44,9 @@ def test_mla_v2_agrees_with_mla_v1s_reference():
     """v2 has no reference of its own; v1's, on v1's inputs for the same case, against v2's output: the
     head-major query and the precision options mean what the adapter says."""
     arrays = LATENT.arrays()
-    inputs = mla_v1.mla_inputs(**arrays, **LATENT.options())
-    kwargs = {k: v for k, v in inputs.kwargs.items() if k not in ("chunk_prefill_size", "num_kv_pages_per_block",
-                                                                     "num_queries_per_block", "vmem_limit_bytes")}  # fmt: skip
-    expected, _ = mla_v1.kernel().ref_mla_ragged_paged_attention(*inputs.args, **kwargs)
     with Backend(FAST_INTERPRET).context():
         out, _ = mla_v2.ragged_paged_attention(**arrays, **LATENT.options())
-    rows = slice(0, LATENT.num_tokens)
-    np.testing.assert_allclose(out[rows, :, :128], np.asarray(expected)[rows, :, :128], rtol=1e-5, atol=1e-5)
+    assert_matches_mla_v1_reference(out, arrays, LATENT.options(), LATENT.num_tokens)
 
 
 # (page_size, pages per KV block, q_lens, kv_lens) of a bfloat16 cache; whether the merge reads past its

@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from rpa_harness import generations, known_issues, reference, targets
 from rpa_harness import repro as repro_files
@@ -32,7 +32,7 @@ from rpa_harness.targets import layouts as layout_converters
 from rpa_harness.targets import tpu_inference_v3 as v3target
 from rpa_harness.targets import tpu_inference_v3_hd64 as hd64target
 
-from tests.cases import skip_without_tpu_inference
+from tests.cases import drawn_cases, skip_without_tpu_inference
 from tests.references import as_one_program
 
 skip_without_tpu_inference(module_level=True)
@@ -325,15 +325,7 @@ def test_the_sink_finding_is_the_q_packing():
 
 def test_hd64_issues_are_narrow():
     """Each issue matches some but at most a third of the cases drawn for the kernel."""
-    cases = []
-
-    @settings(max_examples=150, derandomize=True, database=None, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(valid_cases(CAPABILITIES))
-    def collect(case):
-        cases.append(case)
-
-    collect()
+    cases = drawn_cases(valid_cases(CAPABILITIES), 150)
     for issue in hd64target.RPA_HARNESS_CATALOGUE:
         share = sum(issue.matches(case) for case in cases) / len(cases)
         if issue.name == "hd64-sink-on-padded-q-heads" and not hd64target.NARROW_OUTPUT_TRACES:

@@ -37,7 +37,7 @@ from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import tpu_inference_v3 as v3target
 
-from tests.cases import skip_without_tpu_inference
+from tests.cases import drawn_cases, sized_case, skip_without_tpu_inference
 from tests.processes import run_python
 from tests.references import as_one_program
 
@@ -105,18 +105,10 @@ def test_v3_attention_and_updated_cache_any_config(v3_runs, repro_dir, data):
 # ---- v3's own validators: its rules and messages (from its static_validate_inputs and
 # dynamic_validate_inputs), reached through the upstream-style wrapper ----
 
-BASE = Case(
-    max_num_batched_tokens=8,
-    max_num_seqs=2,
-    pages_per_seq=3,
-    total_num_pages=8,
-    page_size=4,
-    num_q_heads=2,
-    num_kv_heads=1,
-    head_dim=128,
-    q_lens=(1, 3),
-    kv_lens=(5, 9),
-)
+BASE = sized_case(
+    (1, 3), (5, 9), spare_seqs=0, spare_rows=4, spare_pages=0, spare_cache_pages=3, num_q_heads=2,
+    num_kv_heads=1, head_dim=128,
+)  # fmt: skip
 
 
 def _with(arrays: dict, **changes) -> dict:
@@ -478,17 +470,7 @@ def test_v3s_rejected_defaults_are_right_where_no_chunk_runs_past_its_block():
 
 def test_v3_issues_are_narrow():
     """Each drawable v3 issue matches some but at most a quarter of the cases drawn for v3."""
-    from hypothesis import HealthCheck, Phase
-
-    cases = []
-
-    @settings(max_examples=200, derandomize=True, database=None, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(valid_cases(CAPABILITIES))
-    def collect(case):
-        cases.append(case)
-
-    collect()
+    cases = drawn_cases(valid_cases(CAPABILITIES), 200)
     for issue in INSTALLED_RELEASES:
         share = sum(issue.matches(case) for case in cases) / len(cases)
         if issue.name == "q-len-zero-before-a-live-sequence-hangs":  # empty_sequences=False: never drawn

@@ -2,7 +2,6 @@
 a semaphore count left would halt a TPU, so on the ``interpret`` backend it fails, a failure of its own
 kind; upstream's kernel does so wherever its known issue unwaited-kv-prefetch-halts-the-chip says."""
 
-import contextlib
 import dataclasses
 import types
 import warnings
@@ -11,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from rpa_harness import checks, generations, interpret_compat, targets
@@ -24,6 +22,9 @@ from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import upstream
 
+from tests.cases import drawn_cases
+from tests.compat_layer import layer_installed, layer_off
+
 CHECKING = Backend(INTERPRET)
 ISSUE = {issue.name: issue for issue in upstream.RPA_HARNESS_CATALOGUE}["unwaited-kv-prefetch-halts-the-chip"]
 # Drawn upstream cases the predicate is held to the exit check on (about 0.1 s each, a compilation per
@@ -33,21 +34,8 @@ DRAWN = 40
 
 @pytest.fixture(autouse=True, scope="module")
 def compat_layer():
-    was_installed = interpret_compat.is_installed()
-    interpret_compat.install()
-    yield
-    if not was_installed:
-        interpret_compat.uninstall()
-
-
-@contextlib.contextmanager
-def layer_off():
-    """Without the layer, then with it again (the other tests rely on it)."""
-    interpret_compat.uninstall()
-    try:
+    with layer_installed():
         yield
-    finally:
-        interpret_compat.install()
 
 
 # --- small kernels --------------------------------------------------------------------------------------
@@ -202,29 +190,19 @@ LAYOUTS = [
     ((30, 2, 0), (30, 97, 100)),  # halted a v5e (its block sizes not recorded)
     ((1, 1, 1), (2, 98, 97)),
 ]
+# Both configurations: 32 query rows, 4 sequence slots, 8 query heads of 128.
+SLOTS = dict(max_num_batched_tokens=32, max_num_seqs=4, num_q_heads=8, head_dim=128)
 CONFIGS = {
     "one head block": dict(
-        max_num_batched_tokens=32,
-        max_num_seqs=4,
+        SLOTS,
         pages_per_seq=25,
         total_num_pages=103,
         page_size=4,
-        num_q_heads=8,
         num_kv_heads=4,
-        head_dim=128,
         q_dtype="bfloat16",
         kv_dtype="bfloat16",
     ),
-    "two head blocks": dict(
-        max_num_batched_tokens=32,
-        max_num_seqs=4,
-        pages_per_seq=7,
-        total_num_pages=29,
-        page_size=16,
-        num_q_heads=8,
-        num_kv_heads=8,
-        head_dim=128,
-    ),
+    "two head blocks": dict(SLOTS, pages_per_seq=7, total_num_pages=29, page_size=16, num_kv_heads=8),
 }
 
 
@@ -247,23 +225,10 @@ def test_predicate_is_the_exit_check_with_the_tuned_blocks_of_a_v5e():
         assert predicted == exit_check_fires(case, backend), case.describe()
 
 
-def drawn_upstream_cases(count: int) -> list[Case]:
-    cases = []
-
-    @settings(max_examples=count, derandomize=True, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck), deadline=None)  # fmt: skip
-    @given(valid_cases(upstream.RPA_HARNESS_CAPABILITIES, pooled=True))
-    def collect(case):
-        cases.append(case)
-
-    collect()
-    return cases
-
-
 def test_predicate_is_the_exit_check_on_drawn_cases():
     disagree = [
         case.describe()
-        for case in drawn_upstream_cases(DRAWN)
+        for case in drawn_cases(valid_cases(upstream.RPA_HARNESS_CAPABILITIES, pooled=True), DRAWN)
         if not upstream.one_kv_scale_with_mixed_dtypes(case)  # raises while traced
         and ISSUE.matches(case) != exit_check_fires(case)
     ]

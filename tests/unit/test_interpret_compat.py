@@ -25,8 +25,9 @@ from rpa_harness.interpret_compat import generic as generic_gaps
 from rpa_harness.interpret_compat import products as product_gaps
 from rpa_harness.interpret_compat import tpu as tpu_gaps
 from rpa_harness.interpret_compat.patching import InternalsMoved
-from rpa_harness.strategies.case import Case
 
+from tests.cases import sized_case
+from tests.compat_layer import layer_installed, layer_off
 from tests.references import upstream_in_one_program
 
 INTERPRETERS = ["tpu", "generic"]
@@ -34,22 +35,8 @@ INTERPRETERS = ["tpu", "generic"]
 
 @pytest.fixture(autouse=True, scope="module")
 def compat_layer():
-    was_installed = interpret_compat.is_installed()
-    interpret_compat.install()
-    yield
-    if not was_installed:
-        interpret_compat.uninstall()
-
-
-@contextlib.contextmanager
-def layer_off():
-    """Run without the layer, then put it back (other tests in this process rely on it)."""
-    interpret_compat.uninstall()
-    try:
+    with layer_installed():
         yield
-    finally:
-        interpret_compat.install()
-        assert interpret_compat.is_installed()
 
 
 def interpret_params(interpreter: str):
@@ -884,6 +871,14 @@ def test_a_read_past_an_integer_ref_reads_every_bit_set():
 LONG_CALL_COPIES = 300  # ~1,800 recorded accesses before the last copy: many prunes happen before it
 
 
+def double_buffered(kernel, semaphores: tuple[int, ...]):
+    """``kernel`` as a jitted call on (n, 8, 128) float32 pages in HBM, with a double buffer of two pages in
+    VMEM and DMA semaphores of shape ``semaphores``."""
+    scratch_shapes = [pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA(semaphores)]
+    page = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    return fresh_pallas_call(kernel, page, scratch_shapes, in_specs=[pl.BlockSpec(memory_space=pl.ANY)])
+
+
 def copies_then_a_last_one(race_at_the_end: bool):
     """LONG_CALL_COPIES page DMAs into alternating slots of a double buffer, each waited for and read,
     then one more DMA whose destination slot is read before (a race) or after its wait."""
@@ -907,15 +902,7 @@ def copies_then_a_last_one(race_at_the_end: bool):
         if not race_at_the_end:
             o_ref[...] += buffer[1]
 
-    def call(x):
-        return pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-            scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
-        )(x)
-
-    return jax.jit(call)
+    return double_buffered(kernel, semaphores=())
 
 
 def a_race_then_copies(race: bool):
@@ -942,15 +929,7 @@ def a_race_then_copies(race: bool):
         if not race:
             o_ref[...] += buffer[1]
 
-    def call(x):
-        return pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-            scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
-        )(x)
-
-    return jax.jit(call)
+    return double_buffered(kernel, semaphores=(2,))
 
 
 @pytest.mark.parametrize("race", [True, False], ids=["read-before-wait", "read-after-wait"])
@@ -1054,40 +1033,50 @@ def assert_probe_agrees(gap: str, still_there: bool, closed: str):
         )
 
 
-def test_gap_reshape_still_in_tpu_interpreter():
-    def kernel(x_ref, o_ref):
-        o_ref[...] = x_ref.reshape(16, 128)[...]
+def read_through_reshape(x_ref, o_ref):
+    o_ref[...] = x_ref.reshape(16, 128)[...]
 
+
+def read_through_bitcast(x_ref, o_ref):
+    o_ref[...] = x_ref.bitcast(jnp.uint32)[...]
+
+
+def store_masked(x_ref, o_ref):
+    o_ref[...] = jnp.zeros_like(o_ref)
+    pltpu.store(o_ref, x_ref[...], mask=rows_1_and_2(o_ref.shape))
+
+
+def store_masked_at_a_literal_index(x_ref, o_ref):
+    o_ref[...] = jnp.zeros_like(o_ref)
+    pltpu.store(o_ref.at[1], x_ref[1], mask=rows_1_and_2((2, 128)))
+
+
+def store_through_reshape(x_ref, o_ref):
+    o_ref.reshape(16, 128)[...] = x_ref[...].reshape(16, 128)
+
+
+# Kernels that fail without the layer where this jax has the gap: (gap, interpreter, kernel, input, output
+# shape and dtype or None for the input's, the error, whether the kernel covers the whole gap or one part
+# of it that jax may close alone).
+FAILING_KERNELS = {
+    "reshape-tpu": ("tpu-ref-views", "tpu", read_through_reshape, X3, ((16, 128), jnp.float32),
+                    "'ReshapeTransform' object has no attribute 'indices'", False),
+    "bitcast-tpu": ("tpu-ref-views", "tpu", read_through_bitcast, random_array((16, 128), jnp.bfloat16),
+                    ((8, 128), jnp.uint32), "'BitcastTransform' object has no attribute 'indices'", False),
+    "masked-swap-tpu": ("tpu-masked-swap", "tpu", store_masked, Y3, None, "Out-of-bounds masked swap", True),
+    "literal-index-generic": ("generic-literal-indices", "generic", store_masked_at_a_literal_index, Y3, None,
+                              "'TypedInt' object has no attribute 'shape'", True),
+    "view-store-generic": ("generic-view-stores", "generic", store_through_reshape, X3, None,
+                           "Unsupported transform: ReshapeTransform", False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(FAILING_KERNELS))
+def test_gap_still_in_the_interpreter(name):
+    gap, interpreter, kernel, x, out, error_text, whole_gap = FAILING_KERNELS[name]
+    out_shape = jax.ShapeDtypeStruct(*(out or (x.shape, x.dtype)))
     assert_gap(
-        "tpu-ref-views",
-        lambda: run(kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32), X3, interpreter="tpu"),
-        "'ReshapeTransform' object has no attribute 'indices'",
-        whole_gap=False,
-    )
-
-
-def test_gap_bitcast_still_in_tpu_interpreter():
-    def kernel(x_ref, o_ref):
-        o_ref[...] = x_ref.bitcast(jnp.uint32)[...]
-
-    x = random_array((16, 128), jnp.bfloat16)
-    assert_gap(
-        "tpu-ref-views",
-        lambda: run(kernel, jax.ShapeDtypeStruct((8, 128), jnp.uint32), x, interpreter="tpu"),
-        "'BitcastTransform' object has no attribute 'indices'",
-        whole_gap=False,
-    )
-
-
-def test_gap_masked_swap_still_in_tpu_interpreter():
-    def kernel(x_ref, o_ref):
-        o_ref[...] = jnp.zeros_like(o_ref)
-        pltpu.store(o_ref, x_ref[...], mask=rows_1_and_2(o_ref.shape))
-
-    assert_gap(
-        "tpu-masked-swap",
-        lambda: run(kernel, jax.ShapeDtypeStruct(Y3.shape, Y3.dtype), Y3, interpreter="tpu"),
-        "Out-of-bounds masked swap",
+        gap, lambda: run(kernel, out_shape, x, interpreter=interpreter), error_text, whole_gap=whole_gap
     )
 
 
@@ -1115,30 +1104,6 @@ def test_an_access_of_no_elements_overlaps_nothing():
         assert races._slices_overlap(slice(0, 0, 1), slice(0, 8, 1)) == (
             gap_state("tpu-empty-access-race") != interpret_compat.CLOSED
         )
-
-
-def test_gap_literal_index_still_in_generic_interpreter():
-    def kernel(x_ref, o_ref):
-        o_ref[...] = jnp.zeros_like(o_ref)
-        pltpu.store(o_ref.at[1], x_ref[1], mask=rows_1_and_2((2, 128)))
-
-    assert_gap(
-        "generic-literal-indices",
-        lambda: run(kernel, jax.ShapeDtypeStruct(Y3.shape, Y3.dtype), Y3, interpreter="generic"),
-        "'TypedInt' object has no attribute 'shape'",
-    )
-
-
-def test_gap_view_store_still_in_generic_interpreter():
-    def kernel(x_ref, o_ref):
-        o_ref.reshape(16, 128)[...] = x_ref[...].reshape(16, 128)
-
-    assert_gap(
-        "generic-view-stores",
-        lambda: run(kernel, jax.ShapeDtypeStruct(X3.shape, X3.dtype), X3, interpreter="generic"),
-        "Unsupported transform: ReshapeTransform",
-        whole_gap=False,
-    )
 
 
 def test_gap_masked_view_store_still_in_generic_interpreter():
@@ -1468,21 +1433,11 @@ def test_importing_the_layer_imports_no_private_jax_module():
 # One sequence layout and page geometry for both: upstream's reference runs op by op and compiles per
 # shape, so shared shapes keep this file fast.
 # A decode and a chunked prefill over 4 pages of 16 keys per sequence, a spare sequence slot, 16 query rows.
-UPSTREAM_BASE = Case(
-    max_num_batched_tokens=16,
-    max_num_seqs=3,
-    pages_per_seq=4,
-    total_num_pages=12,
-    page_size=16,
-    num_q_heads=8,
-    num_kv_heads=1,
-    head_dim=128,
-    q_lens=(5, 1),
-    kv_lens=(37, 9),
-    seed=11,
-    sm_scale=128**-0.5,
+UPSTREAM_BASE = sized_case(
+    (5, 1), (37, 9), page_size=16, spare_rows=10, spare_cache_pages=8, num_q_heads=8, num_kv_heads=1,
+    head_dim=128, seed=11, sm_scale=128**-0.5,
     poison=False,  # upstream's reference reads whole pages; NaN there would reach its output
-)
+)  # fmt: skip
 UPSTREAM_CONFIGS = {
     "f32-8q1kv-window-softcap-strided-path": dataclasses.replace(
         UPSTREAM_BASE, num_kv_pages_per_block=3, num_queries_per_block=4, sliding_window=12, soft_cap=20.0

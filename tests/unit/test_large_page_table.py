@@ -17,42 +17,25 @@ from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
 from rpa_harness.repro import stand_ins
 from rpa_harness.strategies.case import Case
 
-from tests.cases import GARBAGE, INTERPRETERS
+from tests.cases import GARBAGE, INTERPRETERS, sized_case
 
 SMEM_BYTES = 1024 * 1024
 
 # 256 sequences of 2048 pages: a 2 MiB page table.
 SERVING = Case(
-    max_num_batched_tokens=512,
-    max_num_seqs=256,
-    pages_per_seq=2048,
-    total_num_pages=8192,
-    page_size=16,
-    num_q_heads=8,
-    num_kv_heads=1,
-    head_dim=128,
-    q_lens=(1,),
-    kv_lens=(16,),
-)
+    max_num_batched_tokens=512, max_num_seqs=256, pages_per_seq=2048, total_num_pages=8192, page_size=16,
+    num_q_heads=8, num_kv_heads=1, head_dim=128, q_lens=(1,), kv_lens=(16,),
+)  # fmt: skip
 
 # 3000 rows of 100 entries (1.2 MiB, not a whole number of 128-entry tiles). Only the last sequence has
 # query rows; the others have none and hold no pages, so the interpreters visit its 34 KV blocks only. Its
 # blocks of 3 pages straddle a tile boundary, and its last block is one page, the table's last entry.
 _NUM_EMPTY_SEQS = 2999
-LARGE_TABLE = Case(
-    max_num_batched_tokens=8,
-    max_num_seqs=_NUM_EMPTY_SEQS + 1,
-    pages_per_seq=100,
-    total_num_pages=103,
-    page_size=2,
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim=128,
-    q_lens=(0,) * _NUM_EMPTY_SEQS + (5,),
-    kv_lens=(0,) * _NUM_EMPTY_SEQS + (199,),
-    num_kv_pages_per_block=3,
+LARGE_TABLE = sized_case(
+    (0,) * _NUM_EMPTY_SEQS + (5,), (0,) * _NUM_EMPTY_SEQS + (199,), page_size=2, spare_seqs=0, spare_pages=0,
+    spare_cache_pages=3, num_q_heads=4, num_kv_heads=2, head_dim=128, num_kv_pages_per_block=3,
     garbage_values=GARBAGE,
-)
+)  # fmt: skip
 
 
 def test_cases_are_what_they_claim():
