@@ -30,7 +30,6 @@ def block_sizes_in_words(inputs: batched.BatchedInputs) -> str:
 BATCHED = dataclasses.replace(
     v3_report.V3,
     name="tpu-inference batched RPA (experimental)",
-    module=batched.kernel(),
     tuning_options=(
         "decode_block_sizes",
         "prefill_block_sizes",
@@ -39,9 +38,7 @@ BATCHED = dataclasses.replace(
         "update_kv_cache",
         "kv_layout",
     ),
-    inputs=batched.batched_inputs,
-    call=batched.call_batched,
-    precision=batched.RPA_HARNESS_PRECISION,
+    **v3_report.adapted(batched, batched.batched_inputs, batched.call_batched),
     block_sizes_in_words=block_sizes_in_words,
     off_a_tpu="no particular TPU: batched RPA reads the chip throughout, so the harness always emulates one",
     on_a_generation=(

@@ -361,9 +361,6 @@ def script(kernel: ReportedMla, v1_inputs: mla_v1.MlaInputs, call: mla_v1.MlaInp
 
 MLA_V1 = ReportedMla(
     name="tpu-inference MLA v1",
-    module=mla_v1.kernel(),
-    inputs=mla_v1.mla_inputs,
-    call=mla_v1.call_mla,
-    precision=mla_v1.RPA_HARNESS_PRECISION,
+    **v3_report.adapted(mla_v1, mla_v1.mla_inputs, mla_v1.call_mla),
     head_major=False,
 )

@@ -12,9 +12,6 @@ SCRIPT_STUBS = v3_report.package_stubs("experimental", "rpa_v3_cp")
 CP = dataclasses.replace(
     v3_report.V3,
     name="tpu-inference RPA v3 CP (experimental, no CP)",
-    module=cp.kernel(),
-    inputs=cp.cp_inputs,
-    call=cp.call_cp,
-    precision=cp.RPA_HARNESS_PRECISION,
+    **v3_report.adapted(cp, cp.cp_inputs, cp.call_cp),
     script_stubs=SCRIPT_STUBS,
 )

@@ -552,6 +552,12 @@ def embedded_inputs(inputs) -> str | None:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+def adapted(adapter, inputs, call) -> dict[str, Any]:
+    """The fields of a reported kernel that its adapter module gives: the kernel module, the mapping of an
+    upstream-style case to its inputs, its call on them and its precision contract."""
+    return dict(module=adapter.kernel(), inputs=inputs, call=call, precision=adapter.RPA_HARNESS_PRECISION)
+
+
 def package_stubs(*parts: str) -> str:
     """Lines of a script's loader (``ReportedKernel.script_stubs``) that make the packages of a kernel under
     ``tpu_inference/kernels/`` importable without their ``__init__.py``, as the loader does for v3's."""
@@ -780,7 +786,6 @@ def data_words(encoded: str | None) -> str:
 
 V3 = ReportedKernel(
     name="tpu-inference RPA v3",
-    module=v3.kernel(),
     function="ragged_paged_attention",
     reference="ref_ragged_paged_attention",
     tuning_options=(
@@ -792,9 +797,7 @@ V3 = ReportedKernel(
         "update_kv_cache",
     ),
     cache_layout="v3's packed layout",
-    inputs=v3.v3_inputs,
-    call=v3.call_v3,
-    precision=v3.RPA_HARNESS_PRECISION,
+    **adapted(v3, v3.v3_inputs, v3.call_v3),
     block_sizes_in_words=v3_block_sizes_in_words,
     script_options=lambda inputs: inputs.kwargs,  # block sizes and VMEM limit as passed: None is v3's default
     off_a_tpu=(

@@ -36,7 +36,6 @@ SCRIPT_STUBS = """\
 
 HD64 = v3_report.ReportedKernel(
     name="tpu-inference RPA v3 hd64",
-    module=hd64.kernel(),
     function="ragged_paged_attention_hd64",
     reference="ref_ragged_paged_attention_hd64",
     tuning_options=(
@@ -46,9 +45,7 @@ HD64 = v3_report.ReportedKernel(
         "chunk_prefill_size",
     ),
     cache_layout="each KV head's K and V side by side in one 128-lane row",
-    inputs=hd64.hd64_inputs,
-    call=hd64.call_hd64,
-    precision=hd64.RPA_HARNESS_PRECISION,
+    **v3_report.adapted(hd64, hd64.hd64_inputs, hd64.call_hd64),
     block_sizes_in_words=block_sizes_in_words,
     script_options=script_options,
     off_a_tpu=(
