@@ -2,16 +2,16 @@
 
     PYTHONPATH=. python benchmarks/bench_throughput.py [--backend tpu|fast-interpret|interpret]
         [--targets rpa_harness.kernel,rpa_harness.targets.tpu_inference_v3] [--properties pooled,any-config]
-        [--workers 1,2] [--seconds 120] [--cache cold,warm] [--cache-dir DIR] [--repro-dir DIR]
+        [--workers 1,2] [--chip-owner auto|on|off] [--seconds 120] [--cache cold,warm] [--cache-dir DIR] [--repro-dir DIR]
 
 Each row runs the property itself, as a user's run does (``pytest --pyargs rpa_harness.properties``, the dev
 profile resized by ``RPA_MAX_EXAMPLES`` so that it never ends first), for ``--seconds`` of wall time, then
 interrupts it as Ctrl-C would (its process session only) and reads its run log: examples (Hypothesis
 examples) and cases (a whole-space example, or a pooled one on a chip, holds several) between the first
 example and the last, per minute; the wall time before the first (starting workers, opening the chip);
-and, where a chip owner made the calls (``--workers`` of 2 or more: ``--rpa-chip-owner=on``), its kernel
-calls and the fraction of the row's wall time the chip spent in them. ``--workers 1`` runs one process
-that makes its own calls (``--rpa-chip-owner=off``): the path without an owner.
+and, where a chip owner made the calls (``--workers`` of 2 or more, unless ``--chip-owner off``), its
+kernel calls and the fraction of the row's wall time the chip spent in them. ``--workers 1`` runs one
+process that makes its own calls (``--rpa-chip-owner=off``): the path without an owner.
 
 ``pooled`` is ``test_kernel_matches_oracle`` (on a chip, groups of cases on pooled configurations);
 ``any-config`` is ``test_kernel_matches_oracle_any_config``. With ``--cache cold,warm`` each row runs twice,
@@ -47,7 +47,7 @@ def run_row(args, target: str, prop: str, workers: int, cache, repro_dir: Path) 
         "-k", PROPERTIES[prop], f"--rpa-target={target}", f"--rpa-backend={args.backend}",
         "--hypothesis-profile=dev", f"--rpa-repro-dir={repro_dir}",
         f"--rpa-compilation-cache={cache if cache is not None else 'off'}",
-        "-n", str(workers), f"--rpa-chip-owner={'on' if workers > 1 else 'off'}",
+        "-n", str(workers), f"--rpa-chip-owner={owner_setting(args.chip_owner, workers)}",
     ]  # fmt: skip
     environ = {**os.environ, "RPA_RUN_LOG": str(log), "RPA_MAX_EXAMPLES": str(NEVER_ENDS_FIRST)}
     started = time.time()
@@ -74,6 +74,13 @@ def run_row(args, target: str, prop: str, workers: int, cache, repro_dir: Path) 
         row["error"] = f"no example ran (exit {process.returncode}): {output.strip().splitlines()[-1:] or ''}"
     shutil.rmtree(log, ignore_errors=True)
     return row
+
+
+def owner_setting(choice: str, workers: int) -> str:
+    """``--rpa-chip-owner`` for a row: ``auto`` is an owner for 2 or more workers, on any backend."""
+    if choice == "auto":
+        return "on" if workers > 1 else "off"
+    return choice
 
 
 def summarise(log: Path, started: float, ended: float) -> dict:
@@ -129,6 +136,10 @@ def main() -> int:
         default="1,2",
         help="xdist workers per row, comma-separated; 2 or more: with a chip owner",
     )
+    parser.add_argument(
+        "--chip-owner", default="auto", choices=("auto", "on", "off"),
+        help="auto (default): workers of 2 or more feed a chip owner; off: each worker makes its own calls",
+    )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=120.0, help="wall seconds per row (default 120)")
     parser.add_argument("--cache", default="cold,warm", help="cold, warm, off, or a comma-separated sequence")
     parser.add_argument(

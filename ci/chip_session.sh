@@ -19,6 +19,7 @@
 #                benchmarks/bench_throughput.py --backend tpu: that differential property of the bundled kernel
 #                and v3, 1 worker making its own calls, then 12 feeding a chip owner; cold and warm caches
 #   speed        rpa-harness bench: the bundled kernel, upstream's and v3 at the serving batches
+#   v3-speed     ci/chip_probe_v3_speed.py: v3's time per batch through bench's call and bare, and per block size
 #
 # The calibration groups (CALIBRATE_GROUPS below) hold every shipped target once; on jax 0.10.2 (Python 3.11,
 # the chip images') ten run, mla_swa needing jax >= 0.12 and stacked RPA jax < 0.12:
@@ -51,7 +52,7 @@ CALIBRATE_GROUPS=(
   "rpa_harness.targets.tpu_inference_batched_rpa rpa_harness.targets.tpu_inference_rpa_v3_cp rpa_harness.targets.tpu_inference_stacked_rpa rpa_harness.targets.tpu_inference_mla_swa"
 )
 groups=$(for i in "${!CALIBRATE_GROUPS[@]}"; do printf ' calibrate-%d verdicts-%d' $((i + 1)) $((i + 1)); done)
-steps="smoke calibrate verdicts$groups agreement arithmetic throughput-pooled throughput-any-config speed"
+steps="smoke calibrate verdicts$groups agreement arithmetic throughput-pooled throughput-any-config speed v3-speed"
 for name in "$@"; do
   case " $steps " in
     *" $name "*) ;;
@@ -149,6 +150,7 @@ for name in "$@"; do
     speed)
       step speed 300 rpa-harness bench --target rpa_harness.kernel --target rpa_harness.targets.tpu_inference_v3 \
         --json "$logs/bench.json" ;;
+    v3-speed) step v3-speed 400 python3 ci/chip_probe_v3_speed.py ;;
   esac
 done
 [ -d rpa-repros ] && cp -r rpa-repros "$logs/"
