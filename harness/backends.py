@@ -607,6 +607,17 @@ def tpu_available() -> bool:
     return bool(tpus())
 
 
+def chip_generation() -> str:
+    """The generation of the chip this process's kernel calls run on (``tpus``: as the process that holds it
+    names it, its own or a chip owner's), or ``none``."""
+    return lowering.generation_of_device_kind(tpus().kind) or generations.NONE
+
+
+def chip_in_words() -> str:
+    """That chip as the compile property names a generation: "v5e (TPU v5 lite)"."""
+    return f"{chip_generation()} ({tpus().kind})"
+
+
 class BackendChoiceError(ValueError):
     """A ``--rpa-backend`` that cannot be honoured here: a usage error, never a run of skips."""
 
@@ -668,7 +679,7 @@ class Backend:
         """The TPU generation kernels traced here see: a real chip's own (``tpus``: as the process that
         holds it names it), else the emulated one (``none``: the CPU device)."""
         if self.name == TPU:
-            return lowering.generation_of_device_kind(tpus().kind) or generations.NONE
+            return chip_generation()
         return self.generation
 
     @property

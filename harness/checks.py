@@ -12,7 +12,7 @@ import re
 
 import jax
 import numpy as np
-from rpa_harness import ahead_of_time, backends, generations, lowering, reference
+from rpa_harness import ahead_of_time, backends, generations, reference
 from rpa_harness.backends import Backend
 from rpa_harness.cache_judge import check_updated_cache
 from rpa_harness.failures import (  # noqa: F401  (the failures the checks raise, part of their interface)
@@ -88,11 +88,6 @@ def kernel_call(target: Target, generation: str, arrays: dict, options: dict):
             return function(*(inputs.get(f"argument_{index}") for index in range(len(arguments))))
 
     return call, present
-
-
-def _real_chip() -> str:
-    """The chip this process runs on, as the compile property names a generation: "v5e (TPU v5 lite)"."""
-    return f"{lowering.real_tpu_generation()} ({lowering.default_device_kind()})"
 
 
 def _refused(target: Target, chip: str, options: dict, error: BaseException) -> DoesNotCompile:
@@ -173,7 +168,7 @@ def run_valid(target: Target, backend: Backend, arrays: dict, options: dict) -> 
         if reason is not None:
             raise CannotRun(f"{reason} (recognised: {message})") from None
         if backend.name == backends.TPU and ahead_of_time.is_refusal(error):
-            raise _refused(target, _real_chip(), options, error) from None
+            raise _refused(target, backends.chip_in_words(), options, error) from None
         error_type = type(error).__name__
         raise located(RaisedOnValidInput, _live_kv_lens(arrays))(
             f"{label} raised on valid inputs: {message}{jax_drift_hint(error)}",

@@ -16,8 +16,13 @@ from tests.processes import run_python
 
 @pytest.fixture
 def on_a_v5e(monkeypatch):
+    """A v5e as jax's default device shows it and as the TPU probe states it (a chip owner's workers see
+    only the stated one)."""
     monkeypatch.setattr(lowering, "default_device_kind", lambda: "TPU v5 lite")
-    monkeypatch.setattr(backends, "tpu_available", lambda: True)
+    monkeypatch.setenv(backends.TPU_PROBE_ENV, "TPU v5 lite:1")
+    backends.tpus.cache_clear()
+    yield
+    backends.tpus.cache_clear()
 
 
 def write_repro(folder, name, generation):

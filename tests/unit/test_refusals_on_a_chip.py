@@ -28,7 +28,12 @@ class MosaicError(Exception):
 
 @pytest.fixture
 def on_a_v5e(monkeypatch):
+    """A v5e as jax's default device shows it and as the TPU probe states it."""
     monkeypatch.setattr(lowering, "default_device_kind", lambda: V5E_KIND)
+    monkeypatch.setenv(backends.TPU_PROBE_ENV, f"{V5E_KIND}:1")
+    backends.tpus.cache_clear()
+    yield
+    backends.tpus.cache_clear()
 
 
 def raising(error):
