@@ -367,6 +367,9 @@ class Supervisor:
         unserved = 0
         while not self.stopping.is_set():
             self.process = self.spawn()
+            if self.stopping.is_set():  # stopped while this one started: ``stop`` may have missed it
+                _end_session(self.process)
+                return
             code = self.process.wait()
             if self.stopping.is_set():
                 return
@@ -405,19 +408,28 @@ class Supervisor:
     def stop(self) -> dict:
         """Ends the owner (its own process group: nothing else) and returns ``summary``."""
         self.stopping.set()
-        process = self.process
-        if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        if self.process is not None:
+            _end_session(self.process)
+        self.watcher.join(timeout=60)
         summary = self.summary()
         for path in self.folder.iterdir():
             if path != self.log_path:
                 path.unlink(missing_ok=True)
         return summary
+
+
+def _end_session(process: subprocess.Popen) -> None:
+    """Ends an owner and whatever it started (its own session, nothing else): SIGTERM, then SIGKILL."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended meanwhile
+        pass
+    process.wait()
 
 
 def main(argv: list[str]) -> int:
