@@ -33,7 +33,7 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
-ADDRESS_ENV = "RPA_CHIP_OWNER"  # the owner's socket, in the processes whose kernel calls it makes
+ADDRESS_ENV = "RPA_CHIP_OWNER_SOCKET"  # the owner's socket, in the processes whose kernel calls it makes
 OWNER_FILE = "owner.sock"
 ENDED_FILE = "ended.json"  # the supervisor's last word, where it starts no more owners
 STATS_FILE = "stats-{pid}.json"  # each owner's counts, rewritten after every call
