@@ -199,7 +199,7 @@ def check(args) -> int:
     chip = backends.Backend(
         args.backend, True, "none" if args.backend == backends.TPU else recorded["generation"]
     )
-    entries = recorded["entries"]
+    entries = [entry for entry in recorded["entries"] if not args.targets or entry["target"] in args.targets]
     results: dict[str, dict] = {}
     supervisor = chip_owner.Supervisor(dict(os.environ)).start()
     os.environ[chip_owner.ADDRESS_ENV] = supervisor.where
@@ -281,6 +281,9 @@ def main() -> int:
     )
     on_chip = steps.add_parser("check", help="on the TPU: the same configurations compiled and run there")
     on_chip.add_argument("--folder", required=True, help="the folder predict wrote")
+    on_chip.add_argument(
+        "--targets", nargs="+", help="only these targets' configurations (default: every one)"
+    )
     on_chip.add_argument(
         "--backend", default="tpu", choices=("tpu", "fast-interpret", "interpret"),
         help="where to run (default tpu; an interpreter emulating the generation rehearses the check on CPU)",

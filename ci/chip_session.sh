@@ -13,7 +13,8 @@
 #   verdicts-N   ci/chip_verdicts.py on group N's targets: each declared finding's verdict on this chip
 #                (halting repros replayed in processes of their own), as a table in verdicts-N.md
 #   verdicts     every group's verdicts, one after the other
-#   agreement    ci/chip_agreement.py check on chip-carry/agreement
+#   agreement-N  ci/chip_agreement.py check on chip-carry/agreement, group N's targets (50 configurations each)
+#   agreement    every group's, one after the other
 #   arithmetic   benchmarks/chip_arithmetic.py
 #   throughput-pooled, throughput-any-config
 #                benchmarks/bench_throughput.py --backend tpu: that differential property of the bundled kernel
@@ -51,7 +52,7 @@ CALIBRATE_GROUPS=(
   "rpa_harness.targets.tpu_inference_mla_v1 rpa_harness.targets.tpu_inference_mla_v2 rpa_harness.targets.tpu_inference_v3_hd64"
   "rpa_harness.targets.tpu_inference_batched_rpa rpa_harness.targets.tpu_inference_rpa_v3_cp rpa_harness.targets.tpu_inference_stacked_rpa rpa_harness.targets.tpu_inference_mla_swa"
 )
-groups=$(for i in "${!CALIBRATE_GROUPS[@]}"; do printf ' calibrate-%d verdicts-%d' $((i + 1)) $((i + 1)); done)
+groups=$(for i in "${!CALIBRATE_GROUPS[@]}"; do printf ' calibrate-%d verdicts-%d agreement-%d' $((i + 1)) $((i + 1)) $((i + 1)); done)
 steps="smoke calibrate verdicts$groups agreement arithmetic throughput-pooled throughput-any-config speed v3-speed"
 for name in "$@"; do
   case " $steps " in
@@ -134,6 +135,11 @@ verdicts() {  # GROUP_NUMBER: the verdict of each declared finding of that group
   step "verdicts-$1" 560 python3 ci/chip_verdicts.py "${named[@]}" --markdown "$logs/verdicts-$1.md"
 }
 
+agreement() {  # GROUP_NUMBER: chip_agreement check on that group's predicted configurations
+  step "agreement-$1" 560 python3 ci/chip_agreement.py check --folder chip-carry/agreement \
+    --targets ${CALIBRATE_GROUPS[$1 - 1]}
+}
+
 for name in "$@"; do
   case "$name" in
     smoke) RPA_SMOKE_SECONDS="${RPA_SMOKE_SECONDS:-200}" step smoke 450 bash ci/tpu_smoke.sh ;;
@@ -141,7 +147,8 @@ for name in "$@"; do
     calibrate-*) calibrate "${name#calibrate-}" ;;
     verdicts) for i in "${!CALIBRATE_GROUPS[@]}"; do verdicts $((i + 1)); done ;;
     verdicts-*) verdicts "${name#verdicts-}" ;;
-    agreement) step agreement 540 python3 ci/chip_agreement.py check --folder chip-carry/agreement ;;
+    agreement) for i in "${!CALIBRATE_GROUPS[@]}"; do agreement $((i + 1)); done ;;
+    agreement-*) agreement "${name#agreement-}" ;;
     arithmetic) step arithmetic 120 python3 benchmarks/chip_arithmetic.py ;;
     throughput-*)  # the property per target, one worker making its own calls, then 12 feeding an owner
       step "$name" 540 python3 benchmarks/bench_throughput.py --backend tpu --seconds 50 --workers 1,12 \

@@ -175,7 +175,7 @@ def test_an_unknown_chip_session_step_is_a_one_line_usage_error(chip_host, step)
     result = run_script(checkout, env, "chip_session.sh", "smoke", step)
     assert result.returncode == 4 and result.stdout == "", result.stdout + result.stderr
     numbers = range(1, len(calibrate_groups()) + 1)
-    groups = " ".join(f"calibrate-{number} verdicts-{number}" for number in numbers)
+    groups = " ".join(f"calibrate-{number} verdicts-{number} agreement-{number}" for number in numbers)
     assert result.stderr.splitlines() == [
         f"chip_session: unknown step '{step}'; steps: smoke calibrate verdicts {groups} agreement arithmetic "
         "throughput-pooled throughput-any-config speed v3-speed"
