@@ -6,6 +6,7 @@
 #   bash ci/chip_session.sh smoke calibrate-1 ...
 #
 #   smoke        ci/tpu_smoke.sh: the bundled kernel and upstream's, -n 1, a first check of a fresh host
+#   owner        the bundled kernel's dev profile with 12 workers feeding one chip owner (rpa_harness.chip_owner)
 #   calibrate-N  one group of shipped targets, each target's dev profile on the chip, -n 1 (RPA_MAX_EXAMPLES,
 #                default 3), ending with its summary; a target this jax cannot load (its kernel needs another
 #                jax, or is not installed) is named with the reason and skipped
@@ -53,7 +54,7 @@ CALIBRATE_GROUPS=(
   "rpa_harness.targets.tpu_inference_batched_rpa rpa_harness.targets.tpu_inference_rpa_v3_cp rpa_harness.targets.tpu_inference_stacked_rpa rpa_harness.targets.tpu_inference_mla_swa"
 )
 groups=$(for i in "${!CALIBRATE_GROUPS[@]}"; do printf ' calibrate-%d verdicts-%d agreement-%d' $((i + 1)) $((i + 1)) $((i + 1)); done)
-steps="smoke calibrate verdicts$groups agreement arithmetic throughput-pooled throughput-any-config speed v3-speed"
+steps="smoke owner calibrate verdicts$groups agreement arithmetic throughput-pooled throughput-any-config speed v3-speed"
 for name in "$@"; do
   case " $steps " in
     *" $name "*) ;;
@@ -143,6 +144,9 @@ agreement() {  # GROUP_NUMBER: chip_agreement check on that group's predicted co
 for name in "$@"; do
   case "$name" in
     smoke) RPA_SMOKE_SECONDS="${RPA_SMOKE_SECONDS:-200}" step smoke 450 bash ci/tpu_smoke.sh ;;
+    owner)
+      RPA_MAX_EXAMPLES="${RPA_MAX_EXAMPLES:-20}" step owner 400 rpa-harness run --profile dev --backend tpu \
+        --target rpa_harness.kernel -n 12 --repro-dir "$logs/repros/owner" ;;
     calibrate) for i in "${!CALIBRATE_GROUPS[@]}"; do calibrate $((i + 1)); done ;;
     calibrate-*) calibrate "${name#calibrate-}" ;;
     verdicts) for i in "${!CALIBRATE_GROUPS[@]}"; do verdicts $((i + 1)); done ;;

@@ -177,7 +177,7 @@ def test_an_unknown_chip_session_step_is_a_one_line_usage_error(chip_host, step)
     numbers = range(1, len(calibrate_groups()) + 1)
     groups = " ".join(f"calibrate-{number} verdicts-{number} agreement-{number}" for number in numbers)
     assert result.stderr.splitlines() == [
-        f"chip_session: unknown step '{step}'; steps: smoke calibrate verdicts {groups} agreement arithmetic "
+        f"chip_session: unknown step '{step}'; steps: smoke owner calibrate verdicts {groups} agreement arithmetic "
         "throughput-pooled throughput-any-config speed v3-speed"
     ]
     assert not (checkout / "chip-logs").exists()  # nothing ran, not even the smoke step before it
