@@ -18,7 +18,7 @@ from tests.processes import run_python
 
 DIFFERENTIAL = "tests/properties/test_differential.py::test_kernel_matches_oracle"
 PADDING = "tests/properties/test_padding.py::test_padding_does_not_change_valid_rows"
-FIRST_LINE = re.compile(r"^E\s+rpa_harness\.checks\.\w+: (.*)$", re.MULTILINE)
+FIRST_LINE = re.compile(r"^E\s+rpa_harness\.failures\.\w+: (.*)$", re.MULTILINE)
 
 # target -> (property test, the failure's first line contains, repro file)
 BROKEN = {
