@@ -7,11 +7,17 @@ import dataclasses
 import math
 
 import jax
+import numpy as np
+from rpa_harness import generations
 from rpa_harness.known_issues import NUMERIC_MISMATCH, KnownIssue, case_arrays, findings_dir, keep_sequences
 from rpa_harness.strategies.case import Case
 from rpa_harness.targets.tpu_inference_batched_rpa import adapter
 from rpa_harness.targets.tpu_inference_mla_v1.known_issues import finite_mask_value_weights_keys_past_kv_len
-from rpa_harness.targets.tpu_inference_v3.known_issues import with_v3_default_mask_value
+from rpa_harness.targets.tpu_inference_v3.known_issues import (
+    INT16_MAX,
+    with_a_window_within_int16,
+    with_v3_default_mask_value,
+)
 
 FINDINGS = findings_dir("tpu-inference-batched-rpa-findings")
 SCHEDULE_WRITE_ALIGNMENT = 1024  # schedule.py: utils.align_to(write_size, 1024)
@@ -90,6 +96,16 @@ def with_room_for_the_schedule(case: Case) -> Case:
     return case
 
 
+def sliding_window_wraps_int16_positions(case: Case) -> bool:
+    """With packed queries (16 bits or fewer) on TPU v6 and v7, batched RPA computes key and query positions
+    in int16 (configs.py: ``ServingConfigs.int_ty``), and its window test ``q_idx < kv_idx + sliding_window``
+    (flash_attention.py) adds the window to int16 key positions: a window past int16, or one that takes a
+    key position past 32,767, wraps. Bounded by the page table's keys, as v3's predicate is."""
+    if case.sliding_window is None or np.dtype(case.q_dtype).itemsize == 4:
+        return False
+    return case.sliding_window + case.kv_capacity > INT16_MAX
+
+
 RPA_HARNESS_CATALOGUE = (
     KnownIssue(
         "batched-rpa-schedule-write-back-overruns-its-buffers",
@@ -135,5 +151,26 @@ RPA_HARNESS_CATALOGUE = (
             "(`finfo(out_dtype).min`) makes that weight 0; a finite one (the docstring's \"Value to use for "
             'causal masking") does not, and the output then depends on the KV block size, a tuning parameter.'
         ),
+    ),
+    KnownIssue(
+        "batched-rpa-sliding-window-wraps-int16-positions",
+        "on TPU v6 and v7, with packed queries, a sliding window that takes a key position past 32,767 wraps "
+        "in batched RPA's int16 position arithmetic and masks the keys, as v3's does",
+        FINDINGS
+        / "batched-rpa-sliding-window-wraps-int16-positions"
+        / "differential-checked-any-config_interpret-v6e.json",
+        sliding_window_wraps_int16_positions,
+        with_a_window_within_int16,
+        rf"non-finite values|{NUMERIC_MISMATCH}",
+        explanation=(
+            "`ServingConfigs.int_ty` (configs.py) is `jnp.int16` for packed queries "
+            "(`get_dtype_packing(dtype_q) != 1`) where `pltpu.get_tpu_info().generation` is 6 or 7, and "
+            "`flash_attention_qk` (flash_attention.py) builds its key positions in it "
+            "(`broadcasted_iota(int_ty, ...) + processed_kv_len`) and tests the window as `q_idx_b < kv_idx_b "
+            "+ sliding_window`: the Python int window is added in int16, so a window past 32,767 (the repro's "
+            "2^20 wraps to 0) or a sum past it wraps, the test fails, and the keys it should keep get the "
+            "mask value. v5e, float32 queries and a window that stays within int16 are right."
+        ),
+        generations=generations.from_major_version(6),  # int16 only where the generation is 6 or 7
     ),
 )
