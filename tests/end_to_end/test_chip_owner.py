@@ -29,10 +29,11 @@ def _bundled_kernel_only(pytestconfig):
         pytest.skip("the broken targets' capabilities assume the bundled kernel's")
 
 
-def run_through_an_owner(target: str, repro_dir, root, *extra, env=None):
-    """The pooled differential property, two workers feeding one owner on the fast interpreter."""
+def run_through_an_owner(target: str, repro_dir, root, *extra, workers=1, env=None):
+    """The pooled differential property, ``workers`` feeding one owner on the fast interpreter (one worker
+    where several add nothing to what a test checks: each is a process on CI's two cores)."""
     return run_python(
-        "-m", "pytest", DIFFERENTIAL, "-p", "no:cacheprovider", "-n", "2", "--rpa-chip-owner=on",
+        "-m", "pytest", DIFFERENTIAL, "-p", "no:cacheprovider", "-n", str(workers), "--rpa-chip-owner=on",
         f"--rpa-target={target}", "--rpa-backend=fast-interpret", "--hypothesis-profile=dev",
         f"--rpa-repro-dir={repro_dir}", *extra, cwd=root, env={**os.environ, **(env or {})},
     )  # fmt: skip
@@ -45,7 +46,7 @@ def owner_line(output: str) -> tuple[int, int]:
 
 
 def test_a_run_through_an_owner_makes_every_call_there(tmp_path, pytestconfig):
-    result = run_through_an_owner("rpa_harness.kernel", tmp_path, pytestconfig.rootpath)
+    result = run_through_an_owner("rpa_harness.kernel", tmp_path, pytestconfig.rootpath, workers=2)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "one chip owner process makes the kernel calls of 2 workers" in output, output[:3000]
