@@ -33,7 +33,7 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from rpa_harness import backends, bench, generations, progress, runlog
+from rpa_harness import __version__, backends, bench, generations, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import AUTO, BACKENDS, Backend
 from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, for_repro, in_cli_terms
@@ -668,15 +668,10 @@ def report(args) -> int:
 
 
 def _version() -> str:
-    from importlib import metadata
-
+    """The harness's release (CHANGELOG.md says what each changed), with the jax and Python it runs on."""
     import jax
 
-    try:
-        own = metadata.version("rpa-harness")
-    except metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
-        own = "unknown (not installed)"
-    return f"rpa-harness {own} (jax {jax.__version__}, Python {sys.version.split()[0]})"
+    return f"rpa-harness {__version__} (jax {jax.__version__}, Python {sys.version.split()[0]})"
 
 
 def parser() -> argparse.ArgumentParser:

@@ -668,17 +668,12 @@ def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
     On the tpu backend the chip is named as a process that opened it saw it: ``chips_seen`` (the run log's
     device events) or, in a process that runs the kernels itself, its own view; the xdist controller
     never opens the chip, and before its worker names it the header says so."""
-    import importlib.metadata
-
     import jax
+    from rpa_harness import __version__
 
     run = settings_of(config)
     target = run.target
     version = f" ({target.version})" if target.version else ""
-    try:
-        harness = importlib.metadata.version("rpa-harness")
-    except importlib.metadata.PackageNotFoundError:
-        harness = "?"
     backends_line = ", ".join(backend.label for backend in run.backends)
     compat = "on" if run.interpreter_compat else "off"
     rules = (
@@ -714,7 +709,7 @@ def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
     if any(backend.name == backends.TPU for backend in run.backends):
         chip_products += f", + {TPU_TRANSCENDENTALS} on a chip (its float32 exp, tanh and division)"
     return [
-        f"rpa-harness {harness}: target {target.name}{version}",
+        f"rpa-harness {__version__}: target {target.name}{version}",
         f"  backends: {backends_line} (interpreter compat {compat}); jax {jax.__version__}",
         chip_line,
         f"  precision contract: {', '.join(target.precision)}{chip_products}",

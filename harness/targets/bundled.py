@@ -5,6 +5,7 @@ kept here. It is held to the specification's rules with our stricter ValueErrors
 lowers to Mosaic on CPU, runs every bucket, and takes the runtime options as traced values.
 """
 
+from rpa_harness import __version__
 from rpa_harness.strategies.capabilities import RUNTIME_OPTIONS, Capabilities
 
 RPA_HARNESS_CAPABILITIES = Capabilities(
@@ -16,3 +17,5 @@ RPA_HARNESS_CAPABILITIES = Capabilities(
 # pallas_rpa._product_precision: q @ K^T and P @ V pass HIGHEST for float32 operands, keeping the float32
 # promise on a TPU.
 RPA_HARNESS_PRODUCT_PRECISION = "highest"
+# The harness's own release: the kernel ships with it (an editable install's metadata can be older).
+RPA_HARNESS_VERSION = f"rpa-harness {__version__}"
