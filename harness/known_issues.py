@@ -10,6 +10,11 @@ move a drawn case that matches a declared issue to the nearest case outside it (
 ``tests/properties/test_known_issues.py`` replays each declared issue's repro: while it still fails the issue
 is an expected failure, once it passes the run fails until the entry is removed.
 
+A failure names the catalogued issues that fit it ("known issues this case matches"): those whose
+predicate matches its case, that fail as its kind (``fails_as``: a halt for a halt, wrong outputs for
+outputs over the bound) and whose kernel takes its case's API (``Kernel``). Only those: a user who declares
+an issue that is not the failure's cause hides the failure.
+
 A repro shows what the kernel does on the TPU generation it was recorded for. An issue of one generation's
 code (``generations``: the kernel's chip branches and tuned tables, the compiler's per-chip arithmetic) is
 replayed on a real chip only with a repro recorded for that chip or for none (``repro_on_chip``): a v6e
@@ -30,12 +35,13 @@ from pathlib import Path
 import numpy as np
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
-from rpa_harness import generations, runlog
+from rpa_harness import failures, generations, runlog
 from rpa_harness.strategies.case import Case
 
 __all__ = [  # what an adapter imports (docs/targets.md)
     "KnownIssue",
     "KnownIssueError",
+    "Kernel",
     "findings_dir",
     "case_arrays",
     "keep_sequences",
@@ -93,10 +99,27 @@ class KnownIssue:
     # differs per chip; empty for every generation. A real chip of another generation draws its cases and
     # does not replay it.
     generations: tuple[str, ...] = ()
+    # The failure kinds its repro fails as (``rpa_harness.failures`` classes: ``OverTheBound``,
+    # ``WouldHaltATpu``, ``RaisedOnValidInput``, ...; a located kind, past 2^15 keys, is its kind): a failure
+    # of another kind is not offered this issue. Empty: it is offered for none.
+    fails_as: tuple[type[failures.PropertyFailure], ...] = ()
 
     def __post_init__(self):
         SpecifierSet(self.releases)  # raises InvalidSpecifier for a malformed range, at import
         generations.check_declared(self.generations)
+        if isinstance(self.fails_as, type):  # one kind, not in a tuple
+            object.__setattr__(self, "fails_as", (self.fails_as,))
+        not_kinds = [
+            kind
+            for kind in self.fails_as
+            if not (isinstance(kind, type) and issubclass(kind, failures.PropertyFailure))
+        ]
+        if not_kinds:
+            raise KnownIssueError(
+                f"known issue {self.name!r}: fails_as={self.fails_as!r} holds {not_kinds!r}, which is not a "
+                f"failure kind; declare classes of rpa_harness.failures, e.g. "
+                f"fails_as=({failures.OverTheBound.__name__},) for outputs over the bound"
+            )
 
     def __repr__(self) -> str:  # one line where Hypothesis and pytest print it (a parameter of a property)
         return f"KnownIssue({self.name!r})"
@@ -153,6 +176,10 @@ class KnownIssue:
         except InvalidVersion:
             return True
         return SpecifierSet(self.releases).contains(release, prereleases=True)
+
+    def kind_of(self, failure: BaseException) -> type[failures.PropertyFailure] | None:
+        """The kind of ``fails_as`` that ``failure`` is, or None where the issue does not fail that way."""
+        return next((kind for kind in self.fails_as if isinstance(failure, kind)), None)
 
     def shows(self, failure: str) -> bool:
         """Whether a property failure is this issue's (and not some other failure of the repro)."""
@@ -270,6 +297,19 @@ def on_generation(issues: tuple[KnownIssue, ...], generation: str) -> tuple[Know
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """The kernel a catalogued issue is of: the target whose catalogue holds it, and whether that kernel
+    takes latent attention cases (MLA: ``Case.value_head_dim`` set, ``Capabilities.value_head_dims``) or
+    ordinary ones. A case of the other API never reaches that kernel, so its issues are not offered for it."""
+
+    target: str
+    latent: bool
+
+    def takes(self, case: Case) -> bool:
+        return (case.value_head_dim is not None) == self.latent
+
+
 def _may_match(issue: KnownIssue, case: Case) -> bool:
     """``issue.matches(case)`` for a suggestion: a predicate written for another kernel's space may not
     handle every case (it raises); it then suggests nothing."""
@@ -279,12 +319,32 @@ def _may_match(issue: KnownIssue, case: Case) -> bool:
         return False
 
 
-def describe_matches(case: Case, catalogue: tuple[KnownIssue, ...]) -> str:
-    """A line for a failure report naming the catalogued issues the failing case matches, if any."""
-    names = [issue.name for issue in catalogue if _may_match(issue, case)]
-    if not names:
-        return ""
+def describe_matches(
+    case: Case, failure: BaseException, catalogue: tuple[KnownIssue, ...], kernels: dict[str, Kernel]
+) -> str:
+    """The lines of a failure report naming the catalogued issues that fit the failure: of a kernel in
+    ``kernels`` (by issue name) that takes the case's API, failing as the failure's kind, and whose
+    predicate matches the case (judged last: a predicate may build the case's arrays). One line per issue,
+    with its kernel and its symptom; one line saying so where none fits."""
+    fitting = [
+        (issue, kernels[issue.name], kind)
+        for issue in catalogue
+        if issue.name in kernels and kernels[issue.name].takes(case)
+        for kind in [issue.kind_of(failure)]
+        if kind is not None and _may_match(issue, case)
+    ]
+    if not fitting:
+        failing_as = getattr(failure, "kind", type(failure).__name__)
+        api = "latent attention (MLA)" if case.value_head_dim is not None else "ordinary attention"
+        return (
+            f"\n  known issues this case matches: none (no catalogued finding of a kernel taking {api} cases "
+            f"fails as {failing_as} with a predicate matching this case)"
+        )
+    lines = "".join(
+        f"\n    {issue.name} (kernel {kernel.target}; symptom: {kind.kind})"
+        for issue, kernel, kind in fitting
+    )
     return (
-        f"\n  known issue{'s' * (len(names) > 1)} this case matches: {', '.join(names)} "
-        f"(catalogued with its target under harness/targets/; declare it in RPA_HARNESS_KNOWN_ISSUES or with {OPTION})"
+        "\n  known issues this case matches, each failing as this failure does "
+        f"(declare one in RPA_HARNESS_KNOWN_ISSUES or with {OPTION} once its cause is this failure's):{lines}"
     )

@@ -187,7 +187,8 @@ class Recorded:
             raise self.reported(failure) from None
 
     def reported(self, failure: AssertionError) -> AssertionError:
-        """The failure, of its own class, with its kind, its repro pair (written now) and matching known issues."""
+        """The failure, of its own class, with its kind, its repro pair (written now) and the known issues
+        that fit it."""
         example, backend, case = self.example, self.backend, self.case
         example.failure = str(failure)
         if isinstance(failure, RaisedOnValidInput):
@@ -196,7 +197,9 @@ class Recorded:
         runlog.record(**self.notes, repro=str(path))
         catalogue = known_issues.on_generation(getattr(self.target, "catalogue", ()), backend.generation)
         known = (
-            known_issues.describe_matches(case, catalogue)
+            known_issues.describe_matches(
+                case, failure, catalogue, getattr(self.target, "catalogue_kernels", {})
+            )
             if case is not None and self.fields.get("expected_error") is None  # a numeric property's failure
             else ""
         )

@@ -16,7 +16,8 @@ Its profile is read from these module attributes, each optional:
   default the specification's ``RULES``, upstream's rules and messages).
 - ``RPA_HARNESS_KNOWN_ISSUES``: the known issues whose cases are not drawn (catalogue names or
   ``rpa_harness.known_issues.KnownIssue`` objects; ``--rpa-known-issues`` overrides it).
-- ``RPA_HARNESS_CATALOGUE``: every known issue of its kind, declared or not (named in failure reports).
+- ``RPA_HARNESS_CATALOGUE``: every known issue of its kind, declared or not (named in failure reports
+  that fit it: ``rpa_harness.known_issues.describe_matches``).
 - ``RPA_HARNESS_VERSION``: the version the run header shows (default: the installed distribution's).
 - ``RPA_HARNESS_GENERATION_HOOK``: for a kernel that learns its TPU generation some way emulation does not
   cover, a function of the generation name returning a context manager (``rpa_harness.generations``).
@@ -124,7 +125,8 @@ SHIPPED = (
 PROFILES = {name: s.profile for s in SHIPPED if s.profile for name in (s.name, *s.also_modules)}
 ALIASES = {alias: s.name for s in SHIPPED for alias in s.aliases}
 # The shipped targets' catalogues (RPA_HARNESS_CATALOGUE): any target may name their issues, whatever
-# kernels are installed (v3's modules import their kernel on first use).
+# kernels are installed (v3's modules import their kernel on first use). Each is the catalogue of the
+# shipped target of the same position in SHIPPED.
 SHIPPED_CATALOGUES = tuple(s.profile or s.name for s in SHIPPED)
 
 
@@ -153,6 +155,9 @@ class Target:
     )
     compiled_call: Callable | None = None  # (arrays, options) -> (kernel function, arguments) to compile
     baseline: str | None = None  # the target `rpa-harness bench` compares it with (RPA_HARNESS_BASELINE)
+    # Whose each catalogue entry is, by issue name (known_issues.Kernel): a failure is offered an entry only
+    # for a case of that kernel's API, and the suggestion names the kernel.
+    catalogue_kernels: dict = dataclasses.field(default_factory=dict)
 
     def precision_on(self, backend) -> tuple[str, ...]:
         """The contract its outputs are judged under on ``backend``: the declared one, plus ``bf16-matmul``
@@ -224,17 +229,31 @@ def as_jax(arrays: dict) -> dict:
     return {name: jax.device_put(value) for name, value in arrays.items()}
 
 
-def shipped_catalogue() -> tuple:
-    """Every known issue the shipped targets catalogue, in their order; a target whose kernel is not
-    installed (tpu-inference is optional) contributes none."""
-    issues: list[known_issues.KnownIssue] = []
-    for name in SHIPPED_CATALOGUES:
+def shipped_findings() -> tuple[tuple[known_issues.KnownIssue, known_issues.Kernel], ...]:
+    """Every known issue the shipped targets catalogue, in their order, each with its kernel (the shipped
+    target and whether it takes latent attention cases); a target whose catalogue does not import
+    contributes none."""
+    found: list[tuple[known_issues.KnownIssue, known_issues.Kernel]] = []
+    for shipped, name in zip(SHIPPED, SHIPPED_CATALOGUES, strict=True):
         try:
             module = importlib.import_module(name)
         except ImportError:
             continue
-        issues.extend(getattr(module, "RPA_HARNESS_CATALOGUE", ()))
-    return tuple(issues)
+        catalogue = getattr(module, "RPA_HARNESS_CATALOGUE", ())
+        if catalogue:
+            kernel = known_issues.Kernel(shipped.name, _takes_latent_cases(shipped.name, module))
+            found.extend((issue, kernel) for issue in catalogue)
+    return tuple(found)
+
+
+def shipped_catalogue() -> tuple:
+    """Every known issue the shipped targets catalogue, in their order (``shipped_findings``)."""
+    return tuple(issue for issue, _ in shipped_findings())
+
+
+def _takes_latent_cases(name: str, profile: types.ModuleType) -> bool:
+    """Whether the target ``profile`` declares takes latent attention (MLA) cases, not ordinary ones."""
+    return bool(_capabilities(name, profile).value_head_dims)
 
 
 def _bundled_kernel_under_its_folder_name(name: str) -> bool:
@@ -358,7 +377,7 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
     precision, product_precision = _precision(name, profile), _product_precision(name, profile)
     rules = _rules(name, module, profile)
     updates_cache = _updates_cache(name, profile)
-    issues, catalogue = _known_issues(name, profile)
+    issues, catalogue, catalogue_kernels = _known_issues(name, profile, capabilities)
     hook = _optional_function(name, profile, "RPA_HARNESS_GENERATION_HOOK", _DECLARE_HOOK)
     compiled_call = _optional_function(name, profile, "RPA_HARNESS_COMPILED_CALL", _DECLARE_COMPILED_CALL)
     report = _optional_function(name, profile, "RPA_HARNESS_REPORT", _DECLARE_REPORT)
@@ -368,7 +387,7 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
     return Target(
         name, module, capabilities, precision, issues, rules, catalogue, version, hook, report, properties,
         updates_cache, product_precision, compiled_call,
-        None if baseline is None else ALIASES.get(baseline, baseline),
+        None if baseline is None else ALIASES.get(baseline, baseline), catalogue_kernels,
     )  # fmt: skip
 
 
@@ -436,23 +455,33 @@ def _updates_cache(name: str, profile: types.ModuleType) -> bool:
     return updates_cache
 
 
-def _known_issues(name: str, profile: types.ModuleType) -> tuple[tuple, tuple]:
-    """(the known issues whose cases are not drawn, every issue a failure may be named by)."""
+def _known_issues(
+    name: str, profile: types.ModuleType, capabilities: Capabilities
+) -> tuple[tuple, tuple, dict]:
+    """(the known issues whose cases are not drawn, every issue a failure may be named by, the kernel of
+    each of those by name)."""
     own_catalogue = tuple(getattr(profile, "RPA_HARNESS_CATALOGUE", ()))
+    shipped = shipped_findings()
     where = f"--rpa-target={name}: RPA_HARNESS_KNOWN_ISSUES"
     try:
         issues = known_issues.resolve(
-            getattr(profile, "RPA_HARNESS_KNOWN_ISSUES", ()), where, own_catalogue + shipped_catalogue()
+            getattr(profile, "RPA_HARNESS_KNOWN_ISSUES", ()),
+            where,
+            own_catalogue + tuple(issue for issue, _ in shipped),
         )
     except known_issues.KnownIssueError as error:
         raise TargetError(str(error)) from None
-    # A failure names the catalogued issues its case matches: the target's own first, then every shipped
+    # A failure names the catalogued issues that fit it: the target's own first, then every shipped
     # catalogue's (a fork of v3 shares v3's bugs, a fork of upstream upstream's), then its own declared ones.
-    catalogue = own_catalogue
-    for issue in shipped_catalogue() + issues:
-        if all(issue.name != known.name for known in catalogue):
+    # An issue of its own catalogue or declaration is of its own kernel; a shipped one of the shipped target.
+    own = known_issues.Kernel(name, bool(capabilities.value_head_dims))
+    catalogue: tuple = ()
+    kernels: dict[str, known_issues.Kernel] = {}
+    for issue, kernel in [(i, own) for i in own_catalogue] + list(shipped) + [(i, own) for i in issues]:
+        if issue.name not in kernels:
             catalogue += (issue,)
-    return issues, catalogue
+            kernels[issue.name] = kernel
+    return issues, catalogue, kernels
 
 
 # What an optional function of the profile is, said when it declares something else.

@@ -16,6 +16,13 @@ import re
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from rpa_harness import backends, generations
+from rpa_harness.failures import (
+    DoesNotCompile,
+    NeedsMoreVmem,
+    OverTheBound,
+    RaisedOnValidInput,
+    WouldHaltATpu,
+)
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
     NUMERIC_MISMATCH,
@@ -393,6 +400,7 @@ RPA_HARNESS_CATALOGUE = (
         empty_sequence_shifts_kv_pages,
         drop_stealing_empty_sequences,
         NUMERIC_MISMATCH,
+        fails_as=(OverTheBound,),
     ),
     KnownIssue(
         "one-kv-scale-with-mixed-dtypes",
@@ -401,6 +409,7 @@ RPA_HARNESS_CATALOGUE = (
         one_kv_scale_with_mixed_dtypes,
         without_kv_scales,
         r"raised on valid inputs: AssertionError",
+        fails_as=(RaisedOnValidInput,),
     ),
     KnownIssue(
         "finite-mask-value-weights-keys-past-kv-len",
@@ -409,6 +418,7 @@ RPA_HARNESS_CATALOGUE = (
         finite_mask_value_weights_keys_past_kv_len,
         with_default_mask_value,
         NUMERIC_MISMATCH,
+        fails_as=(OverTheBound,),
     ),
     KnownIssue(
         "zero-query-tail-skips-head-blocks",
@@ -418,6 +428,7 @@ RPA_HARNESS_CATALOGUE = (
         zero_query_tail_skips_head_blocks,
         drop_zero_query_tail,
         NUMERIC_MISMATCH,
+        fails_as=(OverTheBound,),
     ),
     KnownIssue(
         "wide-heads-strided-kv-load-does-not-compile",
@@ -428,6 +439,7 @@ RPA_HARNESS_CATALOGUE = (
         with_head_dim_128,
         r"does not compile for .*The last dim size is not 128",
         backends=CHIP_COMPILER,
+        fails_as=(DoesNotCompile,),
     ),
     KnownIssue(
         "q-head-block-not-a-multiple-of-8-does-not-lower",
@@ -438,6 +450,7 @@ RPA_HARNESS_CATALOGUE = (
         with_one_head_block,
         r"does not compile for .*last two dimensions of your block shape are divisible by 8 and 128",
         backends=CHIP_COMPILER,
+        fails_as=(DoesNotCompile,),
     ),
     KnownIssue(
         "unwaited-kv-prefetch-halts-the-chip",
@@ -448,6 +461,7 @@ RPA_HARNESS_CATALOGUE = (
         with_every_kv_prefetch_waited,
         f"{HALTED}|{re.escape(backends.WOULD_HALT_A_TPU)}",
         backends=(backends.TPU, backends.INTERPRET),
+        fails_as=(WouldHaltATpu,),
     ),
     KnownIssue(
         "tuned-blocks-overflow-default-vmem",
@@ -458,6 +472,7 @@ RPA_HARNESS_CATALOGUE = (
         with_blocks_that_fit,
         r"needs more VMEM than .*scoped limit",
         backends=CHIP_COMPILER,
+        fails_as=(NeedsMoreVmem,),
     ),
 )
 # Every catalogued issue is still present in the jax versions the harness supports.

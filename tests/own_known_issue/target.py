@@ -4,6 +4,7 @@ declared so that runs hunt for other ones (``docs/known-issues.md``'s example)."
 import dataclasses
 from pathlib import Path
 
+from rpa_harness.failures import CacheMismatch
 from rpa_harness.known_issues import KnownIssue
 
 from tests.broken.skips_a_cache_write import (  # noqa: F401  (the kernel under test and its profile)
@@ -32,5 +33,6 @@ RPA_HARNESS_KNOWN_ISSUES = (
         matches=has_a_prefill,
         nearest_outside=decodes_only,
         symptom="updated cache differs from the expected cache",  # a regex the repro's failure shows
+        fails_as=(CacheMismatch,),  # the failure kind it shows as: offered under failures of that kind
     ),
 )

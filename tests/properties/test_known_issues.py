@@ -4,8 +4,9 @@ The strategies do not draw a declared issue's cases, so this property is what no
 the issue's repro pair against the target on every chosen backend, under the TPU generation the repro
 records. Still failing with the issue's symptom is an expected failure (xfail); passing fails the run, as a
 strict xfail does, asking to remove the entry; failing in another way (e.g. a crash instead of a wrong
-value) fails the run too, since that is news. On a backend that cannot see the issue (``KnownIssue.backends``:
-a read past a buffer whose value is unused shows only where bounds are checked) the repro must pass. A repro
+value, or a failure of a kind its ``fails_as`` does not declare) fails the run too, since that is news. On a
+backend that cannot see the issue (``KnownIssue.backends``: a read past a buffer whose value is unused
+shows only where bounds are checked) the repro must pass. A repro
 of a long or production case replays where its property runs, on the volume backends only: the checking
 interpreter takes minutes per call at that scale (docs/production-and-long-shapes.md). A repro of the
 compile property (a configuration the chip's compiler refuses) is compiled again, once per run, on this
@@ -21,6 +22,7 @@ import pytest
 from rpa_harness import backends, property_names, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.checks import recheck
+from rpa_harness.failures import PropertyFailure
 from rpa_harness.known_issues import OPTION
 from rpa_harness.plugin import VOLUME, settings_of
 from rpa_harness.run_settings import for_repro
@@ -127,6 +129,14 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
             pytest.fail(
                 f"{where}: its repro {repro_path} fails, but not with the issue's symptom "
                 f"(/{known_issue.symptom}/):\n{report}"
+            )
+        if isinstance(failure, PropertyFailure) and known_issue.kind_of(failure) is None:
+            record("fails as another kind")
+            declared = ", ".join(kind.kind for kind in known_issue.fails_as) or "none"
+            pytest.fail(
+                f"{where}: its repro {repro_path} fails as {failure.kind}, a kind its fails_as does not declare "
+                f"({declared}), so a failure like it is not offered the issue: add that kind's class of "
+                f"rpa_harness.failures to its fails_as:\n{report}"
             )
         record("reproduces")
         pytest.xfail(f"{where} still reproduces: {report.splitlines()[0][:200]}")

@@ -1,18 +1,21 @@
 """Targets are one place each: the loader reads a profile from a module's declarations, the core holds
 nothing of any one target, and a run says what it tests."""
 
+import dataclasses
 import re
 import sys
 import types
 from pathlib import Path
 
 import pytest
-from rpa_harness import known_issues, targets
+from rpa_harness import backends, checks, failures, known_issues, property_names, recording, targets
+from rpa_harness.property_names import PropertyName
 from rpa_harness.strategies import violations
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
 from rpa_harness.targets import upstream as upstream_profile
 
+from tests.cases import sized_case
 from tests.processes import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,18 +62,101 @@ def test_a_module_without_declarations_is_held_to_the_whole_space(monkeypatch):
     assert set(upstream_profile.RPA_HARNESS_CATALOGUE) <= set(target.catalogue)
 
 
-def test_a_failure_is_told_every_catalogued_issue_its_case_matches(monkeypatch):
-    """A decode with no query rows before a live sequence: upstream's empty-sequence entry does not match
-    (its kv_len is not 0), v3's hang does; a fork of v3 hears of it."""
+def _catalogued(target, *names):
+    """The named entries of ``target``'s catalogue, or a skip where a shipped catalogue did not import."""
+    by_name = {issue.name: issue for issue in target.catalogue}
+    if not set(names) <= set(by_name):
+        pytest.skip(f"catalogues without {sorted(set(names) - set(by_name))}")
+    return [by_name[name] for name in names]
+
+
+def test_a_failure_is_offered_the_findings_of_its_kind_its_case_matches(monkeypatch):
+    """A decode with no query rows before a live sequence, failing as v3's hang does on the checking
+    interpreter (a deadlock, raised): a kernel of its own hears of v3's finding, with v3 named."""
     monkeypatch.setitem(sys.modules, "user_target", _module())
-    catalogue = targets.load("user_target").catalogue
-    if "q-len-zero-before-a-live-sequence-hangs" not in {issue.name for issue in catalogue}:
-        pytest.skip("tpu-inference's catalogue did not import")
+    target = targets.load("user_target")
+    _catalogued(target, "q-len-zero-before-a-live-sequence-hangs")
     case = Case(
         max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=2, total_num_pages=4, page_size=8,
         num_q_heads=2, num_kv_heads=1, head_dim=128, q_lens=(0, 2), kv_lens=(3, 5),
     )  # fmt: skip
-    assert "q-len-zero-before-a-live-sequence-hangs" in known_issues.describe_matches(case, catalogue)
+    deadlock = failures.RaisedOnValidInput("user_target on interpret raised on valid inputs: Deadlock")
+    offered = known_issues.describe_matches(case, deadlock, target.catalogue, target.catalogue_kernels)
+    assert (
+        f"q-len-zero-before-a-live-sequence-hangs (kernel {targets.V3_TARGET}; symptom: raised on valid input)"
+        in offered.splitlines()[-1]
+    ), offered
+
+
+def test_a_float32_precision_failure_is_not_offered_mla_refusals(tmp_path):
+    """A fork-like kernel that promises float32 and multiplies at DEFAULT precision, over the bound on an
+    emulated v5e with its block sizes left to the kernel: MLA's default-block findings match the case's
+    block sizes, but they are MLA kernels' refusals to run, so the failure names none of them."""
+    target = targets.load("tests.broken.default_precision_products")
+    refusals = _catalogued(target, "mla-v1-default-block-sizes-raise", "mla-v2-default-block-sizes-raise")
+    v5e = backends.Backend(backends.FAST_INTERPRET, generation="v5e")
+    case = sized_case((1, 3), (1, 9), head_dim=64, num_q_heads=2, num_kv_heads=1, page_size=8)
+    assert case.num_kv_pages_per_block is None and case.num_queries_per_block is None
+    assert all(issue.matches(case) for issue in known_issues.on_generation(tuple(refusals), "v5e"))
+    arrays = case.arrays()
+    with pytest.raises(failures.OverTheBound) as failure:
+        with recording.recorded(
+            tmp_path,
+            PropertyName(property_names.DIFFERENTIAL),
+            target,
+            v5e,
+            arrays,
+            case.options(),
+            case=case,
+        ):
+            checks.check_differential(target, v5e, arrays, case.options())
+    report = str(failure.value)
+    assert "diagnosis: consistent with bf16-matmul" in report, report
+    assert "known issues this case matches: none (" in report and "fails as outputs over the bound" in report
+    assert "mla-v1" not in report and "mla-v2" not in report, report
+
+
+def test_a_halt_on_an_empty_batch_is_offered_the_halting_finding_not_an_mla_trace_failure(monkeypatch):
+    """An upstream-API kernel of its own that would halt a TPU on an empty batch: upstream's unwaited
+    prefetch fits it; MLA v1's query-block finding matches the case's block sizes but is an MLA kernel's
+    trace failure, offered only for a latent case that raises."""
+    monkeypatch.setitem(sys.modules, "user_target", _module())
+    target = targets.load("user_target")
+    halting, tracing = _catalogued(
+        target,
+        "unwaited-kv-prefetch-halts-the-chip",
+        "mla-v1-query-block-not-dividing-q-heads-fails-to-trace",
+    )
+    empty = Case(
+        max_num_batched_tokens=8, max_num_seqs=2, pages_per_seq=2, total_num_pages=4, page_size=8,
+        num_q_heads=2, num_kv_heads=1, head_dim=128, q_lens=(), kv_lens=(),
+        num_kv_pages_per_block=1, num_queries_per_block=8,
+    )  # fmt: skip
+    assert halting.matches(empty) and tracing.matches(empty)
+    would_halt = failures.located(failures.WouldHaltATpu, [])("user_target on interpret: WOULD HALT A TPU")
+    offered = known_issues.describe_matches(empty, would_halt, target.catalogue, target.catalogue_kernels)
+    lines = offered.strip().splitlines()
+    assert lines[1:] == [
+        f"    {halting.name} (kernel {targets.UPSTREAM_TARGET}; symptom: {failures.WouldHaltATpu.kind})"
+    ], offered
+    latent = dataclasses.replace(empty, head_dim=576, value_head_dim=512)
+    raised = failures.RaisedOnValidInput("raised on valid inputs: AssertionError")
+    assert f"{tracing.name} (kernel {targets.MLA_V1_TARGET}; symptom: raised on valid input)" in (
+        known_issues.describe_matches(latent, raised, target.catalogue, target.catalogue_kernels)
+    )
+    assert tracing.name not in known_issues.describe_matches(
+        empty, raised, target.catalogue, target.catalogue_kernels
+    )
+
+
+def test_a_known_issue_declares_failure_kinds():
+    with pytest.raises(known_issues.KnownIssueError, match=r"fails_as=\('outputs over the bound',\) holds"):
+        dataclasses.replace(upstream_profile.RPA_HARNESS_CATALOGUE[0], fails_as=("outputs over the bound",))
+    one_kind = dataclasses.replace(upstream_profile.RPA_HARNESS_CATALOGUE[0], fails_as=failures.OverTheBound)
+    assert one_kind.fails_as == (failures.OverTheBound,)
+    located = failures.located(failures.OverTheBound, [1 << 16])("past 2^15 keys")
+    assert one_kind.kind_of(located) is failures.OverTheBound
+    assert one_kind.kind_of(failures.NonFiniteOutput("NaN")) is None
 
 
 def test_a_declared_rule_table_is_the_targets(monkeypatch):

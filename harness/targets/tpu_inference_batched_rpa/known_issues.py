@@ -9,6 +9,7 @@ import math
 import jax
 import numpy as np
 from rpa_harness import generations
+from rpa_harness.failures import NonFiniteOutput, OverTheBound, RaisedOnValidInput
 from rpa_harness.known_issues import NUMERIC_MISMATCH, KnownIssue, case_arrays, findings_dir, keep_sequences
 from rpa_harness.strategies.case import Case
 from rpa_harness.targets.tpu_inference_batched_rpa import adapter
@@ -131,6 +132,7 @@ RPA_HARNESS_CATALOGUE = (
             "the generic interpreter checks no bounds and the attention comes out right); rounding "
             "`write_size` down to the array, or sizing the arrays to a multiple of 1,024, keeps it inside."
         ),
+        fails_as=(RaisedOnValidInput,),
     ),
     KnownIssue(
         "batched-rpa-finite-mask-value-weights-keys-past-kv-len",
@@ -151,6 +153,7 @@ RPA_HARNESS_CATALOGUE = (
             "(`finfo(out_dtype).min`) makes that weight 0; a finite one (the docstring's \"Value to use for "
             'causal masking") does not, and the output then depends on the KV block size, a tuning parameter.'
         ),
+        fails_as=(OverTheBound,),
     ),
     KnownIssue(
         "batched-rpa-sliding-window-wraps-int16-positions",
@@ -175,5 +178,6 @@ RPA_HARNESS_CATALOGUE = (
         generations=tuple(
             g for g in generations.from_major_version(6) if g not in generations.from_major_version(8)
         ),
+        fails_as=(NonFiniteOutput, OverTheBound),
     ),
 )

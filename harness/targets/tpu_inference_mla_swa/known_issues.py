@@ -4,6 +4,7 @@
 
 import dataclasses
 
+from rpa_harness.failures import RaisedOnValidInput
 from rpa_harness.known_issues import KnownIssue, findings_dir
 from rpa_harness.strategies.case import Case
 
@@ -46,5 +47,6 @@ RPA_HARNESS_CATALOGUE = (
             "(`ValueError: cannot reshape array of size 512 into shape (1,8,128)`). The float32 branch cannot "
             "run; sizing the kernel's token by the cache's element (bfloat16) rather than q's lets it."
         ),
+        fails_as=(RaisedOnValidInput,),
     ),
 )

@@ -12,6 +12,7 @@ it is on.
 
 import dataclasses
 
+from rpa_harness.failures import OverTheBound, RaisedOnValidInput
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
     NUMERIC_MISMATCH,
@@ -120,6 +121,7 @@ RPA_HARNESS_CATALOGUE = (
             "assertion. With DeepSeek's 128 q heads (16 per chip at TP 8) any power of two up to the head "
             "count works; a block of 32 with 16 heads does not."
         ),
+        fails_as=(RaisedOnValidInput,),
     ),
     KnownIssue(
         "mla-v1-mask-value-none-fails-to-trace",
@@ -135,6 +137,7 @@ RPA_HARNESS_CATALOGUE = (
             "value on unresolved to `flash_attention`, whose `jnp.where(mask, mask_value, s)` raises a "
             "TypeError while it traces. v3 resolves None (to `finfo(out_dtype).min`); MLA v1 does not."
         ),
+        fails_as=(RaisedOnValidInput,),
     ),
     KnownIssue(
         "mla-v1-finite-mask-value-weights-keys-past-kv-len",
@@ -155,6 +158,7 @@ RPA_HARNESS_CATALOGUE = (
             "nothing shows; with a finite one (-2.0 here) one decode of one key in a block of 16 slots is off "
             "by 1.4e5 bounds."
         ),
+        fails_as=(OverTheBound,),
     ),
     KnownIssue(
         "mla-v1-default-block-sizes-raise",
@@ -172,5 +176,6 @@ RPA_HARNESS_CATALOGUE = (
             "on every TPU generation (seen on a TPU v5e). `ref_mla_ragged_paged_attention` takes no block "
             "sizes; a caller must choose both, with nothing in the kernel to say which fit a chip."
         ),
+        fails_as=(RaisedOnValidInput,),
     ),
 )

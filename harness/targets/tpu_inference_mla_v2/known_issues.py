@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from rpa_harness.failures import CacheMismatch, NonFiniteOutput, OverTheBound, RaisedOnValidInput
 from rpa_harness.known_issues import NUMERIC_MISMATCH, KnownIssue, findings_dir
 from rpa_harness.spec.interface import values_per_word
 from rpa_harness.strategies.case import Case
@@ -113,6 +114,7 @@ RPA_HARNESS_CATALOGUE = (
             "token (0 in the repro). MLA v1 writes exactly the new tokens' slots. The slot holds no key yet, so attention is unaffected until it is written, but the "
             "returned cache is not the input with the new tokens written."
         ),
+        fails_as=(CacheMismatch,),
     ),
     KnownIssue(
         "mla-v2-merge-reads-a-row-past-its-vmem-buffer",
@@ -135,6 +137,7 @@ RPA_HARNESS_CATALOGUE = (
             "read lands in whatever VMEM follows the buffer (not run on hardware). A float32 cache (one "
             "token per row) never reads past the buffer."
         ),
+        fails_as=(RaisedOnValidInput,),
     ),
     KnownIssue(
         "mla-v2-bfloat16-cache-reads-slots-past-kv-len",
@@ -151,6 +154,7 @@ RPA_HARNESS_CATALOGUE = (
             "MLA v1 and v3, the slots past kv_len do not reach the output. On a TPU the slots past kv_len "
             "hold whatever the page held before (finite unless a NaN or Inf was ever written there)."
         ),
+        fails_as=(NonFiniteOutput,),
     ),
     KnownIssue(
         "mla-v2-finite-mask-value-weights-keys-past-kv-len",
@@ -167,6 +171,7 @@ RPA_HARNESS_CATALOGUE = (
             "masked one, the slots from kv_len to the block's end included, with `mask_value`; a finite one "
             "gives those slots the weight `exp(mask_value - m)`."
         ),
+        fails_as=(OverTheBound,),
     ),
     KnownIssue(
         "mla-v2-default-block-sizes-raise",
@@ -184,5 +189,6 @@ RPA_HARNESS_CATALOGUE = (
             "the chip, falls back to defaults of its own where no entry matches, and passes them. So a call "
             "with the signature's defaults raises on every TPU generation (seen on a TPU v5e)."
         ),
+        fails_as=(RaisedOnValidInput,),
     ),
 )

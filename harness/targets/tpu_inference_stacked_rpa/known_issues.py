@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 from rpa_harness.backends import INTERPRET, TPU, Backend
+from rpa_harness.failures import CacheMismatch, OverTheBound
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
     NUMERIC_MISMATCH,
@@ -100,6 +101,7 @@ RPA_HARNESS_CATALOGUE = (
             "output then depends on the KV block size, a tuning parameter, and on the 128-key pages: one "
             "decode of one key is divided among 128 slots."
         ),
+        fails_as=(OverTheBound,),
     ),
     KnownIssue(
         both_outputs.WINDOW_WRITE_BACK_FINDING,
@@ -122,5 +124,6 @@ RPA_HARNESS_CATALOGUE = (
             "later reader of the cache sees it. The decode kernel, and the mixed kernel without a window, wrote "
             "every new token in the cases checked."
         ),
+        fails_as=(CacheMismatch,),
     ),
 )

@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 from rpa_harness import generations
+from rpa_harness.failures import NonFiniteOutput, OverTheBound, RaisedOnValidInput
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
     NUMERIC_MISMATCH,
@@ -166,6 +167,7 @@ RPA_HARNESS_CATALOGUE = (
             "`static_validate_inputs` accepts any positive `num_kv_pages_per_block`, so a caller learns the "
             "rule from a reshape error. 0.11.1 and 0.12.0 have no such prologue."
         ),
+        fails_as=(RaisedOnValidInput,),
     ),
     KnownIssue(
         "early-window-past-block-0-desyncs-kv-prefetch",
@@ -191,6 +193,7 @@ RPA_HARNESS_CATALOGUE = (
             "gives there has not been run on hardware. 0.11.1 and 0.12.0 fetch from block 0 and only mask "
             "the window."
         ),
+        fails_as=(RaisedOnValidInput, NonFiniteOutput, OverTheBound),
     ),
     KnownIssue(
         "early-finite-mask-value-weights-slots-past-kv-len",
@@ -212,6 +215,7 @@ RPA_HARNESS_CATALOGUE = (
             "(`ref_ragged_paged_attention`) gives weight to keys in `[0, kv_len)` only. Upstream jax's kernel "
             "has the same bug (`finite-mask-value-weights-keys-past-kv-len`)."
         ),
+        fails_as=(OverTheBound,),
     ),
     KnownIssue(
         "early-finite-mask-value-weights-stale-slots-past-kv-len",
@@ -234,5 +238,6 @@ RPA_HARNESS_CATALOGUE = (
             "(`ref_ragged_paged_attention`) still adds the mask value (`attn += jnp.where(mask, mask_value, "
             "0.0)`) and weights keys in `[0, kv_len)` only."
         ),
+        fails_as=(OverTheBound,),
     ),
 )

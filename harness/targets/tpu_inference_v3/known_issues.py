@@ -23,6 +23,7 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 from rpa_harness import generations
+from rpa_harness.failures import CacheMismatch, NonFiniteOutput, OverTheBound, RaisedOnValidInput
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
     NUMERIC_MISMATCH,
@@ -412,6 +413,7 @@ RPA_HARNESS_CATALOGUE = (
             "the window, a swap or copy of the pages) does not get those keys."
         ),
         releases=">=0.18.0",  # 0.11.1 and 0.12.0 write every new token; 0.13.x's block walk is finding early-window-past-block-0-desyncs-kv-prefetch
+        fails_as=(CacheMismatch,),
     ),
     KnownIssue(
         "q-len-zero-before-a-live-sequence-hangs",
@@ -439,6 +441,7 @@ RPA_HARNESS_CATALOGUE = (
             "attention and cache, but the KV prefetch started for the empty sequence is never waited for "
             "(the TPU interpreter's exit check: it would halt a TPU)."
         ),
+        fails_as=(RaisedOnValidInput, CacheMismatch, NonFiniteOutput),
     ),
     KnownIssue(
         "finite-mask-value-counts-keys-by-block",
@@ -461,6 +464,7 @@ RPA_HARNESS_CATALOGUE = (
             "output depends on the block sizes, which are tuning parameters."
         ),
         releases=">=0.18.0",  # earlier kernels weight the slots past kv_len: the early-finite-mask-value findings
+        fails_as=(OverTheBound,),
     ),
     KnownIssue(
         "row-sum-accumulated-in-bfloat16",
@@ -490,6 +494,7 @@ RPA_HARNESS_CATALOGUE = (
         # Mosaic reduces a bfloat16 vector in float32 up to v5 (canonicalize_mosaic.cc: a bf16
         # multi_reduction is extended to f32 where hardware_generation <= 5) and in bfloat16 from v6 on.
         generations=generations.from_major_version(6),
+        fails_as=(OverTheBound,),
     ),
     KnownIssue(
         "default-blocks-break-v3s-own-rules",
@@ -528,6 +533,7 @@ RPA_HARNESS_CATALOGUE = (
         ),
         releases=">=0.18.0",  # earlier kernels take upstream's block options (their tuned table's blocks are whole)
         generations=("v5e", "v5p", "v6e"),  # get_default_block_sizes: `case 5 | 6`
+        fails_as=(RaisedOnValidInput,),
     ),
     KnownIssue(
         "out-dtype-other-than-q-dtype-fails-to-trace",
@@ -547,6 +553,7 @@ RPA_HARNESS_CATALOGUE = (
             "(`ref_ragged_paged_attention`) accepts it and returns its output in `out_dtype`."
         ),
         releases=">=0.18.0",  # earlier kernels take no out_dtype
+        fails_as=(RaisedOnValidInput,),
     ),
     KnownIssue(
         "int16-positions-wrap-past-32767-keys",
@@ -570,6 +577,7 @@ RPA_HARNESS_CATALOGUE = (
         ),
         releases=">=0.18.0,<0.23.0",
         generations=generations.from_major_version(6),  # int16 only where get_tpu_version() >= 6
+        fails_as=(NonFiniteOutput, OverTheBound),
     ),
     KnownIssue(
         "sliding-window-wraps-int16-positions",
@@ -589,5 +597,6 @@ RPA_HARNESS_CATALOGUE = (
         ),
         releases=">=0.18.0",  # the releases before it compute positions in int32
         generations=generations.from_major_version(6),  # int16 only where get_tpu_version() >= 6
+        fails_as=(NonFiniteOutput, OverTheBound),
     ),
 )

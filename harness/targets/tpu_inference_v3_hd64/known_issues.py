@@ -15,6 +15,7 @@ import functools
 
 import numpy as np
 from rpa_harness import generations
+from rpa_harness.failures import OverTheBound, RaisedOnValidInput
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
     NUMERIC_MISMATCH,
@@ -130,6 +131,7 @@ RPA_HARNESS_CATALOGUE = (
             "count and is right. Float32 queries (packing 1) and an even number of q heads per KV head "
             "(gpt-oss: 64 over 8) are not affected."
         ),
+        fails_as=(RaisedOnValidInput, OverTheBound),
     ),
     KnownIssue(
         "hd64-kv-block-not-whole-tiles-fails-to-trace",
@@ -147,6 +149,7 @@ RPA_HARNESS_CATALOGUE = (
             "blocks are whole tiles; given ones need not be."
         ),
         releases=">=0.13.0",  # 0.12.0's prologue has no such reshape (its repro passes there)
+        fails_as=(RaisedOnValidInput,),
     ),
     KnownIssue(
         "hd64-finite-mask-value-weights-keys-by-block",
@@ -166,5 +169,6 @@ RPA_HARNESS_CATALOGUE = (
             "`[0, kv_len)`. With `kv_len` a multiple of the block and no window skip the two agree; the default "
             "mask value masks fully and is not affected."
         ),
+        fails_as=(OverTheBound,),
     ),
 )
