@@ -30,6 +30,7 @@ from rpa_harness.failures import (  # noqa: F401  (the failures the checks raise
     WrongRejection,
     located,
     numeric_failure,
+    would_halt_a_tpu,
 )
 from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.property_names import COMPILATION, DETERMINISM, DIFFERENTIAL, KINDS, PADDING, VALIDATION
@@ -141,7 +142,7 @@ def check_differential(target: Target, backend: Backend, arrays: dict, options: 
         actual, expected, label=f"{target.name} on {backend.label}", precision=target.precision_on(backend)
     )
     if not comparison.ok:
-        raise numeric_failure(comparison, arrays)
+        raise numeric_failure(comparison, arrays, backend)
     return comparison
 
 
@@ -161,7 +162,7 @@ def run_valid(target: Target, backend: Backend, arrays: dict, options: dict) -> 
     try:
         result = backend.run(target.attention, arrays, options)
     except backends.WouldHaltTpu as error:
-        raise located(WouldHaltATpu, _live_kv_lens(arrays))(f"{label}: {error}") from None
+        raise would_halt_a_tpu(f"{label}: {error}", _live_kv_lens(arrays)) from None
     except Exception as error:
         message = first_line_of_error(error)
         reason = recognise(error)

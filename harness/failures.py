@@ -5,10 +5,12 @@ Below the checks and the targets alike: a target's own property (v3's both outpu
 failures as the generic ones, so that a report, a repro and Hypothesis tell them apart the same way.
 """
 
+import dataclasses
 import functools
 
 import numpy as np
 from rpa_harness import backends
+from rpa_harness.reference.tolerance import BF16_MATMUL
 
 
 class PropertyFailure(AssertionError):
@@ -55,6 +57,41 @@ class OutputsDiffer(PropertyFailure):
     """Two runs that must agree bit for bit (padding isolation, determinism) do not."""
 
     kind = "outputs differ bit for bit"
+
+
+@dataclasses.dataclass(frozen=True)
+class StricterSince:
+    """A check a release made stricter, named in the failures it raises: a target whose declaration was
+    written against an earlier release, and passed then, reads which release changed the judge, the
+    CHANGELOG.md entry that explains it, and what to declare or change."""
+
+    version: str  # the release; CHANGELOG.md's entry of that version says it under "Stricter"
+    change: str  # what the harness now reports that it did not
+    remedy: str  # what a target declares or changes
+
+    def note(self) -> str:
+        """The line a failure of the check ends with."""
+        return (
+            f"\n  stricter since rpa-harness {self.version} (CHANGELOG.md, [{self.version}]): {self.change}; "
+            f"{self.remedy}"
+        )
+
+
+EXIT_STATE_CHECK = StricterSince(
+    "0.5.0",
+    "the checking interpreter fails a kernel that ends with a DMA never waited for or a semaphore count "
+    "left (it passed before: no output is wrong, but a TPU halts on that exit)",
+    "wait for every copy the kernel starts (an empty batch's too), or, while it cannot be fixed, declare the "
+    "case a known issue of the target (docs/known-issues.md)",
+)
+PRODUCTS_ON_TPU_GENERATIONS = StricterSince(
+    "0.4.0",
+    "an interpreter emulating a TPU generation multiplies float32 operands at DEFAULT precision in one "
+    "bfloat16 pass, as the chip's MXU does (before, exactly)",
+    "a kernel whose float32 products pass DEFAULT or no precision declares RPA_HARNESS_PRODUCT_PRECISION = "
+    '"default" (then judged with bf16-matmul on a TPU generation); one that promises float32 passes '
+    "precision=HIGHEST",
+)
 
 
 class WouldHaltATpu(PropertyFailure):
@@ -121,9 +158,17 @@ def located(kind: type[PropertyFailure], kv_lens) -> type:
     return _past(kind, passed[-1]) if passed else kind  # type: ignore[arg-type]
 
 
-def numeric_failure(comparison, arrays: dict) -> PropertyFailure:
+def would_halt_a_tpu(message: str, kv_lens=()) -> PropertyFailure:
+    """The failure of a kernel that would halt a TPU on exit, located by ``kv_lens``, naming the release
+    that made the exit a failure."""
+    return located(WouldHaltATpu, kv_lens)(f"{message}{EXIT_STATE_CHECK.note()}")
+
+
+def numeric_failure(comparison, arrays: dict, backend=None) -> PropertyFailure:
     """The failure a numeric ``Comparison`` that does not hold raises: its kind (non-finite values, else
-    values over the bound), located by the longest context among the sequences it shows in."""
+    values over the bound), located by the longest context among the sequences it shows in. On a TPU
+    generation (``backend``'s, real or emulated), a failure whose diagnosis is float32 products in one
+    bfloat16 pass, undeclared, names the release that began multiplying as the chip does."""
     kv_lens = np.asarray(arrays["kv_lens"])
     shown = comparison.error_map
     failing: list[int] | np.ndarray = (
@@ -132,4 +177,11 @@ def numeric_failure(comparison, arrays: dict) -> PropertyFailure:
     kind = (
         NonFiniteOutput if comparison.nonfinite else OverTheBound if shown is not None else WrongOutputLayout
     )
-    return located(kind, kv_lens[failing])(str(comparison))
+    products_at_default = (
+        backend is not None
+        and backend.has_tpu_generation
+        and BF16_MATMUL not in comparison.precision
+        and comparison.diagnosis.startswith(f"consistent with {BF16_MATMUL}")
+    )
+    note = PRODUCTS_ON_TPU_GENERATIONS.note() if products_at_default else ""
+    return located(kind, kv_lens[failing])(f"{comparison}{note}")

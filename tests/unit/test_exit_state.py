@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from rpa_harness import checks, generations, interpret_compat, targets
+from rpa_harness import checks, failures, generations, interpret_compat, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, Backend, WouldHaltTpu
 from rpa_harness.interpret_compat import tpu as tpu_gaps
@@ -164,6 +164,7 @@ def test_a_zero_query_sequence_fails_with_its_kind_and_a_decode_passes(tmp_path)
         with recorded(tmp_path, name, UPSTREAM, CHECKING, zero.arrays(), zero.options(), case=zero):
             checks.check_differential(UPSTREAM, CHECKING, zero.arrays(), zero.options())
     assert "\n  failure kind: would halt a TPU\n" in str(failure.value)
+    assert failures.EXIT_STATE_CHECK.note() in str(failure.value)  # the release that made it a failure
     assert ISSUE.name in str(failure.value)  # the known issue the case matches
     decode = dataclasses.replace(EMPTY_BATCH, q_lens=(1,), kv_lens=(5,))
     assert checks.check_differential(UPSTREAM, CHECKING, decode.arrays(), decode.options()).ok

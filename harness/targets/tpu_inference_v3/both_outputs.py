@@ -9,7 +9,7 @@ import numpy as np
 from rpa_harness import reference
 from rpa_harness.backends import INTERPRET, Backend, Deadlock, WouldHaltTpu
 from rpa_harness.cache_judge import ExpectedCache, cache_mismatch
-from rpa_harness.failures import CacheMismatch, RaisedOnValidInput, WouldHaltATpu, numeric_failure
+from rpa_harness.failures import CacheMismatch, RaisedOnValidInput, numeric_failure, would_halt_a_tpu
 from rpa_harness.targets.tpu_inference_v3.adapter import KernelInputs, V3Inputs, call_v3, v3_inputs
 
 
@@ -165,13 +165,13 @@ def checks_both_outputs(judge_outputs):
                 str(deadlock),
             ) from None
         except WouldHaltTpu as halting:
-            raise WouldHaltATpu(f"{target.name} on {backend.label}: {halting}") from None
+            raise would_halt_a_tpu(f"{target.name} on {backend.label}: {halting}") from None
         if verdict.cache_error is not None:
             finding = f"\n  (exactly the slots of {verdict.known_finding})" if verdict.known_finding else ""
             attention = "" if verdict.comparison.ok else f"\n{verdict.comparison}"
             error = verdict.cache_error
             raise CacheMismatch(f"{error}{finding}{attention}", error.slots, error.stale) from None
         if not verdict.comparison.ok:
-            raise numeric_failure(verdict.comparison, arrays)
+            raise numeric_failure(verdict.comparison, arrays, backend)
 
     return check
