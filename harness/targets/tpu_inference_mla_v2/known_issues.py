@@ -133,9 +133,19 @@ RPA_HARNESS_CATALOGUE = (
             "kv_utils.py:218). The last iteration's look-ahead is never used, but where the cached part of "
             "the block does not end a row and the block is full enough, it reads row `bkv_sz / kv_packing "
             "+ 2` of a buffer of `bkv_sz / kv_packing + 2` rows. The Pallas TPU interpreter raises an "
-            "out-of-bounds read; the generic interpreter clamps it and the output is right. On a TPU the "
-            "read lands in whatever VMEM follows the buffer (not run on hardware). A float32 cache (one "
-            "token per row) never reads past the buffer."
+            "out-of-bounds read; the generic interpreter clamps it and the output is right. A float32 cache "
+            "(one token per row) never reads past the buffer.\n\n"
+            "**A memory-safety finding, which a chip does not show.** On a TPU v5e (2026-12-07, jax 0.10.2, "
+            "tpu-inference 0.32.0) the repro passes: the read does not fault and the outputs are right. What "
+            "is read: one row (`kv_packing` tokens of `kv_c` and of `k_pe`) past the block's buffer: the "
+            "first row of the next buffer of the same scratch array (another batch row's, or the other half "
+            "of the double buffer), or, past the array's last, whatever VMEM follows it. Whether an output can "
+            "depend on it: no, for any shape: it is the look-ahead loaded at the end of the loop's last "
+            "iteration (`next_kvc_reg`, `next_kpe_reg`), which only the loop's carry holds, and the result "
+            "of `lax.fori_loop` is discarded; no store or arithmetic reads it. A dead load: it could matter "
+            "only if the read left VMEM, which it did not in the repro on a v5e (v2 turns Mosaic's bounds "
+            "checks off, `disable_bounds_checks=True`, so nothing stops it there). To act: load the "
+            "look-ahead only while another iteration follows, or give the buffer one more row."
         ),
         fails_as=(RaisedOnValidInput,),
     ),

@@ -418,7 +418,7 @@ RPA_HARNESS_CATALOGUE = (
     KnownIssue(
         "q-len-zero-before-a-live-sequence-hangs",
         "a q_len == 0 sequence before one with query rows: the kernel never copies the live sequence's query "
-        "block or new key, and waits for them (the TPU interpreter: a deadlock; a TPU: not settled)",
+        "block or new key, and waits for them (the TPU interpreter: a deadlock; a TPU v5e: the call hangs)",
         FINDINGS / "q-len-zero-before-a-live-sequence-hangs" / "v3-hang_interpret.json",
         v3_q_len_zero_before_live_sequence,
         drop_empty_sequences_before_live_ones,
@@ -434,12 +434,32 @@ RPA_HARNESS_CATALOGUE = (
             "deadlock. Its KV wait (one row) takes sequence 0's copy of its one cached row, so were the query "
             "wait to return, sequence 1 would attend to sequence 0's key and value and write them into its "
             "own cache slot: the generic interpreter, whose waits do not block, returns that (NaN attention "
-            "from the query buffer nothing wrote, sequence 0's key in sequence 1's slot). A v5e chip session "
-            "reported the call returning with the right attention and cache, which these copies cannot "
-            "produce; what a TPU does here is not settled (`ci/chip_probe_v3_q_len_zero.py` runs it step by "
-            "step). A single `(0, 5)` sequence, or an empty sequence in the last slot, gets the right "
-            "attention and cache, but the KV prefetch started for the empty sequence is never waited for "
-            "(the TPU interpreter's exit check: it would halt a TPU)."
+            "from the query buffer nothing wrote, sequence 0's key in sequence 1's slot). A single `(0, 5)` "
+            "sequence, or an empty sequence in the last slot, gets the right attention and cache, but the KV "
+            "prefetch started for the empty sequence is never waited for (the TPU interpreter's exit check: "
+            "it would halt a TPU).\n\n"
+            "**On a TPU v5e** (2026-12-07, jax 0.10.2, Python 3.11.7, tpu-inference 0.32.0) the call hangs. "
+            "rpa-harness's `ci/chip_verdicts.py --backend tpu` says `reproduces: hangs` for v3 and its "
+            "context-parallel fork, and `ci/chip_probe_v3_q_len_zero.py --timeout 30` ran the repro in four "
+            "processes, each past 30 s: as a process's first kernel call; after a call of the same "
+            "configuration without the empty sequence, which returned in 2.1 s with the right attention and "
+            "cache; after a call with a NaN query; and with Mosaic's bounds and semaphore checks on "
+            "(`disable_bounds_checks=False`, `disable_semaphore_checks=False`), which did not stop it. The "
+            "script below, run as written on that chip, was ended by its own watchdog after 300 s (exit 1, "
+            "315 s in all). An earlier report from a v5e session, that the call returned with the right "
+            "attention and cache, is withdrawn: that verdict did not come from the chip (rpa-harness then "
+            "replayed a hang's repro on the Pallas TPU interpreter in a child process whatever the run's "
+            "backend), and these copies cannot give sequence 1 its own query and key.\n\n"
+            "**What a caller must do.** Never pass the kernel a batch in which a sequence with `q_len == 0` "
+            "comes before a sequence with query rows: no `i < j < distribution[2]` with `cu_q_lens[i + 1] == "
+            "cu_q_lens[i]` and `cu_q_lens[j + 1] > cu_q_lens[j]`. A serving engine meets it by dropping the "
+            "sequences with no new tokens from the batch it passes (their `kv_lens` and `page_indices` rows "
+            "removed, `cu_q_lens` and `distribution` recomputed). Dropping them is safer than moving them "
+            "after every live sequence: an empty sequence in the last slot returns the right outputs but "
+            "leaves the KV prefetch started for it unwaited, which the TPU interpreter says would halt a TPU "
+            "(not run on a chip). `dynamic_validate_inputs`, whose `0 < q_len` rule rejects every such "
+            "batch, checks it at the cost of reading the lengths on the host. In the kernel, a sequence with "
+            "no query block would have to start the prefetches the next sequence waits for."
         ),
         fails_as=(RaisedOnValidInput, CacheMismatch, NonFiniteOutput),
     ),
@@ -523,13 +543,26 @@ RPA_HARNESS_CATALOGUE = (
             "so a TPU reads whatever VMEM holds there; the Pallas TPU interpreter stops the read "
             "(out-of-bounds read). With a page size that divides 1,024 (every power of two), a block whose "
             "chunk does not divide it is the whole page table (`bkv_sz = max_kv`, at most 1,024 keys), so "
-            "the rows past it are positions past every sequence's `kv_len`: the mask replaces their logits "
-            "and zeroes their values, and the outputs are right (the repro's on a v5e). With one that does "
-            "not (96: blocks of 1,056 keys in chunks of 576 once the page table holds more than 1,024), the "
-            "rows past a block are the next block's keys, within `kv_len` and not masked, and the output "
-            "depends on what VMEM holds past the buffer (NaN rows on the fast interpreter, which reads NaN "
-            "there); not drawn, not run on a chip. The query chunk twice the block does no harm (the kernel "
-            "clamps a query chunk to the rows of its block). On 7x the same case gets valid sizes."
+            "the rows past it are positions past every sequence's `kv_len`. With one that does not (96: "
+            "blocks of 1,056 keys in chunks of 576 once the page table holds more than 1,024), the rows "
+            "past a block are the next block's keys, within `kv_len`. The query chunk twice the block does "
+            "no harm (the kernel clamps a query chunk to the rows of its block). On 7x the same case gets "
+            "valid sizes.\n\n"
+            "**A memory-safety finding, which a chip does not show.** On a TPU v5e (2026-12-07, jax 0.10.2, "
+            "tpu-inference 0.32.0) the repro passes: the read does not fault and the outputs are right; only "
+            "a checking interpreter sees it. What is read: the rows of the last compute chunk past the "
+            "block's half of the KV double buffer (`bkv_x2_ref`, `(2, bkv_sz, ...)`): for the first half, "
+            "the first rows of the second (another block's keys and values), for the second, whatever VMEM "
+            "follows the buffer. Whether an output can depend on them: not while they are key positions at "
+            "or past the sequence's effective kv length, which holds for every page size dividing 1,024: "
+            "`flash_attention_step1_qk_softmax` replaces their logits (`jnp.where(mask, s, mask_value)`, "
+            "which also drops a NaN or Inf made of VMEM's bits) and zeroes their values (`jnp.where(v_span < "
+            "effective_kv_len, v, 0.0)`) before the row maximum, the row sum and P @ V; `skip_kv_mask=True`, "
+            "which drops that mask, requires `kv_len % bkv_csz == 0`, with which the last chunk ends inside "
+            "the block. Under which shapes it can: a page size that does not divide 1,024, as above: the "
+            "output then depends on what VMEM holds past the buffer (NaN rows on the fast interpreter, which "
+            "reads NaN there; not run on a chip). To act: validate the default sizes as given ones are, or "
+            "choose a `bkv_csz` that divides `bkv_sz`."
         ),
         releases=">=0.18.0",  # earlier kernels take upstream's block options (their tuned table's blocks are whole)
         generations=("v5e", "v5p", "v6e"),  # get_default_block_sizes: `case 5 | 6`
