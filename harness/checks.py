@@ -9,6 +9,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import re
+import time
 
 import jax
 import numpy as np
@@ -126,24 +127,38 @@ def declared_unrunnable(target: Target, backend: Backend, *, by_default: bool = 
     return None
 
 
-def check_differential(target: Target, backend: Backend, arrays: dict, options: dict):
+def check_differential(
+    target: Target, backend: Backend, arrays: dict, options: dict, seconds: dict | None = None
+):
     """The target's output matches the float64 oracle within the tolerance model of its precision
     contract on this backend (``target.precision_on``), on valid rows. On a chip the oracle runs on a host
     thread while the chip runs the kernel (on the interpreters the kernel's call keeps the host's cores
-    busy)."""
+    busy). ``seconds``, where given, receives the seconds of the kernel's call (``call_s``), the oracle
+    (``oracle_s``) and the comparison (``judge_s``)."""
+    seconds = {} if seconds is None else seconds
+    started = time.perf_counter()
     if backend.name == backends.TPU:
-        expected = _oracle_thread().submit(reference.oracle, **arrays, **options)
+        expected = _oracle_thread().submit(_timed, reference.oracle, arrays, options)
         actual = run_valid(target, backend, arrays, options)
-        expected = expected.result()
+        seconds["call_s"] = time.perf_counter() - started
+        expected, seconds["oracle_s"] = expected.result()
     else:
         actual = run_valid(target, backend, arrays, options)
-        expected = reference.oracle(**arrays, **options)
+        seconds["call_s"] = time.perf_counter() - started
+        expected, seconds["oracle_s"] = _timed(reference.oracle, arrays, options)
+    judging = time.perf_counter()
     comparison = reference.compare(
         actual, expected, label=f"{target.name} on {backend.label}", precision=target.precision_on(backend)
     )
+    seconds["judge_s"] = time.perf_counter() - judging
     if not comparison.ok:
         raise numeric_failure(comparison, arrays, backend)
     return comparison
+
+
+def _timed(function, arrays: dict, options: dict) -> tuple:
+    started = time.perf_counter()
+    return function(**arrays, **options), time.perf_counter() - started
 
 
 @functools.cache

@@ -20,6 +20,7 @@ stands in for the chip on a CPU host (what the tests check).
 """
 
 import collections
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -33,6 +34,8 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
+from rpa_harness import compile_meter, generations
+
 ADDRESS_ENV = "RPA_CHIP_OWNER_SOCKET"  # the owner's socket, in the processes whose kernel calls it makes
 OWNER_FILE = "owner.sock"
 ENDED_FILE = "ended.json"  # the supervisor's last word, where it starts no more owners
@@ -43,6 +46,9 @@ STARTS_BEFORE_GIVING_UP = 3  # owners in a row that end before serving a call
 # a DMA running after its call returns; its fault then surfaces in a later call, maybe another process's).
 CALLS_KEPT = 2
 ENDINGS = ("halted", "hung", "slow")  # the answers of a call that ended the owner
+# Threads that compile signatures ahead of their calls: tracing and lowering hold the GIL, the compiler
+# does not, so a second thread compiles while the first lowers.
+COMPILE_THREADS = 2
 
 
 class OwnerUnavailable(RuntimeError):
@@ -243,6 +249,12 @@ class Owner:
         self.busy = 0.0
         self.began = 0.0  # when the call in flight started
         self.stats_path = Path(where).parent / STATS_FILE.format(pid=os.getpid())
+        self.seconds: collections.Counter = collections.Counter()  # where the owner's time went (SECONDS)
+        self.signatures: dict[tuple, dict] = {}  # a call's static signature -> its calls and compilations
+        self.compiling: dict[tuple, concurrent.futures.Future] = {}
+        self.compilers = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="compile")
+        self.stats_lock = threading.Lock()
+        self.last_compiled = 0.0  # when (time.time()) a signature last finished compiling
 
     def serve(self) -> None:
         from rpa_harness import backends
@@ -258,13 +270,23 @@ class Owner:
     def serve_connection(self, connection: Connection) -> None:
         try:
             while True:
-                request = pickle.loads(connection.recv_bytes())
+                payload = connection.recv_bytes()
+                received = time.perf_counter()
+                request = pickle.loads(payload)
+                self.add_seconds(receive_s=time.perf_counter() - received)
                 if request[0] == "facts":
                     connection.send(self.facts())
                 else:
-                    connection.send(self.run(connection, *request[1:]))
+                    answer = self.run(connection, *request[1:])
+                    replying = time.perf_counter()
+                    connection.send(answer)
+                    self.add_seconds(reply_s=time.perf_counter() - replying)
         except (EOFError, OSError):
             connection.close()
+
+    def add_seconds(self, **seconds: float) -> None:
+        with self.stats_lock:
+            self.seconds.update(seconds)
 
     def facts(self) -> dict:
         import jax
@@ -276,9 +298,12 @@ class Owner:
     def run(self, connection: Connection, backend, fn, args, kwargs, example) -> tuple:
         from rpa_harness import backends
 
+        signature = self.compile_ahead(backend, fn, args, kwargs)
+        waiting = time.perf_counter()
         with self.chip:
             connection.send(("started",))
             self.began = time.perf_counter()
+            self.add_seconds(lock_wait_s=self.began - waiting)
             handlers = (
                 backends.on_halt(
                     lambda what, error: self.ends(connection, "halted", what, error, list(self.recent))
@@ -287,18 +312,77 @@ class Owner:
                 backends.on_slow(lambda message: self.ends(connection, "slow", message)),
             )
             try:
-                with handlers[0], handlers[1], handlers[2]:
+                with handlers[0], handlers[1], handlers[2], compile_meter.metered() as compiled:
                     answer: tuple = ("returned", backend.run(fn, *args, **kwargs))
             except Exception as error:
                 answer = _raised(error)
-            self.count_the_call()
+            self.count_the_call(signature, compiled)
             if example is not None:
                 self.recent.append(example)
             return answer
 
-    def count_the_call(self) -> None:
-        self.calls += 1
-        self.busy += time.perf_counter() - self.began
+    def compile_ahead(self, backend, fn, args, kwargs) -> tuple | None:
+        """For a target's call (``Target.attention``), its static signature, compiled before the call takes
+        the chip: the first call of a signature has a compiler thread trace, lower and compile it
+        (``Target.precompile``) while the chip runs other calls, and every call of that signature waits for
+        it here, outside the chip's lock. None for any other call (it compiles, if at all, in its call)."""
+        from rpa_harness import backends
+
+        target = getattr(fn, "__self__", None)
+        if getattr(fn, "__name__", None) != "attention" or not hasattr(target, "precompile") or kwargs:
+            return None
+        signature = target.signature(*args)
+        if backend.generation != generations.NONE:
+            # An interpreter's emulated generation is the process's (its device kind, registered while a
+            # call traces): a call emulating another generation must not trace meanwhile.
+            return signature
+        with self.stats_lock:
+            future = self.compiling.get(signature)
+            if future is None:
+                future = self.compiling[signature] = self.compilers.submit(
+                    self.precompile, backend, target, args
+                )
+        started = time.perf_counter()
+        try:
+            future.result(timeout=backends.CALL_TIMEOUT_SECONDS)
+        except concurrent.futures.TimeoutError:
+            pass  # the call compiles what is left under the chip's watchdog
+        self.add_seconds(compile_wait_s=time.perf_counter() - started)
+        return signature
+
+    def precompile(self, backend, target, args) -> None:
+        """One signature's compilation, on a compiler thread: what it cost is the signature's; an error is
+        left for the call, which raises it as its own (a refusal, an invalid case)."""
+        with compile_meter.metered() as compiled:
+            try:
+                with backend.context():
+                    ahead = target.precompile(*args)
+            except Exception:
+                ahead = False
+        with self.stats_lock:
+            self.last_compiled = time.time() if compiled.seconds else self.last_compiled
+            self.seconds["compile_ahead_s"] += compiled.seconds
+            self.signature_stats(target.signature(*args)).update(ahead=ahead, ahead_s=compiled.seconds)
+
+    def signature_stats(self, signature: tuple) -> dict:
+        return self.signatures.setdefault(
+            signature, {"calls": 0, "ahead": False, "ahead_s": 0.0, "in_call_s": 0.0, "compiled_in_calls": 0}
+        )
+
+    def count_the_call(self, signature: tuple | None = None, compiled=None) -> None:
+        in_lock = time.perf_counter() - self.began
+        compile_s = compiled.seconds if compiled is not None else 0.0
+        with self.stats_lock:
+            self.calls += 1
+            self.busy += in_lock
+            self.seconds.update(compile_in_call_s=compile_s, run_s=in_lock - compile_s)
+            if compile_s:
+                self.last_compiled = time.time()
+            if signature is not None:
+                stats = self.signature_stats(signature)
+                stats["calls"] += 1
+                stats["in_call_s"] += compile_s
+                stats["compiled_in_calls"] += bool(compiled and compiled["executables"])
         self.write_stats()
 
     def ends(self, connection: Connection, kind: str, *report) -> tuple[str, int]:
@@ -320,13 +404,19 @@ class Owner:
         return f"rpa-harness chip owner: the call in flight {kind}: {report[0]}", codes[kind]
 
     def write_stats(self) -> None:
-        stats = {
-            "pid": os.getpid(),
-            "calls": self.calls,
-            "busy_s": self.busy,
-            "alive_s": time.monotonic() - self.started,
-        }
-        self.stats_path.write_text(json.dumps(stats))
+        with self.stats_lock:
+            stats = {
+                "pid": os.getpid(),
+                "calls": self.calls,
+                "busy_s": self.busy,
+                "alive_s": time.monotonic() - self.started,
+                "seconds": dict(self.seconds),
+                "last_compiled": self.last_compiled,
+                "signatures": list(self.signatures.values()),
+            }
+        written = self.stats_path.with_suffix(".tmp")
+        written.write_text(json.dumps(stats))
+        written.replace(self.stats_path)  # a reader never sees half a file
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -397,12 +487,22 @@ class Supervisor:
         """The run's owners together: calls made, seconds the chip was busy, seconds owners were up, owners
         started, and the exit statuses of those that ended before the run did."""
         stats = self.owner_stats()
+        seconds: collections.Counter = collections.Counter()
+        for owner in stats:
+            seconds.update(owner.get("seconds", {}))
+        signatures = [signature for owner in stats for signature in owner.get("signatures", [])]
         return {
             "calls": sum(s["calls"] for s in stats),
             "busy_s": sum(s["busy_s"] for s in stats),
             "alive_s": sum(s["alive_s"] for s in stats),
             "owners": len(stats),
             "exits": list(self.exits),
+            "seconds": dict(seconds),
+            "last_compiled": max((s.get("last_compiled", 0.0) for s in stats), default=0.0),
+            "signatures": len(signatures),
+            "compiled_ahead": sum(1 for s in signatures if s["ahead"]),
+            "signatures_compiled_in_calls": sum(1 for s in signatures if s["compiled_in_calls"]),
+            "calls_per_signature": sorted(s["calls"] for s in signatures),
         }
 
     def stop(self) -> dict:
@@ -416,6 +516,36 @@ class Supervisor:
             if path != self.log_path:
                 path.unlink(missing_ok=True)
         return summary
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """``Supervisor.summary`` in words: the signatures compiled (ahead of their calls, off the chip's path,
+    or in them, on it) and the calls each served; where a call's seconds went."""
+    calls, seconds = summary["calls"], summary["seconds"]
+    if not calls:
+        return []
+    served = summary["calls_per_signature"]
+    lines = []
+    if served:
+        lines.append(
+            f"{summary['signatures']} static signatures, {summary['compiled_ahead']} compiled ahead of their "
+            f"calls ({seconds.get('compile_ahead_s', 0.0):.1f} s, off the chip's path), "
+            f"{summary['signatures_compiled_in_calls']} compiling in their calls "
+            f"({seconds.get('compile_in_call_s', 0.0):.1f} s, on it); calls per signature {served[0]} to "
+            f"{served[-1]} (median {served[len(served) // 2]})"
+        )
+    per_call = ", ".join(
+        f"{seconds.get(name, 0.0) / calls * 1e3:.1f} ms {words}"
+        for name, words in (
+            ("receive_s", "receiving"),
+            ("compile_wait_s", "waiting for its compilation"),
+            ("lock_wait_s", "waiting for the chip"),
+            ("run_s", "running (transfers, dispatch, the chip)"),
+            ("reply_s", "replying"),
+        )
+    )
+    lines.append(f"per call: {per_call}")
+    return lines
 
 
 def _end_session(process: subprocess.Popen) -> None:

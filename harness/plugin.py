@@ -649,6 +649,8 @@ class RunVerdicts:
                 f"{owners['wall_s']:.1f} s ({owners['busy_fraction']:.0%}); {owners['owners']} owner "
                 f"process(es){ended}"
             )
+            for line in chip_owner.summary_lines(owners):
+                terminalreporter.write_line(f"rpa-harness: chip owner: {line}")
         verdict = self.no_numeric_verdict()
         if verdict:
             terminalreporter.write_line(verdict, red=True, bold=True)

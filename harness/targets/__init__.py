@@ -65,6 +65,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 from rpa_harness import generations, known_issues, property_names
 from rpa_harness.backends import TPU
 from rpa_harness.reference.tolerance import (
@@ -187,6 +188,41 @@ class Target:
         """Calls the target's kernel on NumPy inputs (converted to jax arrays, as users call it)."""
         with generations.hooked(self.generation_hook):
             return self.module.ragged_paged_attention(**as_jax(arrays), **options)
+
+    def signature(self, arrays: dict, options: dict) -> tuple:
+        """What decides whether a call of ``attention`` compiles: the target, its arrays' shapes and dtypes,
+        and its options, those it takes at run time (``capabilities.runtime_options``) by whether they are
+        given, the others by value. Two calls with one signature share one compilation."""
+        runtime = set(self.capabilities.runtime_options)
+        shapes = tuple(
+            (name, tuple(np.shape(value)), str(getattr(value, "dtype", type(value).__name__)))
+            for name, value in sorted(arrays.items())
+        )
+        static = tuple(
+            (name, "given" if value is not None else "None")
+            if name in runtime
+            else (name, type(value).__name__, repr(value))
+            for name, value in sorted(options.items())
+        )
+        return (self.name, shapes, static)
+
+    def precompile(self, arrays: dict, options: dict) -> bool:
+        """Traces, lowers and compiles what ``attention(arrays, options)`` runs, without running it, so that
+        the call finds it compiled (jax keeps a jitted function's compilation for its arguments' shapes).
+        False where the target's call is not one jitted function that compiles alone: it then compiles in
+        its call. Raises what tracing or compiling raises (the call would raise it too)."""
+        with generations.hooked(self.generation_hook):
+            if self.compiled_call is not None:
+                function, arguments = self.compiled_call(arrays, options)
+                if not hasattr(function, "lower"):
+                    return False
+                function.lower(*arguments).compile()
+                return True
+            function = self.module.ragged_paged_attention
+            if not hasattr(function, "lower"):
+                return False
+            function.lower(**arrays, **options).compile()
+            return True
 
     def capabilities_on(self, backend) -> Capabilities:
         """What is drawn for the target on ``backend``: where kernels see a TPU generation (a real chip or

@@ -9,9 +9,11 @@ interpreter carries the volume; the checking one (out-of-bounds reads raise, scr
 when waited for, races are asserted) checks memory safety.
 """
 
+import time
+
 from hypothesis import given, settings, target
 from hypothesis import strategies as st
-from rpa_harness import reference, runlog
+from rpa_harness import compile_meter, reference, runlog
 from rpa_harness.backends import TPU
 from rpa_harness.checks import check_differential
 from rpa_harness.properties.budget import (
@@ -45,10 +47,16 @@ def draw_and_compare(
     name = PropertyName(DIFFERENTIAL, variant, backend.label)
     ratios = []
     for index, case in enumerate(cases):
+        started = time.perf_counter()
         arrays, options = case.arrays(), case.options()
+        arrays_s = time.perf_counter() - started
         with recorded(repro_dir, name, target_, backend, arrays, options, case=case) as notes:
             notes[runlog.LATER_CASE] = index > 0  # the progress line counts examples, not cases
-            comparison = check_differential(target_, backend, arrays, options)
+            # Where a case's host seconds go (benchmarks/bench_throughput.py reads them from the run log).
+            notes.update(arrays_s=arrays_s, record_s=time.perf_counter() - started - arrays_s)
+            with compile_meter.metered() as compiled:  # in this process: none where an owner makes the call
+                comparison = check_differential(target_, backend, arrays, options, seconds=notes)
+            notes["compile_s"] = compiled.seconds
             notes.update(closeness_notes(comparison, case))
         ratios.append(comparison.max_ratio)
     # Hypothesis' targeted phase then mutates the examples that came closest to their bound.

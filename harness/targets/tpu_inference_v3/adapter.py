@@ -466,11 +466,12 @@ def run_jitted(function, inputs):
 
 
 def compiled_call(arrays: dict, options: dict, module: types.ModuleType | None = None):
-    """What the chip compiles for an upstream-style call (the compile property): the kernel function with
-    its keyword options, and its positional arguments as mapped here (their shapes are what matter)."""
+    """What the chip compiles for an upstream-style call (the compile property; the chip owner compiles it
+    ahead of the call): the jitted kernel function with its keyword options, the one ``call_v3`` runs, and
+    its positional arguments as mapped here (their shapes are what matter)."""
     module = module or kernel()
     inputs = v3_inputs(**arrays, module=module, **options)
-    return functools.partial(module.ragged_paged_attention, **inputs.kwargs), inputs.args
+    return jitted(module.ragged_paged_attention, inputs.kwargs), inputs.args
 
 
 def call_v3(inputs: V3Inputs):
