@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_throughput.py [--backend tpu|fast-interpret|interpret]
         [--targets rpa_harness.kernel,rpa_harness.targets.tpu_inference_v3] [--properties pooled,any-config]
-        [--workers 1,2] [--chip-owner auto|on|off] [--seconds 180] [--max-seconds 600]
+        [--workers 1,2] [--chip-owner auto|on|off] [--tpu-generation NAME] [--seconds 180] [--max-seconds 600]
         [--cache cold,warm] [--cache-dir DIR] [--repro-dir DIR]
 
 Each row runs the property itself, as a user's run does (``pytest --pyargs rpa_harness.properties``, the dev
@@ -65,6 +65,7 @@ def run_row(args, target: str, prop: str, workers: int, cache, repro_dir: Path) 
         "--hypothesis-profile=dev", f"--rpa-repro-dir={repro_dir}",
         f"--rpa-compilation-cache={cache if cache is not None else 'off'}",
         "-n", str(workers), f"--rpa-chip-owner={owner_setting(args.chip_owner, workers)}",
+        *([f"--rpa-tpu-generation={args.tpu_generation}"] if args.tpu_generation else []),
     ]  # fmt: skip
     environ = {**os.environ, "RPA_RUN_LOG": str(log), "RPA_MAX_EXAMPLES": str(NEVER_ENDS_FIRST)}
     started = time.time()
@@ -221,6 +222,10 @@ def main() -> int:
         "--seconds", type=float, default=180.0,
         help="seconds a row runs after its first example (default 180: a steady window after the warm-up)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tpu-generation",
+        help="the interpreters' emulated generation(s), as --rpa-tpu-generation (default: the target's)",
+    )
     parser.add_argument(
         "--max-seconds", type=float, default=600.0, help="wall seconds a row runs at most (default 600)"
     )

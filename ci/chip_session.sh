@@ -19,7 +19,8 @@
 #   arithmetic   benchmarks/chip_arithmetic.py
 #   throughput-pooled, throughput-any-config
 #                benchmarks/bench_throughput.py --backend tpu: that differential property of the bundled kernel
-#                and v3, 1 worker making its own calls, then 12 feeding a chip owner; cold and warm caches
+#                and v3, 12 workers (RPA_THROUGHPUT_WORKERS) feeding a chip owner, each row 180 s after its
+#                first example: the steady rate, the signatures compiled, where a call's and a case's time goes
 #   speed        rpa-harness bench: the bundled kernel, upstream's and v3 at the serving batches
 #   v3-speed     ci/chip_probe_v3_speed.py: v3's time per batch through bench's call and bare, and per block size
 #
@@ -154,10 +155,10 @@ for name in "$@"; do
     agreement) for i in "${!CALIBRATE_GROUPS[@]}"; do agreement $((i + 1)); done ;;
     agreement-*) agreement "${name#agreement-}" ;;
     arithmetic) step arithmetic 120 python3 benchmarks/chip_arithmetic.py ;;
-    throughput-*)  # the property per target, one worker making its own calls, then 12 feeding an owner
-      step "$name" 540 python3 benchmarks/bench_throughput.py --backend tpu --seconds 50 --workers 1,12 \
-        --properties "${name#throughput-}" --cache cold,warm --cache-dir /tmp/rpa-bench-cache \
-        --repro-dir "$logs/repros/$name" ;;
+    throughput-*)  # the property per target, 12 workers feeding an owner, 180 s after the first example
+      step "$name" 560 python3 benchmarks/bench_throughput.py --backend tpu --seconds 180 --max-seconds 270 \
+        --workers "${RPA_THROUGHPUT_WORKERS:-12}" --properties "${name#throughput-}" --cache cold \
+        --cache-dir /tmp/rpa-bench-cache --repro-dir "$logs/repros/$name" ;;
     speed)
       step speed 300 rpa-harness bench --target rpa_harness.kernel --target rpa_harness.targets.tpu_inference_v3 \
         --json "$logs/bench.json" ;;

@@ -66,6 +66,10 @@ DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
 # shard's, a restored cache) or github:OWNER/REPO[/ARTIFACT] (the database a repository's CI uploaded as an
 # artifact, hypothesis' GitHubArtifactDatabase; default artifact hypothesis-example-db).
 SHARED_DATABASES_ENV = "RPA_HYPOTHESIS_DB_READ"
+# Where a chip owner makes the calls of N workers, each volume property (the pooled and whole-space
+# differential ones, ``volume_shard``) runs as N items, one a worker, each drawing its own examples: one
+# Hypothesis test runs in one process, and would keep one worker busy while the others and the chip wait.
+VOLUME_SHARDS_ENV = "RPA_VOLUME_SHARDS"
 
 
 def example_database(folder: str, shared: str = "") -> ExampleDatabase:
@@ -353,6 +357,8 @@ def _start_chip_owner(config) -> None:
         )
     config.stash[OWNER] = supervisor
     os.environ[chip_owner.ADDRESS_ENV] = supervisor.where
+    if not settings.default.derandomize:  # derandomized shards would all draw the same examples
+        os.environ[VOLUME_SHARDS_ENV] = str(len(config.option.tx))
     if facts["tpu_count"]:
         config.stash[OWNER_CHIPS] = [{"device_kind": facts["tpu_kind"], "count": facts["tpu_count"]}]
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -450,6 +456,15 @@ def pytest_generate_tests(metafunc):
             metafunc.parametrize(
                 fixture, chosen, ids=[b.label for b in chosen], scope="session", indirect=True
             )
+    shards = int(os.environ.get(VOLUME_SHARDS_ENV, "1"))
+    if "volume_shard" in metafunc.fixturenames and shards > 1:
+        metafunc.parametrize(
+            "volume_shard",
+            range(shards),
+            ids=[f"shard{k + 1}of{shards}" for k in range(shards)],
+            indirect=True,
+            scope="session",
+        )
     if "compile_backend" in metafunc.fixturenames:
         compilers = [
             backends.Backend(backends.TPU_COMPILER, settings.interpreter_compat, generation)
@@ -518,6 +533,13 @@ def _runnable_backend(config, backend):
 @pytest.fixture(scope="session")
 def volume_backend(request, pytestconfig):
     return _runnable_backend(pytestconfig, request.param)
+
+
+@pytest.fixture(scope="session")
+def volume_shard(request) -> int:
+    """Which of the volume properties' shards this item is (``VOLUME_SHARDS_ENV``): 0 of 1 unless a chip
+    owner makes the calls of several workers."""
+    return getattr(request, "param", 0)
 
 
 @pytest.fixture(scope="session")

@@ -193,18 +193,18 @@ class Target:
         """What decides whether a call of ``attention`` compiles: the target, its arrays' shapes and dtypes,
         and its options, those it takes at run time (``capabilities.runtime_options``) by whether they are
         given, the others by value. Two calls with one signature share one compilation."""
-        runtime = set(self.capabilities.runtime_options)
+        runtime = self.capabilities.runtime_options
         shapes = tuple(
             (name, tuple(np.shape(value)), str(getattr(value, "dtype", type(value).__name__)))
             for name, value in sorted(arrays.items())
         )
+        given = tuple((name, options.get(name) is not None) for name in runtime)  # absent: None
         static = tuple(
-            (name, "given" if value is not None else "None")
-            if name in runtime
-            else (name, type(value).__name__, repr(value))
+            (name, type(value).__name__, repr(value))
             for name, value in sorted(options.items())
+            if name not in runtime
         )
-        return (self.name, shapes, static)
+        return (self.name, shapes, given, static)
 
     def precompile(self, arrays: dict, options: dict) -> bool:
         """Traces, lowers and compiles what ``attention(arrays, options)`` runs, without running it, so that

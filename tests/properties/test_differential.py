@@ -32,7 +32,7 @@ CASES_PER_CONFIG = 6
 
 
 def draw_and_compare(
-    target_, backend, repro_dir, data, selection, *, pooled, variant="", max_block_steps=None
+    target_, backend, repro_dir, data, selection, *, pooled, variant="", max_block_steps=None, shard=0
 ):
     """Draws valid cases (one from the pooled configurations, or a group sharing one configuration from
     the whole static space, or on a chip from the pooled ones), compares each with the oracle, and targets
@@ -52,6 +52,7 @@ def draw_and_compare(
         arrays_s = time.perf_counter() - started
         with recorded(repro_dir, name, target_, backend, arrays, options, case=case) as notes:
             notes[runlog.LATER_CASE] = index > 0  # the progress line counts examples, not cases
+            notes["shard"] = shard
             # Where a case's host seconds go (benchmarks/bench_throughput.py reads them from the run log).
             notes.update(arrays_s=arrays_s, record_s=time.perf_counter() - started - arrays_s)
             with compile_meter.metered() as compiled:  # in this process: none where an owner makes the call
@@ -71,15 +72,26 @@ def draw_and_compare_checked(*args, **kwargs):
 
 @settings(max_examples=POOLED_EXAMPLES)
 @given(data=st.data())
-def test_kernel_matches_oracle(target, volume_backend, repro_dir, bucket_selection, data):
-    draw_and_compare(target, volume_backend, repro_dir, data, bucket_selection, pooled=True)
+def test_kernel_matches_oracle(target, volume_backend, volume_shard, repro_dir, bucket_selection, data):
+    draw_and_compare(
+        target, volume_backend, repro_dir, data, bucket_selection, pooled=True, shard=volume_shard
+    )
 
 
 @settings(max_examples=ANY_CONFIG_EXAMPLES)
 @given(data=st.data())
-def test_kernel_matches_oracle_any_config(target, volume_backend, repro_dir, bucket_selection, data):
+def test_kernel_matches_oracle_any_config(
+    target, volume_backend, volume_shard, repro_dir, bucket_selection, data
+):
     draw_and_compare(
-        target, volume_backend, repro_dir, data, bucket_selection, pooled=False, variant="any-config"
+        target,
+        volume_backend,
+        repro_dir,
+        data,
+        bucket_selection,
+        pooled=False,
+        variant="any-config",
+        shard=volume_shard,
     )
 
 

@@ -130,8 +130,10 @@ def v3_sliding_window_skips_cache_writes(case: Case) -> bool:
 
 
 def one_query_block_per_sequence(case: Case) -> Case:
-    """Query blocks as long as the longest sequence: the last block is the only one (a tuning change)."""
-    return dataclasses.replace(case, num_queries_per_block=max(case.q_lens))
+    """Query blocks at least as long as the longest sequence: the last block is the only one (a tuning
+    change). Their length is the next power of two, so that the layouts of one configuration share a few
+    compilations (a block size is static) rather than one for each longest sequence."""
+    return dataclasses.replace(case, num_queries_per_block=1 << (max(max(case.q_lens), 1) - 1).bit_length())
 
 
 def v3_q_len_zero_before_live_sequence(case: Case) -> bool:
