@@ -3,13 +3,14 @@ fast interpreter in the owner stands in for the chip. A run through an owner jud
 halt, a hang or a fault a call leaves for the next ends the owner and is reported by the worker whose case
 it was, as the process holding the chip would report it, and a fresh owner serves the rest of the run."""
 
+import dataclasses
 import json
 import os
 import pickle
 import re
 
 import pytest
-from rpa_harness import backends, chip_owner, recording
+from rpa_harness import backends, chip_owner, compile_meter, recording
 from rpa_harness.backends import Backend
 from rpa_harness.plugin import settings_of
 from rpa_harness.targets import Target, load
@@ -98,6 +99,64 @@ def test_a_hang_in_the_owner_is_the_workers_hang_repro(tmp_path, pytestconfig):
         in output
     )
     assert json.loads(path.read_text())["hang"] == {"seconds": 2.0}
+
+
+UPSTREAM = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"  # one jitted function: it compiles ahead
+SIGNATURES_LINE = re.compile(
+    r"chip owner: (\d+) static signatures, (\d+) compiled ahead of their calls .*?, (\d+) compiling in their "
+    r"calls .*?; calls per signature (\d+) to (\d+)"
+)
+
+
+def test_an_owner_compiles_each_signature_once_off_the_chips_path_and_each_worker_runs_a_shard(
+    tmp_path, pytestconfig
+):
+    """Two workers feeding one owner: the pooled property runs as two items, one a worker, and the owner
+    compiles each static signature once, on a compiler thread before its calls take the chip, and none in a
+    call. (No emulated generation: its device kind is the owner process's, so calls emulating one compile
+    in their calls, and the summary counts them there.)"""
+    result = run_through_an_owner(
+        UPSTREAM, tmp_path, pytestconfig.rootpath, "--rpa-tpu-generation=none", "-v",
+        workers=2, env={"RPA_MAX_EXAMPLES": "4"},
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    for shard in ("shard1of2", "shard2of2"):
+        assert f"PASSED {DIFFERENTIAL}[fast-interpret-{shard}]" in output, output[-3000:]
+    found = SIGNATURES_LINE.search(output)
+    assert found is not None, output[-3000:]
+    signatures, ahead, in_calls, _, most = map(int, found.groups())
+    assert signatures == ahead >= 1 and in_calls == 0 and most > 1, found[0]
+
+
+def test_a_call_compiled_ahead_compiles_nothing_in_the_call():
+    target, backend = load(UPSTREAM), Backend(backends.FAST_INTERPRET)
+    blocks = dict(num_kv_pages_per_block=1, num_queries_per_block=8)
+    first = sized_case([2], [8], num_q_heads=2, num_kv_heads=1, head_dim=128, page_size=8, **blocks)
+    second = dataclasses.replace(first, q_lens=(1,), kv_lens=(5,), seed=7)
+    assert target.signature(first.arrays(), first.options()) == target.signature(
+        second.arrays(), second.options()
+    )
+    with backend.context():
+        assert target.precompile(first.arrays(), first.options())
+    with compile_meter.metered() as compiled:
+        backend.run(target.attention, second.arrays(), second.options())
+    assert compiled["executables"] == 0, compiled
+
+
+def test_a_signature_counts_run_time_options_by_whether_they_are_given():
+    """The bundled kernel takes sm_scale as a scalar at run time: its values share a compilation, None
+    (absent) does not; a block size is static."""
+    target = load("rpa_harness.kernel")
+    case = sized_case([2], [8], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=8)
+    signature = target.signature(case.arrays(), case.options())
+    scaled = dataclasses.replace(case, sm_scale=0.5)
+    assert target.signature(scaled.arrays(), scaled.options()) == target.signature(
+        scaled.arrays(), dataclasses.replace(scaled, sm_scale=0.25).options()
+    )
+    assert target.signature(scaled.arrays(), scaled.options()) != signature
+    blocked = dataclasses.replace(case, num_queries_per_block=4)
+    assert target.signature(blocked.arrays(), blocked.options()) != signature
 
 
 def test_a_targets_method_travels_by_the_targets_name():

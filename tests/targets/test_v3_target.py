@@ -36,6 +36,7 @@ from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import tpu_inference_v3 as v3target
+from rpa_harness.targets.tpu_inference_v3 import adapter as v3_adapter
 
 from tests.cases import drawn_cases, sized_case, skip_without_tpu_inference
 from tests.processes import run_python
@@ -521,4 +522,5 @@ def test_v3_compiles_ahead_of_time_through_its_host_mapping(generation):
     compiler = Backend(TPU_COMPILER, True, generation)
     check_compiles(TARGET, compiler, repro_files.stand_ins(case.array_shapes()), case.options())
     function, arguments = TARGET.compiled_call(case.arrays(), case.options())
-    assert function.func is v3target.kernel().ragged_paged_attention and len(arguments) == 8
+    # The jitted call v3's adapter runs (``adapter.jitted``): compiled ahead, it serves the call that follows.
+    assert function in v3_adapter._JITTED.values() and len(arguments) == 8
