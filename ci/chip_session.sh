@@ -7,8 +7,8 @@
 #
 #   smoke        ci/tpu_smoke.sh: the bundled kernel and upstream's, -n 1, a first check of a fresh host
 #   owner        the bundled kernel's dev profile with 12 workers feeding one chip owner (rpa_harness.chip_owner)
-#   calibrate-N  one group of shipped targets, each target's dev profile on the chip, -n 1 (RPA_MAX_EXAMPLES,
-#                default 3), ending with its summary; a target this jax cannot load (its kernel needs another
+#   calibrate-N  one group of shipped targets, each target's dev profile on the chip, 12 workers feeding one
+#                chip owner (RPA_CALIBRATE_WORKERS; RPA_MAX_EXAMPLES, default 3), ending with its summary; a target this jax cannot load (its kernel needs another
 #                jax, or is not installed) is named with the reason and skipped
 #   calibrate    every group, one after the other (a host without a limit per command)
 #   verdicts-N   ci/chip_verdicts.py on group N's targets: each declared finding's verdict on this chip
@@ -126,7 +126,8 @@ calibrate() {  # GROUP_NUMBER: that group's targets, one step each, sharing RPA_
     share=$(((deadline - SECONDS) / left))
     left=$((left - 1))
     RPA_MAX_EXAMPLES="${RPA_MAX_EXAMPLES:-3}" step "calibrate-$target" "$((share > 1 ? share : 1))" \
-      rpa-harness run --profile dev --backend tpu --target "$target" -n 1 --repro-dir "$logs/repros/$target"
+      rpa-harness run --profile dev --backend tpu --target "$target" -n "${RPA_CALIBRATE_WORKERS:-12}" \
+      --repro-dir "$logs/repros/$target"
   done
 }
 
