@@ -249,7 +249,7 @@ class Owner:
         self.busy = 0.0
         self.began = 0.0  # when the call in flight started
         self.stats_path = Path(where).parent / STATS_FILE.format(pid=os.getpid())
-        self.seconds: collections.Counter = collections.Counter()  # where the owner's time went (SECONDS)
+        self.seconds: collections.defaultdict = collections.defaultdict(float)  # where the owner's time went
         self.signatures: dict[tuple, dict] = {}  # a call's static signature -> its calls and compilations
         self.compiling: dict[tuple, concurrent.futures.Future] = {}
         self.compilers = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="compile")
@@ -286,7 +286,8 @@ class Owner:
 
     def add_seconds(self, **seconds: float) -> None:
         with self.stats_lock:
-            self.seconds.update(seconds)
+            for name, value in seconds.items():
+                self.seconds[name] += value
 
     def facts(self) -> dict:
         import jax
@@ -329,7 +330,9 @@ class Owner:
         from rpa_harness import backends
 
         target = getattr(fn, "__self__", None)
-        if getattr(fn, "__name__", None) != "attention" or not hasattr(target, "precompile") or kwargs:
+        if target is None or getattr(fn, "__name__", None) != "attention" or kwargs:
+            return None
+        if not hasattr(target, "precompile"):
             return None
         signature = target.signature(*args)
         if backend.generation != generations.NONE:
@@ -375,7 +378,8 @@ class Owner:
         with self.stats_lock:
             self.calls += 1
             self.busy += in_lock
-            self.seconds.update(compile_in_call_s=compile_s, run_s=in_lock - compile_s)
+            self.seconds["compile_in_call_s"] += compile_s
+            self.seconds["run_s"] += in_lock - compile_s
             if compile_s:
                 self.last_compiled = time.time()
             if signature is not None:
@@ -487,9 +491,10 @@ class Supervisor:
         """The run's owners together: calls made, seconds the chip was busy, seconds owners were up, owners
         started, and the exit statuses of those that ended before the run did."""
         stats = self.owner_stats()
-        seconds: collections.Counter = collections.Counter()
+        seconds: collections.defaultdict = collections.defaultdict(float)
         for owner in stats:
-            seconds.update(owner.get("seconds", {}))
+            for name, value in owner.get("seconds", {}).items():
+                seconds[name] += value
         signatures = [signature for owner in stats for signature in owner.get("signatures", [])]
         return {
             "calls": sum(s["calls"] for s in stats),

@@ -357,7 +357,9 @@ def _start_chip_owner(config) -> None:
         )
     config.stash[OWNER] = supervisor
     os.environ[chip_owner.ADDRESS_ENV] = supervisor.where
-    if not settings.default.derandomize:  # derandomized shards would all draw the same examples
+    loaded = settings.default
+    assert loaded is not None  # None only while Hypothesis itself is imported
+    if not loaded.derandomize:  # derandomized shards would all draw the same examples
         os.environ[VOLUME_SHARDS_ENV] = str(len(config.option.tx))
     if facts["tpu_count"]:
         config.stash[OWNER_CHIPS] = [{"device_kind": facts["tpu_kind"], "count": facts["tpu_count"]}]
