@@ -22,6 +22,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from rpa_harness import generations, lowering
+from rpa_harness.compile_meter import COMPILE_EVENTS
 
 INTERPRET = "interpret"
 FAST_INTERPRET = "fast-interpret"
@@ -363,11 +364,6 @@ def enable_compilation_cache(path) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
 
 
-_COMPILE_EVENTS = {
-    "/jax/core/compile/jaxpr_trace_duration": "trace_seconds",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_seconds",
-    "/jax/core/compile/backend_compile_duration": "compile_seconds",
-}
 _CACHE_EVENTS = {
     "/jax/compilation_cache/compile_requests_use_cache": "cache_requests",
     "/jax/compilation_cache/cache_hits": "cache_hits",
@@ -384,8 +380,8 @@ def count_compilations() -> None:
     _compilation_stats = collections.Counter()
 
     def on_duration(event, duration_secs, **_):  # jax's listener protocol names the parameters
-        if event in _COMPILE_EVENTS:
-            _compilation_stats[_COMPILE_EVENTS[event]] += duration_secs
+        if event in COMPILE_EVENTS:
+            _compilation_stats[COMPILE_EVENTS[event]] += duration_secs
             if event == "/jax/core/compile/backend_compile_duration":
                 _compilation_stats["compilations"] += 1
 
@@ -401,7 +397,7 @@ def compilation_stats() -> dict:
     """Compilations since ``count_compilations()``: how many, seconds tracing / lowering / compiling (a cache
     hit counts as a compilation that took its read time), and cache requests, hits and entries written; a
     request that is neither a hit nor written was not cacheable (host callbacks) or compiled too fast."""
-    stats = dict.fromkeys(("compilations", *_COMPILE_EVENTS.values(), *_CACHE_EVENTS.values()), 0)
+    stats = dict.fromkeys(("compilations", *COMPILE_EVENTS.values(), *_CACHE_EVENTS.values()), 0)
     stats.update(_compilation_stats or {})
     stats["cache_not_written"] = stats["cache_requests"] - stats["cache_hits"] - stats["cache_writes"]
     return stats

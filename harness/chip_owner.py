@@ -343,7 +343,7 @@ class Owner:
             future = self.compiling.get(signature)
             if future is None:
                 future = self.compiling[signature] = self.compilers.submit(
-                    self.precompile, backend, target, args
+                    self.precompile, backend, target, args, signature
                 )
         started = time.perf_counter()
         try:
@@ -353,7 +353,7 @@ class Owner:
         self.add_seconds(compile_wait_s=time.perf_counter() - started)
         return signature
 
-    def precompile(self, backend, target, args) -> None:
+    def precompile(self, backend, target, args, signature: tuple) -> None:
         """One signature's compilation, on a compiler thread: what it cost is the signature's; an error is
         left for the call, which raises it as its own (a refusal, an invalid case)."""
         with compile_meter.metered() as compiled:
@@ -365,7 +365,7 @@ class Owner:
         with self.stats_lock:
             self.last_compiled = time.time() if compiled.seconds else self.last_compiled
             self.seconds["compile_ahead_s"] += compiled.seconds
-            self.signature_stats(target.signature(*args)).update(ahead=ahead, ahead_s=compiled.seconds)
+            self.signature_stats(signature).update(ahead=ahead, ahead_s=compiled.seconds)
 
     def signature_stats(self, signature: tuple) -> dict:
         return self.signatures.setdefault(

@@ -12,10 +12,11 @@ import threading
 
 import jax
 
-_EVENTS = {
-    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-    "/jax/core/compile/backend_compile_duration": "compile_s",
+# jax's compile events and the names the harness counts them by (here and in ``backends.compilation_stats``).
+COMPILE_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_seconds",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_seconds",
+    "/jax/core/compile/backend_compile_duration": "compile_seconds",
 }
 _local = threading.local()
 _registered = False
@@ -26,19 +27,19 @@ class Meter(dict):
     """What one block compiled: seconds tracing, lowering and compiling, and the executables compiled."""
 
     def __init__(self):
-        super().__init__(trace_s=0.0, lower_s=0.0, compile_s=0.0, executables=0)
+        super().__init__(dict.fromkeys(COMPILE_EVENTS.values(), 0.0), executables=0)
 
     @property
     def seconds(self) -> float:
-        return self["trace_s"] + self["lower_s"] + self["compile_s"]
+        return sum(self[name] for name in COMPILE_EVENTS.values())
 
 
 def _on_duration(event, duration_secs, **_):  # jax's listener protocol names the parameters
     meter = getattr(_local, "meter", None)
-    if meter is None or event not in _EVENTS:
+    if meter is None or event not in COMPILE_EVENTS:
         return
-    meter[_EVENTS[event]] += duration_secs
-    if _EVENTS[event] == "compile_s":
+    meter[COMPILE_EVENTS[event]] += duration_secs
+    if COMPILE_EVENTS[event] == "compile_seconds":
         meter["executables"] += 1
 
 
