@@ -65,10 +65,10 @@ def main():
     args = parser.parse_args()
 
     from hypothesis import given
-    from rpa_harness import backends, interpret_compat
-    from rpa_harness.interpret_compat import tpu as tpu_gaps
 
     from benchmarks.drawn import same_examples
+    from rpa_harness import backends, interpret_compat
+    from rpa_harness.interpret_compat import tpu as tpu_gaps
 
     if args.races == "off":
         backends.CHECKING_INTERPRET_PARAMS["detect_races"] = False
@@ -82,6 +82,7 @@ def main():
     tpu_gaps.GAPS = tuple(gap for gap in tpu_gaps.GAPS if gap.name not in left_out)
     interpret_compat.install()
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call, race_detection_state
+
     from rpa_harness.strategies.valid import valid_cases
     from rpa_harness.targets import load
 

@@ -27,6 +27,7 @@ def run_cases(backend_name: str, examples: int, pooled: bool, outputs: str) -> d
 
     import numpy as np
     from hypothesis import HealthCheck, given, settings
+
     from rpa_harness import backends, interpret_compat
     from rpa_harness.strategies.valid import valid_cases
     from rpa_harness.targets import load
@@ -96,6 +97,7 @@ def main():
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     import jaxlib
+
     from rpa_harness import backends
 
     flags = backends.faster_cpu_compilation_flags()

@@ -143,6 +143,7 @@ def cost_split(backend_name: str, examples: int, cache: str) -> dict:
     """Seconds per example in each stage, in this process, over the pooled valid cases."""
     import jax  # noqa: F401  (configured before the first compilation below)
     from hypothesis import given, settings
+
     from rpa_harness import backends, reference
     from rpa_harness.backends import Backend
     from rpa_harness.strategies.valid import valid_cases

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import dispatch
 from jax.experimental.pallas import tpu as pltpu
+
 from rpa_harness.kernel import pallas_rpa
 from rpa_harness.kernel.pallas_rpa import _ragged_paged_attention as compiled_kernel
 from rpa_harness.kernel.pallas_rpa import ragged_paged_attention

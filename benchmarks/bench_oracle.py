@@ -21,6 +21,7 @@ import tracemalloc  # noqa: E402
 
 import numpy as np  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
+
 from rpa_harness.reference import compare, oracle  # noqa: E402
 from rpa_harness.strategies.buckets import BUCKETS, LARGE_BUCKETS, ProductionBucket  # noqa: E402
 from rpa_harness.strategies.case import DTYPES, Case  # noqa: E402

@@ -20,6 +20,7 @@ import time
 import numpy as np
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
+
 from rpa_harness import targets
 from rpa_harness.reference import error_bound, oracle
 from rpa_harness.strategies.valid import valid_cases

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hypothesis  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+
 from rpa_harness import generations, targets  # noqa: E402
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend  # noqa: E402
 from rpa_harness.checks import CannotRun, PropertyFailure, check_differential  # noqa: E402

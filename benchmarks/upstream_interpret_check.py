@@ -25,11 +25,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import reference  # noqa: E402
 from rpa_harness import interpret_compat  # noqa: E402
 from rpa_harness.spec import ARRAY_NAMES  # noqa: E402
 from rpa_harness.strategies.case import Case  # noqa: E402
-
-import reference  # noqa: E402
 
 BASE_SEQS = ((5, 37), (1, 9), (6, 6))  # (q_len, kv_len); one padding slot follows
 BASE = Case(

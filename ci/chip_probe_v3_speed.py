@@ -33,6 +33,7 @@ V3 = "rpa_harness.targets.tpu_inference_v3"
 def bare_median(target, backend, case, calls: int) -> float:
     """The kernel function ``bench`` times, called in a plain loop on its device arrays."""
     import jax
+
     from rpa_harness.checks import kernel_call
 
     call, host = kernel_call(target, backend.generation, case.arrays(), case.options())

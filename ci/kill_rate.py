@@ -251,9 +251,8 @@ def main(argv=None) -> int:
 
     catalogue, correct, prefix = mutants.BY_NAME, CORRECT, ""
     if args.upstream:
-        from rpa_harness.targets import UPSTREAM_TARGET
-
         import mutants.upstream
+        from rpa_harness.targets import UPSTREAM_TARGET
 
         catalogue, correct, prefix = mutants.upstream.BY_NAME, UPSTREAM_TARGET, "upstream."
     names = list(catalogue)

@@ -190,7 +190,7 @@ def last_line(text: str) -> str:
 
 
 def read_log(text: str) -> RunSummary:
-    """The examples, repros and known issues from the tables ``rpa-harness run`` ends with (harness/cli.py:
+    """The examples, repros and known issues from the tables ``rpa-harness run`` ends with (rpa_harness/cli.py:
     ``summary`` then ``known_issues_summary``); pytest's own output before them is not read, since a failure
     message can quote anything."""
     found = RunSummary(last_line=last_line(text))

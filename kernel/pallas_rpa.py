@@ -57,6 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
+
 from rpa_harness.spec.interface import Options, static_validate_inputs, takes_options
 
 # Lane width of the m / l scratch rows: Mosaic keeps per-row statistics broadcast over a full vreg row.

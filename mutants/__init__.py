@@ -17,9 +17,8 @@ import sys
 import types
 from pathlib import Path
 
-from rpa_harness.targets import bundled
-
 from mutants.catalogue import KERNEL_FILE, MUTANTS, TWO_BUGS, VALIDATION_FILE, Mutant
+from rpa_harness.targets import bundled
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BY_NAME = {mutant.name: mutant for mutant in MUTANTS}

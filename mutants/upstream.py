@@ -16,9 +16,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from rpa_harness.targets import upstream
-
 from mutants import PatchError, _as_target, _exec_module
+from rpa_harness.targets import upstream
 
 UPSTREAM_PACKAGE = "jax.experimental.pallas.ops.tpu.ragged_paged_attention"
 UPSTREAM_KERNEL_FILE = Path(importlib.util.find_spec(f"{UPSTREAM_PACKAGE}.kernel").origin)

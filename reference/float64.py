@@ -18,6 +18,7 @@ import dataclasses
 
 import ml_dtypes
 import numpy as np
+
 from rpa_harness.reference.tolerance import (
     key_error_units,
     rounded_logit_roundings,

@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
 from rpa_harness.spec.interface import (
     MASK_REPLACES,
     Options,

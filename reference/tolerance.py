@@ -181,6 +181,7 @@ import dataclasses
 
 import ml_dtypes
 import numpy as np
+
 from rpa_harness.reference.error_map import ErrorMap
 
 U32 = 2.0**-24

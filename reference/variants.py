@@ -31,6 +31,7 @@ the most roundings per key) sets the KV block.
 
 import ml_dtypes
 import numpy as np
+
 from rpa_harness.reference.float64 import quantised_query
 from rpa_harness.reference.tolerance import (
     ACCUMULATORS_IN_OUTPUT_DTYPE,

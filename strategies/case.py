@@ -14,6 +14,7 @@ import math
 
 import ml_dtypes
 import numpy as np
+
 from rpa_harness.spec.interface import ALL_OPTION_NAMES, OPTION_DEFAULTS, Options
 
 DTYPES = {

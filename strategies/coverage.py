@@ -1,6 +1,7 @@
 """The coverage labels a case carries in the run log and in Hypothesis' statistics."""
 
 from hypothesis import event
+
 from rpa_harness.spec.interface import (
     DEFAULT_MASK_VALUE,
 )

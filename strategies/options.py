@@ -4,6 +4,7 @@ the fit of options to a drawn layout."""
 import dataclasses
 
 from hypothesis import strategies as st
+
 from rpa_harness.spec.interface import (
     DEFAULT_MASK_VALUE,
     MASK_ADDED,

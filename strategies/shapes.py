@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 from hypothesis import strategies as st
+
 from rpa_harness.spec.interface import (
     values_per_word,
 )

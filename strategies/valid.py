@@ -11,6 +11,7 @@ import dataclasses
 
 from hypothesis import event, reject
 from hypothesis import strategies as st
+
 from rpa_harness.strategies.buckets import (
     BUCKETS,
     LARGE_BUCKETS,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 from hypothesis import strategies as st
+
 from rpa_harness.spec import interface as spec
 from rpa_harness.spec.interface import JaxInt
 from rpa_harness.strategies.capabilities import Capabilities

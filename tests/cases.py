@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from jax.experimental.pallas import tpu as pltpu
+
 from rpa_harness.strategies.case import Case
 
 

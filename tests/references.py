@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention
+
 from rpa_harness.spec.interface import ARRAY_NAMES
 
 METADATA_NAMES = ARRAY_NAMES[2:]  # after q and kv_pages: the integer arrays the references slice by

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+
 from rpa_harness import reference
 
 # One small shape (the pool's option variants still vary): each run compiles a few kernels, not dozens.

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
 from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from rpa_harness.kernel import ragged_paged_attention as correct_attention
-
 from tests.broken import SMALL_SPACE, first_sequence_has_two_tokens
 
 RPA_HARNESS_CAPABILITIES = SMALL_SPACE

@@ -14,7 +14,6 @@ from rpa_harness.kernel import (
     dynamic_validate_inputs,  # noqa: F401  (part of the target interface)
     pallas_rpa,
 )
-
 from tests.broken import SMALL_SPACE
 
 

@@ -8,8 +8,8 @@ bug. The marker file RPA_DIES_ONCE_MARKER names says whether it has died already
 import os
 
 import jax
-from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 
+from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from tests.broken import SMALL_SPACE, first_sequence_has_two_tokens, for_the_first_time, oracle_output
 
 RPA_HARNESS_CAPABILITIES = SMALL_SPACE

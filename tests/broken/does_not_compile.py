@@ -4,9 +4,9 @@ zero times a running sum, an operation Pallas' TPU lowering does not implement (
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
 from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from rpa_harness.kernel import ragged_paged_attention as bundled
-
 from tests.broken import SMALL_SPACE
 
 RPA_HARNESS_CAPABILITIES = SMALL_SPACE

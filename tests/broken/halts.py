@@ -7,8 +7,8 @@ the cascade to) and end the process; replaying the repro in a fresh process halt
 """
 
 import jax
-from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 
+from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from tests.broken import SMALL_SPACE, first_sequence_has_two_tokens, oracle_output
 
 RPA_HARNESS_CAPABILITIES = SMALL_SPACE

@@ -8,8 +8,8 @@ unconfirmed, not as the kernel's finding.
 """
 
 import jax
-from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 
+from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from tests.broken import SMALL_SPACE, first_sequence_has_two_tokens, for_the_first_time, oracle_output
 from tests.broken.halts import HALTED
 

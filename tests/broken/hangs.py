@@ -7,8 +7,8 @@ a short timeout in the tests cannot be a slow compilation taken for a hang.
 import threading
 
 import jax
-from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 
+from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from tests.broken import SMALL_SPACE, first_sequence_has_two_tokens, oracle_output
 
 RPA_HARNESS_CAPABILITIES = SMALL_SPACE

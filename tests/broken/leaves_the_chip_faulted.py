@@ -7,8 +7,8 @@ examples its process ran before it (``preceded_by``), and replaying those, then 
 """
 
 import jax
-from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 
+from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from tests.broken import SMALL_SPACE, first_sequence_has_two_tokens, oracle_output
 from tests.broken.halts import HALTED
 

@@ -4,8 +4,8 @@ import itertools
 
 import jax
 import numpy as np
-from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 
+from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from tests.broken import SMALL_SPACE, oracle_output
 
 RPA_HARNESS_CAPABILITIES = SMALL_SPACE

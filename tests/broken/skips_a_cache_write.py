@@ -3,9 +3,9 @@ slot keeps the value it was given (NaN, as ``NewTokens.poisoned_cache`` poisons 
 
 import jax
 import numpy as np
+
 from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from rpa_harness.targets import layouts
-
 from tests.broken import SMALL_SPACE, oracle_output
 
 RPA_HARNESS_CAPABILITIES = SMALL_SPACE

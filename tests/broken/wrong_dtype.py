@@ -2,8 +2,8 @@
 
 import jax
 import numpy as np
-from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 
+from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from tests.broken import SMALL_SPACE, oracle_output
 
 RPA_HARNESS_CAPABILITIES = dict(SMALL_SPACE, q_dtypes=("bfloat16",))

@@ -1,8 +1,8 @@
 """Drops the last query row of the output (the specification: q's shape)."""
 
 import jax
-from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 
+from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from tests.broken import SMALL_SPACE, oracle_output
 
 RPA_HARNESS_CAPABILITIES = SMALL_SPACE

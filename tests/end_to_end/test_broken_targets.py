@@ -9,11 +9,11 @@ import os
 import re
 
 import pytest
+
 from rpa_harness import backends, cli, recording
 from rpa_harness.interpret_compat import limitations as interpreter_limitations
 from rpa_harness.plugin import settings_of
 from rpa_harness.strategies.case import Case
-
 from tests.processes import run_python
 
 DIFFERENTIAL = "tests/properties/test_differential.py::test_kernel_matches_oracle"

@@ -1,11 +1,11 @@
 """`rpa-harness report` writes an upstream-ready report, and `rpa-harness run` summarises the known issues."""
 
 import pytest
+
 from rpa_harness import bug_report, cli, interpret_compat
 from rpa_harness.backends import FAST_INTERPRET
 from rpa_harness.known_issues import findings_dir
 from rpa_harness.targets import upstream
-
 from tests.processes import run_python, without_checkout_names
 
 ONE_SCALE = {issue.name: issue for issue in upstream.RPA_HARNESS_CATALOGUE}["one-kv-scale-with-mixed-dtypes"]

@@ -11,11 +11,11 @@ import re
 
 import pytest
 from hypothesis import _settings as hypothesis_settings
+
 from rpa_harness import backends, chip_owner, compile_meter, recording
 from rpa_harness.backends import Backend
 from rpa_harness.plugin import settings_of
 from rpa_harness.targets import Target, load
-
 from tests.cases import sized_case
 from tests.processes import run_python
 

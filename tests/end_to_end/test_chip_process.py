@@ -11,8 +11,8 @@ import os
 import types
 
 import pytest
-from rpa_harness import backends, cli, plugin, repro, runlog
 
+from rpa_harness import backends, cli, plugin, repro, runlog
 from tests.cases import SMALL
 from tests.processes import run_python
 

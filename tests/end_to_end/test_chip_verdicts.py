@@ -4,8 +4,8 @@ asked (here what the fast interpreter emulating a v5e predicts), and usage error
 import os
 
 import pytest
-from rpa_harness import backends, targets
 
+from rpa_harness import backends, targets
 from tests.processes import run_python
 
 UPSTREAM = targets.UPSTREAM_TARGET

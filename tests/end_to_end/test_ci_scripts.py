@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from rpa_harness import targets
 
 ROOT = Path(__file__).resolve().parents[2]

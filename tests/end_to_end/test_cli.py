@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from rpa_harness import backends, bug_report, cli, recording, reference, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.plugin import settings_of
@@ -17,7 +18,6 @@ from rpa_harness.property_names import DIFFERENTIAL, PropertyName
 from rpa_harness.recording import recorded
 from rpa_harness.reference import parse_precision
 from rpa_harness.strategies.case import Case
-
 from tests.processes import run_python, without_checkout_names
 
 BUGGY = "tests.injected.head_swap"

@@ -5,9 +5,9 @@ import re
 from pathlib import Path
 
 import pytest
+
 from rpa_harness import targets
 from rpa_harness.plugin import settings_of
-
 from tests.processes import run_python
 
 ROOT = Path(__file__).resolve().parents[2]

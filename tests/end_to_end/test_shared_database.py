@@ -5,8 +5,8 @@ another that shares it, as a folder both write (shared storage) or as a read-onl
 import os
 
 import pytest
-from rpa_harness.plugin import SHARED_DATABASES_ENV, settings_of
 
+from rpa_harness.plugin import SHARED_DATABASES_ENV, settings_of
 from tests.processes import run_python
 
 TEST = "tests/properties/test_differential.py::test_kernel_matches_oracle"

@@ -2,8 +2,8 @@
 installs it, and none fails for its absence (a child pytest in which the package cannot be found)."""
 
 import pytest
-from rpa_harness.plugin import settings_of
 
+from rpa_harness.plugin import settings_of
 from tests.processes import run_python
 
 # The test modules that load tpu-inference's v3 or its findings (grep: targets.tpu_inference_v3, V3_TARGET,

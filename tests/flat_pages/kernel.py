@@ -11,6 +11,7 @@ second attention implementation.
 import math
 
 import numpy as np
+
 from rpa_harness import kernel as bundled
 from rpa_harness.targets import layouts
 

@@ -1,10 +1,10 @@
 """The harness's target for ``tests.flat_pages.kernel``: upstream's API mapped onto the kernel's, and its profile."""
 
 import numpy as np
+
 from rpa_harness.strategies import violations as shared
 from rpa_harness.strategies.violations import Rule
 from rpa_harness.targets import layouts
-
 from tests.flat_pages import kernel
 
 OPTION_NAMES = dict(

@@ -10,6 +10,7 @@ exercises is the adapter and the judging of both outputs, not a second attention
 """
 
 import numpy as np
+
 from rpa_harness import kernel as bundled
 from rpa_harness.targets import layouts
 

@@ -3,7 +3,6 @@
 from rpa_harness.strategies import violations as shared
 from rpa_harness.strategies.violations import Rule
 from rpa_harness.targets import layouts
-
 from tests.fork_v3 import kernel
 
 RPA_HARNESS_UPDATES_CACHE = True  # ragged_paged_attention returns (attention, updated kv_pages): both judged

@@ -4,6 +4,7 @@
 """
 
 import jax.numpy as jnp
+
 from rpa_harness.kernel import dynamic_validate_inputs  # noqa: F401  (part of the target interface)
 from rpa_harness.kernel import ragged_paged_attention as correct_attention
 

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
+
+import mutants
 from rpa_harness import checks
 from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.strategies.buckets import long_corners
@@ -20,8 +22,6 @@ from rpa_harness.strategies.shapes import select_buckets
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import load
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
-
-import mutants
 
 FAST = Backend(FAST_INTERPRET)
 LONG_SELECTED = select_buckets(OUR_KERNEL, "long")

@@ -8,13 +8,13 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream_kernel
+
 from rpa_harness import known_issues, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import as_jax, upstream
-
 from tests.cases import drawn_cases
 from tests.processes import run_python
 

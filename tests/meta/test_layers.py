@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {
-    "harness": "rpa_harness",
+    "rpa_harness": "rpa_harness",
     "spec": "rpa_harness.spec",
     "strategies": "rpa_harness.strategies",
     "reference": "rpa_harness.reference",

@@ -10,12 +10,12 @@ import dataclasses
 import importlib
 
 import pytest
+
+import mutants
 from rpa_harness import kernel, reference
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.strategies.violations import RULES
 from rpa_harness.targets import as_jax, load
-
-import mutants
 from tests.cases import MIXED
 
 FAST = Backend(FAST_INTERPRET)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import find, given, settings
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
+
 from rpa_harness.kernel import dynamic_validate_inputs
 from rpa_harness.spec.interface import DEFAULT_MASK_VALUE
 from rpa_harness.strategies.capabilities import Capabilities
@@ -19,7 +20,6 @@ from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.strategies.violations import RULES, UPSTREAM_RULES, InvalidCase, invalid_cases
 from rpa_harness.targets import as_jax
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
-
 from tests.processes import run_python
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -6,11 +6,11 @@ small case outside every known issue (so the issues' exclusion cannot hide it). 
 import dataclasses
 
 import pytest
+
+import mutants.upstream
 from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import CannotRun, PropertyFailure, check_differential
 from rpa_harness.targets import UPSTREAM_TARGET, load, upstream
-
-import mutants.upstream
 from tests.cases import sized_case
 
 FAST = Backend(FAST_INTERPRET)

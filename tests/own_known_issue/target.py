@@ -6,7 +6,6 @@ from pathlib import Path
 
 from rpa_harness.failures import CacheMismatch
 from rpa_harness.known_issues import KnownIssue
-
 from tests.broken.skips_a_cache_write import (  # noqa: F401  (the kernel under test and its profile)
     RPA_HARNESS_CAPABILITIES,
     RPA_HARNESS_UPDATES_CACHE,

@@ -15,6 +15,7 @@ import dataclasses
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rpa_harness.checks import check_compiles
 from rpa_harness.properties.budget import COMPILE_EXAMPLES
 from rpa_harness.property_names import COMPILATION, PropertyName

@@ -13,6 +13,7 @@ import time
 
 from hypothesis import given, settings, target
 from hypothesis import strategies as st
+
 from rpa_harness import compile_meter, reference, runlog
 from rpa_harness.backends import TPU
 from rpa_harness.checks import check_differential

@@ -19,6 +19,7 @@ that issue: the chip cannot show the replayed one with this repro.
 """
 
 import pytest
+
 from rpa_harness import backends, property_names, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.checks import recheck

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rpa_harness.lowering import (
     emulation_skip_reason,
     generations_here,

@@ -8,6 +8,7 @@ import dataclasses
 
 from hypothesis import event, given, reject
 from hypothesis import strategies as st
+
 from rpa_harness.checks import check_determinism, check_padding_isolation
 from rpa_harness.property_names import DETERMINISM, PADDING, PropertyName
 from rpa_harness.recording import recorded

@@ -24,6 +24,7 @@ long ones are, toward short contexts and one decode.
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+
 from rpa_harness.checks import check_differential
 from rpa_harness.plugin import settings_of
 from rpa_harness.properties.budget import LONG_CORNER_EXAMPLES, LONG_EXAMPLES, PRODUCTION_EXAMPLES

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
+
 from rpa_harness import runlog
 from rpa_harness.checks import check_validation
 from rpa_harness.plugin import settings_of

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
 from rpa_harness import generations, reference, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend
 from rpa_harness.checks import RaisedOnValidInput, check_differential
 from rpa_harness.strategies.case import Case
-
 from tests.cases import skip_without_tpu_inference
 
 skip_without_tpu_inference(module_level=True)

@@ -17,8 +17,8 @@ run --profile ci --target tpu_inference_v3``, whose default generations are v5e 
 import os
 
 import pytest
-from rpa_harness import targets
 
+from rpa_harness import targets
 from tests.processes import run_python
 
 GENERATIONS = "v5e,v6e"

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from jax.experimental.pallas import tpu as pltpu
+
 from rpa_harness import targets
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import CacheMismatch, PropertyFailure, RaisedOnValidInput, check_differential
@@ -20,7 +21,6 @@ from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import layouts
-
 from tests.cases import skip_without_tpu_inference
 from tests.processes import run_python
 

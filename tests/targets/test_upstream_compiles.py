@@ -9,8 +9,8 @@ second target the compile property holds to its findings. Skipped without libtpu
 import os
 
 import pytest
-from rpa_harness import ahead_of_time, targets
 
+from rpa_harness import ahead_of_time, targets
 from tests.processes import run_python
 
 COMPILE_FINDINGS = (

@@ -7,6 +7,7 @@ import tokenize
 from pathlib import Path
 
 import pytest
+
 from rpa_harness import repro as repro_files
 from rpa_harness import targets
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
@@ -14,7 +15,6 @@ from rpa_harness.checks import PropertyFailure, check_differential, recheck
 from rpa_harness.run_settings import for_repro
 from rpa_harness.targets import tpu_inference_v2 as v2target
 from rpa_harness.targets import upstream
-
 from tests.cases import MIXED, skip_without_tpu_inference
 
 skip_without_tpu_inference(module_level=True)

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from jax._src import dtypes as jax_dtypes
+
 from rpa_harness import generations
 from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES, Options
 from rpa_harness.strategies.case import Case
 from rpa_harness.targets.tpu_inference_v3 import adapter, early_api, early_known_issues, early_rules, releases
-
 from tests.processes import run_python
 
 RELEASES = Path.home() / ".cache" / "rpa-harness" / "tpu-inference"

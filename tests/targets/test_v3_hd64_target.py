@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
 from rpa_harness import generations, known_issues, reference, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
@@ -31,7 +32,6 @@ from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import layouts as layout_converters
 from rpa_harness.targets import tpu_inference_v3 as v3target
 from rpa_harness.targets import tpu_inference_v3_hd64 as hd64target
-
 from tests.cases import drawn_cases, skip_without_tpu_inference
 from tests.references import as_one_program
 

@@ -9,6 +9,7 @@ import types
 
 import pytest
 from packaging.specifiers import InvalidSpecifier
+
 from rpa_harness.known_issues import KnownIssue
 from rpa_harness.targets.tpu_inference_v3 import adapter, releases
 

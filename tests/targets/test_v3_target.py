@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
+
 from rpa_harness import ahead_of_time, generations, known_issues, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU_COMPILER, Backend
@@ -37,7 +38,6 @@ from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import tpu_inference_v3 as v3target
 from rpa_harness.targets.tpu_inference_v3 import adapter as v3_adapter
-
 from tests.cases import drawn_cases, sized_case, skip_without_tpu_inference
 from tests.processes import run_python
 from tests.references import as_one_program

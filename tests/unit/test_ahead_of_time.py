@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 
 import pytest
+
 from rpa_harness import ahead_of_time, backends, bench, generations, property_names, repro, targets
 from rpa_harness.checks import DoesNotCompile, NeedsMoreSmem, NeedsMoreVmem, check_compiles
 from rpa_harness.kernel import pallas_rpa
 from rpa_harness.run_settings import compile_generations
 from rpa_harness.strategies.case import Case
-
 from tests.processes import run_python
 
 NEEDS_COMPILER = pytest.mark.skipif(
@@ -209,6 +209,7 @@ def upstream_chip_cases() -> tuple[Case, ...]:
     import dataclasses as dc
 
     from hypothesis import HealthCheck, Phase, given, settings
+
     from rpa_harness.strategies.valid import valid_cases
     from rpa_harness.targets import upstream
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
 from rpa_harness import backends
 from rpa_harness.backends import INTERPRET, Backend, RaceDetected
-
 from tests.processes import run_python
 
 X = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)

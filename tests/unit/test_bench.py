@@ -8,6 +8,7 @@ import sys
 import types
 
 import pytest
+
 from rpa_harness import bench, cli, targets
 from rpa_harness.strategies.case import Case
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, find, given, settings
+
 from rpa_harness.strategies.buckets import (
     BUCKETS,
     DEFAULT_BUCKETS,
@@ -32,7 +33,6 @@ from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import UPSTREAM_TARGET
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
-
 from tests.processes import run_python
 
 PRODUCTION = BUCKETS["production"]

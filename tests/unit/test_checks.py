@@ -8,6 +8,7 @@ import types
 
 import numpy as np
 import pytest
+
 from rpa_harness import reference, targets
 from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend
 from rpa_harness.checks import (
@@ -19,7 +20,6 @@ from rpa_harness.checks import (
 )
 from rpa_harness.strategies.valid import Case
 from rpa_harness.targets import layouts
-
 from tests.broken import oracle_output
 
 CASE = Case(

@@ -7,6 +7,7 @@ import json
 
 import pytest
 from hypothesis import given
+
 from rpa_harness import backends
 from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import check_differential
@@ -19,7 +20,6 @@ from rpa_harness.strategies.valid import valid_case_groups
 from rpa_harness.targets import load
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
-
 from tests.cases import SMALL
 from tests.processes import run_python
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
 from rpa_harness import checks, failures, generations, interpret_compat, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.backends import INTERPRET, Backend, WouldHaltTpu
@@ -21,7 +22,6 @@ from rpa_harness.recording import recorded
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import upstream
-
 from tests.cases import drawn_cases
 from tests.compat_layer import layer_installed, layer_off
 

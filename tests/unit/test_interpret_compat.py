@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
+
 from rpa_harness import generations, interpret_compat, reference
 from rpa_harness.backends import INTERPRET, Backend, Deadlock, RaceDetected
 from rpa_harness.interpret_compat import generic as generic_gaps
 from rpa_harness.interpret_compat import products as product_gaps
 from rpa_harness.interpret_compat import tpu as tpu_gaps
 from rpa_harness.interpret_compat.patching import InternalsMoved
-
 from tests.cases import sized_case
 from tests.compat_layer import layer_installed, layer_off
 from tests.references import upstream_in_one_program
@@ -1018,7 +1018,7 @@ def assert_gap(gap: str, run_without_layer, error_text: str, *, whole_gap: bool 
         return
     pytest.fail(
         f"jax {jax.__version__} no longer fails with {error_text!r}, but the probe for {gap} says it does "
-        f"({state}): fix the probe in harness/interpret_compat."
+        f"({state}): fix the probe in rpa_harness/interpret_compat."
     )
 
 

@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+
 from rpa_harness import reference
 from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
 from rpa_harness.strategies.case import DTYPES, Case
-
 from tests.cases import GARBAGE, INTERPRETERS
 from tests.references import upstream_in_one_program
 

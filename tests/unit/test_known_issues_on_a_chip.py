@@ -7,9 +7,9 @@ import dataclasses
 import types
 
 import pytest
+
 from rpa_harness import backends, cli, generations, lowering, repro, targets
 from rpa_harness.known_issues import KnownIssue, recorded_generation
-
 from tests.cases import SMALL, skip_without_tpu_inference
 from tests.processes import run_python
 

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+
 from rpa_harness import ahead_of_time, backends, reference, targets
 from rpa_harness.checks import check_compiles
 from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
 from rpa_harness.repro import stand_ins
 from rpa_harness.strategies.case import Case
-
 from tests.cases import GARBAGE, INTERPRETERS, sized_case
 
 SMEM_BYTES = 1024 * 1024

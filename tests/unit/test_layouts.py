@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rpa_harness.strategies.case import DTYPES
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import layouts

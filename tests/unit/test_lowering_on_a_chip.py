@@ -7,6 +7,7 @@ the others with a reason; off a TPU every generation is emulated as before.
 import jax
 import jax.numpy as jnp
 import pytest
+
 from rpa_harness import lowering
 from rpa_harness.kernel import ragged_paged_attention
 

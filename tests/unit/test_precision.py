@@ -12,6 +12,7 @@ import types
 
 import numpy as np
 import pytest
+
 from rpa_harness import cli, reference, repro, targets
 from rpa_harness.backends import FAST_INTERPRET, TPU, Backend
 from rpa_harness.checks import PropertyFailure, check_differential
@@ -32,7 +33,6 @@ from rpa_harness.reference.tolerance import (
     contract_error,
 )
 from rpa_harness.reference.variants import contract_attention
-
 from tests.cases import BF16, E4M3, F32, MIXED, build_case
 from tests.processes import run_python
 

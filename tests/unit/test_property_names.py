@@ -5,6 +5,7 @@ import shutil
 
 import numpy as np
 import pytest
+
 from rpa_harness import property_names
 from rpa_harness import repro as repro_files
 from rpa_harness.property_names import DIFFERENTIAL, PADDING, VALIDATION, PropertyName, large_bucket

@@ -6,10 +6,10 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+
 from rpa_harness.reference import compare, error_bound, oracle, ragged_paged_attention
 from rpa_harness.reference.jnp_reference import _ragged_paged_attention
 from rpa_harness.strategies.case import Case
-
 from tests.cases import BF16, E4M3, E5M2, F32, build_case
 from tests.references import upstream_in_one_program
 
@@ -401,6 +401,7 @@ def test_the_quantised_query_doubt_covers_a_compilers_quotient(q_dtype, kv_dtype
     from the IEEE one the oracle uses, the difference is within the oracle's doubt, which is rare."""
     import jax
     import jax.numpy as jnp
+
     from rpa_harness.reference.float64 import quantised_query, quantised_query_doubt
 
     q = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32)

@@ -8,9 +8,9 @@ import types
 
 import numpy as np
 import pytest
+
 from rpa_harness import ahead_of_time, backends, checks, lowering
 from rpa_harness.targets import load
-
 from tests.cases import SMALL
 
 V5E_KIND = "TPU v5 lite"

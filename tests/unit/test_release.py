@@ -5,6 +5,7 @@ import tomllib
 from pathlib import Path
 
 from packaging.version import Version
+
 from rpa_harness import __version__, cli, failures
 
 ROOT = Path(__file__).resolve().parents[2]

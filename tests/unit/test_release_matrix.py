@@ -3,7 +3,7 @@ the table rendered, and its command line; with fake release folders and recorded
 JAX, no pip).
 
 The log and JUnit samples are trimmed from a real row (tpu-inference 0.32.0, hd64, jax 0.12: exit 0 in 785 s);
-the failing one has the summary lines harness/cli.py writes for a failure.
+the failing one has the summary lines rpa_harness/cli.py writes for a failure.
 """
 
 import hashlib

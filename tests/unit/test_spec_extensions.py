@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rpa_harness import kernel, reference
 from rpa_harness.reference.variants import contract_attention
 from rpa_harness.spec.interface import EXTENSION_NAMES, MASK_REPLACES, OPTION_NAMES, Options, check_extensions
@@ -23,7 +24,7 @@ from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets.bundled import RPA_HARNESS_CAPABILITIES as OUR_KERNEL
 from rpa_harness.targets.upstream import RPA_HARNESS_CAPABILITIES as UPSTREAM_KERNEL
 
-# What tpu-inference v3's head_dim-64 kernel declares (harness/targets/tpu_inference_v3_hd64/), without
+# What tpu-inference v3's head_dim-64 kernel declares (rpa_harness/targets/tpu_inference_v3_hd64/), without
 # importing it, for every head_dim.
 EXTENDED = Capabilities(
     mask_value_meaning=MASK_REPLACES, q_scale=True, page_size_multiple_of_kv_packing=True, attention_sink=True

@@ -8,25 +8,25 @@ import types
 from pathlib import Path
 
 import pytest
+
 from rpa_harness import backends, checks, failures, known_issues, property_names, recording, targets
 from rpa_harness.property_names import PropertyName
 from rpa_harness.strategies import violations
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
 from rpa_harness.targets import upstream as upstream_profile
-
 from tests.cases import sized_case
 from tests.processes import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
-# The core: what every target shares. A target's own text belongs in its module under harness/targets/.
+# The core: what every target shares. A target's own text belongs in its module under rpa_harness/targets/.
 CORE = [
     "spec",
     "strategies",
     "reference",
-    "harness/checks.py",
-    "harness/plugin.py",
-    "harness/known_issues.py",
+    "rpa_harness/checks.py",
+    "rpa_harness/plugin.py",
+    "rpa_harness/known_issues.py",
 ]
 TARGET_SPECIFIC = re.compile(r"\bv3\b|v3'|tpu.inference", re.IGNORECASE)
 
@@ -244,15 +244,17 @@ def test_a_version_comes_from_the_distribution_that_holds_the_module():
 
 
 def test_every_package_of_the_harness_is_in_the_wheel():
-    """A new target package under harness/targets/ needs its line in pyproject.toml's package list."""
+    """A new target package under rpa_harness/targets/ needs its line in pyproject.toml's package list."""
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {
-        ".".join(("rpa_harness", *init.parent.relative_to(ROOT / "harness").parts))
-        for init in (ROOT / "harness").rglob("__init__.py")
+        ".".join(("rpa_harness", *init.parent.relative_to(ROOT / "rpa_harness").parts))
+        for init in (ROOT / "rpa_harness").rglob("__init__.py")
     }
-    assert found - listed == set(), f"packages under harness/ missing from pyproject.toml: {found - listed}"
+    assert found - listed == set(), (
+        f"packages under rpa_harness/ missing from pyproject.toml: {found - listed}"
+    )
 
 
 @pytest.mark.parametrize("shipped", targets.SHIPPED, ids=lambda shipped: shipped.name)

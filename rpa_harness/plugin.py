@@ -1,0 +1,798 @@
+"""The pytest plugin of rpa-harness (entry point ``pytest11``): options, Hypothesis profiles, fixtures.
+
+Installed with the harness, so ``pytest --pyargs rpa_harness.properties --rpa-target=mypkg.rpa`` works in any
+repo. It is loaded in every pytest run of an environment that has rpa-harness, so it acts only where the
+harness runs: when an ``--rpa-*`` option or ``RPA_TARGET`` is given, when the run collects the shipped
+properties (``rpa_harness.properties``), or when the ini option ``rpa_harness = true`` says so (this repo's
+pyproject.toml). Elsewhere it registers its options and profiles and does nothing else: it loads no
+Hypothesis profile and imports no target.
+
+Options (each also read from an environment variable):
+  --rpa-target=MODULE           RPA_TARGET          the kernel module under test (default: rpa_harness.kernel)
+  --rpa-backend=NAME            RPA_BACKEND         interpret | fast-interpret | tpu | auto (default: auto)
+  --rpa-repro-dir=DIR           RPA_REPRO_DIR       where failing examples are written (default: rpa-repros)
+  --rpa-interpreter-compat=on|off                   patch the interpreters' known gaps (default: on)
+  --rpa-allow-no-numeric        RPA_ALLOW_NO_NUMERIC=1  a run in which no numeric property ran may pass
+  --rpa-precision=NAME[,NAME]   RPA_PRECISION       precision contract(s) the target is judged under
+                                                    (default: its RPA_HARNESS_PRECISION, else float32)
+  --rpa-compilation-cache=DIR|off
+                                RPA_COMPILATION_CACHE  jax's persistent compilation cache (default:
+                                                    .jax-compilation-cache; created if missing)
+  --rpa-buckets=NAME[,NAME...]  RPA_BUCKETS         shape buckets drawn (default: tiny,small; the ci
+                                                    profile adds long, the nightly profile long and
+                                                    production), within the target's declared
+                                                    Capabilities.buckets (none of them: a usage error)
+  --rpa-known-issues=auto|none|NAME[,NAME...]
+                                RPA_KNOWN_ISSUES    known issues whose cases are not drawn (default: auto, the
+                                                    target's declaration; see rpa_harness/targets/)
+  --rpa-tpu-generation=auto|none|NAME[,NAME...]
+                                RPA_TPU_GENERATION  TPU generations the interpreters emulate (default: auto,
+                                                    the target's declared tpu_generations; see
+                                                    rpa_harness.generations)
+  --rpa-chip-owner=auto|on|off RPA_CHIP_OWNER      one process makes every kernel call for the xdist workers
+                                                    (default: auto, on the tpu backend with -n 2 or more;
+                                                    on: on any backend; off: -n 1 on the tpu backend)
+Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
+RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
+
+Capabilities are resolved here, once: tests that run the target's kernel and compare numbers carry the
+``rpa_numeric`` marker (added to every test that uses ``volume_backend`` or ``checking_backend``, whose
+fixtures skip a backend that is absent or that the target declares it does not run on), and a test that
+needs an opt-in capability carries ``rpa_requires("name", reason=...)``.
+"""
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.database import (
+    DirectoryBasedExampleDatabase,
+    ExampleDatabase,
+    GitHubArtifactDatabase,
+    MultiplexedDatabase,
+    ReadOnlyDatabase,
+)
+
+from rpa_harness import backends, checks, chip_owner, generations, known_issues, repro, runlog, targets
+from rpa_harness.recording import DEVICE_HALTED, CannotRunHere, preceded_by_line
+from rpa_harness.reference.tolerance import BF16_MATMUL, CONTRACTS, TPU_TRANSCENDENTALS
+from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, from_options, in_cli_terms
+
+DATABASE_DIR = os.environ.get("RPA_HYPOTHESIS_DB", ".hypothesis/examples")
+# Other example databases a nightly shard also replays, read-only: comma-separated folders (another
+# shard's, a restored cache) or github:OWNER/REPO[/ARTIFACT] (the database a repository's CI uploaded as an
+# artifact, hypothesis' GitHubArtifactDatabase; default artifact hypothesis-example-db).
+SHARED_DATABASES_ENV = "RPA_HYPOTHESIS_DB_READ"
+# Where a chip owner makes the calls of N workers, each volume property (the pooled and whole-space
+# differential ones, ``volume_shard``) runs as N items, one a worker, each drawing its own examples: one
+# Hypothesis test runs in one process, and would keep one worker busy while the others and the chip wait.
+VOLUME_SHARDS_ENV = "RPA_VOLUME_SHARDS"
+
+
+def example_database(folder: str, shared: str = "") -> ExampleDatabase:
+    """The nightly and repro profiles' database: ``folder`` (read and written: on shared storage, every shard
+    on every machine saves its failures there and replays the others' first), multiplexed with the
+    read-only ``shared`` sources (``SHARED_DATABASES_ENV``)."""
+    local = DirectoryBasedExampleDatabase(folder)
+    sources: list[ExampleDatabase] = []
+    for entry in filter(None, (part.strip() for part in shared.split(","))):
+        if entry.startswith("github:"):
+            owner, _, rest = entry.removeprefix("github:").partition("/")
+            repo, _, artifact = rest.partition("/")
+            if not owner or not repo:
+                raise pytest.UsageError(
+                    f"{SHARED_DATABASES_ENV}: {entry!r} is not github:OWNER/REPO[/ARTIFACT]; e.g. github:me/kernels"
+                )
+            sources.append(GitHubArtifactDatabase(owner, repo, artifact or "hypothesis-example-db"))
+        else:
+            sources.append(DirectoryBasedExampleDatabase(entry))
+    if not sources:
+        return local
+    return MultiplexedDatabase(local, *(ReadOnlyDatabase(source) for source in sources))
+
+
+def register_profiles() -> None:
+    """The harness's Hypothesis profiles. Registered only when the plugin is active: ``ci`` replaces
+    Hypothesis' built-in profile of that name, which a user's own suite gets on CI."""
+    _common: dict[str, Any] = dict(
+        deadline=None,  # the first call of each shape compiles
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    # No profile runs the `explain` phase: it re-runs the kernel, and its report lengthens every failure.
+    settings.register_profile(
+        "dev", max_examples=10, phases=[Phase.explicit, Phase.generate, Phase.target, Phase.shrink], **_common
+    )
+    settings.register_profile(
+        "ci",
+        max_examples=40,
+        derandomize=True,  # also means database=None: every CI run sees the same examples
+        phases=[
+            Phase.explicit,
+            Phase.generate,
+            Phase.target,
+            Phase.shrink,
+        ],
+        **_common,
+    )
+    settings.register_profile(
+        "nightly",
+        max_examples=400,  # per round; ci/nightly_tpu.sh repeats rounds until its time budget is spent
+        database=example_database(DATABASE_DIR, os.environ.get(SHARED_DATABASES_ENV, "")),
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+        **_common,
+    )
+    settings.register_profile(
+        "repro",
+        database=example_database(DATABASE_DIR, os.environ.get(SHARED_DATABASES_ENV, "")),
+        phases=[Phase.explicit, Phase.reuse],  # replay the saved failures, generate nothing
+        **_common,
+    )
+
+
+def pytest_addoption(parser):
+    parser.addini(
+        "rpa_harness", type="bool", default=False,
+        help="run the rpa-harness plugin in this repo's every pytest run (default: only when the run names an "
+        "--rpa-* option or RPA_TARGET, or collects rpa_harness.properties)",
+    )  # fmt: skip
+    group = parser.getgroup("rpa-harness")
+    group.addoption(
+        "--rpa-target",
+        default=os.environ.get("RPA_TARGET", targets.DEFAULT_TARGET),
+        help=f"module with ragged_paged_attention and dynamic_validate_inputs (default: {targets.DEFAULT_TARGET})",
+    )
+    group.addoption(
+        "--rpa-backend",
+        default=os.environ.get("RPA_BACKEND", backends.AUTO),
+        choices=(*backends.BACKENDS, backends.AUTO),
+        help="auto: tpu when a TPU is present, else both interpreters",
+    )
+    group.addoption(
+        "--rpa-repro-dir",
+        default=os.environ.get("RPA_REPRO_DIR", repro.DEFAULT_REPRO_DIR),
+        help="directory for repro files of failing properties (default: rpa-repros)",
+    )
+    group.addoption(
+        "--rpa-interpreter-compat",
+        default="on",
+        choices=("on", "off"),
+        help="patch the interpreters' known gaps (rpa_harness.interpret_compat; default: on)",
+    )
+    group.addoption(
+        "--rpa-precision",
+        default=os.environ.get("RPA_PRECISION", ""),
+        help=f"precision contract(s) the target is judged under, comma-separated ({', '.join(CONTRACTS)}; "
+        "default: the target's RPA_HARNESS_PRECISION, else float32)",
+    )
+    group.addoption(
+        known_issues.OPTION,
+        default=os.environ.get("RPA_KNOWN_ISSUES", known_issues.AUTO),
+        help="auto (the target's RPA_HARNESS_KNOWN_ISSUES), none, or NAME[,NAME...]: known issues whose "
+        "cases are not drawn and whose repros must still fail",
+    )
+    group.addoption(
+        "--rpa-compilation-cache",
+        default=os.environ.get(backends.COMPILATION_CACHE_ENV, backends.DEFAULT_COMPILATION_CACHE),
+        help="folder of jax's persistent compilation cache, or off (default: "
+        f"{backends.DEFAULT_COMPILATION_CACHE}; created if missing)",
+    )
+    group.addoption(
+        BUCKETS_OPTION,
+        default=os.environ.get("RPA_BUCKETS", ""),
+        help="shape buckets to draw, comma-separated (default: tiny,small, plus long under the ci profile and "
+        "long,production under the nightly one); only the target's declared Capabilities.buckets are drawn",
+    )
+    group.addoption(
+        generations.OPTION,
+        default=os.environ.get(generations.ENV, generations.AUTO),
+        help="TPU generation(s) the interpreters emulate while the kernel is traced, comma-separated "
+        f"({', '.join(generations.DEVICE_KINDS)}), none (a CPU device), or auto (default: the target's "
+        f"Capabilities.tpu_generations, {' and '.join(generations.EVERYDAY_GENERATIONS)} of them except "
+        "under the nightly profile; none if it declares none); each is its own parametrisation",
+    )
+    group.addoption(
+        "--rpa-chip-owner",
+        default=os.environ.get("RPA_CHIP_OWNER", "auto"),
+        choices=("auto", "on", "off"),
+        help="one process makes every kernel call while the xdist workers draw, build arrays and judge "
+        "(rpa_harness.chip_owner; default auto: on the tpu backend with -n 2 or more; on: on any backend, "
+        "the interpreters standing in for the chip; off: the tpu backend runs one worker)",
+    )
+    group.addoption(
+        "--rpa-allow-no-numeric",
+        action="store_true",
+        default=os.environ.get("RPA_ALLOW_NO_NUMERIC", "") not in ("", "0"),
+        help="let a run pass in which every numeric property was skipped (default: such a run exits 5)",
+    )
+
+
+BUCKETS_OPTION = "--rpa-buckets"
+
+
+NUMERIC = "rpa_numeric"
+REQUIRES = "rpa_requires"
+NO_NUMERIC_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED  # 5: the target's numbers were never checked
+
+
+def _properties_dirs() -> list[Path]:
+    """Where the shipped properties are: the installed package, and tests/properties in a checkout."""
+    import rpa_harness.properties
+
+    return [Path(path).resolve() for path in rpa_harness.properties.__path__]
+
+
+def _names_the_harness(config) -> bool:
+    if config.getini("rpa_harness") or os.environ.get("RPA_TARGET"):
+        return True
+    arguments = [str(a) for a in config.invocation_params.args]
+    if any(a.startswith("--rpa-") or a.startswith("rpa_harness") for a in arguments):
+        return True
+    properties = _properties_dirs()
+    for argument in config.args:
+        path = Path(str(argument).split("::", 1)[0]).resolve()
+        if any(path == folder or folder in path.parents or path in folder.parents for folder in properties):
+            return True
+    return False
+
+
+ACTIVE = pytest.StashKey[bool]()
+SETTINGS = pytest.StashKey[RunSettings]()
+
+
+def _active(config) -> bool:
+    return config.stash.get(ACTIVE, False)
+
+
+def settings_of(config) -> RunSettings:
+    """The run's settings (``rpa_harness.run_settings``), resolved once when the session is configured."""
+    return config.stash[SETTINGS]
+
+
+@pytest.hookimpl(tryfirst=True)  # before Hypothesis's plugin loads --hypothesis-profile
+def pytest_configure(config):
+    config.stash[ACTIVE] = _names_the_harness(config)
+    if config.stash[ACTIVE]:
+        register_profiles()
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_configure")  # after Hypothesis's plugin loaded the profile
+def pytest_configure_after_hypothesis(config):
+    if not _active(config):
+        return
+    if not config.getoption("--hypothesis-profile", None):
+        settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+    config.addinivalue_line(
+        "markers",
+        f"{NUMERIC}: runs the target's kernel and checks its output (set by the plugin at collection)",
+    )
+    config.addinivalue_line(
+        "markers", f"{REQUIRES}(capability, reason=None): skip unless the target's Capabilities opt in"
+    )
+    profile = settings.get_current_profile_name()  # before RPA_MAX_EXAMPLES renames it "sized"
+    if os.environ.get("RPA_MAX_EXAMPLES"):  # resize the chosen profile (benchmarks, long local runs)
+        settings.register_profile(
+            "sized", parent=settings.default, max_examples=int(os.environ["RPA_MAX_EXAMPLES"])
+        )
+        settings.load_profile("sized")
+    _check_folders(config)
+    if _is_controller(config):  # before anything here can initialise jax (a target computing at import)
+        backends.keep_off_the_chips()
+    _use_compilation_cache(config)
+    _one_blas_thread_per_worker(config)
+    os.environ.update(backends.faster_cpu_compilation(os.environ))  # before the target computes anything
+    try:
+        config.stash[SETTINGS] = from_options(
+            target=config.getoption("--rpa-target"),
+            backend=config.getoption("--rpa-backend"),
+            interpreter_compat=config.getoption("--rpa-interpreter-compat") == "on",
+            precision=config.getoption("--rpa-precision"),
+            known_issue_names=config.getoption(known_issues.OPTION),
+            buckets=config.getoption(BUCKETS_OPTION),
+            tpu_generation=config.getoption(generations.OPTION),
+            profile=profile,
+        )
+    except SettingError as error:
+        raise pytest.UsageError(
+            in_cli_terms(str(error)) if os.environ.get(CLI_TERMS_ENV) else str(error)
+        ) from None
+    _chip_owner_or_one_worker(config)
+    _name_the_chip(config)
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        backends.set_output_release(lambda: capture.suspend_global_capture(in_=False))
+    config.pluginmanager.register(RunVerdicts(config), "rpa-harness-verdicts")
+
+
+def _is_controller(config) -> bool:
+    """Whether this process is pytest-xdist's controller: it starts workers and runs no test itself."""
+    return (
+        not _is_worker(config)
+        and config.getoption("dist", "no") != "no"
+        and bool(config.getoption("tx", None))
+    )
+
+
+def _on_a_tpu(config) -> bool:
+    return any(backend.name == backends.TPU for backend in settings_of(config).backends)
+
+
+WORKERS_ASKED = pytest.StashKey[int]()
+OWNER = pytest.StashKey[chip_owner.Supervisor]()
+OWNER_CHIPS = pytest.StashKey[list]()  # the chips the owner holds, as the run log's device events name them
+
+
+def _chip_owner_or_one_worker(config) -> None:
+    """In the controller: with several workers on the tpu backend (or ``--rpa-chip-owner=on``), a chip
+    owner makes every kernel call (``rpa_harness.chip_owner``) and the workers feed it; else one worker on
+    the tpu backend, whatever ``-n`` asked: a process opens every chip of its host (libtpu's lockfile), so
+    a second worker could open none. The header says which."""
+    if not _is_controller(config):
+        return
+    choice, workers = config.getoption("--rpa-chip-owner"), len(config.option.tx)
+    if choice == "on" or (choice == "auto" and _on_a_tpu(config) and workers > 1):
+        _start_chip_owner(config)
+    elif _on_a_tpu(config) and workers > 1:
+        config.option.tx = config.option.tx[:1]
+        config.option.numprocesses = 1
+        config.stash[WORKERS_ASKED] = workers
+
+
+def _start_chip_owner(config) -> None:
+    """Starts the owner and points the workers at it (they start after configuration, from this process's
+    environment); on a chip they compute on the CPU and take the chip's description from the owner."""
+    environ = dict(os.environ)
+    folder = backends.compilation_cache_setting(config.getoption("--rpa-compilation-cache"))
+    environ[backends.COMPILATION_CACHE_ENV] = str(folder) if folder is not None else "off"
+    supervisor = chip_owner.Supervisor(environ).start()
+    try:
+        facts = chip_owner.owner_facts(supervisor.where)
+    except chip_owner.OwnerUnavailable as error:
+        supervisor.stop()
+        pytest.exit(
+            f"rpa-harness: {backends.CHIP_FAULTED}: {error}", returncode=backends.CHIP_FAULTED_EXIT_CODE
+        )
+    config.stash[OWNER] = supervisor
+    os.environ[chip_owner.ADDRESS_ENV] = supervisor.where
+    loaded = settings.default
+    assert loaded is not None  # None only while Hypothesis itself is imported
+    if not loaded.derandomize:  # derandomized shards would all draw the same examples
+        os.environ[VOLUME_SHARDS_ENV] = str(len(config.option.tx))
+    if facts["tpu_count"]:
+        config.stash[OWNER_CHIPS] = [{"device_kind": facts["tpu_kind"], "count": facts["tpu_count"]}]
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ[backends.TPU_PROBE_ENV] = f"{facts['tpu_kind']}:{facts['tpu_count']}"
+
+
+def pytest_unconfigure(config):
+    supervisor = config.stash.get(OWNER, None)
+    if supervisor is not None:
+        supervisor.stop()
+
+
+def _name_the_chip(config) -> None:
+    """A process that opened the chip names it in the run log: the summary's header takes the chip from there,
+    since the controller never opens it."""
+    if _is_controller(config) or not _on_a_tpu(config):
+        return
+    tpus = backends.tpus()
+    worker = getattr(config, "workerinput", {}).get("workerid", "")
+    runlog.record_event("device", device_kind=tpus.kind, count=tpus.count, worker=worker)
+
+
+def _usable_folder(path, setting: str) -> None:
+    """Creates the folder if needed and checks that a file can be written in it, before anything runs."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise pytest.UsageError(
+            f"{setting}={path}: cannot write there ({type(error).__name__}: {error.strerror or error}); "
+            "pass a writable folder"
+        ) from None
+
+
+def _check_folders(config) -> None:
+    """The harness's own folders are usage errors, never failures of a property.
+
+    The repro folder, the run log (RPA_RUN_LOG) and a nightly example database are created when missing;
+    the ``repro`` profile replays a database, so there its folder must exist already.
+    """
+    _usable_folder(config.getoption("--rpa-repro-dir"), "--rpa-repro-dir")
+    if os.environ.get(runlog.ENV):
+        _usable_folder(os.environ[runlog.ENV], runlog.ENV)
+    loaded = settings.default
+    assert loaded is not None  # None only while Hypothesis itself is imported
+    database = loaded.database
+    # Ours is multiplexed when shards share other databases: the folder it writes is DATABASE_DIR.
+    path = DATABASE_DIR if isinstance(database, MultiplexedDatabase) else getattr(database, "path", None)
+    if isinstance(database, DirectoryBasedExampleDatabase | MultiplexedDatabase) and path is not None:
+        if settings.get_current_profile_name() == "repro" and not Path(path).is_dir():
+            raise pytest.UsageError(
+                f"RPA_HYPOTHESIS_DB={path}: no such folder, so the repro profile has nothing to replay; "
+                "point it at the example database a nightly run saved"
+            )
+        _usable_folder(path, "RPA_HYPOTHESIS_DB")
+
+
+def _use_compilation_cache(config) -> None:
+    """jax's persistent compilation cache (``rpa_harness/backends.py``), its folder checked like the others;
+    each process counts its compilations and cache hits for the run log."""
+    backends.count_compilations()
+    folder = backends.compilation_cache_setting(config.getoption("--rpa-compilation-cache"))
+    if folder is not None:
+        _usable_folder(folder, "--rpa-compilation-cache")
+        backends.enable_compilation_cache(folder)
+
+
+def _one_blas_thread_per_worker(config) -> None:
+    """With xdist workers, each starts with one BLAS thread (``backends.one_blas_thread_per_worker``); the
+    workers are started after configuration, from this process's environment."""
+    workers = config.getoption("numprocesses", None)
+    is_worker = hasattr(config, "workerinput")  # not the environment: a run inside a worker inherits it
+    if isinstance(workers, int) and workers > 1 and not is_worker:
+        os.environ.update(backends.one_blas_thread_per_worker(os.environ))
+
+
+VOLUME = (backends.FAST_INTERPRET, backends.TPU)
+CHECKING = (backends.INTERPRET, backends.TPU)
+
+
+def pytest_generate_tests(metafunc):
+    """``volume_backend``: where many examples run; ``checking_backend``: where memory safety is checked;
+    ``replay_backend``: every chosen backend (a repro replayed once on each)."""
+    if not _active(metafunc.config):
+        return
+    settings = settings_of(metafunc.config)
+    for fixture, kinds in (
+        ("volume_backend", VOLUME),
+        ("checking_backend", CHECKING),
+        ("replay_backend", backends.BACKENDS),
+    ):
+        if fixture in metafunc.fixturenames:
+            chosen = [b for b in settings.backends if b.name in kinds]
+            metafunc.parametrize(
+                fixture, chosen, ids=[b.label for b in chosen], scope="session", indirect=True
+            )
+    shards = int(os.environ.get(VOLUME_SHARDS_ENV, "1"))
+    if "volume_shard" in metafunc.fixturenames and shards > 1:
+        metafunc.parametrize(
+            "volume_shard",
+            range(shards),
+            ids=[f"shard{k + 1}of{shards}" for k in range(shards)],
+            indirect=True,
+            scope="session",
+        )
+    if "compile_backend" in metafunc.fixturenames:
+        compilers = [
+            backends.Backend(backends.TPU_COMPILER, settings.interpreter_compat, generation)
+            for generation in settings.compile_generations
+        ]
+        metafunc.parametrize(
+            "compile_backend", compilers, ids=[b.label for b in compilers], scope="session", indirect=True
+        )
+
+
+def _example_budget(item) -> int | None:
+    """The max_examples a Hypothesis property runs with (its own @settings, else the loaded profile's)."""
+    function = getattr(item, "obj", None)
+    if not getattr(function, "is_hypothesis_test", False):
+        return None
+    own = getattr(function, "_hypothesis_internal_use_settings", None)
+    loaded = settings.default
+    assert loaded is not None  # None only while Hypothesis itself is imported
+    return (own or loaded).max_examples
+
+
+def pytest_collection_finish(session):
+    """The selected properties' example budgets, for ``rpa-harness run``'s progress (after -k and markers)."""
+    if not _active(session.config) or not os.environ.get(runlog.ENV):
+        return
+    for item in session.items:
+        budget = _example_budget(item)
+        if budget is not None:
+            runlog.record_plan(item.nodeid, budget)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _active(config):
+        return
+    for item in items:
+        if {"volume_backend", "checking_backend"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(NUMERIC)
+
+
+def pytest_runtest_setup(item):
+    if not _active(item.config):
+        return
+    target = settings_of(item.config).target
+    for marker in item.iter_markers(REQUIRES):
+        capability = marker.args[0]
+        if not getattr(target.capabilities, capability):
+            reason = marker.kwargs.get("reason") or f"needs the {capability} capability"
+            pytest.skip(f"{reason} (target {target.name} does not opt in: {capability})")
+
+
+def _runnable_backend(config, backend):
+    """A backend the target can run on, or a skip with the declared reason (absent TPU, declared backends,
+    a backend declared slow that --rpa-backend=auto chose)."""
+    if backend.skip_reason:
+        pytest.skip(backend.skip_reason)
+    settings = settings_of(config)
+    target = settings.target
+    declared = checks.declared_unrunnable(target, backend, by_default=settings.backends_by_default)
+    if declared:
+        raise CannotRunHere(
+            target.name, backend.name, in_cli_terms(declared) if os.environ.get(CLI_TERMS_ENV) else declared
+        )
+    return backend
+
+
+@pytest.fixture(scope="session")
+def volume_backend(request, pytestconfig):
+    return _runnable_backend(pytestconfig, request.param)
+
+
+@pytest.fixture(scope="session")
+def volume_shard(request) -> int:
+    """Which of the volume properties' shards this item is (``VOLUME_SHARDS_ENV``): 0 of 1 unless a chip
+    owner makes the calls of several workers."""
+    return getattr(request, "param", 0)
+
+
+@pytest.fixture(scope="session")
+def checking_backend(request, pytestconfig):
+    return _runnable_backend(pytestconfig, request.param)
+
+
+@pytest.fixture(scope="session")
+def replay_backend(request, pytestconfig):
+    return _runnable_backend(pytestconfig, request.param)
+
+
+@pytest.fixture(scope="session")
+def compile_backend(request, pytestconfig):
+    """The TPU compiler on this host for one generation (``--rpa-tpu-generation``), or a skip that says
+    what to install."""
+    return _runnable_backend(pytestconfig, request.param)
+
+
+@pytest.fixture(scope="session")
+def target(pytestconfig):
+    return settings_of(pytestconfig).target
+
+
+@pytest.fixture(scope="session")
+def bucket_selection(pytestconfig):
+    """The buckets this run draws (``--rpa-buckets``, else the profile's defaults): the strategies'
+    ``selection``."""
+    return settings_of(pytestconfig).buckets
+
+
+@pytest.fixture(scope="session")
+def backend(pytestconfig):
+    """The backend for properties that need one kernel run per example and no volume (the first chosen)."""
+    return settings_of(pytestconfig).backends[0]
+
+
+@pytest.fixture(scope="session")
+def repro_dir(pytestconfig):
+    return Path(pytestconfig.getoption("--rpa-repro-dir"))
+
+
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+CANNOT_RUN_PROPERTY = "rpa_cannot_run"  # (backend name, reason) in a report's user_properties
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skip because the target cannot run on a backend carries the backend and the reason in the
+    report's user_properties (which xdist sends to the controller with the report)."""
+    report = yield
+    if call.excinfo is not None and isinstance(call.excinfo.value, CannotRunHere):
+        report.user_properties.append(
+            (CANNOT_RUN_PROPERTY, (call.excinfo.value.backend_name, call.excinfo.value.reason))
+        )
+    return report
+
+
+class RunVerdicts:
+    """In the process that sees every report (the xdist controller, or the only one): how many numeric
+    properties ran and were skipped, and why the target could not run on a backend."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.started = time.time()
+        self.numeric_ran = self.numeric_skipped = 0
+        self.cannot_run: dict[str, str] = {}  # backend name -> the first reason a numeric property gave
+
+    @pytest.hookimpl(tryfirst=True)  # before junitxml and the terminal reporter read the report
+    def pytest_runtest_logreport(self, report):
+        if _is_worker(self.config):
+            return
+        if report.failed and isinstance(report.longrepr, str) and "crashed while running" in report.longrepr:
+            report.longrepr += _crash_note(self.config, report.nodeid, self.started)
+        if NUMERIC not in report.keywords:
+            return
+        if report.skipped:
+            self.numeric_skipped += 1
+            for name, value in report.user_properties:
+                if name == CANNOT_RUN_PROPERTY:
+                    backend_name, reason = value
+                    self.cannot_run.setdefault(backend_name, reason)
+        elif report.when == "call" or report.failed:
+            self.numeric_ran += 1
+
+    def no_numeric_verdict(self) -> str | None:
+        if self.numeric_ran or not self.numeric_skipped or self.config.getoption("--rpa-allow-no-numeric"):
+            return None
+        return (
+            f"rpa-harness: NOT GREEN: no numeric property ran against target {settings_of(self.config).target.name} "
+            f"({self.numeric_skipped} selected, all skipped; reasons below). Pass --rpa-allow-no-numeric "
+            "(or RPA_ALLOW_NO_NUMERIC=1) to accept a run that checks no numbers."
+        )
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if os.environ.get(runlog.ENV):  # every process: its compilations and cache use
+            runlog.record_event("compilations", **backends.compilation_stats())
+        if _is_worker(self.config):
+            return
+        verdict = self.no_numeric_verdict()
+        if verdict and exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = NO_NUMERIC_EXIT
+        if OWNER in self.config.stash:
+            runlog.record_event("chip_owner", **self.chip_owner_summary())
+        if os.environ.get(runlog.ENV):
+            chips = [e for e in runlog.read_events(os.environ[runlog.ENV]) if e["kind"] == "device"]
+            runlog.write_session(
+                no_numeric=verdict, cannot_run=self.cannot_run, header=run_header(self.config, chips or None)
+            )
+
+    def chip_owner_summary(self) -> dict:
+        """The chip owners' calls and the fraction of the run's wall time the chip spent in them."""
+        summary = self.config.stash[OWNER].summary()
+        wall = time.time() - self.started
+        return {**summary, "wall_s": wall, "busy_fraction": summary["busy_s"] / wall if wall > 0 else 0.0}
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_terminal_summary(self, terminalreporter):
+        if OWNER in self.config.stash:
+            owners = self.chip_owner_summary()
+            ended = (
+                f"; {len(owners['exits'])} ended early (exit {owners['exits']})" if owners["exits"] else ""
+            )
+            terminalreporter.write_line(
+                f"rpa-harness: chip owner: {owners['calls']} kernel calls, busy {owners['busy_s']:.1f} s of "
+                f"{owners['wall_s']:.1f} s ({owners['busy_fraction']:.0%}); {owners['owners']} owner "
+                f"process(es){ended}"
+            )
+            for line in chip_owner.summary_lines(owners):
+                terminalreporter.write_line(f"rpa-harness: chip owner: {line}")
+        verdict = self.no_numeric_verdict()
+        if verdict:
+            terminalreporter.write_line(verdict, red=True, bold=True)
+        name = settings_of(self.config).target.name
+        for backend_name, reason in self.cannot_run.items():
+            terminalreporter.write_line(
+                f"rpa-harness: target {name} cannot run on {backend_name}: {reason}. "
+                "Its numeric properties there were skipped; its validator properties ran.",
+                yellow=True,
+            )
+
+
+def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
+    """What a run is testing, as its first lines say it: the target and its version, the backends, the
+    precision contract, the rule table, the declared known issues, the buckets, and jax's version.
+
+    On the tpu backend the chip is named as a process that opened it saw it: ``chips_seen`` (the run log's
+    device events) or, in a process that runs the kernels itself, its own view; the xdist controller
+    never opens the chip, and before its worker names it the header says so."""
+    import jax
+
+    from rpa_harness import __version__
+
+    run = settings_of(config)
+    target = run.target
+    version = f" ({target.version})" if target.version else ""
+    backends_line = ", ".join(backend.label for backend in run.backends)
+    compat = "on" if run.interpreter_compat else "off"
+    rules = (
+        f"its own ({len(target.rules)} rules)"
+        if target.own_rules
+        else f"the specification's ({len(target.rules)} rules, stricter ones "
+        f"{'on' if target.capabilities.strict_validation else 'off'})"
+    )
+    issues = ", ".join(issue.name for issue in target.known_issues) or "none"
+    emulated = ", ".join(run.emulated_generations) or f"{generations.NONE} (a CPU device)"
+    chip_line = f"  TPU generations emulated: {emulated}"
+    if _on_a_tpu(config):
+        if chips_seen is None and not _is_controller(config):
+            tpus = backends.tpus()
+            chips_seen = [{"device_kind": tpus.kind, "count": tpus.count}]
+        chips_seen = config.stash.get(OWNER_CHIPS, None) if chips_seen is None else chips_seen
+        kinds = sorted({seen["device_kind"] for seen in chips_seen or ()})
+        chip_line = (
+            f"  TPU: {', '.join(kinds)}, real"
+            if kinds
+            else "  TPU: a real chip, named in the summary by the worker that opens it"
+        )
+        if WORKERS_ASKED in config.stash:
+            chip_line += f"; 1 worker (-n {config.stash[WORKERS_ASKED]} asked: one process holds the chips)"
+    if OWNER in config.stash:
+        chip_line += f"; one chip owner process makes the kernel calls of {len(config.option.tx)} workers"
+    buckets = run.buckets or target.capabilities.buckets
+    chip_products = (
+        f", + {BF16_MATMUL} on a TPU generation (float32 products at DEFAULT precision)"
+        if target.product_precision == targets.DEFAULT_PRODUCTS
+        else ""
+    )
+    if any(backend.name == backends.TPU for backend in run.backends):
+        chip_products += f", + {TPU_TRANSCENDENTALS} on a chip (its float32 exp, tanh and division)"
+    return [
+        f"rpa-harness {__version__}: target {target.name}{version}",
+        f"  backends: {backends_line} (interpreter compat {compat}); jax {jax.__version__}",
+        chip_line,
+        f"  precision contract: {', '.join(target.precision)}{chip_products}",
+        f"  validation rules: {rules}",
+        f"  known issues declared: {issues}",
+        f"  buckets: {', '.join(buckets)}",
+    ]
+
+
+def pytest_report_header(config):
+    if _active(config) and SETTINGS in config.stash and not _is_worker(config):
+        return run_header(config)
+    return None
+
+
+def _crash_note(config, nodeid: str, started: float) -> str:
+    """Names what a crashed worker left for this test: the hang or halt repro its last call wrote, else the
+    example it had in flight, which on the tpu backend is the suspect of a crash of the device (a libtpu
+    abort ends the process inside the call). The example in flight goes into the run log's summary too."""
+    directory = Path(config.getoption("--rpa-repro-dir"))
+    in_flight = None
+    for path in sorted(directory.glob("*.json")):
+        if path.stat().st_mtime < started:  # left by an earlier run
+            continue
+        try:
+            written = repro.read(path)
+        except repro.ReproError:
+            continue
+        if written.test != nodeid:
+            continue
+        if written.hang:
+            return (
+                f"\nHANG: a kernel call did not return within {written.hang['seconds']:g} s (RPA_CALL_TIMEOUT)"
+                f"\n  repro: {path}\n  replay: rpa-harness replay {path}"
+            )
+        if written.halt:
+            return (
+                f"\nDEVICE HALTED: a kernel call raised {written.halt['error']}"
+                f"\n  failure kind: {DEVICE_HALTED}\n{preceded_by_line(written)}  repro: {path}"
+                f"\n  replay: rpa-harness replay {path}"
+            )
+        if written.in_flight:
+            in_flight = (path, written.backend)
+    elsewhere = (
+        "no hang or halt repro names this test: the worker ended for another reason (see its stderr above)"
+    )
+    if in_flight is None:
+        return f"\n({elsewhere})"
+    path, backend = in_flight
+    device = backend == backends.TPU
+    runlog.record_event("crash", test=nodeid, in_flight=str(path), device=device)
+    cause = (
+        "the worker died during a kernel call on the TPU (a crash of the device, e.g. a libtpu abort): "
+        "the example in flight is the suspect"
+        if device
+        else elsewhere
+    )
+    return f"\n{cause}\n  example in flight: {path}\n  replay: rpa-harness replay {path}"
