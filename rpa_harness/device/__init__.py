@@ -1,0 +1,1 @@
+"""The one way to the device: the processes the harness starts (``processes``)."""
