@@ -6,7 +6,7 @@ the target declares (production and long included, block sizes given, tuned or t
 limit the kernel's own), is compiled
 ahead of time for a slice of each generation that the run emulates (``--rpa-tpu-generation``; where it
 emulates none, v5e and v6e, and under the nightly profile every generation the compiler knows): no chip, no
-call, about a second an example whatever its shapes (``rpa_harness.ahead_of_time``). A refusal is a failure
+call, 3-4 s of the compiler an example on a 2-core host whatever its shapes (``rpa_harness.ahead_of_time``). A refusal is a failure
 of its own kind, shrunk, with a repro that stores the shapes alone and replays with ``rpa-harness replay``.
 Without libtpu the property is skipped, with the install command as its reason.
 """
