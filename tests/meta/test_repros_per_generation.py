@@ -7,9 +7,10 @@ with no verdict. So each declared finding needs, for each chip generation it app
 empty: every one), a repro in its folder recorded for that generation or for none; or a declaration narrowed,
 with the reason in the kernel's code, to the generations that have it.
 
-Reads the declarations and the repros' JSON only (no kernel call). A target is judged where it loads: one
-whose kernel does not import here (tpu-inference absent, a jax it does not trace on) is skipped with the
-reason, and the tpu-inference family declares the findings of the installed release.
+Reads the declarations and the repros' JSON only (no kernel call). A target's declaration is judged where
+it loads (one whose kernel does not import here, tpu-inference absent or a jax it does not trace on, is
+skipped with the reason; the tpu-inference family declares the findings of the installed release), and
+every shipped catalogue as a whole, which needs no kernel.
 """
 
 import pytest
@@ -56,6 +57,16 @@ def test_each_declared_finding_has_a_repro_for_each_chip_it_applies_to(target_na
     assert not missing, (
         f"{target_name}: {len(missing)} declared finding(s) without a repro a chip of a generation they apply "
         "to replays:\n  " + "\n  ".join(missing)
+    )
+
+
+def test_each_catalogued_finding_has_a_repro_for_each_chip_it_applies_to():
+    """Every shipped catalogue whole, whatever is installed: the findings of other tpu-inference releases
+    (declared where one of them is installed) and of targets that load on another jax only."""
+    missing = unreplayed(targets.shipped_catalogue())
+    assert not missing, (
+        f"{len(missing)} catalogued finding(s) without a repro a chip of a generation they apply to replays:\n  "
+        + "\n  ".join(missing)
     )
 
 
