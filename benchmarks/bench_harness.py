@@ -78,7 +78,7 @@ def machine_speed() -> float:
 
 def examples_per_minute(prop: str, examples: int, cache: str, blas_threads: str) -> dict:
     """Two concurrent workers on one property: examples/min overall and steady, CPU and compilations."""
-    from rpa_harness import backends, runlog
+    from rpa_harness import device, runlog
 
     node, backend = PROPERTIES[prop]
     with tempfile.TemporaryDirectory() as log_dir:
@@ -90,7 +90,7 @@ def examples_per_minute(prop: str, examples: int, cache: str, blas_threads: str)
             PYTHONPATH=str(ROOT),
         )
         if blas_threads == "one":  # as the plugin starts xdist workers
-            env = backends.one_blas_thread_per_worker(env)
+            env = device.one_blas_thread_per_worker(env)
         cpu_before, start = children_cpu_seconds(), time.time()
         workers = [
             subprocess.Popen(
@@ -144,16 +144,16 @@ def cost_split(backend_name: str, examples: int, cache: str) -> dict:
     import jax  # noqa: F401  (configured before the first compilation below)
     from hypothesis import given, settings
 
-    from rpa_harness import backends, reference
-    from rpa_harness.backends import Backend
+    from rpa_harness import device, reference
+    from rpa_harness.device import Backend
     from rpa_harness.strategies.valid import valid_cases
     from rpa_harness.targets import load
 
-    backends.count_compilations()
-    folder = backends.compilation_cache_setting(cache)
+    device.count_compilations()
+    folder = device.compilation_cache_setting(cache)
     if folder is not None:
-        backends.enable_compilation_cache(folder)
-    before = backends.compilation_stats()
+        device.enable_compilation_cache(folder)
+    before = device.compilation_stats()
     target, backend = load("rpa_harness.kernel"), Backend(backend_name)
     stages = {"arrays": 0.0, "kernel": 0.0, "oracle": 0.0, "compare": 0.0}
     count = 0
@@ -178,7 +178,7 @@ def cost_split(backend_name: str, examples: int, cache: str) -> dict:
     start, cpu_start = time.perf_counter(), time.process_time()
     run()
     total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    after = backends.compilation_stats()
+    after = device.compilation_stats()
     split = {stage: seconds / count for stage, seconds in stages.items()}
     split["generation"] = (total - sum(stages.values())) / count
     split["total"] = total / count

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jax
 
-from rpa_harness import backends, generations, lowering
+from rpa_harness import device, generations, lowering
 from rpa_harness.checks import kernel_call
 from rpa_harness.strategies.case import DTYPES, Case
 from rpa_harness.targets import (
@@ -169,7 +169,7 @@ class Call:
     (``Backend.guarded``: the known-good call, the watchdog, a halt ends the bench), timed inside. An input
     the call donated is put back before the next call."""
 
-    def __init__(self, target: Target, backend: backends.Backend, case: Case, what: str):
+    def __init__(self, target: Target, backend: device.Backend, case: Case, what: str):
         self.backend, self.what = backend, what
         self.call, self.host = kernel_call(target, backend.generation, case.arrays(), case.options())
         self.device = jax.block_until_ready(
@@ -186,7 +186,7 @@ class Call:
             return time.perf_counter() - start
 
 
-def time_target(target: Target, backend: backends.Backend, batch: Batch, calls: int) -> Timing:
+def time_target(target: Target, backend: device.Backend, batch: Batch, calls: int) -> Timing:
     timing = Timing(target.name, batch.name)
     timing.skipped = unsupported(target, batch.case)
     if timing.skipped is not None:
@@ -200,9 +200,9 @@ def time_target(target: Target, backend: backends.Backend, batch: Batch, calls: 
     return timing
 
 
-def chip_peak(backend: backends.Backend) -> tuple[str, Peak | None]:
+def chip_peak(backend: device.Backend) -> tuple[str, Peak | None]:
     """What the times were measured on, and its peak where the times are a chip's."""
-    if backend.name != backends.TPU:
+    if backend.name != device.TPU:
         emulating = "" if backend.generation == generations.NONE else f", emulating a {backend.generation}"
         return f"{backend.name} on a CPU{emulating}: the interpreter's times, nothing about a chip", None
     generation = lowering.real_tpu_generation()
@@ -303,21 +303,21 @@ def default_baseline(target: Target) -> str | None:
     return None if target.name == UPSTREAM_TARGET else UPSTREAM_TARGET
 
 
-def resolve_backend(choice: str, generation: str | None) -> backends.Backend:
+def resolve_backend(choice: str, generation: str | None) -> device.Backend:
     try:
-        name = backends.resolve(choice)[0]
-    except backends.BackendChoiceError as error:
+        name = device.resolve(choice)[0]
+    except device.BackendChoiceError as error:
         raise BenchUsageError(str(error)) from None
-    if name == backends.TPU:
+    if name == device.TPU:
         if generation not in (None, generations.NONE):
             raise BenchUsageError(f"--tpu-generation={generation} with a TPU: the chip is what it is")
-        return backends.Backend(backends.TPU)
+        return device.Backend(device.TPU)
     generation = generation or "v5e"
     if generation != generations.NONE and generation not in generations.DEVICE_KINDS:
         raise BenchUsageError(
             f"--tpu-generation={generation} is not one this jax knows ({', '.join(generations.DEVICE_KINDS)}, none)"
         )
-    return backends.Backend(name, generation=generation)
+    return device.Backend(name, generation=generation)
 
 
 def bench(args) -> int:
@@ -410,7 +410,7 @@ def add_parser(commands) -> None:
         help=f"batches, comma-separated, of: {', '.join(BATCHES)} (default {','.join(DEFAULT_BATCHES)})",
     )  # fmt: skip
     parser.add_argument(
-        "--backend", default=backends.AUTO, choices=(*backends.BACKENDS, backends.AUTO),
+        "--backend", default=device.AUTO, choices=(*device.BACKENDS, device.AUTO),
         help="auto (default): a TPU if jax sees one, else the fast interpreter",
     )  # fmt: skip
     parser.add_argument(

@@ -22,7 +22,7 @@ import numpy as np
 
 from rpa_harness import known_issues, reference
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import INTERPRET, TPU, Backend
+from rpa_harness.device import INTERPRET, TPU, Backend
 from rpa_harness.generations import DEVICE_KINDS, NONE
 from rpa_harness.property_names import COMPILATION, DIFFERENTIAL
 from rpa_harness.report_sections import (

@@ -13,7 +13,7 @@ FOLDERS = {
     "kernel": "rpa_harness.kernel",
 }
 MACHINERY = {
-    "", "lowering", "generations", "backends", "compile_meter", "ahead_of_time", "interpret_compat", "chip_owner", "runlog",
+    "", "lowering", "generations", "device", "ahead_of_time", "interpret_compat", "runlog",
     "progress", "property_names", "repro", "report_sections", "snippets", "known_issues", "failures",
 }  # fmt: skip
 RUNNING = {"recording", "run_settings", "bench", "bug_report", "plugin"}
