@@ -13,7 +13,6 @@ seconds of each pass, XLA's compile seconds, and how many of the outputs differ 
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -70,10 +69,11 @@ def in_child(setting: str, backend_name: str, examples: int, pooled: bool, outpu
         "import json, sys; sys.path.insert(0, sys.argv[1]); from benchmarks.bench_cpu_compiler import run_cases; "
         "print('RESULT', json.dumps(run_cases(sys.argv[2], int(sys.argv[3]), sys.argv[4] == 'pooled', sys.argv[5])))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT), backend_name, str(examples), "pooled" if pooled else "any",
-         str(outputs)],
-        cwd=ROOT, env=env, capture_output=True, text=True,
+    result = device.processes.run(
+        device.processes.python(
+            "-c", code, str(ROOT), backend_name, str(examples), "pooled" if pooled else "any", str(outputs)
+        ),
+        cwd=ROOT, env=env,
     )  # fmt: skip
     if result.returncode != 0:
         raise SystemExit(f"bench_cpu_compiler: the {setting} child failed:\n{result.stderr[-3000:]}")

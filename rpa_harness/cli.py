@@ -24,7 +24,7 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
+import signal
 import sys
 import tempfile
 import textwrap
@@ -323,7 +323,8 @@ def _replay_in_a_child(args, predecessors: str) -> int:
         if (value := getattr(args, option)) is not None:
             command.append(f"--{option.replace('_', '-')}={value}")
     sys.stdout.flush()
-    code = subprocess.run(command).returncode
+    code = device.processes.run(command, output=device.processes.INHERIT, first=signal.SIGINT).returncode
+    assert code is not None  # no time limit
     return code if code >= 0 else 128 - code
 
 
@@ -370,9 +371,8 @@ def replayed_halts(examples: list[dict]) -> dict[str, str]:
             f"rpa-harness: replaying the halt {path} in fresh processes (alone, then after its predecessors)"
         )
         command = [sys.executable, "-m", "rpa_harness.cli", "replay", path]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=HALT_REPLAY_SECONDS)
-        except subprocess.TimeoutExpired:
+        done = device.processes.run(command, timeout=HALT_REPLAY_SECONDS)
+        if done.timed_out:
             verdicts[path] = f"not told: its replay took over {HALT_REPLAY_SECONDS} s"
             continue
         verdicts[path] = {PASSES: HALT_UNCONFIRMED, FAILS: HALT_CONFIRMED}.get(
@@ -416,7 +416,7 @@ def pytest_command(args, junit: Path) -> list[str]:
 def _call_with_progress(command: list[str], env: dict, log_dir: str) -> int:
     """Runs pytest, passing its output through, with the run log's progress: a live line on a terminal,
     plain lines every RPA_PROGRESS_SECONDS otherwise (CI logs)."""
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
+    process = device.processes.start(command, env=env, stdin=None, stdout=device.processes.PIPE)
     state = progress.Progress(log_dir)
     interactive = sys.stdout.isatty()
     interval = float(os.environ.get(progress.INTERVAL_ENV, progress.DEFAULT_INTERVAL_SECONDS))
@@ -446,15 +446,19 @@ def _call_with_progress(command: list[str], env: dict, log_dir: str) -> int:
     watcher.start()
     assert process.stdout is not None  # stdout=PIPE
     previous = ""
-    for line in process.stdout:
-        if line == previous == "bringing up nodes...\n":  # xdist prints its status twice when piped
-            continue
-        previous = line
-        with lock:
-            if interactive:
-                sys.stdout.write("\r\033[K")
-            sys.stdout.write(line)
-            redraw()
+    try:
+        for line in process.stdout:
+            if line == previous == "bringing up nodes...\n":  # xdist prints its status twice when piped
+                continue
+            previous = line
+            with lock:
+                if interactive:
+                    sys.stdout.write("\r\033[K")
+                sys.stdout.write(line)
+                redraw()
+    except BaseException:  # interrupted (Ctrl-C reaches this process only): pytest, told so, ends its workers
+        device.processes.end(process, first=signal.SIGINT)
+        raise
     process.wait()
     watcher.join()
     if interactive:
