@@ -17,11 +17,8 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
-
-import jax
 
 from rpa_harness import device, generations, lowering
 from rpa_harness.checks import kernel_call
@@ -166,24 +163,18 @@ class Timing:
 class Call:
     """The target's call on the batch (``checks.kernel_call``: a compiled call's kernel function, or its
     ``ragged_paged_attention``), its inputs on the device, made as every kernel call is
-    (``Backend.guarded``: the known-good call, the watchdog, a halt ends the bench), timed inside. An input
+    (``Backend.timed``: the known-good call, the watchdog, a halt ends the bench), timed inside. An input
     the call donated is put back before the next call."""
 
     def __init__(self, target: Target, backend: device.Backend, case: Case, what: str):
         self.backend, self.what = backend, what
         self.call, self.host = kernel_call(target, backend.generation, case.arrays(), case.options())
-        self.device = jax.block_until_ready(
-            {name: jax.device_put(value) for name, value in self.host.items()}
-        )
+        self.on_device = backend.put(self.host)
 
     def __call__(self) -> float:
-        for name, value in self.device.items():
-            if value.is_deleted():
-                self.device[name] = jax.block_until_ready(jax.device_put(self.host[name]))
-        with self.backend.guarded(self.what):
-            start = time.perf_counter()
-            jax.block_until_ready(self.call(**self.device))
-            return time.perf_counter() - start
+        donated = {name: self.host[name] for name, value in self.on_device.items() if value.is_deleted()}
+        self.on_device.update(self.backend.put(donated))
+        return self.backend.timed(self.what, self.call, **self.on_device)
 
 
 def time_target(target: Target, backend: device.Backend, batch: Batch, calls: int) -> Timing:

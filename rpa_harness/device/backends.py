@@ -182,6 +182,11 @@ class Backend:
             )
         return out
 
+    def put(self, host: dict) -> dict:
+        """``host``'s arrays (by name) on the device, transferred before this returns: a timed call then
+        times the kernel, not its inputs' transfer."""
+        return jax.block_until_ready({name: jax.device_put(value) for name, value in host.items()})
+
     def timed(self, what: str, fn, **kwargs) -> float:
         """Seconds ``fn(**kwargs)`` takes on this backend, waited for, made as ``guarded`` makes a call: a
         call whose output the caller does not need (``rpa-harness bench``'s timed calls)."""
