@@ -422,7 +422,7 @@ def _check_folders(config) -> None:
 
 
 def _use_compilation_cache(config) -> None:
-    """jax's persistent compilation cache (``rpa_harness/device.py``), its folder checked like the others;
+    """jax's persistent compilation cache (``rpa_harness/device/compilation.py``), its folder checked like the others;
     each process counts its compilations and cache hits for the run log."""
     device.count_compilations()
     folder = device.compilation_cache_setting(config.getoption("--rpa-compilation-cache"))

@@ -152,3 +152,16 @@ def test_faster_cpu_compilation_keeps_the_users_flags(monkeypatch):
 def test_the_plugin_gave_this_process_the_faster_cpu_compilation():
     """Set in the environment at configuration, before the first computation (workers inherit it)."""
     assert device.faster_cpu_compilation(os.environ) == dict(os.environ)
+
+
+def test_a_route_the_run_installs_makes_every_kernel_call():
+    """Where a chip owner makes this process's calls, ``Backend.run`` sends each along the route (its
+    backend, function and arguments) and returns its answer."""
+    sent = []
+    device.backends.route_calls(lambda backend, fn, args, kwargs: sent.append((backend.name, fn, args)) or 7)
+    try:
+        answer = Backend(INTERPRET).run(abs, -3)
+    finally:
+        device.backends.route_calls(None)
+    assert answer == 7 and sent == [(INTERPRET, abs, (-3,))]
+    assert Backend(INTERPRET).run(abs, -3) == 3
