@@ -371,12 +371,12 @@ def replayed_halts(examples: list[dict]) -> dict[str, str]:
             f"rpa-harness: replaying the halt {path} in fresh processes (alone, then after its predecessors)"
         )
         command = [sys.executable, "-m", "rpa_harness.cli", "replay", path]
-        done = device.processes.run(command, timeout=HALT_REPLAY_SECONDS)
-        if done.timed_out:
+        code = device.processes.run(command, timeout=HALT_REPLAY_SECONDS).returncode
+        if code is None:
             verdicts[path] = f"not told: its replay took over {HALT_REPLAY_SECONDS} s"
             continue
         verdicts[path] = {PASSES: HALT_UNCONFIRMED, FAILS: HALT_CONFIRMED}.get(
-            done.returncode, f"not told: its replay exited {done.returncode} (`{shlex.join(command[2:])}`)"
+            code, f"not told: its replay exited {code} (`{shlex.join(command[2:])}`)"
         )
     return verdicts
 
