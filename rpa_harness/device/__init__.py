@@ -28,13 +28,9 @@ from rpa_harness.device.backends import (
 )
 from rpa_harness.device.chip import (
     TPU_PROBE_ENV,
-    TpuProbeError,
     Tpus,
-    check_the_chip_once,
     chip_in_words,
     keep_off_the_chips,
-    known_good_call,
-    on_a_real_chip,
     tpus,
 )
 from rpa_harness.device.compilation import (
@@ -58,11 +54,8 @@ from rpa_harness.device.endings import (
     SLOW_EXIT_CODE,
     call_timeout,
     end_on_halt,
-    end_on_hang,
-    end_too_slow,
     on_halt,
     on_hang,
-    on_slow,
     set_output_release,
     watchdog,
 )
@@ -75,14 +68,20 @@ from rpa_harness.device.interpreter_reports import (
 )
 
 __all__ = [
-    "AUTO", "BACKENDS", "CHECKING_INTERPRET_PARAMS", "CHIP_FAULTED", "CHIP_FAULTED_EXIT_CODE",
-    "COMPILATION_CACHE_ENV", "DEFAULT_COMPILATION_CACHE", "FASTER_CPU_COMPILATION", "FAST_INTERPRET",
-    "HALT_EXIT_CODE", "HALT_MESSAGES", "HANG_EXIT_CODE", "INTERPRET", "SLOW_EXIT_CODE", "TPU", "TPU_COMPILER",
-    "TPU_PROBE_ENV", "WOULD_HALT_A_TPU", "Backend", "BackendChoiceError", "Deadlock", "RaceDetected",
-    "TpuProbeError", "Tpus", "WouldHaltTpu", "backends", "call_timeout", "check_the_chip_once", "chip",
-    "chip_in_words", "compilation", "compilation_cache_setting", "compilation_stats", "count_compilations",
-    "enable_compilation_cache", "end_on_halt", "end_on_hang", "end_too_slow", "endings",
-    "faster_cpu_compilation", "interpreter_reports", "keep_off_the_chips", "known_good_call", "metered",
-    "on_a_real_chip", "on_halt", "on_hang", "on_slow", "one_blas_thread_per_worker", "owner", "processes",
-    "resolve", "set_output_release", "tpus", "watchdog",
+    # the modules
+    "backends", "chip", "compilation", "endings", "interpreter_reports", "owner", "processes",
+    # backends
+    "AUTO", "BACKENDS", "FAST_INTERPRET", "INTERPRET", "TPU", "TPU_COMPILER", "Backend", "BackendChoiceError",
+    "resolve",
+    # chip
+    "TPU_PROBE_ENV", "Tpus", "chip_in_words", "keep_off_the_chips", "tpus",
+    # compilation
+    "COMPILATION_CACHE_ENV", "DEFAULT_COMPILATION_CACHE", "FASTER_CPU_COMPILATION", "compilation_cache_setting",
+    "compilation_stats", "count_compilations", "enable_compilation_cache", "faster_cpu_compilation", "metered",
+    "one_blas_thread_per_worker",
+    # endings
+    "CHIP_FAULTED", "CHIP_FAULTED_EXIT_CODE", "HALT_EXIT_CODE", "HALT_MESSAGES", "HANG_EXIT_CODE",
+    "SLOW_EXIT_CODE", "call_timeout", "end_on_halt", "on_halt", "on_hang", "set_output_release", "watchdog",
+    # interpreter_reports
+    "CHECKING_INTERPRET_PARAMS", "WOULD_HALT_A_TPU", "Deadlock", "RaceDetected", "WouldHaltTpu",
 ]  # fmt: skip

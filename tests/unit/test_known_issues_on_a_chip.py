@@ -105,8 +105,8 @@ from rpa_harness import device
 def halted():
     raise jax.errors.JaxRuntimeError("FAILED_PRECONDITION: The program continuator has halted unexpectedly.")
 
-device.on_a_real_chip = lambda: True
-device.known_good_call = halted if sys.argv[1] == "faulted" else lambda: None
+device.chip.on_a_real_chip = lambda: True
+device.chip.known_good_call = halted if sys.argv[1] == "faulted" else lambda: None
 kernel_calls = []
 for _ in range(2):
     device.Backend(device.TPU).run(lambda: kernel_calls.append(1) or jax.numpy.zeros(2))
