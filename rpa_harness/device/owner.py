@@ -5,9 +5,10 @@ draw, the case's arrays, the float64 oracle and the comparison run on the host. 
 **owner** process that holds the chip and makes the kernel calls (the known-good call first, then each
 call under the watchdog, its output transferred back), and any number of host processes (pytest-xdist
 workers) that draw, build arrays, compute oracles and judge in parallel, each sending its calls to the owner
-over a unix socket (``Backend.run`` does it where the run installed the owner as its route, ``route_calls_to``). The owner takes requests from all
-of them at once, one thread a connection; calls reach the chip one at a time, so every halt has one call to
-blame, while the next requests are already received and unpickled.
+over a unix socket (``Backend.run`` does it where the run installed the owner as the route of its calls,
+``route_calls_to``). The owner takes requests from all of them at once, one thread a connection; calls reach
+the chip one at a time, so every halt has one call to blame, while the next requests are already received
+and unpickled.
 
 A call that halts the chip, hangs or runs too slow ends the owner as it would end any process that holds
 the chip (``endings``); first the owner tells the process whose call it was (with the calls that ran on the
