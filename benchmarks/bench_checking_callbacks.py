@@ -67,11 +67,11 @@ def main():
     from hypothesis import given
 
     from benchmarks.drawn import same_examples
-    from rpa_harness import backends, interpret_compat
+    from rpa_harness import device, interpret_compat
     from rpa_harness.interpret_compat import tpu as tpu_gaps
 
     if args.races == "off":
-        backends.CHECKING_INTERPRET_PARAMS["detect_races"] = False
+        device.CHECKING_INTERPRET_PARAMS["detect_races"] = False
     left_out = {name for name in args.leave_out.split(",") if name}
     unknown = left_out - {gap.name for gap in tpu_gaps.GAPS}
     if unknown:
@@ -87,7 +87,7 @@ def main():
     from rpa_harness.targets import load
 
     calls, seconds, scanned = instrument(interpret_pallas_call, race_detection_state)
-    target, backend = load("rpa_harness.kernel"), backends.Backend(backends.INTERPRET)
+    target, backend = load("rpa_harness.kernel"), device.Backend(device.INTERPRET)
     cases = []
 
     @same_examples(args.examples)

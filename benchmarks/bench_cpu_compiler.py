@@ -5,7 +5,7 @@
 
 For each interpreter and set of cases (pooled valid cases; whole-space cases on the TPU interpreter), runs
 the bundled kernel on the same cases in two fresh processes without a persistent compilation cache: one
-with XLA's defaults for the flags in ``backends.FASTER_CPU_COMPILATION``, one with the harness's values.
+with XLA's defaults for the flags in ``device.FASTER_CPU_COMPILATION``, one with the harness's values.
 The first pass over the cases compiles each kernel, the second times the calls alone. Prints the CPU
 seconds of each pass, XLA's compile seconds, and how many of the outputs differ in any bit.
 """
@@ -13,7 +13,6 @@ seconds of each pass, XLA's compile seconds, and how many of the outputs differ 
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,12 +27,12 @@ def run_cases(backend_name: str, examples: int, pooled: bool, outputs: str) -> d
     import numpy as np
     from hypothesis import HealthCheck, given, settings
 
-    from rpa_harness import backends, interpret_compat
+    from rpa_harness import device, interpret_compat
     from rpa_harness.strategies.valid import valid_cases
     from rpa_harness.targets import load
 
     interpret_compat.install()
-    backends.count_compilations()
+    device.count_compilations()
     cases = []
 
     @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
@@ -43,7 +42,7 @@ def run_cases(backend_name: str, examples: int, pooled: bool, outputs: str) -> d
         cases.append((case.arrays(), case.options()))
 
     collect()
-    target, backend = load("rpa_harness.kernel"), backends.Backend(backend_name)
+    target, backend = load("rpa_harness.kernel"), device.Backend(backend_name)
     passes = []
     for _ in range(2):
         start = time.process_time()
@@ -51,17 +50,17 @@ def run_cases(backend_name: str, examples: int, pooled: bool, outputs: str) -> d
         passes.append(time.process_time() - start)
     # The bits of each output (bfloat16 has no NumPy dtype of its own to compare by).
     np.savez(outputs, *[np.ascontiguousarray(o).view(np.uint8) for o in out])
-    stats = backends.compilation_stats()
+    stats = device.compilation_stats()
     return dict(cases=len(cases), first=passes[0], second=passes[1], compilations=stats["compilations"],
                 compile_seconds=stats["compile_seconds"])  # fmt: skip
 
 
 def in_child(setting: str, backend_name: str, examples: int, pooled: bool, outputs: Path) -> dict:
     """``run_cases`` in a fresh process, the flags at XLA's defaults or at the harness's values."""
-    from rpa_harness import backends
+    from rpa_harness import device
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), RPA_COMPILATION_CACHE="off")
-    flags = backends.faster_cpu_compilation_flags()
+    flags = device.compilation.faster_cpu_compilation_flags()
     chosen = [
         f"--{flag}={default if setting == 'xla-default' else ours}" for flag, (ours, default) in flags.items()
     ]
@@ -70,10 +69,11 @@ def in_child(setting: str, backend_name: str, examples: int, pooled: bool, outpu
         "import json, sys; sys.path.insert(0, sys.argv[1]); from benchmarks.bench_cpu_compiler import run_cases; "
         "print('RESULT', json.dumps(run_cases(sys.argv[2], int(sys.argv[3]), sys.argv[4] == 'pooled', sys.argv[5])))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT), backend_name, str(examples), "pooled" if pooled else "any",
-         str(outputs)],
-        cwd=ROOT, env=env, capture_output=True, text=True,
+    result = device.processes.run(
+        device.processes.python(
+            "-c", code, str(ROOT), backend_name, str(examples), "pooled" if pooled else "any", str(outputs)
+        ),
+        cwd=ROOT, env=env,
     )  # fmt: skip
     if result.returncode != 0:
         raise SystemExit(f"bench_cpu_compiler: the {setting} child failed:\n{result.stderr[-3000:]}")
@@ -98,9 +98,9 @@ def main():
     sys.path.insert(0, str(ROOT))
     import jaxlib
 
-    from rpa_harness import backends
+    from rpa_harness import device
 
-    flags = backends.faster_cpu_compilation_flags()
+    flags = device.compilation.faster_cpu_compilation_flags()
     if not flags:
         print(
             f"jaxlib {jaxlib.__version__}: no CPU compiler flags are set by the harness for it; nothing to compare"

@@ -27,11 +27,12 @@ import argparse
 import os
 import resource
 import shutil
-import subprocess
-import sys
+import signal
 import tempfile
 import time
 from pathlib import Path
+
+from rpa_harness.device import processes
 
 ROOT = Path(__file__).resolve().parent.parent
 # name -> (pytest node, backend, examples per worker for RPA_MAX_EXAMPLES=1 worth of base count)
@@ -78,7 +79,7 @@ def machine_speed() -> float:
 
 def examples_per_minute(prop: str, examples: int, cache: str, blas_threads: str) -> dict:
     """Two concurrent workers on one property: examples/min overall and steady, CPU and compilations."""
-    from rpa_harness import backends, runlog
+    from rpa_harness import device, runlog
 
     node, backend = PROPERTIES[prop]
     with tempfile.TemporaryDirectory() as log_dir:
@@ -90,12 +91,11 @@ def examples_per_minute(prop: str, examples: int, cache: str, blas_threads: str)
             PYTHONPATH=str(ROOT),
         )
         if blas_threads == "one":  # as the plugin starts xdist workers
-            env = backends.one_blas_thread_per_worker(env)
+            env = device.one_blas_thread_per_worker(env)
         cpu_before, start = children_cpu_seconds(), time.time()
         workers = [
-            subprocess.Popen(
-                [
-                    sys.executable,
+            processes.start(
+                processes.python(
                     "-m",
                     "pytest",
                     node,
@@ -105,15 +105,20 @@ def examples_per_minute(prop: str, examples: int, cache: str, blas_threads: str)
                     "no:cacheprovider",
                     "--hypothesis-profile=dev",
                     f"--hypothesis-seed={seed}",
-                ],
+                ),
                 cwd=ROOT,
                 env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stdout=processes.DEVNULL,
+                stderr=processes.DEVNULL,
             )  # fmt: skip
             for seed in (1, 2)
         ]
-        codes = [worker.wait() for worker in workers]
+        try:
+            codes = [worker.wait() for worker in workers]
+        except BaseException:  # interrupted: the workers go with it
+            for worker in workers:
+                processes.end(worker, first=signal.SIGINT)
+            raise
         wall, cpu = time.time() - start, children_cpu_seconds() - cpu_before
         records = runlog.read(log_dir)
         events = [e for e in runlog.read_events(log_dir) if e["kind"] == "compilations"]
@@ -144,16 +149,16 @@ def cost_split(backend_name: str, examples: int, cache: str) -> dict:
     import jax  # noqa: F401  (configured before the first compilation below)
     from hypothesis import given, settings
 
-    from rpa_harness import backends, reference
-    from rpa_harness.backends import Backend
+    from rpa_harness import device, reference
+    from rpa_harness.device import Backend
     from rpa_harness.strategies.valid import valid_cases
     from rpa_harness.targets import load
 
-    backends.count_compilations()
-    folder = backends.compilation_cache_setting(cache)
+    device.count_compilations()
+    folder = device.compilation_cache_setting(cache)
     if folder is not None:
-        backends.enable_compilation_cache(folder)
-    before = backends.compilation_stats()
+        device.enable_compilation_cache(folder)
+    before = device.compilation_stats()
     target, backend = load("rpa_harness.kernel"), Backend(backend_name)
     stages = {"arrays": 0.0, "kernel": 0.0, "oracle": 0.0, "compare": 0.0}
     count = 0
@@ -178,7 +183,7 @@ def cost_split(backend_name: str, examples: int, cache: str) -> dict:
     start, cpu_start = time.perf_counter(), time.process_time()
     run()
     total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    after = backends.compilation_stats()
+    after = device.compilation_stats()
     split = {stage: seconds / count for stage, seconds in stages.items()}
     split["generation"] = (total - sum(stages.values())) / count
     split["total"] = total / count
@@ -195,10 +200,14 @@ def cost_split_in_subprocess(backend_name: str, examples: int, cache: str) -> di
         "import json, sys; sys.path.insert(0, sys.argv[1]); from benchmarks.bench_harness import cost_split; "
         "print('SPLIT', json.dumps(cost_split(sys.argv[2], int(sys.argv[3]), sys.argv[4])))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT), backend_name, str(examples), cache],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, check=True,
+    out = processes.run(
+        processes.python("-c", code, str(ROOT), backend_name, str(examples), cache),
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )  # fmt: skip
+    if out.returncode != 0:
+        raise SystemExit(
+            f"bench_harness: the cost split's child exited {out.returncode}:\n{out.stderr[-3000:]}"
+        )
     import json
 
     line = next(line for line in out.stdout.splitlines() if line.startswith("SPLIT "))
@@ -295,7 +304,13 @@ def main():
                 env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
                 env["RPA_COMPILATION_CACHE"] = "off" if state == "off" else str(folder)
                 start, cpu_before = time.time(), children_cpu_seconds()
-                code = subprocess.call(["bash", "ci/run_ci.sh", "-q"], cwd=ROOT, env=env)
+                code = processes.run(
+                    ["bash", "ci/run_ci.sh", "-q"],
+                    cwd=ROOT,
+                    env=env,
+                    output=processes.INHERIT,
+                    first=signal.SIGINT,
+                ).returncode
                 print(
                     f"ci suite (ci/run_ci.sh, -n 2), cache {state}: {time.time() - start:.0f} s wall, "
                     f"{children_cpu_seconds() - cpu_before:.0f} s CPU, exit {code}"

@@ -4,9 +4,10 @@ in XLA: what the tolerance model (reference/tolerance.py) may assume of exp, tan
     PYTHONPATH=. python benchmarks/chip_arithmetic.py [--interpret]
 
 For each operation and argument range, 2**20 float32 arguments (a uniform sweep and random draws) are
-computed on the default device (``--interpret``: in Pallas' generic interpreter on the CPU) and compared with
-float64 NumPy rounded to float32: the largest and 99.99th-percentile errors in float32 ulps of the exact
-result, and the share of results not correctly rounded.
+computed on the chip (``--interpret``: in Pallas' generic interpreter on the CPU, the fast-interpret
+backend) and compared with float64 NumPy rounded to float32: the largest and 99.99th-percentile errors in
+float32 ulps of the exact result, and the share of results not correctly rounded. Each call is made as the
+harness makes a kernel call (``Backend.run``: on a chip the known-good call first, then the watchdog).
 """
 
 import argparse
@@ -15,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+from rpa_harness import device
 
 ROWS, LANES = 1024, 1024  # 2**20 arguments, in (8, 128)-tiled blocks
 BLOCK_ROWS = 256
@@ -50,7 +53,7 @@ def in_pallas(function, arity: int, interpret: bool):
             in_specs=[spec] * arity,
             out_specs=spec,
             out_shape=jax.ShapeDtypeStruct((ROWS, LANES), jnp.float32),
-            interpret=interpret,
+            interpret=interpret,  # a kernel without TPU parameters: the backend cannot force the interpreter
         )
     )
 
@@ -68,8 +71,11 @@ def main() -> int:
     )
     parser.add_argument("--interpret", action="store_true", help="Pallas' generic interpreter on the CPU")
     args = parser.parse_args()
-    device = jax.devices()[0]
-    print(f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}")
+    backend = device.Backend(
+        device.FAST_INTERPRET if args.interpret else device.TPU, interpreter_compat=False
+    )
+    computing = jax.devices()[0]
+    print(f"device: {computing.device_kind} ({computing.platform}); jax {jax.__version__}")
     print("| operation | arguments | where | max ulp | 99.99% ulp | not correctly rounded |")
     print("|---|---|---|---|---|---|")
     for name, (function, exact_function, ranges) in OPERATIONS.items():
@@ -81,7 +87,7 @@ def main() -> int:
                 ("pallas", in_pallas(function, arity, args.interpret)),
                 ("xla", jax.jit(function)),
             ):
-                got = np.asarray(call(*inputs))
+                got = backend.run(call, *inputs)
                 errors = ulp_errors(got, exact)
                 print(
                     f"| {name} | [{low:g}, {high:g}] | {where} | {errors.max():.2f} "

@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from rpa_harness import generations, targets  # noqa: E402
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend  # noqa: E402
 from rpa_harness.checks import CannotRun, PropertyFailure, check_differential  # noqa: E402
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, Backend  # noqa: E402
 from rpa_harness.strategies.valid import outside_known_issues, valid_cases  # noqa: E402
 
 SHIPPED = (

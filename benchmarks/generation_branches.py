@@ -20,8 +20,8 @@ import threading
 import time
 
 from rpa_harness import generations, targets
-from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import CannotRun, check_differential
+from rpa_harness.device import FAST_INTERPRET, Backend
 from rpa_harness.strategies.case import Case
 
 TARGETS = {"upstream": targets.UPSTREAM_TARGET, "v3": targets.V3_TARGET}

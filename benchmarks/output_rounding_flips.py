@@ -72,12 +72,12 @@ def main() -> int:
         "--ulps", type=int, default=86, help="the largest exp error in float32 ulps (default 86)"
     )
     args = parser.parse_args()
-    from rpa_harness import backends, checks, reference, targets
+    from rpa_harness import checks, device, reference, targets
     from rpa_harness.kernel import pallas_rpa
     from rpa_harness.reference.tolerance import error_bound, half_ulp
 
     target = targets.load(targets.DEFAULT_TARGET)
-    backend = backends.Backend(backends.FAST_INTERPRET, True, "v5e")
+    backend = device.Backend(device.FAST_INTERPRET, True, "v5e")
     cases = draw(args.count, target, backend)
     plain = outputs(target, backend, cases)
     jax.clear_caches()
@@ -90,7 +90,7 @@ def main() -> int:
     finally:
         pallas_rpa.jnp = jnp
     # The chip's contract, as ci/chip_agreement.py judges the chip's outputs: its exp is not correctly rounded.
-    chip_precision = target.precision_on(backends.Backend(backends.TPU))
+    chip_precision = target.precision_on(device.Backend(device.TPU))
     rows: dict[str, dict] = defaultdict(lambda: {"n": 0, "gaps": [], "units": 0.0, "beyond": 0.0, "flips": 0})
     for case, first, second in zip(cases, plain, moved, strict=True):
         arrays, options = case.arrays(), case.options()

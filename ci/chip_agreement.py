@@ -75,14 +75,14 @@ def draw_cases(target, backend, count: int) -> list:
 
 
 def predict(args) -> int:
-    from rpa_harness import backends, checks, targets
+    from rpa_harness import checks, device, targets
     from rpa_harness.repro import stand_ins
 
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
-    compiler = backends.Backend(backends.TPU_COMPILER, True, args.generation)
-    interpreter = backends.Backend(backends.FAST_INTERPRET, True, args.generation)
-    checking = backends.Backend(backends.INTERPRET, True, args.generation)
+    compiler = device.Backend(device.TPU_COMPILER, True, args.generation)
+    interpreter = device.Backend(device.FAST_INTERPRET, True, args.generation)
+    checking = device.Backend(device.INTERPRET, True, args.generation)
     predictions, outputs = [], {}
     for name in args.targets:
         try:
@@ -179,36 +179,36 @@ def check_entry(entry: dict, chip, outputs) -> dict:
 
 
 def check(args) -> int:
-    """Runs the entries' calls through a chip owner (``rpa_harness.chip_owner``), this process computing the
+    """Runs the entries' calls through a chip owner (``rpa_harness.device.owner``), this process computing the
     oracles and comparisons; a call that halts the chip ends that owner and is that configuration's verdict
     ("halts the chip"), and a fresh owner goes on with the next one."""
-    from rpa_harness import backends, chip_owner
+    from rpa_harness import device
 
-    backends.keep_off_the_chips()  # the owner opens the chip
-    if args.backend == backends.TPU and not backends.tpus():
+    device.keep_off_the_chips()  # the owner opens the chip
+    if args.backend == device.TPU and not device.tpus():
         print(
             f"chip_agreement check: jax sees no TPU here, not a TPU host; run it on the chip, or rehearse it "
-            f"here with --backend {backends.FAST_INTERPRET}",
+            f"here with --backend {device.FAST_INTERPRET}",
             file=sys.stderr,
         )
         return 4
-    chip_name = backends.tpus().kind if args.backend == backends.TPU else args.backend
+    chip_name = device.tpus().kind if args.backend == device.TPU else args.backend
     folder = Path(args.folder)
     recorded = json.loads((folder / "predictions.json").read_text())
     outputs = np.load(folder / "outputs.npz")
-    chip = backends.Backend(
-        args.backend, True, "none" if args.backend == backends.TPU else recorded["generation"]
+    chip = device.Backend(
+        args.backend, True, "none" if args.backend == device.TPU else recorded["generation"]
     )
     entries = [entry for entry in recorded["entries"] if not args.targets or entry["target"] in args.targets]
     results: dict[str, dict] = {}
-    supervisor = chip_owner.Supervisor(dict(os.environ)).start()
-    os.environ[chip_owner.ADDRESS_ENV] = supervisor.where
+    supervisor = device.owner.Supervisor(dict(os.environ)).start()
+    device.owner.route_calls_to(supervisor.where)
     try:
         for entry in entries:
             try:
-                with chip_owner.endings_raise():
+                with device.owner.endings_raise():
                     result = check_entry(entry, chip, outputs)
-            except chip_owner.CallEndedTheOwner as ended:
+            except device.owner.CallEndedTheOwner as ended:
                 verdict = HALTS if ended.kind in ("halted", "crashed") else f"{ended.kind}: {ended}"
                 result = {"key": entry["key"], "verdict": verdict}
                 print(f"{entry['key']}: the call {ended.kind}; a fresh owner goes on", flush=True)

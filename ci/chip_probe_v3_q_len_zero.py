@@ -127,7 +127,7 @@ def with_a_sentinel(arrays: dict, step: str) -> dict:
 def run_step(step: str, backend_name: str) -> None:
     from rpa_harness import interpret_compat
     from rpa_harness import repro as repro_files
-    from rpa_harness.backends import Backend
+    from rpa_harness.device import Backend
 
     interpret_compat.install()
     backend = Backend(backend_name)

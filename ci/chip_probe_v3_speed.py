@@ -72,10 +72,10 @@ def main() -> int:
     parser.add_argument("--batch", default="mixed,decode,prefill", help="bench's batches, comma-separated")
     parser.add_argument("--calls", type=int, default=20, help="timed calls per row (default 20)")
     args = parser.parse_args()
-    from rpa_harness import backends, bench
+    from rpa_harness import bench, device
     from rpa_harness.targets import UPSTREAM_TARGET, load
 
-    backend = backends.Backend(args.backend, generation="none" if args.backend == backends.TPU else "v5e")
+    backend = device.Backend(args.backend, generation="none" if args.backend == device.TPU else "v5e")
     v3, upstream = load(V3), load(UPSTREAM_TARGET)
     print(f"backend {backend.label}; median ms per call of {args.calls}")
     print("| batch | what | bench ms | bare ms |")

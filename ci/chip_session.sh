@@ -6,7 +6,7 @@
 #   bash ci/chip_session.sh smoke calibrate-1 ...
 #
 #   smoke        ci/tpu_smoke.sh: the bundled kernel and upstream's, -n 1, a first check of a fresh host
-#   owner        the bundled kernel's dev profile with 12 workers feeding one chip owner (rpa_harness.chip_owner)
+#   owner        the bundled kernel's dev profile with 12 workers feeding one chip owner (rpa_harness.device.owner)
 #   calibrate-N  one group of shipped targets, each target's dev profile on the chip, 12 workers feeding one
 #                chip owner (RPA_CALIBRATE_WORKERS; RPA_MAX_EXAMPLES, default 3), ending with its summary; a target this jax cannot load (its kernel needs another
 #                jax, or is not installed) is named with the reason and skipped

@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rpa_harness import backends, generations, lowering, runlog, targets
+from rpa_harness import device, generations, lowering, runlog, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.cli import FAILS, PASSES
 
@@ -74,7 +74,7 @@ def replay_apart(repro: Path, target_name: str) -> str:
     then after its predecessors), where the property does not replay it."""
     done = subprocess.run(
         [sys.executable, "-m", "rpa_harness.cli", "replay", str(repro), "--target", target_name,
-         "--backend", backends.TPU, "--timeout", "120"],
+         "--backend", device.TPU, "--timeout", "120"],
         capture_output=True,
         text=True,
         timeout=SECONDS_PER_TARGET,
@@ -100,8 +100,8 @@ def verdict(outcome: str) -> str:
 def chip_line(backend: str, tpu_generation: str, chip: str) -> str:
     import jax
 
-    if backend == backends.TPU:
-        where = f"{backends.tpus().kind} ({chip})"
+    if backend == device.TPU:
+        where = f"{device.tpus().kind} ({chip})"
     else:
         where = f"{backend} emulating {tpu_generation or 'no generation'} on a {platform.machine()} CPU"
     try:
@@ -120,7 +120,7 @@ def chip_line(backend: str, tpu_generation: str, chip: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", action="append", help="a shipped target (repeatable; default: every one)")
-    parser.add_argument("--backend", default=backends.TPU, choices=backends.BACKENDS)
+    parser.add_argument("--backend", default=device.TPU, choices=device.BACKENDS)
     parser.add_argument("--tpu-generation", default="", help="the generation an interpreter emulates")
     parser.add_argument("--markdown", help="also write the table to this file")
     try:
@@ -132,16 +132,16 @@ def main(argv=None) -> int:
     if unknown:
         print(f"chip_verdicts: not shipped targets: {', '.join(unknown)}; choose among {', '.join(shipped)}")
         return 4
-    if args.backend == backends.TPU and args.tpu_generation:
+    if args.backend == device.TPU and args.tpu_generation:
         print("chip_verdicts: --tpu-generation is for an interpreter; a chip is the generation it is")
         return 4
-    backends.keep_off_the_chips()  # the pytest and replay processes hold the chip, one at a time
+    device.keep_off_the_chips()  # the pytest and replay processes hold the chip, one at a time
     chip = ""
-    if args.backend == backends.TPU:
-        if not backends.tpus():
+    if args.backend == device.TPU:
+        if not device.tpus():
             print("chip_verdicts: no TPU is visible to jax here; on a CPU host pass --backend fast-interpret")
             return 4
-        chip = lowering.generation_of_device_kind(backends.tpus().kind.split(", ")[0]) or ""
+        chip = lowering.generation_of_device_kind(device.tpus().kind.split(", ")[0]) or ""
     rows = [
         "| target | finding | generations | verdict |",
         "|---|---|---|---|",

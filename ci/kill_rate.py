@@ -33,7 +33,6 @@ import dataclasses
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from rpa_harness import repro, runlog  # noqa: E402
+from rpa_harness.device import processes  # noqa: E402
 
 # Validation first: it takes a minute, so a validation bug is not killed only after the numeric properties.
 PROPERTY_FILES = (
@@ -133,15 +133,18 @@ def run_variant(
     start = time.monotonic()
     seconds_to_failure = None
     with open(work / "pytest.out", "w") as output:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
-        while process.poll() is None:
-            if seconds_to_failure is None and first_failure(log_dir) is not None:
-                seconds_to_failure = time.monotonic() - start
-            if time.monotonic() - start > timeout:
-                process.kill()
-                process.wait()
-                break
-            time.sleep(POLL_SECONDS)
+        process = processes.start(command, cwd=REPO_ROOT, env=env, stdout=output, stderr=processes.STDOUT)
+        try:
+            while process.poll() is None:
+                if seconds_to_failure is None and first_failure(log_dir) is not None:
+                    seconds_to_failure = time.monotonic() - start
+                if time.monotonic() - start > timeout:
+                    processes.end(process)
+                    break
+                time.sleep(POLL_SECONDS)
+        except BaseException:  # interrupted: the run goes with it
+            processes.end(process)
+            raise
     run_seconds = time.monotonic() - start
     text = (work / "pytest.out").read_text()
     failure_index = first_failure(log_dir)

@@ -25,11 +25,13 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
+import signal
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
+
+from rpa_harness.device import processes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The PyPI releases whose wheel has v3's kernel.py (kernel_hd64.py from 0.12.0 on), oldest first.
@@ -105,7 +107,7 @@ def install(release: str, *, cache_dir: Path) -> Path:
     partial.parent.mkdir(parents=True, exist_ok=True)
     print(f"release_matrix: installing tpu-inference=={release} into {folder}", file=sys.stderr, flush=True)
     command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial)]
-    result = subprocess.run([*command, f"tpu-inference=={release}"], capture_output=True, text=True)
+    result = processes.run([*command, f"tpu-inference=={release}"])
     if result.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
         raise InstallError(f"cannot install tpu-inference=={release}: {last_line(result.stderr)}")
@@ -331,9 +333,7 @@ def run_row(row: Row, *, release_dir: Path) -> None:
     with open(row.log, "w") as log:
         log.write(f"$ {shell_line(row, release_dir=release_dir)}\n")
         log.flush()
-        process = subprocess.run(
-            run_command(row), cwd=row.folder, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
+        process = processes.run(run_command(row), cwd=row.folder, env=env, output=log, first=signal.SIGINT)
     row.seconds = time.monotonic() - started
     row.exit_code = process.returncode
     row.summary = read_log(row.log.read_text(errors="replace"))

@@ -17,13 +17,10 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
-import jax
-
-from rpa_harness import backends, generations, lowering
+from rpa_harness import device, generations, lowering
 from rpa_harness.checks import kernel_call
 from rpa_harness.strategies.case import DTYPES, Case
 from rpa_harness.targets import (
@@ -166,27 +163,21 @@ class Timing:
 class Call:
     """The target's call on the batch (``checks.kernel_call``: a compiled call's kernel function, or its
     ``ragged_paged_attention``), its inputs on the device, made as every kernel call is
-    (``Backend.guarded``: the known-good call, the watchdog, a halt ends the bench), timed inside. An input
+    (``Backend.timed``: the known-good call, the watchdog, a halt ends the bench), timed inside. An input
     the call donated is put back before the next call."""
 
-    def __init__(self, target: Target, backend: backends.Backend, case: Case, what: str):
+    def __init__(self, target: Target, backend: device.Backend, case: Case, what: str):
         self.backend, self.what = backend, what
         self.call, self.host = kernel_call(target, backend.generation, case.arrays(), case.options())
-        self.device = jax.block_until_ready(
-            {name: jax.device_put(value) for name, value in self.host.items()}
-        )
+        self.on_device = backend.put(self.host)
 
     def __call__(self) -> float:
-        for name, value in self.device.items():
-            if value.is_deleted():
-                self.device[name] = jax.block_until_ready(jax.device_put(self.host[name]))
-        with self.backend.guarded(self.what):
-            start = time.perf_counter()
-            jax.block_until_ready(self.call(**self.device))
-            return time.perf_counter() - start
+        donated = {name: self.host[name] for name, value in self.on_device.items() if value.is_deleted()}
+        self.on_device.update(self.backend.put(donated))
+        return self.backend.timed(self.what, self.call, **self.on_device)
 
 
-def time_target(target: Target, backend: backends.Backend, batch: Batch, calls: int) -> Timing:
+def time_target(target: Target, backend: device.Backend, batch: Batch, calls: int) -> Timing:
     timing = Timing(target.name, batch.name)
     timing.skipped = unsupported(target, batch.case)
     if timing.skipped is not None:
@@ -200,9 +191,9 @@ def time_target(target: Target, backend: backends.Backend, batch: Batch, calls: 
     return timing
 
 
-def chip_peak(backend: backends.Backend) -> tuple[str, Peak | None]:
+def chip_peak(backend: device.Backend) -> tuple[str, Peak | None]:
     """What the times were measured on, and its peak where the times are a chip's."""
-    if backend.name != backends.TPU:
+    if backend.name != device.TPU:
         emulating = "" if backend.generation == generations.NONE else f", emulating a {backend.generation}"
         return f"{backend.name} on a CPU{emulating}: the interpreter's times, nothing about a chip", None
     generation = lowering.real_tpu_generation()
@@ -303,21 +294,21 @@ def default_baseline(target: Target) -> str | None:
     return None if target.name == UPSTREAM_TARGET else UPSTREAM_TARGET
 
 
-def resolve_backend(choice: str, generation: str | None) -> backends.Backend:
+def resolve_backend(choice: str, generation: str | None) -> device.Backend:
     try:
-        name = backends.resolve(choice)[0]
-    except backends.BackendChoiceError as error:
+        name = device.resolve(choice)[0]
+    except device.BackendChoiceError as error:
         raise BenchUsageError(str(error)) from None
-    if name == backends.TPU:
+    if name == device.TPU:
         if generation not in (None, generations.NONE):
             raise BenchUsageError(f"--tpu-generation={generation} with a TPU: the chip is what it is")
-        return backends.Backend(backends.TPU)
+        return device.Backend(device.TPU)
     generation = generation or "v5e"
     if generation != generations.NONE and generation not in generations.DEVICE_KINDS:
         raise BenchUsageError(
             f"--tpu-generation={generation} is not one this jax knows ({', '.join(generations.DEVICE_KINDS)}, none)"
         )
-    return backends.Backend(name, generation=generation)
+    return device.Backend(name, generation=generation)
 
 
 def bench(args) -> int:
@@ -410,7 +401,7 @@ def add_parser(commands) -> None:
         help=f"batches, comma-separated, of: {', '.join(BATCHES)} (default {','.join(DEFAULT_BATCHES)})",
     )  # fmt: skip
     parser.add_argument(
-        "--backend", default=backends.AUTO, choices=(*backends.BACKENDS, backends.AUTO),
+        "--backend", default=device.AUTO, choices=(*device.BACKENDS, device.AUTO),
         help="auto (default): a TPU if jax sees one, else the fast interpreter",
     )  # fmt: skip
     parser.add_argument(

@@ -12,8 +12,6 @@ with the module's own reference.
 """
 
 import dataclasses
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import numpy as np
 
 from rpa_harness import known_issues, reference
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import INTERPRET, TPU, Backend
+from rpa_harness.device import INTERPRET, TPU, Backend, processes
 from rpa_harness.generations import DEVICE_KINDS, NONE
 from rpa_harness.property_names import COMPILATION, DIFFERENTIAL
 from rpa_harness.report_sections import (
@@ -280,7 +278,9 @@ def _dtype_expr(dtype: np.dtype) -> str:
 def run_script(text: str, timeout: float = 900) -> tuple[int, str]:
     """Runs a script in a fresh interpreter from the current folder (where a user's target imports);
     returns (status, output)."""
-    result = subprocess.run([sys.executable, "-c", text], capture_output=True, text=True, timeout=timeout)
+    result = processes.run(processes.python("-c", text), timeout=timeout)
+    if result.returncode is None:
+        raise TimeoutError(f"the report's script did not finish within {timeout:g} s")
     tail = [line for line in (result.stdout + result.stderr).splitlines() if "Warning" not in line]
     return result.returncode, "\n".join(tail[-12:])
 

@@ -14,9 +14,9 @@ import time
 import jax
 import numpy as np
 
-from rpa_harness import ahead_of_time, backends, generations, reference
-from rpa_harness.backends import Backend
+from rpa_harness import ahead_of_time, device, generations, reference
 from rpa_harness.cache_judge import check_updated_cache
+from rpa_harness.device import Backend
 from rpa_harness.failures import (  # noqa: F401  (the failures the checks raise, part of their interface)
     CacheMismatch,
     DoesNotCompile,
@@ -114,7 +114,7 @@ def declared_unrunnable(target: Target, backend: Backend, *, by_default: bool = 
     was not chosen by name (--rpa-backend=auto), so one the target declares slow does not run either."""
     capabilities = target.capabilities
     # Compiling for a chip is for a kernel that runs on one.
-    runs_on = backends.TPU if backend.name == backends.TPU_COMPILER else backend.name
+    runs_on = device.TPU if backend.name == device.TPU_COMPILER else backend.name
     if runs_on not in capabilities.backends:
         return (
             f"it declares backends={capabilities.backends} in RPA_HARNESS_CAPABILITIES "
@@ -138,7 +138,7 @@ def check_differential(
     (``oracle_s``) and the comparison (``judge_s``)."""
     seconds = {} if seconds is None else seconds
     started = time.perf_counter()
-    if backend.name == backends.TPU:
+    if backend.name == device.TPU:
         expected = _oracle_thread().submit(_timed, reference.oracle, arrays, options)
         actual = run_valid(target, backend, arrays, options)
         seconds["call_s"] = time.perf_counter() - started
@@ -177,15 +177,15 @@ def run_valid(target: Target, backend: Backend, arrays: dict, options: dict) -> 
     label = f"{target.name} on {backend.name}"
     try:
         result = backend.run(target.attention, arrays, options)
-    except backends.WouldHaltTpu as error:
+    except device.WouldHaltTpu as error:
         raise would_halt_a_tpu(f"{label}: {error}", _live_kv_lens(arrays)) from None
     except Exception as error:
         message = first_line_of_error(error)
         reason = recognise(error)
         if reason is not None:
             raise CannotRun(f"{reason} (recognised: {message})") from None
-        if backend.name == backends.TPU and ahead_of_time.is_refusal(error):
-            raise _refused(target, backends.chip_in_words(), options, error) from None
+        if backend.name == device.TPU and ahead_of_time.is_refusal(error):
+            raise _refused(target, device.chip_in_words(), options, error) from None
         error_type = type(error).__name__
         raise located(RaisedOnValidInput, _live_kv_lens(arrays))(
             f"{label} raised on valid inputs: {message}{jax_drift_hint(error)}",

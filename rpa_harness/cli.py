@@ -24,7 +24,7 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
+import signal
 import sys
 import tempfile
 import textwrap
@@ -33,9 +33,9 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from rpa_harness import __version__, backends, bench, generations, progress, runlog
+from rpa_harness import __version__, bench, device, generations, progress, runlog
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import AUTO, BACKENDS, Backend
+from rpa_harness.device import AUTO, BACKENDS, Backend
 from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, for_repro, in_cli_terms
 from rpa_harness.snippets import snippet
 from rpa_harness.targets import DEFAULT_TARGET
@@ -125,12 +125,12 @@ def _cannot_replay_here(target, backend: Backend, repro: repro_files.Repro) -> s
     from rpa_harness.checks import declared_unrunnable
 
     if backend.skip_reason:
-        instead = "" if backend.name == backends.TPU_COMPILER else "; pass --backend interpret"
+        instead = "" if backend.name == device.TPU_COMPILER else "; pass --backend interpret"
         return f"{backend.skip_reason}{instead}"
     declared = declared_unrunnable(target, backend)
     if declared:
         return f"target {target.name} {declared}"
-    chip = backend.generation_seen if backend.name == backends.TPU else generations.NONE
+    chip = backend.generation_seen if backend.name == device.TPU else generations.NONE
     if repro.tpu_generation not in (generations.NONE, chip) and chip != generations.NONE:
         return (
             f"recorded for TPU {repro.tpu_generation}, and this chip is {chip}: a kernel's code differs per "
@@ -177,13 +177,13 @@ def _run_the_replay(args, repro, target, backend: Backend, program: str, run_fir
     from rpa_harness.checks import CannotRun, PropertyFailure, RaisedOnValidInput, recheck
     from rpa_harness.targets import first_line_of_error
 
-    timeout = args.timeout or (repro.hang or {}).get("seconds") or backends.CALL_TIMEOUT_SECONDS
+    timeout = args.timeout or (repro.hang or {}).get("seconds") or device.endings.CALL_TIMEOUT_SECONDS
     running = [repro]  # the example whose calls run now (the halt handler names it)
     on_hang, on_halt = _replay_handlers(repro, run_first, running)
     started = time.monotonic()
     try:
         # The watchdog's timeout and the hang and halt handlers of every kernel call this replay makes.
-        with backends.on_hang(on_hang), backends.on_halt(on_halt), backends.call_timeout(timeout):
+        with device.on_hang(on_hang), device.on_halt(on_halt), device.call_timeout(timeout):
             for example, settings in zip(run_first, run_first_as, strict=True):
                 running[0] = example
                 _run_first(example, settings)
@@ -250,7 +250,7 @@ def _raised_verdict(repro, failure, program: str) -> int:
     if repro.error and _same_error(repro.error, failure.error_type, failure.error_message):
         print(f"\nFAILS the same way: {failure}\n\nStandalone reproduction:\n{program}")
         return FAILS
-    if failure.error_type == backends.Deadlock.__name__:  # the kernel's bug, never the interpreter's
+    if failure.error_type == device.Deadlock.__name__:  # the kernel's bug, never the interpreter's
         still = "still " if repro.hang else ""
         print(
             f"\nFAILS: {still}hangs: {failure.error_message} (the TPU interpreter found a wait nothing can "
@@ -323,7 +323,8 @@ def _replay_in_a_child(args, predecessors: str) -> int:
         if (value := getattr(args, option)) is not None:
             command.append(f"--{option.replace('_', '-')}={value}")
     sys.stdout.flush()
-    code = subprocess.run(command).returncode
+    code = device.processes.run(command, output=device.processes.INHERIT, first=signal.SIGINT).returncode
+    assert code is not None  # no time limit
     return code if code >= 0 else 128 - code
 
 
@@ -370,13 +371,12 @@ def replayed_halts(examples: list[dict]) -> dict[str, str]:
             f"rpa-harness: replaying the halt {path} in fresh processes (alone, then after its predecessors)"
         )
         command = [sys.executable, "-m", "rpa_harness.cli", "replay", path]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=HALT_REPLAY_SECONDS)
-        except subprocess.TimeoutExpired:
+        code = device.processes.run(command, timeout=HALT_REPLAY_SECONDS).returncode
+        if code is None:
             verdicts[path] = f"not told: its replay took over {HALT_REPLAY_SECONDS} s"
             continue
         verdicts[path] = {PASSES: HALT_UNCONFIRMED, FAILS: HALT_CONFIRMED}.get(
-            done.returncode, f"not told: its replay exited {done.returncode} (`{shlex.join(command[2:])}`)"
+            code, f"not told: its replay exited {code} (`{shlex.join(command[2:])}`)"
         )
     return verdicts
 
@@ -416,7 +416,7 @@ def pytest_command(args, junit: Path) -> list[str]:
 def _call_with_progress(command: list[str], env: dict, log_dir: str) -> int:
     """Runs pytest, passing its output through, with the run log's progress: a live line on a terminal,
     plain lines every RPA_PROGRESS_SECONDS otherwise (CI logs)."""
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
+    process = device.processes.start(command, env=env, stdin=None, stdout=device.processes.PIPE)
     state = progress.Progress(log_dir)
     interactive = sys.stdout.isatty()
     interval = float(os.environ.get(progress.INTERVAL_ENV, progress.DEFAULT_INTERVAL_SECONDS))
@@ -446,15 +446,19 @@ def _call_with_progress(command: list[str], env: dict, log_dir: str) -> int:
     watcher.start()
     assert process.stdout is not None  # stdout=PIPE
     previous = ""
-    for line in process.stdout:
-        if line == previous == "bringing up nodes...\n":  # xdist prints its status twice when piped
-            continue
-        previous = line
-        with lock:
-            if interactive:
-                sys.stdout.write("\r\033[K")
-            sys.stdout.write(line)
-            redraw()
+    try:
+        for line in process.stdout:
+            if line == previous == "bringing up nodes...\n":  # xdist prints its status twice when piped
+                continue
+            previous = line
+            with lock:
+                if interactive:
+                    sys.stdout.write("\r\033[K")
+                sys.stdout.write(line)
+                redraw()
+    except BaseException:  # interrupted (Ctrl-C reaches this process only): pytest, told so, ends its workers
+        device.processes.end(process, first=signal.SIGINT)
+        raise
     process.wait()
     watcher.join()
     if interactive:
@@ -468,7 +472,7 @@ def _call_with_progress(command: list[str], env: dict, log_dir: str) -> int:
 PYTEST_RAN = (0, 1, 5)
 # Without xdist workers, a hang or a halted device ends the process (and pytest: no JUnit report) after the
 # call's repro is written; the summary is then built from the run log.
-ENDED_BY_A_CALL = (backends.HANG_EXIT_CODE, backends.HALT_EXIT_CODE)
+ENDED_BY_A_CALL = (device.HANG_EXIT_CODE, device.HALT_EXIT_CODE)
 
 
 def _ran_tests(junit: Path) -> bool:
@@ -781,7 +785,7 @@ def main(argv=None) -> int:
     except UsageError as error:
         print(error, file=sys.stderr)
         return USAGE
-    os.environ.update(backends.faster_cpu_compilation(os.environ))  # before the first computation
+    os.environ.update(device.faster_cpu_compilation(os.environ))  # before the first computation
     if args.command in ("replay", "report"):
         import_from_the_current_folder()
     return {"replay": replay, "run": run, "report": report, "bench": bench.bench}[args.command](args)

@@ -10,7 +10,7 @@ import functools
 
 import numpy as np
 
-from rpa_harness import backends
+from rpa_harness import device
 from rpa_harness.reference.tolerance import BF16_MATMUL
 
 
@@ -97,9 +97,9 @@ PRODUCTS_ON_TPU_GENERATIONS = StricterSince(
 
 class WouldHaltATpu(PropertyFailure):
     """The checking TPU interpreter saw the kernel end with a DMA never waited or a semaphore count left
-    (``backends.WouldHaltTpu``): no output is wrong, but a chip halts on that exit."""
+    (``device.WouldHaltTpu``): no output is wrong, but a chip halts on that exit."""
 
-    kind = backends.WOULD_HALT_A_TPU
+    kind = device.WOULD_HALT_A_TPU
 
 
 class WrongRejection(PropertyFailure):

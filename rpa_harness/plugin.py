@@ -57,7 +57,7 @@ from hypothesis.database import (
     ReadOnlyDatabase,
 )
 
-from rpa_harness import backends, checks, chip_owner, generations, known_issues, repro, runlog, targets
+from rpa_harness import checks, device, generations, known_issues, repro, runlog, targets
 from rpa_harness.recording import DEVICE_HALTED, CannotRunHere, preceded_by_line
 from rpa_harness.reference.tolerance import BF16_MATMUL, CONTRACTS, TPU_TRANSCENDENTALS
 from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, from_options, in_cli_terms
@@ -148,8 +148,8 @@ def pytest_addoption(parser):
     )
     group.addoption(
         "--rpa-backend",
-        default=os.environ.get("RPA_BACKEND", backends.AUTO),
-        choices=(*backends.BACKENDS, backends.AUTO),
+        default=os.environ.get("RPA_BACKEND", device.AUTO),
+        choices=(*device.BACKENDS, device.AUTO),
         help="auto: tpu when a TPU is present, else both interpreters",
     )
     group.addoption(
@@ -177,9 +177,9 @@ def pytest_addoption(parser):
     )
     group.addoption(
         "--rpa-compilation-cache",
-        default=os.environ.get(backends.COMPILATION_CACHE_ENV, backends.DEFAULT_COMPILATION_CACHE),
+        default=os.environ.get(device.COMPILATION_CACHE_ENV, device.DEFAULT_COMPILATION_CACHE),
         help="folder of jax's persistent compilation cache, or off (default: "
-        f"{backends.DEFAULT_COMPILATION_CACHE}; created if missing)",
+        f"{device.DEFAULT_COMPILATION_CACHE}; created if missing)",
     )
     group.addoption(
         BUCKETS_OPTION,
@@ -200,7 +200,7 @@ def pytest_addoption(parser):
         default=os.environ.get("RPA_CHIP_OWNER", "auto"),
         choices=("auto", "on", "off"),
         help="one process makes every kernel call while the xdist workers draw, build arrays and judge "
-        "(rpa_harness.chip_owner; default auto: on the tpu backend with -n 2 or more; on: on any backend, "
+        "(rpa_harness.device.owner; default auto: on the tpu backend with -n 2 or more; on: on any backend, "
         "the interpreters standing in for the chip; off: the tpu backend runs one worker)",
     )
     group.addoption(
@@ -281,10 +281,10 @@ def pytest_configure_after_hypothesis(config):
         settings.load_profile("sized")
     _check_folders(config)
     if _is_controller(config):  # before anything here can initialise jax (a target computing at import)
-        backends.keep_off_the_chips()
+        device.keep_off_the_chips()
     _use_compilation_cache(config)
     _one_blas_thread_per_worker(config)
-    os.environ.update(backends.faster_cpu_compilation(os.environ))  # before the target computes anything
+    os.environ.update(device.faster_cpu_compilation(os.environ))  # before the target computes anything
     try:
         config.stash[SETTINGS] = from_options(
             target=config.getoption("--rpa-target"),
@@ -301,10 +301,13 @@ def pytest_configure_after_hypothesis(config):
             in_cli_terms(str(error)) if os.environ.get(CLI_TERMS_ENV) else str(error)
         ) from None
     _chip_owner_or_one_worker(config)
+    # Where the run has a chip owner, it makes this process's kernel calls: a worker finds its address in the
+    # environment the controller started it with.
+    device.owner.route_calls_to(device.owner.address())
     _name_the_chip(config)
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
-        backends.set_output_release(lambda: capture.suspend_global_capture(in_=False))
+        device.set_output_release(lambda: capture.suspend_global_capture(in_=False))
     config.pluginmanager.register(RunVerdicts(config), "rpa-harness-verdicts")
 
 
@@ -318,17 +321,17 @@ def _is_controller(config) -> bool:
 
 
 def _on_a_tpu(config) -> bool:
-    return any(backend.name == backends.TPU for backend in settings_of(config).backends)
+    return any(backend.name == device.TPU for backend in settings_of(config).backends)
 
 
 WORKERS_ASKED = pytest.StashKey[int]()
-OWNER = pytest.StashKey[chip_owner.Supervisor]()
+OWNER = pytest.StashKey[device.owner.Supervisor]()
 OWNER_CHIPS = pytest.StashKey[list]()  # the chips the owner holds, as the run log's device events name them
 
 
 def _chip_owner_or_one_worker(config) -> None:
     """In the controller: with several workers on the tpu backend (or ``--rpa-chip-owner=on``), a chip
-    owner makes every kernel call (``rpa_harness.chip_owner``) and the workers feed it; else one worker on
+    owner makes every kernel call (``rpa_harness.device.owner``) and the workers feed it; else one worker on
     the tpu backend, whatever ``-n`` asked: a process opens every chip of its host (libtpu's lockfile), so
     a second worker could open none. The header says which."""
     if not _is_controller(config):
@@ -346,18 +349,16 @@ def _start_chip_owner(config) -> None:
     """Starts the owner and points the workers at it (they start after configuration, from this process's
     environment); on a chip they compute on the CPU and take the chip's description from the owner."""
     environ = dict(os.environ)
-    folder = backends.compilation_cache_setting(config.getoption("--rpa-compilation-cache"))
-    environ[backends.COMPILATION_CACHE_ENV] = str(folder) if folder is not None else "off"
-    supervisor = chip_owner.Supervisor(environ).start()
+    folder = device.compilation_cache_setting(config.getoption("--rpa-compilation-cache"))
+    environ[device.COMPILATION_CACHE_ENV] = str(folder) if folder is not None else "off"
+    supervisor = device.owner.Supervisor(environ).start()
     try:
-        facts = chip_owner.owner_facts(supervisor.where)
-    except chip_owner.OwnerUnavailable as error:
+        facts = device.owner.owner_facts(supervisor.where)
+    except device.owner.OwnerUnavailable as error:
         supervisor.stop()
-        pytest.exit(
-            f"rpa-harness: {backends.CHIP_FAULTED}: {error}", returncode=backends.CHIP_FAULTED_EXIT_CODE
-        )
+        pytest.exit(f"rpa-harness: {device.CHIP_FAULTED}: {error}", returncode=device.CHIP_FAULTED_EXIT_CODE)
     config.stash[OWNER] = supervisor
-    os.environ[chip_owner.ADDRESS_ENV] = supervisor.where
+    device.owner.route_calls_to(supervisor.where)
     loaded = settings.default
     assert loaded is not None  # None only while Hypothesis itself is imported
     if not loaded.derandomize:  # derandomized shards would all draw the same examples
@@ -365,7 +366,7 @@ def _start_chip_owner(config) -> None:
     if facts["tpu_count"]:
         config.stash[OWNER_CHIPS] = [{"device_kind": facts["tpu_kind"], "count": facts["tpu_count"]}]
         os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ[backends.TPU_PROBE_ENV] = f"{facts['tpu_kind']}:{facts['tpu_count']}"
+        os.environ[device.TPU_PROBE_ENV] = f"{facts['tpu_kind']}:{facts['tpu_count']}"
 
 
 def pytest_unconfigure(config):
@@ -379,7 +380,7 @@ def _name_the_chip(config) -> None:
     since the controller never opens it."""
     if _is_controller(config) or not _on_a_tpu(config):
         return
-    tpus = backends.tpus()
+    tpus = device.tpus()
     worker = getattr(config, "workerinput", {}).get("workerid", "")
     runlog.record_event("device", device_kind=tpus.kind, count=tpus.count, worker=worker)
 
@@ -421,26 +422,26 @@ def _check_folders(config) -> None:
 
 
 def _use_compilation_cache(config) -> None:
-    """jax's persistent compilation cache (``rpa_harness/backends.py``), its folder checked like the others;
+    """jax's persistent compilation cache (``rpa_harness/device/compilation.py``), its folder checked like the others;
     each process counts its compilations and cache hits for the run log."""
-    backends.count_compilations()
-    folder = backends.compilation_cache_setting(config.getoption("--rpa-compilation-cache"))
+    device.count_compilations()
+    folder = device.compilation_cache_setting(config.getoption("--rpa-compilation-cache"))
     if folder is not None:
         _usable_folder(folder, "--rpa-compilation-cache")
-        backends.enable_compilation_cache(folder)
+        device.enable_compilation_cache(folder)
 
 
 def _one_blas_thread_per_worker(config) -> None:
-    """With xdist workers, each starts with one BLAS thread (``backends.one_blas_thread_per_worker``); the
+    """With xdist workers, each starts with one BLAS thread (``device.one_blas_thread_per_worker``); the
     workers are started after configuration, from this process's environment."""
     workers = config.getoption("numprocesses", None)
     is_worker = hasattr(config, "workerinput")  # not the environment: a run inside a worker inherits it
     if isinstance(workers, int) and workers > 1 and not is_worker:
-        os.environ.update(backends.one_blas_thread_per_worker(os.environ))
+        os.environ.update(device.one_blas_thread_per_worker(os.environ))
 
 
-VOLUME = (backends.FAST_INTERPRET, backends.TPU)
-CHECKING = (backends.INTERPRET, backends.TPU)
+VOLUME = (device.FAST_INTERPRET, device.TPU)
+CHECKING = (device.INTERPRET, device.TPU)
 
 
 def pytest_generate_tests(metafunc):
@@ -452,7 +453,7 @@ def pytest_generate_tests(metafunc):
     for fixture, kinds in (
         ("volume_backend", VOLUME),
         ("checking_backend", CHECKING),
-        ("replay_backend", backends.BACKENDS),
+        ("replay_backend", device.BACKENDS),
     ):
         if fixture in metafunc.fixturenames:
             chosen = [b for b in settings.backends if b.name in kinds]
@@ -470,7 +471,7 @@ def pytest_generate_tests(metafunc):
         )
     if "compile_backend" in metafunc.fixturenames:
         compilers = [
-            backends.Backend(backends.TPU_COMPILER, settings.interpreter_compat, generation)
+            device.Backend(device.TPU_COMPILER, settings.interpreter_compat, generation)
             for generation in settings.compile_generations
         ]
         metafunc.parametrize(
@@ -642,7 +643,7 @@ class RunVerdicts:
 
     def pytest_sessionfinish(self, session, exitstatus):
         if os.environ.get(runlog.ENV):  # every process: its compilations and cache use
-            runlog.record_event("compilations", **backends.compilation_stats())
+            runlog.record_event("compilations", **device.compilation_stats())
         if _is_worker(self.config):
             return
         verdict = self.no_numeric_verdict()
@@ -674,7 +675,7 @@ class RunVerdicts:
                 f"{owners['wall_s']:.1f} s ({owners['busy_fraction']:.0%}); {owners['owners']} owner "
                 f"process(es){ended}"
             )
-            for line in chip_owner.summary_lines(owners):
+            for line in device.owner.summary_lines(owners):
                 terminalreporter.write_line(f"rpa-harness: chip owner: {line}")
         verdict = self.no_numeric_verdict()
         if verdict:
@@ -715,7 +716,7 @@ def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
     chip_line = f"  TPU generations emulated: {emulated}"
     if _on_a_tpu(config):
         if chips_seen is None and not _is_controller(config):
-            tpus = backends.tpus()
+            tpus = device.tpus()
             chips_seen = [{"device_kind": tpus.kind, "count": tpus.count}]
         chips_seen = config.stash.get(OWNER_CHIPS, None) if chips_seen is None else chips_seen
         kinds = sorted({seen["device_kind"] for seen in chips_seen or ()})
@@ -734,7 +735,7 @@ def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
         if target.product_precision == targets.DEFAULT_PRODUCTS
         else ""
     )
-    if any(backend.name == backends.TPU for backend in run.backends):
+    if any(backend.name == device.TPU for backend in run.backends):
         chip_products += f", + {TPU_TRANSCENDENTALS} on a chip (its float32 exp, tanh and division)"
     return [
         f"rpa-harness {__version__}: target {target.name}{version}",
@@ -787,12 +788,12 @@ def _crash_note(config, nodeid: str, started: float) -> str:
     if in_flight is None:
         return f"\n({elsewhere})"
     path, backend = in_flight
-    device = backend == backends.TPU
-    runlog.record_event("crash", test=nodeid, in_flight=str(path), device=device)
+    on_the_chip = backend == device.TPU
+    runlog.record_event("crash", test=nodeid, in_flight=str(path), device=on_the_chip)
     cause = (
         "the worker died during a kernel call on the TPU (a crash of the device, e.g. a libtpu abort): "
         "the example in flight is the suspect"
-        if device
+        if on_the_chip
         else elsewhere
     )
     return f"\n{cause}\n  example in flight: {path}\n  replay: rpa-harness replay {path}"

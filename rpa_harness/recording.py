@@ -14,13 +14,13 @@ import os
 
 import pytest
 
-from rpa_harness import backends, chip_owner, known_issues, repro, runlog
+from rpa_harness import device, known_issues, repro, runlog
 from rpa_harness.checks import CannotRun, RaisedOnValidInput
 from rpa_harness.property_names import PropertyName
 from rpa_harness.strategies.coverage import coverage_labels
 
 # The failure kind of a call that halted the device: the first example that did is the suspect, so it is
-# kept as the repro and the process ends (``backends.end_on_halt``) before anything shrinks.
+# kept as the repro and the process ends (``device.end_on_halt``) before anything shrinks.
 DEVICE_HALTED = "device halted"
 
 # The last examples whose kernel calls ended in this process without halting the device, oldest first, as
@@ -123,11 +123,11 @@ class Recorded:
     def __enter__(self) -> dict:
         self.without_arrays = repro.without_arrays(self.example)
         self.pending = repro.write_pending(self.example, self.directory, self.without_arrays)
-        self.hang_watch.enter_context(backends.on_hang(self.on_hang))
-        self.hang_watch.enter_context(backends.on_halt(self.on_halt))
+        self.hang_watch.enter_context(device.on_hang(self.on_hang))
+        self.hang_watch.enter_context(device.on_halt(self.on_halt))
         if self.runs_on_a_device:
-            chip_owner.set_example_in_flight(self.without_arrays)
-            self.hang_watch.callback(chip_owner.set_example_in_flight, None)
+            device.owner.set_example_in_flight(self.without_arrays)
+            self.hang_watch.callback(device.owner.set_example_in_flight, None)
         return self.notes
 
     @property
@@ -138,7 +138,7 @@ class Recorded:
 
     def on_halt(self, what, error):
         # Where a chip owner made the call, the calls before it on the chip were any process's.
-        before = chip_owner.calls_before_the_halt()
+        before = device.owner.calls_before_the_halt()
         before = list(_ran_before) if before is None else before
         self.example.preceded_by = [example for example in before if repro.rebuilds_arrays(example)]
         path = self.ended("halt", {"error": error}, error, f"{DEVICE_HALTED}: {what} raised {error}")
@@ -146,7 +146,7 @@ class Recorded:
             f"rpa-harness: DEVICE HALTED: {what} raised {error} in {self.where()}\n"
             f"  failure kind: {DEVICE_HALTED}\n{preceded_by_line(self.example)}  repro: {path}\n"
             f"  replay: rpa-harness replay {path}",
-            backends.HALT_EXIT_CODE,
+            device.HALT_EXIT_CODE,
         )
 
     def on_hang(self, what, seconds):
@@ -156,7 +156,7 @@ class Recorded:
         return (
             f"rpa-harness: HANG: {what} did not return within {seconds:g} s (RPA_CALL_TIMEOUT) in "
             f"{self.where()}\n  repro: {path}\n  replay: rpa-harness replay {path}",
-            backends.HANG_EXIT_CODE,
+            device.HANG_EXIT_CODE,
         )
 
     def ended(self, mark: str, recorded: dict, logged, failure: str):

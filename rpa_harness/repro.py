@@ -68,7 +68,7 @@ class Repro:
     interpreter_compat: bool = True  # whether the backend ran with rpa_harness.interpret_compat installed
     error: dict | None = None  # {"type", "message"} of the exception the target raised on valid input
     hang: dict | None = None  # {"seconds": N}: the call did not return within N s
-    halt: dict | None = None  # {"error": first line}: the call halted the device (backends.HALT_MESSAGES)
+    halt: dict | None = None  # {"error": first line}: the call halted the device (device.HALT_MESSAGES)
     # A halt's: the examples its process ran before it, oldest first, without their arrays (``predecessors``)
     preceded_by: list[dict] = dataclasses.field(default_factory=list)
     test: str = ""  # the pytest node id that wrote it

@@ -11,8 +11,8 @@ compatibility setting and its generation, unless the caller overrides one of the
 
 import dataclasses
 
-from rpa_harness import ahead_of_time, backends, generations, known_issues, targets
-from rpa_harness.backends import Backend
+from rpa_harness import ahead_of_time, device, generations, known_issues, targets
+from rpa_harness.device import Backend
 from rpa_harness.reference.tolerance import PrecisionError, parse_precision
 from rpa_harness.strategies.buckets import BucketError
 from rpa_harness.strategies.shapes import select_buckets
@@ -70,7 +70,7 @@ class RunSettings:
 def from_options(
     *,
     target: str,
-    backend: str = backends.AUTO,
+    backend: str = device.AUTO,
     interpreter_compat: bool = True,
     precision: str = "",
     known_issue_names: str = known_issues.AUTO,
@@ -100,20 +100,20 @@ def from_options(
         raise SettingError(f"--rpa-buckets: {error} (target {loaded.name})") from None
     loaded = dataclasses.replace(loaded, known_issues=declared)
     try:
-        chosen = backends.resolve(backend)
+        chosen = device.resolve(backend)
         emulated = generations.select(tpu_generation, loaded.capabilities.tpu_generations, profile=profile)
-    except (backends.BackendChoiceError, generations.GenerationError) as error:
+    except (device.BackendChoiceError, generations.GenerationError) as error:
         raise SettingError(str(error)) from None
     return RunSettings(
         loaded,
         tuple(
             Backend(name, interpreter_compat, generation)
             for name in chosen
-            for generation in (emulated if name != backends.TPU else (generations.NONE,))
+            for generation in (emulated if name != device.TPU else (generations.NONE,))
         ),
         profile,
         selection,
-        backends_by_default=backend == backends.AUTO,
+        backends_by_default=backend == device.AUTO,
         compile_generations=compile_generations(chosen, tpu_generation, emulated, profile),
     )
 
@@ -122,7 +122,7 @@ def compile_generations(chosen, tpu_generation: str, emulated, profile: str) -> 
     """What the compile property compiles for: the generations the interpreters emulate; where they emulate
     none, v5e and v6e (the nightly profile: every generation with a known topology), unless the run named
     ``none``. None on a real TPU, which compiles every case for itself."""
-    if chosen == (backends.TPU,):
+    if chosen == (device.TPU,):
         return ()
     named = tuple(name for name in emulated if name != generations.NONE)
     if named or (tpu_generation or generations.AUTO).strip() != generations.AUTO:
@@ -145,7 +145,7 @@ def for_repro(
     compatibility setting and generation, and the precision contract it failed under (a repro written
     before contracts were recorded is judged under the target's own)."""
     generation = tpu_generation or repro.tpu_generation
-    if (backend or repro.backend) == backends.TPU and tpu_generation is None:
+    if (backend or repro.backend) == device.TPU and tpu_generation is None:
         generation = generations.NONE  # a chip is the chip it is; the recorded one says where it ran
     compat = repro.interpreter_compat if interpreter_compat is None else interpreter_compat
     try:

@@ -7,9 +7,9 @@ interpreter compatibility layer, the emulated chip, the float64 oracle.
 
 from pathlib import Path
 
-from rpa_harness import backends, generations
+from rpa_harness import device, generations
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import Backend
+from rpa_harness.device import Backend
 from rpa_harness.property_names import COMPILATION, DIFFERENTIAL, KINDS, PADDING
 
 
@@ -36,10 +36,10 @@ def snippet(repro: repro_files.Repro, json_path: Path, target: str, backend: Bac
 def _run_context(backend: Backend) -> str:
     """The context managers the call runs in: the backend's interpreter, with its parameters, and the chip
     it emulates."""
-    if backend.name == backends.TPU:
+    if backend.name == device.TPU:
         context = "contextlib.nullcontext()"
-    elif backend.name == backends.INTERPRET:
-        params = ", ".join(f"{k}={v!r}" for k, v in backends.CHECKING_INTERPRET_PARAMS.items())
+    elif backend.name == device.INTERPRET:
+        params = ", ".join(f"{k}={v!r}" for k, v in device.CHECKING_INTERPRET_PARAMS.items())
         context = f"pltpu.force_tpu_interpret_mode(pltpu.InterpretParams({params}))"
     else:
         context = "pltpu.force_tpu_interpret_mode(True)"
@@ -53,7 +53,7 @@ def _call_lines(repro: repro_files.Repro, json_path: Path, target: str, backend:
     """The program's imports, the repro's arrays (from its .npz) and options, and ``run``: the call."""
     npz = (repro.arrays_file or json_path.with_suffix(".npz")).resolve()
     dtypes = {name: str(value.dtype) for name, value in repro.arrays.items()}
-    compat = backend.name != backends.TPU and backend.interpreter_compat
+    compat = backend.name != device.TPU and backend.interpreter_compat
     emulated = backend.generation != generations.NONE
     return [
         f'"""Standalone reproduction of {json_path} ({repro.property}, {target} on {backend.label})."""',

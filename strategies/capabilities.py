@@ -95,7 +95,7 @@ class Capabilities:
     # The buckets the target can run (names of BUCKETS); a run draws those of them it selects
     # (rpa_harness.strategies.shapes.select_buckets: --rpa-buckets, else the defaults).
     buckets: tuple[str, ...] = ("tiny", "small")
-    # The backends (rpa_harness.backends names) the target is declared to run on; elsewhere its numeric
+    # The backends (rpa_harness.device names) the target is declared to run on; elsewhere its numeric
     # properties are skipped as "cannot run" (declared). Any other error on valid input is a failure.
     backends: tuple[str, ...] = ("interpret", "fast-interpret", "tpu")
     # Of those, the ones a call is too slow on for a campaign: under --rpa-backend=auto its properties skip

@@ -21,10 +21,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+# ``start``'s stdout and stderr choices, as ``subprocess`` names them.
+PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
 GRACE_SECONDS = 30.0  # how long a signalled session has to end before the next, harder signal
 
-# What ``run`` does with a child's output: keep it (``Finished.stdout``/``stderr``), or drop it.
-CAPTURE, DISCARD = "capture", "discard"
+# What ``run`` does with a child's output: keep it (``Finished.stdout``/``stderr``), drop it, or pass it
+# through to this process's own stdout and stderr.
+CAPTURE, DISCARD, INHERIT = "capture", "discard", "inherit"
 
 
 def python(*args: str) -> list[str]:
@@ -37,13 +40,13 @@ def start(
     *,
     env: Mapping[str, str] | None = None,
     cwd: str | Path | None = None,
-    stdin: Any = subprocess.DEVNULL,
+    stdin: Any = DEVNULL,
     stdout: Any = None,
     stderr: Any = None,
     text: bool = True,
 ) -> subprocess.Popen:
     """Starts ``command`` in a session of its own; ``stdout``/``stderr`` are as ``subprocess.Popen`` takes
-    them (a file, ``subprocess.PIPE``, ``subprocess.STDOUT``, or None for this process's own)."""
+    them (a file, ``PIPE``, ``STDOUT``, ``DEVNULL``, or None for this process's own); so is ``stdin``."""
     return subprocess.Popen(
         list(command),
         env=None if env is None else dict(env),
@@ -114,12 +117,14 @@ def run(
     grace: float = GRACE_SECONDS,
 ) -> Finished:
     """Runs ``command`` in its own session for at most ``timeout`` seconds, then ends it (``end``, with
-    ``first`` and ``grace``). ``output`` is ``CAPTURE``, ``DISCARD`` or an open file that takes stdout and
-    stderr together."""
+    ``first`` and ``grace``). ``output`` is ``CAPTURE``, ``DISCARD``, ``INHERIT`` or an open file that takes
+    stdout and stderr together."""
     if output == CAPTURE:
         streams: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     elif output == DISCARD:
         streams = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    elif output == INHERIT:
+        streams = {"stdout": None, "stderr": None}
     else:
         streams = {"stdout": output, "stderr": subprocess.STDOUT}
     started = time.monotonic()

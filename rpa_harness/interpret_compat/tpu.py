@@ -627,7 +627,7 @@ def _history_patches() -> list[Patch]:
 
 
 # How many of the TPU interpreter's callbacks (its loads, stores, DMAs, semaphore operations) have returned
-# in this process: the sign that a long kernel call is still running, not stuck in a wait (``backends.watchdog``).
+# in this process: the sign that a long kernel call is still running, not stuck in a wait (``device.watchdog``).
 _returned_callbacks = 0
 
 

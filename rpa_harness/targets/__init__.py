@@ -68,7 +68,7 @@ import jax
 import numpy as np
 
 from rpa_harness import generations, known_issues, property_names
-from rpa_harness.backends import TPU
+from rpa_harness.device import TPU
 from rpa_harness.reference.tolerance import (
     BF16_MATMUL,
     DEFAULT_PRECISION,

@@ -16,7 +16,7 @@ import re
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from rpa_harness import backends, generations
+from rpa_harness import device, generations
 from rpa_harness.failures import (
     DoesNotCompile,
     NeedsMoreVmem,
@@ -218,7 +218,7 @@ def drop_zero_query_tail(case: Case) -> Case:
 
 
 # Where the chip's compiler runs: on a TPU, and on this host for one (the compile property).
-CHIP_COMPILER = (backends.TPU, backends.TPU_COMPILER)
+CHIP_COMPILER = (device.TPU, device.TPU_COMPILER)
 
 
 # --- 5. wide-heads-strided-kv-load-does-not-compile ------------------------------------------------------
@@ -387,8 +387,8 @@ def with_every_kv_prefetch_waited(case: Case) -> Case:
     return drop_zero_query_tail(case)
 
 
-# A halted chip's runtime error, which a halt repro's failure quotes (``backends.HALT_MESSAGES``).
-HALTED = "|".join(re.escape(message) for message in backends.HALT_MESSAGES)
+# A halted chip's runtime error, which a halt repro's failure quotes (``device.HALT_MESSAGES``).
+HALTED = "|".join(re.escape(message) for message in device.HALT_MESSAGES)
 
 
 # --- The catalogue -----------------------------------------------------------------------------------------
@@ -460,8 +460,8 @@ RPA_HARNESS_CATALOGUE = (
         FINDINGS / "unwaited-kv-prefetch-halts-the-chip" / "differential-checked_interpret.json",
         unwaited_kv_prefetch,
         with_every_kv_prefetch_waited,
-        f"{HALTED}|{re.escape(backends.WOULD_HALT_A_TPU)}",
-        backends=(backends.TPU, backends.INTERPRET),
+        f"{HALTED}|{re.escape(device.WOULD_HALT_A_TPU)}",
+        backends=(device.TPU, device.INTERPRET),
         fails_as=(WouldHaltATpu,),
     ),
     KnownIssue(

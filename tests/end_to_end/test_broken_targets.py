@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from rpa_harness import backends, cli, recording
+from rpa_harness import cli, device, recording
 from rpa_harness.interpret_compat import limitations as interpreter_limitations
 from rpa_harness.plugin import settings_of
 from rpa_harness.strategies.case import Case
@@ -181,10 +181,10 @@ def test_a_deadlock_fails_at_once_with_a_shrunk_repro_that_replays(tmp_path, pyt
     assert "FAILS the same way" in capsys.readouterr().out
     hang = tmp_path / "hang.json"
     hang.write_text(json.dumps({**meta, "error": None, "hang": {"seconds": 30.0}}))  # the same arrays
-    timeout = backends.CALL_TIMEOUT_SECONDS
+    timeout = device.endings.CALL_TIMEOUT_SECONDS
     assert cli.main(["replay", str(hang)]) == 1
     assert "FAILS: still hangs: the TPU interpreter found a deadlock" in capsys.readouterr().out
-    assert backends.CALL_TIMEOUT_SECONDS == timeout, "the replay's watchdog timeout outlived the replay"
+    assert device.endings.CALL_TIMEOUT_SECONDS == timeout, "the replay's watchdog timeout outlived the replay"
 
 
 @pytest.mark.parametrize(
@@ -323,7 +323,7 @@ def test_a_halt_without_xdist_ends_the_run_with_its_code_and_summary(tmp_path, p
         cwd=pytestconfig.rootpath,
     )  # fmt: skip
     path = tmp_path / "differential_fast-interpret.json"
-    assert result.returncode == backends.HALT_EXIT_CODE, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.returncode == device.HALT_EXIT_CODE, result.stdout[-2000:] + result.stderr[-2000:]
     assert "failure kind: device halted" in result.stderr and f"repro: {path}" in result.stderr
     hang_case(path)
     table = result.stdout[result.stdout.index("rpa-harness summary") :]
@@ -343,7 +343,7 @@ def test_a_fault_a_call_leaves_for_the_next_is_replayed_after_the_calls_before_t
         ONLY_THE_POOLED_PROPERTY, "--hypothesis-seed=0", cwd=root,
     )  # fmt: skip
     path = tmp_path / "differential_fast-interpret.json"
-    assert result.returncode == backends.HALT_EXIT_CODE, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.returncode == device.HALT_EXIT_CODE, result.stdout[-2000:] + result.stderr[-2000:]
     assert (
         "preceded by: 2 example(s) run just before it on the device, in the repro's preceded_by"
         in result.stderr

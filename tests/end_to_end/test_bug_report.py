@@ -3,7 +3,7 @@
 import pytest
 
 from rpa_harness import bug_report, cli, interpret_compat
-from rpa_harness.backends import FAST_INTERPRET
+from rpa_harness.device import FAST_INTERPRET
 from rpa_harness.known_issues import findings_dir
 from rpa_harness.targets import upstream
 from tests.processes import run_python, without_checkout_names

@@ -1,4 +1,4 @@
-"""One process makes every kernel call for the xdist workers (``rpa_harness.chip_owner``): on a CPU host the
+"""One process makes every kernel call for the xdist workers (``rpa_harness.device.owner``): on a CPU host the
 fast interpreter in the owner stands in for the chip. A run through an owner judges as a run without one; a
 halt, a hang or a fault a call leaves for the next ends the owner and is reported by the worker whose case
 it was, as the process holding the chip would report it, and a fresh owner serves the rest of the run."""
@@ -12,8 +12,8 @@ import re
 import pytest
 from hypothesis import _settings as hypothesis_settings
 
-from rpa_harness import backends, chip_owner, compile_meter, recording
-from rpa_harness.backends import Backend
+from rpa_harness import device, recording
+from rpa_harness.device import Backend
 from rpa_harness.plugin import settings_of
 from rpa_harness.targets import Target, load
 from tests.cases import sized_case
@@ -139,7 +139,7 @@ def test_an_owner_compiles_each_signature_once_off_the_chips_path_and_each_worke
 
 
 def test_a_call_compiled_ahead_compiles_nothing_in_the_call():
-    target, backend = load(UPSTREAM), Backend(backends.FAST_INTERPRET)
+    target, backend = load(UPSTREAM), Backend(device.FAST_INTERPRET)
     blocks = dict(num_kv_pages_per_block=1, num_queries_per_block=8)
     first = sized_case([2], [8], num_q_heads=2, num_kv_heads=1, head_dim=128, page_size=8, **blocks)
     second = dataclasses.replace(first, q_lens=(1,), kv_lens=(5,), seed=7)
@@ -148,7 +148,7 @@ def test_a_call_compiled_ahead_compiles_nothing_in_the_call():
     )
     with backend.context():
         assert target.precompile(first.arrays(), first.options())
-    with compile_meter.metered() as compiled:
+    with device.metered() as compiled:
         backend.run(target.attention, second.arrays(), second.options())
     assert compiled["executables"] == 0, compiled
 
@@ -173,10 +173,12 @@ def test_a_targets_method_travels_by_the_targets_name():
     assert carried.__self__.name == "rpa_harness.kernel" and carried.__func__ is Target.validate
 
 
-def test_a_call_that_cannot_travel_says_what_to_pass(monkeypatch):
-    monkeypatch.setenv(chip_owner.ADDRESS_ENV, "/nonexistent/owner.sock")
-    with pytest.raises(TypeError, match="must pickle .*pass a module-level function or a target's method"):
-        Backend(backends.FAST_INTERPRET).run(lambda: None)
+def test_a_call_that_cannot_travel_says_what_to_pass():
+    with (
+        device.owner.calls_routed_to("/nonexistent/owner.sock"),
+        pytest.raises(TypeError, match="must pickle .*pass a module-level function or a target's method"),
+    ):
+        Backend(device.FAST_INTERPRET).run(lambda: None)
 
 
 def test_an_error_that_does_not_pickle_keeps_its_class_name_and_message():
@@ -184,8 +186,8 @@ def test_an_error_that_does_not_pickle_keeps_its_class_name_and_message():
         def __reduce__(self):
             raise TypeError("no")
 
-    kind, *carried = chip_owner._raised(Unpicklable("the kernel's words"))
-    rebuilt = chip_owner.stand_in(*pickle.loads(pickle.dumps(carried)))
+    kind, *carried = device.owner._raised(Unpicklable("the kernel's words"))
+    rebuilt = device.owner.stand_in(*pickle.loads(pickle.dumps(carried)))
     assert (
         kind == "raised-as"
         and type(rebuilt).__name__ == "Unpicklable"
@@ -193,20 +195,20 @@ def test_an_error_that_does_not_pickle_keeps_its_class_name_and_message():
     )
 
 
-def test_within_endings_raise_a_halt_is_an_exception_and_a_fresh_owner_takes_the_next_call(monkeypatch):
+def test_within_endings_raise_a_halt_is_an_exception_and_a_fresh_owner_takes_the_next_call():
     """What ci/chip_agreement.py relies on to go on after a configuration that halts the chip."""
-    supervisor = chip_owner.Supervisor(dict(os.environ)).start()
-    monkeypatch.setenv(chip_owner.ADDRESS_ENV, supervisor.where)
-    target, backend = load("tests.broken.halts"), Backend(backends.FAST_INTERPRET)
+    supervisor = device.owner.Supervisor(dict(os.environ)).start()
+    target, backend = load("tests.broken.halts"), Backend(device.FAST_INTERPRET)
     halting, passing = (
         sized_case([q_len], [8], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=8) for q_len in (2, 1)
     )
     try:
-        with chip_owner.endings_raise(), pytest.raises(chip_owner.CallEndedTheOwner) as ended:
-            backend.run(target.attention, halting.arrays(), halting.options())
-        out = backend.run(target.attention, passing.arrays(), passing.options())
+        with device.owner.calls_routed_to(supervisor.where):
+            with device.owner.endings_raise(), pytest.raises(device.owner.CallEndedTheOwner) as ended:
+                backend.run(target.attention, halting.arrays(), halting.options())
+            out = backend.run(target.attention, passing.arrays(), passing.options())
     finally:
         owners = supervisor.stop()
     assert ended.value.kind == "halted" and "The program continuator has halted" in ended.value.report[1]
     assert out.shape == (passing.max_num_batched_tokens, passing.num_q_heads, 64)
-    assert owners["calls"] == 2 and owners["owners"] == 2 and owners["exits"] == [backends.HALT_EXIT_CODE]
+    assert owners["calls"] == 2 and owners["owners"] == 2 and owners["exits"] == [device.HALT_EXIT_CODE]

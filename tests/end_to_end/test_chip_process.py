@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from rpa_harness import backends, cli, plugin, repro, runlog
+from rpa_harness import cli, device, plugin, repro, runlog
 from tests.cases import SMALL
 from tests.processes import run_python
 
@@ -26,7 +26,7 @@ def run_on_a_stated_chip(tmp_path, pytestconfig, *options):
     log.mkdir()
     env = {
         **os.environ,
-        backends.TPU_PROBE_ENV: "TPU v5 lite:1",
+        device.TPU_PROBE_ENV: "TPU v5 lite:1",
         "RPA_WITNESS_DIR": str(witness),
         runlog.ENV: str(log),
         "PYTHONPATH": str(
@@ -73,29 +73,29 @@ def test_with_a_chip_owner_every_worker_keeps_off_the_chip(tmp_path, pytestconfi
 
 
 def test_the_stated_probe_answer_is_read_and_a_bad_one_says_what_to_write(monkeypatch):
-    monkeypatch.setenv(backends.TPU_PROBE_ENV, "TPU v5 lite:4")
-    backends.tpus.cache_clear()
+    monkeypatch.setenv(device.TPU_PROBE_ENV, "TPU v5 lite:4")
+    device.tpus.cache_clear()
     try:
-        assert backends.tpus() == backends.Tpus(4, "TPU v5 lite") and backends.resolve("auto") == ("tpu",)
-        monkeypatch.setenv(backends.TPU_PROBE_ENV, "none")
-        backends.tpus.cache_clear()
-        assert not backends.tpus() and backends.resolve("auto") == (
-            backends.FAST_INTERPRET,
-            backends.INTERPRET,
+        assert device.tpus() == device.Tpus(4, "TPU v5 lite") and device.resolve("auto") == ("tpu",)
+        monkeypatch.setenv(device.TPU_PROBE_ENV, "none")
+        device.tpus.cache_clear()
+        assert not device.tpus() and device.resolve("auto") == (
+            device.FAST_INTERPRET,
+            device.INTERPRET,
         )
-        with pytest.raises(backends.BackendChoiceError, match="no TPU visible to jax"):
-            backends.resolve("tpu")
-        monkeypatch.setenv(backends.TPU_PROBE_ENV, "a v5e")
-        backends.tpus.cache_clear()
-        with pytest.raises(backends.BackendChoiceError, match="is not 'none' or KIND:COUNT"):
-            backends.resolve("tpu")
+        with pytest.raises(device.BackendChoiceError, match="no TPU visible to jax"):
+            device.resolve("tpu")
+        monkeypatch.setenv(device.TPU_PROBE_ENV, "a v5e")
+        device.tpus.cache_clear()
+        with pytest.raises(device.BackendChoiceError, match="is not 'none' or KIND:COUNT"):
+            device.resolve("tpu")
     finally:
-        backends.tpus.cache_clear()
+        device.tpus.cache_clear()
 
 
 def test_the_child_probe_answers_with_jaxs_own_verdict():
     """On this CPU host the child's jax sees no TPU; the answer comes back whole."""
-    assert backends._probe_in_a_child() == backends.Tpus()
+    assert device.chip._probe_in_a_child() == device.Tpus()
 
 
 def test_a_worker_that_died_in_a_call_on_the_chip_names_its_example_as_the_suspect(tmp_path, monkeypatch):

@@ -5,14 +5,14 @@ import os
 
 import pytest
 
-from rpa_harness import backends, targets
+from rpa_harness import device, targets
 from tests.processes import run_python
 
 UPSTREAM = targets.UPSTREAM_TARGET
 
 
 def verdicts(*args, cwd):
-    env = {**os.environ, backends.TPU_PROBE_ENV: "none"}
+    env = {**os.environ, device.TPU_PROBE_ENV: "none"}
     return run_python("ci/chip_verdicts.py", *args, cwd=cwd, env=env)
 
 

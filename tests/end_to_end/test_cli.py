@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rpa_harness import backends, bug_report, cli, recording, reference, targets
+from rpa_harness import bug_report, cli, device, recording, reference, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.plugin import settings_of
 from rpa_harness.property_names import DIFFERENTIAL, PropertyName
@@ -85,7 +85,7 @@ def test_replay_and_report_judge_a_repro_alike(failing_repro, tmp_path, monkeypa
     altered.write_text(json.dumps(meta))
     shutil.copy(path.with_suffix(".npz"), altered.with_suffix(".npz"))
     judged = []
-    compare, run = reference.compare, backends.Backend.run
+    compare, run = reference.compare, device.Backend.run
 
     def compare_noting(*args, precision, **kwargs):
         judged.append(("precision", tuple(precision)))
@@ -96,7 +96,7 @@ def test_replay_and_report_judge_a_repro_alike(failing_repro, tmp_path, monkeypa
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(reference, "compare", compare_noting)
-    monkeypatch.setattr(backends.Backend, "run", run_noting)
+    monkeypatch.setattr(device.Backend, "run", run_noting)
     code, out, err = replay(altered, capsys=capsys)
     assert code == 1, out + err
     by_replay, judged[:] = list(judged), []
@@ -104,7 +104,7 @@ def test_replay_and_report_judge_a_repro_alike(failing_repro, tmp_path, monkeypa
     assert judged == by_replay
     assert set(by_replay) == {
         ("precision", parse_precision(["bf16x3-matmul"])),
-        ("backend", backends.Backend("fast-interpret", interpreter_compat=False)),
+        ("backend", device.Backend("fast-interpret", interpreter_compat=False)),
     }
 
 
@@ -171,7 +171,7 @@ def test_a_halts_repro_names_the_last_examples_before_it_whose_case_rebuilds_the
     ``EXAMPLES_BEFORE_A_HALT`` examples its process ran, oldest first, but those whose arrays the case does
     not rebuild (a validation property's broken ones); a repro written without the field reads as none."""
     monkeypatch.setattr(recording, "_ran_before", collections.deque(maxlen=recording.EXAMPLES_BEFORE_A_HALT))
-    target, backend = targets.load("rpa_harness.kernel"), backends.Backend(backends.FAST_INTERPRET)
+    target, backend = targets.load("rpa_harness.kernel"), device.Backend(device.FAST_INTERPRET)
     name = PropertyName(DIFFERENTIAL, label="x")
 
     def case(q_len):
@@ -191,7 +191,7 @@ def test_a_halts_repro_names_the_last_examples_before_it_whose_case_rebuilds_the
     with suspect:
         message, code = suspect.on_halt("a kernel call on fast-interpret", "TPU_EXECUTE_ERROR: halted")
     assert (
-        code == backends.HALT_EXIT_CODE
+        code == device.HALT_EXIT_CODE
         and "preceded by: 1 example(s) run just before it on the device" in message
     ), message
     path = tmp_path / "differential_x.json"

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 
 from rpa_harness import targets
-from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure, check_validation
+from rpa_harness.device import FAST_INTERPRET, Backend
 from rpa_harness.plugin import settings_of
 from rpa_harness.reference import CONTRACTS
 from rpa_harness.strategies.violations import invalid_cases

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import mutants
 from rpa_harness import checks
-from rpa_harness.backends import FAST_INTERPRET, Backend
+from rpa_harness.device import FAST_INTERPRET, Backend
 from rpa_harness.strategies.buckets import long_corners
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.shapes import select_buckets

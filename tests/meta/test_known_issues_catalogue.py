@@ -11,7 +11,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ups
 
 from rpa_harness import known_issues, targets
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET
+from rpa_harness.device import FAST_INTERPRET, INTERPRET
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import as_jax, upstream

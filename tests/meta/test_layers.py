@@ -12,9 +12,15 @@ FOLDERS = {
     "reference": "rpa_harness.reference",
     "kernel": "rpa_harness.kernel",
 }
-MACHINERY = {
-    "", "lowering", "generations", "backends", "compile_meter", "ahead_of_time", "interpret_compat", "chip_owner", "runlog",
-    "progress", "property_names", "repro", "report_sections", "snippets", "known_issues", "failures",
+# The machinery in three tiers: what the device package reads; the device package, its modules in their
+# order; the files and names a run shares, the known-issue catalogue and the failures, above it.
+BENEATH_THE_DEVICE = {"", "lowering", "generations", "ahead_of_time", "interpret_compat"}
+DEVICE = {
+    "processes": 3.11, "compilation": 3.11, "interpreter_reports": 3.11, "endings": 3.11,
+    "chip": 3.12, "backends": 3.13, "owner": 3.14, "": 3.15,
+}  # fmt: skip
+ABOVE_THE_DEVICE = {
+    "runlog", "progress", "property_names", "repro", "report_sections", "snippets", "known_issues", "failures",
 }  # fmt: skip
 RUNNING = {"recording", "run_settings", "bench", "bug_report", "plugin"}
 
@@ -38,8 +44,12 @@ def layer(module: str) -> float:
         return 1
     if top in ("strategies", "reference", "kernel"):
         return 2
-    if top in MACHINERY:
+    if top in BENEATH_THE_DEVICE:
         return 3
+    if top == "device":
+        return DEVICE[parts[1] if len(parts) > 1 else ""]
+    if top in ABOVE_THE_DEVICE:
+        return 3.2
     if top == "cache_judge":
         return 4.1
     if top == "targets":

@@ -13,7 +13,7 @@ import pytest
 
 import mutants
 from rpa_harness import kernel, reference
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.strategies.violations import RULES
 from rpa_harness.targets import as_jax, load
 from tests.cases import MIXED

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 import mutants.upstream
-from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import CannotRun, PropertyFailure, check_differential
+from rpa_harness.device import FAST_INTERPRET, Backend
 from rpa_harness.targets import UPSTREAM_TARGET, load, upstream
 from tests.cases import sized_case
 

@@ -14,9 +14,9 @@ import time
 from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
-from rpa_harness import compile_meter, reference, runlog
-from rpa_harness.backends import TPU
+from rpa_harness import device, reference, runlog
 from rpa_harness.checks import check_differential
+from rpa_harness.device import TPU
 from rpa_harness.properties.budget import (
     ANY_CONFIG_EXAMPLES,
     CHECKING_ANY_CONFIG_EXAMPLES,
@@ -56,7 +56,7 @@ def draw_and_compare(
             notes["shard"] = shard
             # Where a case's host seconds go (benchmarks/bench_throughput.py reads them from the run log).
             notes.update(arrays_s=arrays_s, record_s=time.perf_counter() - started - arrays_s)
-            with compile_meter.metered() as compiled:  # in this process: none where an owner makes the call
+            with device.metered() as compiled:  # in this process: none where an owner makes the call
                 comparison = check_differential(target_, backend, arrays, options, seconds=notes)
             notes["compile_s"] = compiled.seconds
             notes.update(closeness_notes(comparison, case))

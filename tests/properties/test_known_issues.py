@@ -20,7 +20,7 @@ that issue: the chip cannot show the replayed one with this repro.
 
 import pytest
 
-from rpa_harness import backends, property_names, runlog
+from rpa_harness import device, property_names, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.checks import recheck
 from rpa_harness.failures import PropertyFailure
@@ -40,7 +40,7 @@ def chip_refusal_masking(failure, known_issue, repro, backend, pytestconfig) -> 
     where the repro of another issue fails on a real chip without that issue's own symptom (the chip's
     compiler refuses the configuration, or the kernel rejects a tiling the chip has): the chip cannot show
     ``known_issue`` with this repro, which is not news."""
-    if backend.name != backends.TPU or repro.case is None or known_issue.shows(str(failure)):
+    if backend.name != device.TPU or repro.case is None or known_issue.shows(str(failure)):
         return None
     for issue in settings_of(pytestconfig).target.known_issues:
         if issue is not known_issue and issue.matches(repro.case) and issue.shows(str(failure)):
@@ -50,7 +50,7 @@ def chip_refusal_masking(failure, known_issue, repro, backend, pytestconfig) -> 
 
 def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytestconfig):
     repro_path = known_issue.repro
-    if replay_backend.name == backends.TPU:
+    if replay_backend.name == device.TPU:
         chip = replay_backend.generation_seen
         repro_path, why_not = known_issue.repro_on_chip(chip)
         if repro_path is None:
@@ -65,13 +65,13 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
             pytest.skip(
                 f"{known_issue.name}: a compile repro is compiled once a run, on the first backend's turn"
             )
-        replay_backend = backends.Backend(backends.TPU_COMPILER, True, repro.tpu_generation)
+        replay_backend = device.Backend(device.TPU_COMPILER, True, repro.tpu_generation)
         if replay_backend.skip_reason:
             runlog.record_event(
                 "known-issue-replay", issue=known_issue.name, backend=replay_backend.label, outcome="not run"
             )
             pytest.skip(f"{known_issue.name}: its repro is compiled for a TPU: {replay_backend.skip_reason}")
-    if (repro.halt or repro.hang) and replay_backend.name == backends.TPU:
+    if (repro.halt or repro.hang) and replay_backend.name == device.TPU:
         runlog.record_event(
             "known-issue-replay", issue=known_issue.name, backend=replay_backend.label, outcome="not run"
         )

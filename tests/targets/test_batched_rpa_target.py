@@ -12,8 +12,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from rpa_harness import generations, reference, targets
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend
 from rpa_harness.checks import RaisedOnValidInput, check_differential
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, TPU, Backend
 from rpa_harness.strategies.case import Case
 from tests.cases import skip_without_tpu_inference
 

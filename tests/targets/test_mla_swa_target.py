@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from jax.experimental.pallas import tpu as pltpu
 
 from rpa_harness import targets
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import CacheMismatch, PropertyFailure, RaisedOnValidInput, check_differential
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.spec.interface import DEFAULT_MASK_VALUE
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rpa_harness import reference, targets
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import RaisedOnValidInput, check_differential
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases

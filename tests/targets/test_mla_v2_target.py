@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from rpa_harness import targets
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import CacheMismatch, RaisedOnValidInput, check_differential
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.strategies.case import Case
 from tests.cases import skip_without_tpu_inference
 from tests.references import assert_matches_mla_v1_reference

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rpa_harness import generations, targets
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.strategies.case import Case
 from tests.cases import skip_without_tpu_inference
 

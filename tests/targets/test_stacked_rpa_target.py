@@ -11,8 +11,8 @@ import pytest
 
 from rpa_harness import reference, targets
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import CacheMismatch
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.strategies.case import Case
 from rpa_harness.targets.layouts import LayoutError
 from tests.cases import skip_without_tpu_inference

@@ -10,8 +10,8 @@ import pytest
 
 from rpa_harness import repro as repro_files
 from rpa_harness import targets
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure, check_differential, recheck
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.run_settings import for_repro
 from rpa_harness.targets import tpu_inference_v2 as v2target
 from rpa_harness.targets import upstream

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from rpa_harness import generations, known_issues, reference, targets
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, Backend
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, Backend
 from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.property_names import PropertyName
 from rpa_harness.recording import recorded

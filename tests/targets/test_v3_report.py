@@ -21,7 +21,7 @@ v3_report = pytest.importorskip("rpa_harness.targets.tpu_inference_v3.report", e
 
 from rpa_harness import bug_report, generations  # noqa: E402
 from rpa_harness import repro as repro_files  # noqa: E402
-from rpa_harness.backends import INTERPRET, Backend  # noqa: E402
+from rpa_harness.device import INTERPRET, Backend  # noqa: E402
 from rpa_harness.report_sections import NothingToReport  # noqa: E402
 from rpa_harness.strategies.case import Case  # noqa: E402
 from rpa_harness.targets import tpu_inference_batched_rpa as batched  # noqa: E402

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from rpa_harness import ahead_of_time, generations, known_issues, targets
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU_COMPILER, Backend
 from rpa_harness.checks import check_compiles, numeric_failure
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, TPU_COMPILER, Backend
 from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.property_names import PropertyName
 from rpa_harness.recording import closeness_notes, recorded

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rpa_harness import ahead_of_time, backends, bench, generations, property_names, repro, targets
+from rpa_harness import ahead_of_time, bench, device, generations, property_names, repro, targets
 from rpa_harness.checks import DoesNotCompile, NeedsMoreSmem, NeedsMoreVmem, check_compiles
 from rpa_harness.kernel import pallas_rpa
 from rpa_harness.run_settings import compile_generations
@@ -28,8 +28,8 @@ DOES_NOT_COMPILE = "tests.broken.does_not_compile"
 REPO = Path(__file__).resolve().parents[2]  # where the broken target imports
 
 
-def compiler(generation: str) -> backends.Backend:
-    return backends.Backend(backends.TPU_COMPILER, True, generation)
+def compiler(generation: str) -> device.Backend:
+    return device.Backend(device.TPU_COMPILER, True, generation)
 
 
 def compile_case(target_name: str, case: Case, generation: str) -> None:
@@ -126,7 +126,7 @@ def test_what_pallas_cannot_lower_for_a_tpu_does_not_compile():
 def test_a_compile_repro_replays_and_its_script_compiles(tmp_path):
     case = small_case(head_dim=64, page_size=8, num_kv_heads=1, num_q_heads=2)
     written = repro.Repro(
-        "compiles[tpu-compiler-v5e]", DOES_NOT_COMPILE, backends.TPU_COMPILER,
+        "compiles[tpu-compiler-v5e]", DOES_NOT_COMPILE, device.TPU_COMPILER,
         repro.stand_ins(case.array_shapes()), case.options(), case=case, kind="compiles",
         tpu_generation="v5e", shapes_only=True,
     )  # fmt: skip
@@ -148,7 +148,7 @@ def test_a_shapes_only_repro_stores_the_shapes_and_reads_back_stand_ins(tmp_path
     arrays = repro.stand_ins(case.array_shapes())
     assert sum(value.nbytes for value in arrays.values()) > 2**20  # what a stored pair would hold
     written = repro.Repro(
-        "compiles[tpu-compiler-v5e]", targets.DEFAULT_TARGET, backends.TPU_COMPILER, arrays, case.options(),
+        "compiles[tpu-compiler-v5e]", targets.DEFAULT_TARGET, device.TPU_COMPILER, arrays, case.options(),
         case=case, kind="compiles", tpu_generation="v5e", shapes_only=True,
     )  # fmt: skip
     path = repro.write(written, tmp_path)
@@ -176,24 +176,24 @@ def test_without_libtpu_the_compiler_backend_says_what_to_install(monkeypatch):
 
 def test_the_compiler_backend_needs_a_generation():
     with pytest.raises(generations.GenerationError, match="compiles for a TPU generation"):
-        backends.Backend(backends.TPU_COMPILER, True, generations.NONE)
+        device.Backend(device.TPU_COMPILER, True, generations.NONE)
 
 
 @pytest.mark.parametrize(
     "chosen, option, emulated, profile, expected",
     [
-        ((backends.FAST_INTERPRET,), "auto", ("v5e", "v6e", "7x"), "ci", ("v5e", "v6e", "7x")),
-        ((backends.FAST_INTERPRET,), "auto", (generations.NONE,), "ci", ("v5e", "v6e")),
+        ((device.FAST_INTERPRET,), "auto", ("v5e", "v6e", "7x"), "ci", ("v5e", "v6e", "7x")),
+        ((device.FAST_INTERPRET,), "auto", (generations.NONE,), "ci", ("v5e", "v6e")),
         (
-            (backends.FAST_INTERPRET,),
+            (device.FAST_INTERPRET,),
             "auto",
             (generations.NONE,),
             "nightly",
             ("v4", "v5e", "v5p", "v6e", "7x"),
         ),
-        ((backends.FAST_INTERPRET,), "v6e", ("v6e",), "ci", ("v6e",)),
-        ((backends.FAST_INTERPRET,), "none", (generations.NONE,), "ci", ()),
-        ((backends.TPU,), "auto", (generations.NONE,), "ci", ()),
+        ((device.FAST_INTERPRET,), "v6e", ("v6e",), "ci", ("v6e",)),
+        ((device.FAST_INTERPRET,), "none", (generations.NONE,), "ci", ()),
+        ((device.TPU,), "auto", (generations.NONE,), "ci", ()),
     ],
     ids=["emulated", "none-emulated", "nightly", "named", "named-none", "a-real-tpu"],
 )

@@ -9,8 +9,8 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from rpa_harness import backends
-from rpa_harness.backends import INTERPRET, Backend, RaceDetected
+from rpa_harness import device
+from rpa_harness.device import INTERPRET, Backend, RaceDetected
 from tests.processes import run_python
 
 X = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
@@ -69,7 +69,7 @@ def test_checking_backend_raises_on_an_out_of_bounds_dma_then_recovers():
 
 def test_watchdog_kills_a_hung_call_with_a_message():
     """A call that never returns ends the process (signals cannot interrupt a stuck DMA wait)."""
-    code = "import time\nfrom rpa_harness.backends import watchdog\nwith watchdog('a stuck call', 0.5):\n    time.sleep(30)\n"
+    code = "import time\nfrom rpa_harness.device import watchdog\nwith watchdog('a stuck call', 0.5):\n    time.sleep(30)\n"
     result = run_python("-c", code, cwd=".", timeout=60)
     assert result.returncode == 70
     assert (
@@ -85,7 +85,7 @@ import sys, time
 import jax, jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from rpa_harness.backends import INTERPRET, Backend, watchdog
+from rpa_harness.device import INTERPRET, Backend, watchdog
 
 def kernel(n_ref, x_ref, o_ref):
     o_ref[...] = x_ref[...]
@@ -127,26 +127,41 @@ def test_watchdog_lets_a_call_that_keeps_stepping_run_past_its_timeout():
 
 def test_watchdog_ends_a_call_still_stepping_after_its_longest_watch_as_too_slow_not_a_hang():
     result = run_python("-c", STEPPING_CALL, "0.3", "2", "10000000", cwd=".", timeout=300)
-    assert result.returncode == backends.SLOW_EXIT_CODE, result.stdout[-1000:] + result.stderr[-2000:]
+    assert result.returncode == device.SLOW_EXIT_CODE, result.stdout[-1000:] + result.stderr[-2000:]
     assert "TOO SLOW: a stepping call was still running after 0.6 s" in result.stderr, result.stderr[-2000:]
     assert "not a hang" in result.stderr and "HANG" not in result.stderr
 
 
 def test_faster_cpu_compilation_keeps_the_users_flags(monkeypatch):
     flags = {"xla_cpu_one": ("false", "true"), "xla_cpu_two": ("4", "1")}
-    monkeypatch.setattr(backends, "faster_cpu_compilation_flags", lambda: flags)
-    assert backends.faster_cpu_compilation({})["XLA_FLAGS"] == "--xla_cpu_one=false --xla_cpu_two=4"
+    monkeypatch.setattr(device.compilation, "faster_cpu_compilation_flags", lambda: flags)
+    assert device.faster_cpu_compilation({})["XLA_FLAGS"] == "--xla_cpu_one=false --xla_cpu_two=4"
     theirs = {"XLA_FLAGS": "--xla_dump_to=/tmp/d  --xla_cpu_one=true", "HOME": "/h"}
-    assert backends.faster_cpu_compilation(theirs) == {
+    assert device.faster_cpu_compilation(theirs) == {
         "XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_cpu_one=true --xla_cpu_two=4",
         "HOME": "/h",
     }
     chosen = {"XLA_FLAGS": "--xla_cpu_two=1 --xla_cpu_one=false"}
-    assert backends.faster_cpu_compilation(chosen) == chosen
-    monkeypatch.setattr(backends, "faster_cpu_compilation_flags", dict)  # a jaxlib where none was measured
-    assert backends.faster_cpu_compilation(theirs) == theirs
+    assert device.faster_cpu_compilation(chosen) == chosen
+    monkeypatch.setattr(
+        device.compilation, "faster_cpu_compilation_flags", dict
+    )  # a jaxlib where none was measured
+    assert device.faster_cpu_compilation(theirs) == theirs
 
 
 def test_the_plugin_gave_this_process_the_faster_cpu_compilation():
     """Set in the environment at configuration, before the first computation (workers inherit it)."""
-    assert backends.faster_cpu_compilation(os.environ) == dict(os.environ)
+    assert device.faster_cpu_compilation(os.environ) == dict(os.environ)
+
+
+def test_a_route_the_run_installs_makes_every_kernel_call():
+    """Where a chip owner makes this process's calls, ``Backend.run`` sends each along the route (its
+    backend, function and arguments) and returns its answer."""
+    sent = []
+    device.backends.route_calls(lambda backend, fn, args, kwargs: sent.append((backend.name, fn, args)) or 7)
+    try:
+        answer = Backend(INTERPRET).run(abs, -3)
+    finally:
+        device.backends.route_calls(None)
+    assert answer == 7 and sent == [(INTERPRET, abs, (-3,))]
+    assert Backend(INTERPRET).run(abs, -3) == 3

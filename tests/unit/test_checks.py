@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from rpa_harness import reference, targets
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend
 from rpa_harness.checks import (
     CacheMismatch,
     RaisedOnValidInput,
@@ -18,6 +17,7 @@ from rpa_harness.checks import (
     check_differential,
     declared_unrunnable,
 )
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, TPU, Backend
 from rpa_harness.strategies.valid import Case
 from rpa_harness.targets import layouts
 from tests.broken import oracle_output

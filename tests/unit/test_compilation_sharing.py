@@ -8,9 +8,9 @@ import json
 import pytest
 from hypothesis import given
 
-from rpa_harness import backends
-from rpa_harness.backends import FAST_INTERPRET, Backend
+from rpa_harness import device
 from rpa_harness.checks import check_differential
+from rpa_harness.device import FAST_INTERPRET, Backend
 from rpa_harness.kernel import pallas_rpa
 from rpa_harness.spec.interface import OPTION_NAMES
 from rpa_harness.strategies.capabilities import RUNTIME_OPTIONS
@@ -72,21 +72,21 @@ def test_group_size_is_checked_before_drawing():
 
 
 def test_the_compilation_cache_setting():
-    assert backends.compilation_cache_setting("off") is None
-    assert backends.compilation_cache_setting("") is None
-    assert str(backends.compilation_cache_setting("some/folder")) == "some/folder"
+    assert device.compilation_cache_setting("off") is None
+    assert device.compilation_cache_setting("") is None
+    assert str(device.compilation_cache_setting("some/folder")) == "some/folder"
 
 
 _ONE_CALL = """
 import json, sys
-from rpa_harness import backends
-backends.count_compilations()
-backends.enable_compilation_cache(sys.argv[1])
-from rpa_harness.backends import Backend
+from rpa_harness import device
+device.count_compilations()
+device.enable_compilation_cache(sys.argv[1])
+from rpa_harness.device import Backend
 from rpa_harness.targets import load
 from tests.cases import SMALL
 Backend("fast-interpret").run(load("rpa_harness.kernel").attention, SMALL.arrays(), SMALL.options())
-print("STATS", json.dumps(backends.compilation_stats()))
+print("STATS", json.dumps(device.compilation_stats()))
 """
 
 

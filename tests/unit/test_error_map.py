@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from rpa_harness import repro, targets
-from rpa_harness.backends import FAST_INTERPRET, Backend
 from rpa_harness.checks import PropertyFailure, check_differential
+from rpa_harness.device import FAST_INTERPRET, Backend
 from rpa_harness.reference.error_map import MAX_LINES_PER_SEQUENCE, ErrorMap, cell
 from tests.cases import skip_without_tpu_inference
 

@@ -15,7 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from rpa_harness import checks, failures, generations, interpret_compat, targets
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import INTERPRET, Backend, WouldHaltTpu
+from rpa_harness.device import INTERPRET, Backend, WouldHaltTpu
 from rpa_harness.interpret_compat import tpu as tpu_gaps
 from rpa_harness.property_names import DIFFERENTIAL, PropertyName
 from rpa_harness.recording import recorded

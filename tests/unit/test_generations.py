@@ -16,8 +16,8 @@ from jax._src.pallas.mosaic import tpu_info
 from jax.experimental.pallas import tpu as pltpu
 
 from rpa_harness import generations, repro, targets
-from rpa_harness.backends import FAST_INTERPRET, TPU, Backend
 from rpa_harness.checks import CannotRun, check_differential, run_valid
+from rpa_harness.device import FAST_INTERPRET, TPU, Backend
 from rpa_harness.strategies.buckets import BUCKETS
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.options import TUNED_KV_PAGES_PER_BLOCK, TUNED_QUERIES_PER_BLOCK

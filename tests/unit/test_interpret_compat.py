@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as upstream
 
 from rpa_harness import generations, interpret_compat, reference
-from rpa_harness.backends import INTERPRET, Backend, Deadlock, RaceDetected
+from rpa_harness.device import INTERPRET, Backend, Deadlock, RaceDetected
 from rpa_harness.interpret_compat import generic as generic_gaps
 from rpa_harness.interpret_compat import products as product_gaps
 from rpa_harness.interpret_compat import tpu as tpu_gaps

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from rpa_harness import backends, cli, generations, lowering, repro, targets
+from rpa_harness import cli, device, generations, lowering, repro, targets
 from rpa_harness.known_issues import KnownIssue, recorded_generation
 from tests.cases import SMALL, skip_without_tpu_inference
 from tests.processes import run_python
@@ -19,15 +19,15 @@ def on_a_v5e(monkeypatch):
     """A v5e as jax's default device shows it and as the TPU probe states it (a chip owner's workers see
     only the stated one)."""
     monkeypatch.setattr(lowering, "default_device_kind", lambda: "TPU v5 lite")
-    monkeypatch.setenv(backends.TPU_PROBE_ENV, "TPU v5 lite:1")
-    backends.tpus.cache_clear()
+    monkeypatch.setenv(device.TPU_PROBE_ENV, "TPU v5 lite:1")
+    device.tpus.cache_clear()
     yield
-    backends.tpus.cache_clear()
+    device.tpus.cache_clear()
 
 
 def write_repro(folder, name, generation):
     example = repro.Repro(
-        "differential[fast-interpret]", "rpa_harness.kernel", backends.FAST_INTERPRET, SMALL.arrays(),
+        "differential[fast-interpret]", "rpa_harness.kernel", device.FAST_INTERPRET, SMALL.arrays(),
         SMALL.options(), case=SMALL, tpu_generation=generation,
     )  # fmt: skip
     folder.mkdir(exist_ok=True)
@@ -85,10 +85,8 @@ def test_a_chip_draws_the_cases_of_an_issue_of_other_generations(on_a_v5e, tmp_p
     of_v6e = issue_with(path, generations=("v6e",))
     everywhere = dataclasses.replace(issue_with(path), name="everywhere")
     target = dataclasses.replace(bundled, known_issues=(of_v6e, everywhere))
-    assert target.known_issues_on(backends.Backend(backends.TPU)) == (everywhere,)
-    emulating_v5e = backends.Backend(
-        backends.FAST_INTERPRET, True, "v5e"
-    )  # its interpreters keep avoiding it
+    assert target.known_issues_on(device.Backend(device.TPU)) == (everywhere,)
+    emulating_v5e = device.Backend(device.FAST_INTERPRET, True, "v5e")  # its interpreters keep avoiding it
     assert [issue.name for issue in target.known_issues_on(emulating_v5e)] == [of_v6e.name, everywhere.name]
 
 
@@ -102,16 +100,16 @@ def test_replay_on_a_chip_of_another_generation_says_so_and_runs_nothing(on_a_v5
 FAULTED_CHIP_PROGRAM = """
 import sys
 import jax
-from rpa_harness import backends
+from rpa_harness import device
 
 def halted():
     raise jax.errors.JaxRuntimeError("FAILED_PRECONDITION: The program continuator has halted unexpectedly.")
 
-backends.on_a_real_chip = lambda: True
-backends.known_good_call = halted if sys.argv[1] == "faulted" else lambda: None
+device.chip.on_a_real_chip = lambda: True
+device.chip.known_good_call = halted if sys.argv[1] == "faulted" else lambda: None
 kernel_calls = []
 for _ in range(2):
-    backends.Backend(backends.TPU).run(lambda: kernel_calls.append(1) or jax.numpy.zeros(2))
+    device.Backend(device.TPU).run(lambda: kernel_calls.append(1) or jax.numpy.zeros(2))
 print("kernel calls:", len(kernel_calls))
 """
 
@@ -124,8 +122,8 @@ def test_a_chip_faulted_before_the_first_example_ends_the_process_blaming_no_cas
     if chip == "healthy":
         assert result.returncode == 0 and "kernel calls: 2" in result.stdout, result.stderr[-2000:]
         return
-    assert result.returncode == backends.CHIP_FAULTED_EXIT_CODE, result.stderr[-2000:]
-    assert backends.CHIP_FAULTED in result.stderr and "program continuator has halted" in result.stderr
+    assert result.returncode == device.CHIP_FAULTED_EXIT_CODE, result.stderr[-2000:]
+    assert device.CHIP_FAULTED in result.stderr and "program continuator has halted" in result.stderr
     assert "kernel calls" not in result.stdout
 
 
@@ -145,7 +143,7 @@ def test_a_chip_only_refusal_another_declared_issue_predicts_masks_the_replay(mo
     refusal = AssertionError(
         "ValueError: Specified dims (2, -1, 8, 128) do not evenly divide the size of the ref"
     )
-    chip, interpreter = backends.Backend(backends.TPU), backends.Backend(backends.INTERPRET)
+    chip, interpreter = device.Backend(device.TPU), device.Backend(device.INTERPRET)
     with generations.emulated("v5e"):  # the kernel's block sizes on a v5e, as the chip's predicates see them
         masking = the_property.chip_refusal_masking(refusal, finite, example, chip, None)
         assert masking == "hd64-kv-block-not-whole-tiles-fails-to-trace"

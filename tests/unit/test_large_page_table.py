@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from rpa_harness import ahead_of_time, backends, reference, targets
+from rpa_harness import ahead_of_time, device, reference, targets
 from rpa_harness.checks import check_compiles
 from rpa_harness.kernel.pallas_rpa import ragged_paged_attention
 from rpa_harness.repro import stand_ins
@@ -54,7 +54,7 @@ def test_serving_sized_page_table_compiles(generation):
         pytest.skip(reason)
     check_compiles(
         targets.load("rpa_harness.kernel"),
-        backends.Backend(backends.TPU_COMPILER, True, generation),
+        device.Backend(device.TPU_COMPILER, True, generation),
         stand_ins(SERVING.array_shapes()),
         SERVING.options(),
     )

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from rpa_harness import cli, reference, repro, targets
-from rpa_harness.backends import FAST_INTERPRET, TPU, Backend
 from rpa_harness.checks import PropertyFailure, check_differential
+from rpa_harness.device import FAST_INTERPRET, TPU, Backend
 from rpa_harness.plugin import settings_of
 from rpa_harness.property_names import DIFFERENTIAL, PropertyName
 from rpa_harness.recording import recorded

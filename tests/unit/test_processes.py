@@ -63,3 +63,8 @@ def test_end_sends_the_first_signal_to_the_child_alone():
     assert process.stdout.readline() == "ready\n"
     processes.end(process, first=signal.SIGINT, grace=5)
     assert process.returncode == 5 and process.stdout.read() == "interrupted\n"
+
+
+def test_run_passes_the_output_through_where_asked(capfd):
+    done = processes.run(processes.python("-c", "print('passed through')"), output=processes.INHERIT)
+    assert done.returncode == 0 and done.stdout == "" and "passed through" in capfd.readouterr().out

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from rpa_harness import ahead_of_time, backends, checks, lowering
+from rpa_harness import ahead_of_time, checks, device, lowering
 from rpa_harness.targets import load
 from tests.cases import SMALL
 
@@ -30,10 +30,10 @@ class MosaicError(Exception):
 def on_a_v5e(monkeypatch):
     """A v5e as jax's default device shows it and as the TPU probe states it."""
     monkeypatch.setattr(lowering, "default_device_kind", lambda: V5E_KIND)
-    monkeypatch.setenv(backends.TPU_PROBE_ENV, f"{V5E_KIND}:1")
-    backends.tpus.cache_clear()
+    monkeypatch.setenv(device.TPU_PROBE_ENV, f"{V5E_KIND}:1")
+    device.tpus.cache_clear()
     yield
-    backends.tpus.cache_clear()
+    device.tpus.cache_clear()
 
 
 def raising(error):
@@ -59,7 +59,7 @@ def raising(error):
 def test_a_refusal_on_a_chip_is_a_compile_finding(on_a_v5e, error, kind, words):
     case = SMALL
     with pytest.raises(kind) as failure:
-        checks.run_valid(raising(error), backends.Backend(backends.TPU), case.arrays(), case.options())
+        checks.run_valid(raising(error), device.Backend(device.TPU), case.arrays(), case.options())
     assert "v5e (TPU v5 lite)" in str(failure.value)
     assert words in str(failure.value)
 
@@ -69,7 +69,7 @@ def test_any_other_error_on_a_chip_is_raised_on_valid_input(on_a_v5e):
     with pytest.raises(checks.RaisedOnValidInput):
         checks.run_valid(
             raising(ValueError("q_len 3 > kv_len 2")),
-            backends.Backend(backends.TPU),
+            device.Backend(device.TPU),
             case.arrays(),
             case.options(),
         )
@@ -81,4 +81,4 @@ def test_on_a_chip_only_its_own_generation_is_compiled(on_a_v5e):
     assert reason is not None and "real TPU v5e" in reason and "CPU host" in reason
     with pytest.raises(ahead_of_time.CompilerUnavailable, match="compile for v6e ahead of time"):
         ahead_of_time.compile_for("v6e", lambda **arrays: arrays, {"x": np.zeros(2)})
-    assert backends.Backend(backends.TPU_COMPILER, True, "v6e").skip_reason == reason
+    assert device.Backend(device.TPU_COMPILER, True, "v6e").skip_reason == reason

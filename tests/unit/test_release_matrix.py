@@ -8,12 +8,13 @@ the failing one has the summary lines rpa_harness/cli.py writes for a failure.
 
 import hashlib
 import importlib.util
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from rpa_harness.device import processes
 
 SCRIPT = Path(__file__).resolve().parents[2] / "ci" / "release_matrix.py"
 _spec = importlib.util.spec_from_file_location("release_matrix", SCRIPT)
@@ -181,9 +182,9 @@ def test_install_reuses_an_installed_release_and_replaces_an_interrupted_one(tmp
         calls.append(command)
         target = Path(command[command.index("--target") + 1])
         (target / "tpu_inference-0.22.1.dist-info").mkdir(parents=True)
-        return subprocess.CompletedProcess(command, 0, "", "")
+        return processes.Finished(tuple(command), 0, "", "", 0.0)
 
-    monkeypatch.setattr(matrix.subprocess, "run", pip)
+    monkeypatch.setattr(matrix.processes, "run", pip)
     assert matrix.install("0.19.0", cache_dir=tmp_path) == installed and not calls
     (tmp_path / "0.22.1").mkdir()  # an interrupted install of old: no metadata
     (tmp_path / "0.22.1" / "stray.py").write_text("")
@@ -195,11 +196,15 @@ def test_install_reuses_an_installed_release_and_replaces_an_interrupted_one(tmp
 
 def test_a_failed_install_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     def pip(command, **kwargs):
-        return subprocess.CompletedProcess(
-            command, 1, "", "ERROR: Could not find a version\nERROR: No matching distribution found\n"
+        return processes.Finished(
+            tuple(command),
+            1,
+            "",
+            "ERROR: Could not find a version\nERROR: No matching distribution found\n",
+            0.0,
         )
 
-    monkeypatch.setattr(matrix.subprocess, "run", pip)
+    monkeypatch.setattr(matrix.processes, "run", pip)
     with pytest.raises(matrix.InstallError, match="tpu-inference==9.9.9: ERROR: No matching distribution"):
         matrix.install("9.9.9", cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rpa_harness import backends, checks, failures, known_issues, property_names, recording, targets
+from rpa_harness import checks, device, failures, known_issues, property_names, recording, targets
 from rpa_harness.property_names import PropertyName
 from rpa_harness.strategies import violations
 from rpa_harness.strategies.capabilities import Capabilities
@@ -94,7 +94,7 @@ def test_a_float32_precision_failure_is_not_offered_mla_refusals(tmp_path):
     block sizes, but they are MLA kernels' refusals to run, so the failure names none of them."""
     target = targets.load("tests.broken.default_precision_products")
     refusals = _catalogued(target, "mla-v1-default-block-sizes-raise", "mla-v2-default-block-sizes-raise")
-    v5e = backends.Backend(backends.FAST_INTERPRET, generation="v5e")
+    v5e = device.Backend(device.FAST_INTERPRET, generation="v5e")
     case = sized_case((1, 3), (1, 9), head_dim=64, num_q_heads=2, num_kv_heads=1, page_size=8)
     assert case.num_kv_pages_per_block is None and case.num_queries_per_block is None
     assert all(issue.matches(case) for issue in known_issues.on_generation(tuple(refusals), "v5e"))

@@ -1,4 +1,4 @@
-"""xdist workers start with one BLAS thread each unless the user chose a count (``backends.one_blas_thread_per_worker``)."""
+"""xdist workers start with one BLAS thread each unless the user chose a count (``device.one_blas_thread_per_worker``)."""
 
 import os
 import subprocess

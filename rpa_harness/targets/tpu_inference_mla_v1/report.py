@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import TPU, Backend
 from rpa_harness.cache_judge import check_updated_cache, expected_upstream_cache
+from rpa_harness.device import TPU, Backend
 from rpa_harness.generations import NONE
 from rpa_harness.report_sections import case_in_words, environment
 from rpa_harness.targets import tpu_inference_mla_v1 as mla_v1

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from rpa_harness.backends import INTERPRET, TPU, Backend
+from rpa_harness.device import INTERPRET, TPU, Backend
 from rpa_harness.failures import CacheMismatch, OverTheBound
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,

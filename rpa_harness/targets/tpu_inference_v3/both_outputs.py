@@ -8,8 +8,8 @@ from typing import TypeVar
 import numpy as np
 
 from rpa_harness import reference
-from rpa_harness.backends import INTERPRET, Backend, Deadlock, WouldHaltTpu
 from rpa_harness.cache_judge import ExpectedCache, cache_mismatch
+from rpa_harness.device import INTERPRET, Backend, Deadlock, WouldHaltTpu
 from rpa_harness.failures import CacheMismatch, RaisedOnValidInput, numeric_failure, would_halt_a_tpu
 from rpa_harness.targets.tpu_inference_v3.adapter import KernelInputs, V3Inputs, call_v3, v3_inputs
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from rpa_harness import reference
 from rpa_harness import repro as repro_files
-from rpa_harness.backends import FAST_INTERPRET, INTERPRET, TPU, Backend, Deadlock
+from rpa_harness.device import FAST_INTERPRET, INTERPRET, TPU, Backend, Deadlock
 from rpa_harness.generations import NONE
 from rpa_harness.report_sections import (
     NothingToReport,

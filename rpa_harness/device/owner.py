@@ -5,12 +5,13 @@ draw, the case's arrays, the float64 oracle and the comparison run on the host. 
 **owner** process that holds the chip and makes the kernel calls (the known-good call first, then each
 call under the watchdog, its output transferred back), and any number of host processes (pytest-xdist
 workers) that draw, build arrays, compute oracles and judge in parallel, each sending its calls to the owner
-over a unix socket (``Backend.run`` does it where ``ADDRESS_ENV`` is set). The owner takes requests from all
-of them at once, one thread a connection; calls reach the chip one at a time, so every halt has one call to
-blame, while the next requests are already received and unpickled.
+over a unix socket (``Backend.run`` does it where the run installed the owner as the route of its calls,
+``route_calls_to``). The owner takes requests from all of them at once, one thread a connection; calls reach
+the chip one at a time, so every halt has one call to blame, while the next requests are already received
+and unpickled.
 
 A call that halts the chip, hangs or runs too slow ends the owner as it would end any process that holds
-the chip (``backends``); first the owner tells the process whose call it was (with the calls that ran on the
+the chip (``endings``); first the owner tells the process whose call it was (with the calls that ran on the
 chip just before it), and that process ends as it would have with the chip in hand: its halt or hang repro
 written, its exit status. A ``Supervisor`` starts a fresh owner at the same address, and the other processes
 send their calls there. Hypothesis shrinks in the worker as ever: each call of a shrink is a request.
@@ -34,9 +35,13 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
-from rpa_harness import compile_meter, generations
+import jax
+
+from rpa_harness import generations
+from rpa_harness.device import backends, chip, compilation, endings, processes
 
 ADDRESS_ENV = "RPA_CHIP_OWNER_SOCKET"  # the owner's socket, in the processes whose kernel calls it makes
+OWNER_MODULE = "rpa_harness.device.owner"  # run as ``python -m OWNER_MODULE SOCKET_PATH``: an owner process
 OWNER_FILE = "owner.sock"
 ENDED_FILE = "ended.json"  # the supervisor's last word, where it starts no more owners
 STATS_FILE = "stats-{pid}.json"  # each owner's counts, rewritten after every call
@@ -125,6 +130,28 @@ def address() -> str | None:
     return os.environ.get(ADDRESS_ENV) or None
 
 
+def route_calls_to(where: str | None) -> None:
+    """Makes the owner at ``where`` this process's route for kernel calls (``backends.route_calls``), and
+    of the processes it starts (``ADDRESS_ENV``); None: calls are made here again."""
+    if where is None:
+        os.environ.pop(ADDRESS_ENV, None)
+        backends.route_calls(None)
+    else:
+        os.environ[ADDRESS_ENV] = where
+        backends.route_calls(call)
+
+
+@contextlib.contextmanager
+def calls_routed_to(where: str):
+    """``route_calls_to(where)`` for the enclosed block."""
+    previous = address()
+    route_calls_to(where)
+    try:
+        yield
+    finally:
+        route_calls_to(previous)
+
+
 _connection: Connection | None = None
 _connection_lock = threading.Lock()
 
@@ -210,21 +237,19 @@ def _end_as_the_owner_did(kind: str, report: list | tuple):
     """A call that ended the owner ends this process the same way (its handlers write the case's repro),
     or raises ``CallEndedTheOwner`` within ``endings_raise``."""
     global _calls_before_the_halt
-    from rpa_harness import backends
-
     if _endings_raise:
         raise CallEndedTheOwner(kind, tuple(report))
     if kind == "hung":
-        backends.end_on_hang(report[0], report[1], stacks=False)
+        endings.end_on_hang(report[0], report[1], stacks=False)
     elif kind == "slow":
-        backends.end_too_slow(*report)
+        endings.end_too_slow(*report)
     if kind == "halted":
         _calls_before_the_halt = report[2]
-    backends.end_on_halt(report[0], report[1])
+    endings.end_on_halt(report[0], report[1])
 
 
 def owner_facts(where: str) -> dict:
-    """What the owner at ``where`` runs on: its platform, and the chips it holds (``backends.Tpus``)."""
+    """What the owner at ``where`` runs on: its platform, and the chips it holds (``chip.Tpus``)."""
     connection = _connect(where)
     try:
         connection.send_bytes(pickle.dumps(("facts",)))
@@ -257,10 +282,8 @@ class Owner:
         self.last_compiled = 0.0  # when (time.time()) a signature last finished compiling
 
     def serve(self) -> None:
-        from rpa_harness import backends
-
-        with backends.on_hang(None), backends.on_halt(None):
-            backends.check_the_chip_once()  # a faulted chip ends the owner before it accepts a call
+        with endings.on_hang(None), endings.on_halt(None):
+            chip.check_the_chip_once()  # a faulted chip ends the owner before it accepts a call
         self.write_stats()
         listener = Listener(self.where, family="AF_UNIX")
         while True:
@@ -290,16 +313,10 @@ class Owner:
                 self.seconds[name] += value
 
     def facts(self) -> dict:
-        import jax
-
-        from rpa_harness import backends
-
-        tpus = backends.tpus()
+        tpus = chip.tpus()
         return {"platform": jax.devices()[0].platform, "tpu_kind": tpus.kind, "tpu_count": tpus.count}
 
     def run(self, connection: Connection, backend, fn, args, kwargs, example) -> tuple:
-        from rpa_harness import backends
-
         signature = self.compile_ahead(backend, fn, args, kwargs)
         waiting = time.perf_counter()
         with self.chip:
@@ -307,14 +324,14 @@ class Owner:
             self.began = time.perf_counter()
             self.add_seconds(lock_wait_s=self.began - waiting)
             handlers = (
-                backends.on_halt(
+                endings.on_halt(
                     lambda what, error: self.ends(connection, "halted", what, error, list(self.recent))
                 ),
-                backends.on_hang(lambda what, seconds: self.ends(connection, "hung", what, seconds)),
-                backends.on_slow(lambda message: self.ends(connection, "slow", message)),
+                endings.on_hang(lambda what, seconds: self.ends(connection, "hung", what, seconds)),
+                endings.on_slow(lambda message: self.ends(connection, "slow", message)),
             )
             try:
-                with handlers[0], handlers[1], handlers[2], compile_meter.metered() as compiled:
+                with handlers[0], handlers[1], handlers[2], compilation.metered() as compiled:
                     answer: tuple = ("returned", backend.run(fn, *args, **kwargs))
             except Exception as error:
                 answer = _raised(error)
@@ -328,8 +345,6 @@ class Owner:
         the chip: the first call of a signature has a compiler thread trace, lower and compile it
         (``Target.precompile``) while the chip runs other calls, and every call of that signature waits for
         it here, outside the chip's lock. None for any other call (it compiles, if at all, in its call)."""
-        from rpa_harness import backends
-
         target = getattr(fn, "__self__", None)
         if target is None or getattr(fn, "__name__", None) != "attention" or kwargs:
             return None
@@ -348,7 +363,7 @@ class Owner:
                 )
         started = time.perf_counter()
         try:
-            future.result(timeout=backends.CALL_TIMEOUT_SECONDS)
+            future.result(timeout=endings.CALL_TIMEOUT_SECONDS)
         except concurrent.futures.TimeoutError:
             pass  # the call compiles what is left under the chip's watchdog
         self.add_seconds(compile_wait_s=time.perf_counter() - started)
@@ -357,7 +372,7 @@ class Owner:
     def precompile(self, backend, target, args, signature: tuple) -> None:
         """One signature's compilation, on a compiler thread: what it cost is the signature's; an error is
         left for the call, which raises it as its own (a refusal, an invalid case)."""
-        with compile_meter.metered() as compiled:
+        with compilation.metered() as compiled:
             try:
                 with backend.context():
                     ahead = target.precompile(*args)
@@ -392,13 +407,11 @@ class Owner:
 
     def ends(self, connection: Connection, kind: str, *report) -> tuple[str, int]:
         """Tells the caller how its call ended this owner; the owner's own message and exit status."""
-        from rpa_harness import backends
-
         self.count_the_call()
         codes = {
-            "halted": backends.HALT_EXIT_CODE,
-            "hung": backends.HANG_EXIT_CODE,
-            "slow": backends.SLOW_EXIT_CODE,
+            "halted": endings.HALT_EXIT_CODE,
+            "hung": endings.HANG_EXIT_CODE,
+            "slow": endings.SLOW_EXIT_CODE,
         }
         if kind != "slow":  # (what, ...): the caller's message names the owner as where the call ran
             report = (f"{report[0]} (in the chip's owner process)", *report[1:])
@@ -453,9 +466,9 @@ class Supervisor:
     def spawn(self) -> subprocess.Popen:
         Path(self.where).unlink(missing_ok=True)
         with open(self.log_path, "a") as log:
-            return subprocess.Popen(
-                [sys.executable, "-m", "rpa_harness.chip_owner", self.where],
-                env=self.environ, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            return processes.start(
+                processes.python("-m", OWNER_MODULE, self.where),
+                env=self.environ, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
 
     def keep_one_serving(self) -> None:
@@ -463,7 +476,7 @@ class Supervisor:
         while not self.stopping.is_set():
             self.process = self.spawn()
             if self.stopping.is_set():  # stopped while this one started: ``stop`` may have missed it
-                _end_session(self.process)
+                processes.end(self.process)
                 return
             code = self.process.wait()
             if self.stopping.is_set():
@@ -515,7 +528,7 @@ class Supervisor:
         """Ends the owner (its own process group: nothing else) and returns ``summary``."""
         self.stopping.set()
         if self.process is not None:
-            _end_session(self.process)
+            processes.end(self.process)
         self.watcher.join(timeout=60)
         summary = self.summary()
         for path in self.folder.iterdir():
@@ -554,30 +567,14 @@ def summary_lines(summary: dict) -> list[str]:
     return lines
 
 
-def _end_session(process: subprocess.Popen) -> None:
-    """Ends an owner and whatever it started (its own session, nothing else): SIGTERM, then SIGKILL."""
-    if process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:  # it ended meanwhile
-        pass
-    process.wait()
-
-
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        sys.stderr.write("usage: python -m rpa_harness.chip_owner SOCKET_PATH\n")
+        sys.stderr.write(f"usage: python -m {OWNER_MODULE} SOCKET_PATH\n")
         return 4
-    from rpa_harness import backends
-
-    backends.count_compilations()
-    cache = backends.compilation_cache_setting(None)
+    compilation.count_compilations()
+    cache = compilation.compilation_cache_setting(None)
     if cache is not None:
-        backends.enable_compilation_cache(cache)
+        compilation.enable_compilation_cache(cache)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     Owner(argv[0]).serve()
     return 0
