@@ -23,7 +23,7 @@ import numpy as np
 from hypothesis import given
 from jax import lax
 
-from benchmarks.drawn import same_examples
+from rpa_harness.drawn import same_examples
 
 
 def perturbed_exp(ulps: int):
