@@ -137,5 +137,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         return importlib.import_module(STEP_MODULES[args.step]).main(args)
     except ChipUsageError as error:
-        print(f"rpa-harness chip {args.step}: {error}", file=sys.stderr)
+        from rpa_harness.run_settings import in_cli_terms  # a target's error names pytest's options
+
+        print(f"rpa-harness chip {args.step}: {in_cli_terms(str(error))}", file=sys.stderr)
         return USAGE
