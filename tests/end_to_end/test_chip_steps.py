@@ -67,6 +67,17 @@ def stand_in(tmp_path, monkeypatch):
             os.kill(pid, signal.SIGKILL)
 
 
+def all_ended(pids: list[int], seconds: float = 10.0) -> bool:
+    """Whether every one of ``pids`` is gone within ``seconds`` (a process sent SIGKILL dies when it is next
+    scheduled, not when kill() returns)."""
+    deadline = time.monotonic() + seconds
+    while any(running(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def loadable(names: list[str]) -> list[str]:
     found = []
     for name in names:
@@ -80,7 +91,9 @@ def loadable(names: list[str]) -> list[str]:
 
 def test_calibrate_runs_each_target_this_jax_loads_once_and_names_the_others(stand_in, tmp_path, capsys):
     logs = tmp_path / "logs"
-    code = cli.main(["chip", "calibrate", "--backend", "fast-interpret", "--logs", str(logs), "--workers", "3"])
+    code = cli.main(
+        ["chip", "calibrate", "--backend", "fast-interpret", "--logs", str(logs), "--workers", "3"]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     calibrated = loadable(SHIPPED)
@@ -111,7 +124,7 @@ def test_targets_share_the_time_and_one_past_its_share_is_ended_with_what_it_sta
     assert code == 1, out
     assert re.findall(r"^=== calibrate-(\S+): exit 124 in \d+ s$", out, re.MULTILINE) == two
     children = [int(line) for line in (tmp_path / "children").read_text().split()]
-    assert len(children) == 2 and not any(running(pid) for pid in children)
+    assert len(children) == 2 and all_ended(children)
 
 
 def test_smoke_shows_the_versions_and_each_targets_summary_one_worker_each(stand_in, tmp_path, capsys):
@@ -130,3 +143,31 @@ def test_a_target_of_the_users_that_does_not_load_is_one_usage_error(stand_in, t
     err = capsys.readouterr().err
     assert err.startswith("rpa-harness chip calibrate: --target my_kernels.no_such: cannot import it")
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "argv, complaint",
+    [
+        (["speed", "--batch", "huge"], "--batch=huge: not a batch; choose from "),
+        (["speed", "--calls", "0"], "--calls=0 must be at least 1"),
+        (
+            ["throughput", "--properties", "pooled,fast"],
+            "--properties: fast is not one of pooled, any-config",
+        ),
+        (["throughput", "--workers", "two"], "--workers=two: give worker counts of 1 or more"),
+        (["calibrate", "--workers", "0"], "--workers=0 must be at least 1"),
+        (["agreement", "--folder", "no-such-folder"], "no predictions.json there; write it on the CPU host"),
+        (
+            ["agreement", "--predict", "--folder", "f", "--tpu-generation", "none"],
+            "--predict compiles for a TPU",
+        ),
+        (["q-len-zero", "--tpu-generation", "v5e"], "a real TPU is the chip it is"),
+    ],
+)
+def test_a_steps_usage_error_is_one_line_and_exit_4(stand_in, capsys, argv, complaint):
+    assert cli.main(["chip", *argv]) == cli.USAGE
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert captured.err.startswith(f"rpa-harness chip {argv[0]}: ") and complaint in captured.err, (
+        captured.err
+    )

@@ -13,10 +13,10 @@ FOLDERS = {
     "kernel": "rpa_harness.kernel",
 }
 MACHINERY = {
-    "", "lowering", "generations", "backends", "compile_meter", "ahead_of_time", "interpret_compat", "chip_owner", "runlog",
+    "", "lowering", "generations", "backends", "device", "compile_meter", "ahead_of_time", "interpret_compat", "chip_owner", "runlog",
     "progress", "property_names", "repro", "report_sections", "snippets", "known_issues", "failures",
 }  # fmt: skip
-RUNNING = {"recording", "run_settings", "bench", "bug_report", "plugin"}
+RUNNING = {"recording", "run_settings", "bench", "bug_report", "plugin", "chip", "drawn"}
 
 
 def modules() -> dict[str, Path]:
