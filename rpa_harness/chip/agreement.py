@@ -30,6 +30,7 @@ import os
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -86,26 +87,27 @@ def predict(args, names: list[str]) -> int:
     compiler = backends.Backend(backends.TPU_COMPILER, True, args.tpu_generation)
     interpreter = backends.Backend(backends.FAST_INTERPRET, True, args.tpu_generation)
     checking = backends.Backend(backends.INTERPRET, True, args.tpu_generation)
-    predictions, outputs = [], {}
+    predictions: list[dict[str, Any]] = []
+    outputs: dict[str, Any] = {}  # key -> the interpreter's output
     for name in names:
         try:
             target = targets.load(name)
-        except targets.TargetError as error:
-            print(f"{name}: not loaded ({error})", file=sys.stderr)
+        except targets.TargetError as cannot:
+            print(f"{name}: not loaded ({cannot})", file=sys.stderr)
             continue
         for index, case in enumerate(draw_cases(target, compiler, args.count)):
             key = f"{name}#{index}"
+            refusal: checks.PropertyFailure | None = None
             try:
                 checks.check_compiles(target, compiler, stand_ins(case.array_shapes()), case.options())
-                error = None
             except checks.CannotRun as reason:
                 print(f"{key}: not compiled here ({reason})", file=sys.stderr)
                 continue
             except checks.PropertyFailure as failure:
-                error = failure
-            entry = {"key": key, "target": name, "case": case.to_json(), "verdict": verdict_of(error)}
+                refusal = failure
+            entry = {"key": key, "target": name, "case": case.to_json(), "verdict": verdict_of(refusal)}
             if (
-                error is None
+                refusal is None
                 and case.max_num_batched_tokens * case.num_q_heads * case.head_dim <= LARGEST_RUN
             ):
                 if halts_on_the_checking_interpreter(target, checking, case):

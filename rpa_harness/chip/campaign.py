@@ -98,7 +98,7 @@ def run_target(step: str, target: str, backend: backends.Backend, args, seconds:
             command, timeout=max(seconds, 1.0), env=child_environment(RPA_MAX_EXAMPLES=examples),
             output=log, grace=KILL_GRACE_SECONDS,
         )  # fmt: skip
-    code = CUT_OFF if done.timed_out else done.returncode
+    code = CUT_OFF if done.returncode is None else done.returncode
     if step == "smoke":  # a first look at a host: its summary tables where it is read
         print((logs / f"{step}-{target}.log").read_text(), end="")
     if backend.name == backends.TPU:
