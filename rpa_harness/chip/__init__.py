@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from rpa_harness import backends, generations, targets
 
 USAGE = 4
-# What a step's module provides: ``add_arguments(parser)`` and ``main(args) -> int``.
+# What a step's module provides: ``add_arguments(parser, step)`` and ``main(args) -> int``.
 STEP_MODULES = {
     "smoke": "rpa_harness.chip.campaign",
     "calibrate": "rpa_harness.chip.campaign",
