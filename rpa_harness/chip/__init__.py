@@ -65,8 +65,12 @@ def add_parser(commands) -> None:
     )  # fmt: skip
     steps = chip.add_subparsers(dest="step", required=True, metavar="STEP", parser_class=type(chip))
     for step, module in STEP_MODULES.items():
-        parser = steps.add_parser(step, help=STEP_HELP[step], description=STEP_HELP[step])
-        importlib.import_module(module).add_arguments(parser, step)
+        steps_module = importlib.import_module(module)
+        parser = steps.add_parser(
+            step, help=STEP_HELP[step], description=steps_module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )  # fmt: skip
+        steps_module.add_arguments(parser, step)
 
 
 def add_target_option(parser, default: Sequence[str], what: str = "module to run") -> None:

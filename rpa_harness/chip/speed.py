@@ -97,8 +97,10 @@ def main(args) -> int:
             f"--batch={','.join(unknown)}: not a batch; choose from {', '.join(bench.BATCHES)}"
         )
     backend = backend_of(args, opens_the_chip=True)
-    timed, _ = loaded_targets(args.target or DEFAULT_TARGETS)
-    swept, _ = loaded_targets(args.sweep)
+    timed, not_timed = loaded_targets(args.target or DEFAULT_TARGETS)
+    swept, not_swept = loaded_targets(args.sweep)
+    for reason in {**not_timed, **not_swept}.values():
+        print(f"not run here: {reason}")
     print(f"backend {backend.label}; median ms per call of {args.calls}")
     print("| batch | what | bench ms | bare ms |")
     print("|---|---|---|---|")

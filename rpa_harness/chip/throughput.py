@@ -243,7 +243,9 @@ def main(args) -> int:
     if args.backend == backends.TPU and args.tpu_generation:
         raise ChipUsageError(f"--tpu-generation={args.tpu_generation} with a TPU: the chip is what it is")
     backend_of(argparse.Namespace(backend=args.backend, tpu_generation="none"))
-    loaded, _ = loaded_targets(args.target or DEFAULT_TARGETS)
+    loaded, not_run = loaded_targets(args.target or DEFAULT_TARGETS)
+    for reason in not_run.values():
+        print(f"not run here: {reason}")
     parent = Path(args.cache_dir or tempfile.mkdtemp(prefix="rpa-bench-cache-"))
     repro_dir = Path(args.repro_dir or tempfile.mkdtemp(prefix="rpa-bench-repros-"))
     print(f"backend {args.backend}; {args.seconds:.0f} s a row; repros in {repro_dir}")
