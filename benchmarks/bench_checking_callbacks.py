@@ -66,8 +66,8 @@ def main():
 
     from hypothesis import given
 
-    from benchmarks.drawn import same_examples
     from rpa_harness import device, interpret_compat
+    from rpa_harness.drawn import same_examples
     from rpa_harness.interpret_compat import tpu as tpu_gaps
 
     if args.races == "off":

@@ -35,8 +35,8 @@ def main():
     import numpy as np
     from hypothesis import given
 
-    from benchmarks.drawn import same_examples
     from rpa_harness.device import FAST_INTERPRET, INTERPRET, Backend
+    from rpa_harness.drawn import same_examples
     from rpa_harness.strategies.capabilities import Capabilities
     from rpa_harness.strategies.valid import valid_cases
     from rpa_harness.targets import tpu_inference_v3 as v3target

@@ -7,7 +7,7 @@ removes.
 Draws ``--count`` valid configurations of the bundled kernel with bfloat16 queries (so a bfloat16 output),
 runs each on the fast interpreter emulating a v5e as it is, then with every exp inside the kernel off by up
 to ``--ulps`` float32 ulps (the largest error of the v5e's exp measured by benchmarks/chip_arithmetic.py, a
-deterministic pseudo-random amount per argument), and reports per KV dtype what ci/chip_agreement.py
+deterministic pseudo-random amount per argument), and reports per KV dtype what `rpa-harness chip agreement`
 reports for a chip, under the chip's contract (``tpu-transcendentals`` included): the largest and median |perturbed - plain| as a fraction of the judge's bound, the
 largest in units of the output's last place, and the largest fraction of the bound where the two are more
 than one unit apart.
@@ -23,7 +23,7 @@ import numpy as np
 from hypothesis import given
 from jax import lax
 
-from benchmarks.drawn import same_examples
+from rpa_harness.drawn import same_examples
 
 
 def perturbed_exp(ulps: int):
@@ -89,7 +89,7 @@ def main() -> int:
         moved = outputs(target, backend, cases)
     finally:
         pallas_rpa.jnp = jnp
-    # The chip's contract, as ci/chip_agreement.py judges the chip's outputs: its exp is not correctly rounded.
+    # The chip's contract, as `rpa-harness chip agreement` judges the chip's outputs: its exp is not correctly rounded.
     chip_precision = target.precision_on(device.Backend(device.TPU))
     rows: dict[str, dict] = defaultdict(lambda: {"n": 0, "gaps": [], "units": 0.0, "beyond": 0.0, "flips": 0})
     for case, first, second in zip(cases, plain, moved, strict=True):

@@ -2,7 +2,7 @@
 # On a machine with a network, for a TPU host without one: puts into chip-carry/ what ci/chip_session.sh
 # installs there (the harness's wheel; pytest-xdist, execnet and pytest-timeout, which a chip image with
 # jax[tpu], pytest and hypothesis may lack; tpu-inference without its dependencies, for its targets) and the
-# CPU host's predictions for ci/chip_agreement.py (libtpu needed here: pip install "rpa-harness[compile]").
+# CPU host's predictions for `rpa-harness chip agreement` (libtpu needed here: pip install "rpa-harness[compile]").
 #
 #   bash ci/chip_carry.sh [PYTHON_VERSION (default 3.11)] [GENERATION (default v5e)]
 #
@@ -23,6 +23,6 @@ for name in pytest-xdist execnet pytest-timeout tpu-inference; do
 done
 python -m pip download --no-deps --only-binary=:all: --python-version "$python_version" --implementation cp \
   "${platforms[@]}" -q -d "$carry/wheels" "${wanted[@]}"
-PYTHONPATH=. python ci/chip_agreement.py predict --out "$carry/agreement" --count 50 --generation "$generation"
+python -m rpa_harness.cli chip agreement --predict --folder "$carry/agreement" --count 50 --tpu-generation "$generation"
 du -sh "$carry"
 ls "$carry/wheels"

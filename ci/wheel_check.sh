@@ -26,7 +26,7 @@ if generic:
     sys.exit(f"the wheel installs top-level names other than rpa_harness: {generic}")
 for required in ("rpa_harness/plugin.py", "rpa_harness/properties/test_differential.py",
                  "rpa_harness/kernel/pallas_rpa.py", "rpa_harness/findings/upstream-findings/README.md",
-                 "rpa_harness/py.typed"):
+                 "rpa_harness/chip/verdicts.py", "rpa_harness/py.typed"):
     if required not in names:
         sys.exit(f"the wheel lacks {required}")
 PY

@@ -15,6 +15,9 @@ rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repr
 rpa-harness report FILE [--target MODULE] [--backend NAME] [--run-script]
     prints an upstream-ready bug report (Markdown) for a differential repro or any tpu-inference v3 repro;
     exit 2 for a bad file, 3 when the repro does not reproduce here (nothing to report).
+rpa-harness chip STEP [--target MODULE]... [--backend tpu] [options]
+    one step of a session on a TPU for any targets (rpa_harness.chip): smoke, calibrate, verdicts,
+    agreement, throughput, speed, q-len-zero.
 A usage error (an unknown option, or a bad value given on the command line) is one line and exit 4.
 """
 
@@ -33,7 +36,7 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from rpa_harness import __version__, bench, device, generations, progress, runlog
+from rpa_harness import __version__, bench, chip, device, generations, progress, runlog
 from rpa_harness import repro as repro_files
 from rpa_harness.device import AUTO, BACKENDS, Backend
 from rpa_harness.run_settings import CLI_TERMS_ENV, RunSettings, SettingError, for_repro, in_cli_terms
@@ -45,7 +48,10 @@ PASSES, FAILS, BAD_FILE, CANNOT_RUN, USAGE = 0, 1, 2, 3, 4
 # replay --predecessors: how a halt repro's preceded_by runs. auto: the suspect alone in a fresh process, then,
 # where it passes, its predecessors and it in another; skip: the suspect alone; first: its predecessors, then it.
 ALONE_THEN_AFTER_PREDECESSORS, WITHOUT_PREDECESSORS, PREDECESSORS_FIRST = "auto", "skip", "first"
-DESCRIPTION = "Replay a repro without Hypothesis, run the property campaign with a summary, or report a bug."
+DESCRIPTION = (
+    "Replay a repro without Hypothesis, run the property campaign with a summary, report a bug, time a "
+    "kernel, or run a session's steps on a TPU."
+)
 
 
 class UsageError(Exception):
@@ -686,6 +692,7 @@ def parser() -> argparse.ArgumentParser:
     _add_run_parser(commands)
     _add_report_parser(commands)
     bench.add_parser(commands)
+    chip.add_parser(commands)
     return top
 
 
@@ -786,9 +793,10 @@ def main(argv=None) -> int:
         print(error, file=sys.stderr)
         return USAGE
     os.environ.update(device.faster_cpu_compilation(os.environ))  # before the first computation
-    if args.command in ("replay", "report"):
+    if args.command in ("replay", "report", "chip"):
         import_from_the_current_folder()
-    return {"replay": replay, "run": run, "report": report, "bench": bench.bench}[args.command](args)
+    commands = {"replay": replay, "run": run, "report": report, "bench": bench.bench, "chip": chip.main}
+    return commands[args.command](args)
 
 
 def import_from_the_current_folder() -> None:

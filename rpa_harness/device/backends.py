@@ -187,6 +187,21 @@ class Backend:
         times the kernel, not its inputs' transfer."""
         return jax.block_until_ready({name: jax.device_put(value) for name, value in host.items()})
 
+    def timed_loop(self, what: str, fn, host: dict, calls: int) -> list[float]:
+        """Seconds each of ``calls`` calls of ``fn`` on ``host``'s arrays (put on the device first) takes,
+        made in a loop under one ``guarded``: without the per-call work of ``timed`` (a guard each), what is
+        left is the kernel's own time. An input a call donated is put back, untimed, before the next."""
+        on_device = self.put(host)
+        seconds = []
+        with self.guarded(what):
+            for _ in range(calls):
+                donated = {name: host[name] for name, value in on_device.items() if value.is_deleted()}
+                on_device.update(self.put(donated))
+                start = time.perf_counter()
+                jax.block_until_ready(fn(**on_device))
+                seconds.append(time.perf_counter() - start)
+        return seconds
+
     def timed(self, what: str, fn, **kwargs) -> float:
         """Seconds ``fn(**kwargs)`` takes on this backend, waited for, made as ``guarded`` makes a call: a
         call whose output the caller does not need (``rpa-harness bench``'s timed calls)."""

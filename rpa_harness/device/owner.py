@@ -75,7 +75,7 @@ _endings_raise = False
 @contextlib.contextmanager
 def endings_raise():
     """Within the block, a call that ends the owner raises ``CallEndedTheOwner`` in this process instead of
-    ending it too: for a tool that goes on after a halt (``ci/chip_agreement.py``), not for a property,
+    ending it too: for a tool that goes on after a halt (``rpa-harness chip agreement``), not for a property,
     whose process ends with its repro."""
     global _endings_raise
     previous, _endings_raise = _endings_raise, True

@@ -2,7 +2,8 @@
 
 A target is any importable module with upstream's ``ragged_paged_attention`` and, if its kernel validates
 metadata on the host, ``dynamic_validate_inputs`` (an adapter module wraps a kernel with another API; ``rpa_harness.targets.layouts`` converts the layouts).
-Its profile is read from these module attributes, each optional:
+Its profile is read from these module attributes (``PROFILE_ATTRIBUTES``), each optional; any other
+``RPA_HARNESS_*`` name in the module is taken for a misspelt one and fails the load, naming the nearest:
 
 - ``RPA_HARNESS_CAPABILITIES``: a dict of ``rpa_harness.strategies.valid.Capabilities`` fields (or a
   ``Capabilities``): what the strategies draw for it (default: the whole specified space).
@@ -52,6 +53,7 @@ harness) gets them from its profile module in this package. The shipped targets 
 """
 
 import dataclasses
+import difflib
 import functools
 import importlib
 import importlib.metadata
@@ -96,6 +98,28 @@ REQUIRED_FUNCTIONS = ("ragged_paged_attention",)
 HIGHEST_PRODUCTS = "highest"
 DEFAULT_PRODUCTS = "default"
 VALIDATOR = "dynamic_validate_inputs"  # optional: a kernel without one declares only static rules
+
+
+# The specification of a profile: every attribute a target module may declare (the module docstring says
+# what each means). A module with any of these declares its own profile; any other RPA_HARNESS_* name in it is
+# a typo, which fails the load (``_check_profile_names``) rather than leaving that declaration at its default.
+PROFILE_PREFIX = "RPA_HARNESS_"
+PROFILE_ATTRIBUTES = (
+    "RPA_HARNESS_CAPABILITIES",
+    "RPA_HARNESS_PRECISION",
+    "RPA_HARNESS_PRODUCT_PRECISION",
+    "RPA_HARNESS_RULES",
+    "RPA_HARNESS_KNOWN_ISSUES",
+    "RPA_HARNESS_CATALOGUE",
+    "RPA_HARNESS_VERSION",
+    "RPA_HARNESS_GENERATION_HOOK",
+    "RPA_HARNESS_REPORT",
+    "RPA_HARNESS_PROPERTIES",
+    "RPA_HARNESS_UPDATES_CACHE",
+    "RPA_HARNESS_KERNEL",
+    "RPA_HARNESS_BASELINE",
+    "RPA_HARNESS_COMPILED_CALL",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,25 +373,6 @@ def _distribution_holding(package: types.ModuleType | None) -> importlib.metadat
     return None
 
 
-# A module with any of these declares its own profile (the module docstring says what each means).
-PROFILE_ATTRIBUTES = (
-    "RPA_HARNESS_CAPABILITIES",
-    "RPA_HARNESS_PRECISION",
-    "RPA_HARNESS_PRODUCT_PRECISION",
-    "RPA_HARNESS_RULES",
-    "RPA_HARNESS_KNOWN_ISSUES",
-    "RPA_HARNESS_CATALOGUE",
-    "RPA_HARNESS_VERSION",
-    "RPA_HARNESS_GENERATION_HOOK",
-    "RPA_HARNESS_REPORT",
-    "RPA_HARNESS_PROPERTIES",
-    "RPA_HARNESS_UPDATES_CACHE",
-    "RPA_HARNESS_KERNEL",
-    "RPA_HARNESS_BASELINE",
-    "RPA_HARNESS_COMPILED_CALL",
-)
-
-
 @functools.cache
 def loaded(name: str) -> Target:
     """``load(name)``, once a process."""
@@ -396,8 +401,11 @@ def load(name: str) -> Target:
             f"{', '.join(missing)}; a target must define {REQUIRED_FUNCTIONS[0]} (and, if its kernel has one, "
             f"{VALIDATOR}) with upstream's signatures."
         )
+    _check_profile_names(name, module)
     declares = any(hasattr(module, attribute) for attribute in PROFILE_ATTRIBUTES)
     profile = module if declares or name not in PROFILES else importlib.import_module(PROFILES[name])
+    if profile is not module:
+        _check_profile_names(name, profile)
     import_kernel = getattr(profile, "RPA_HARNESS_KERNEL", None)
     if import_kernel is not None:
         try:
@@ -405,6 +413,23 @@ def load(name: str) -> Target:
         except ImportError as error:
             raise TargetError(f"--rpa-target={name}: cannot import its kernel ({error})") from None
     return _target(name, module, profile)
+
+
+def _check_profile_names(name: str, module: types.ModuleType) -> None:
+    """Raises TargetError for an ``RPA_HARNESS_*`` name ``module`` defines that is no profile attribute: read
+    with ``getattr``, a misspelt declaration would silently leave the target at that attribute's default."""
+    for attribute, value in vars(module).items():
+        if not attribute.startswith(PROFILE_PREFIX) or attribute in PROFILE_ATTRIBUTES:
+            continue
+        suffixes = [known.removeprefix(PROFILE_PREFIX) for known in PROFILE_ATTRIBUTES]
+        # Compared without the shared prefix, which would make every name look alike.
+        nearest = difflib.get_close_matches(attribute.removeprefix(PROFILE_PREFIX), suffixes, n=1, cutoff=0)
+        shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
+        raise TargetError(
+            f"--rpa-target={name}: {module.__name__} defines {attribute} = {shown}, which is not a profile "
+            f"attribute; did you mean {PROFILE_PREFIX}{nearest[0]}? Rename it (docs/targets.md lists the "
+            f"profile's attributes) or drop the {PROFILE_PREFIX} prefix from a name of the module's own"
+        )
 
 
 def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> Target:

@@ -196,7 +196,7 @@ def test_an_error_that_does_not_pickle_keeps_its_class_name_and_message():
 
 
 def test_within_endings_raise_a_halt_is_an_exception_and_a_fresh_owner_takes_the_next_call():
-    """What ci/chip_agreement.py relies on to go on after a configuration that halts the chip."""
+    """What `rpa-harness chip agreement` relies on to go on after a configuration that halts the chip."""
     supervisor = device.owner.Supervisor(dict(os.environ)).start()
     target, backend = load("tests.broken.halts"), Backend(device.FAST_INTERPRET)
     halting, passing = (

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -63,20 +62,22 @@ def test_the_newest_jax_only_modules_exist_and_are_documented():
     assert [m for m in modules if Path(m).name not in doc] == []
 
 
-# Stands in for `rpa-harness` on a chip: records each call's subcommand, target and --junit (whose name says
-# the nightly's round), takes $STAND_IN_SECONDS and, with STAND_IN_LEAVES_A_CHILD=1, leaves a child running,
-# its pid written to $STAND_IN_CHILDREN.
+# Stands in for `rpa-harness` on a chip: records each call's subcommand (``chip-STEP`` for `rpa-harness chip
+# STEP`), its targets (comma-separated) and --junit (whose name says the nightly's round), takes
+# $STAND_IN_SECONDS and, with STAND_IN_LEAVES_A_CHILD=1, leaves a child running, its pid written to
+# $STAND_IN_CHILDREN.
 STAND_IN = """#!/usr/bin/env bash
-command=$1 target=- junit=-
+command=$1 targets= junit=-
+[ "$1" = chip ] && command="chip-$2"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --target) target=$2 ;;
+    --target) targets="${targets:+$targets,}$2" ;;
     --junit) junit=$2 ;;
     --json) : >"$2" ;;
   esac
   shift
 done
-echo "$command $target $junit" >>"$STAND_IN_CALLS"
+echo "$command ${targets:--} $junit" >>"$STAND_IN_CALLS"
 if [ "${STAND_IN_LEAVES_A_CHILD:-0}" = 1 ]; then
   sleep 300 &
   echo $! >>"$STAND_IN_CHILDREN"
@@ -179,14 +180,15 @@ def test_an_unknown_chip_session_step_is_a_one_line_usage_error(chip_host, step)
     groups = " ".join(f"calibrate-{number} verdicts-{number} agreement-{number}" for number in numbers)
     assert result.stderr.splitlines() == [
         f"chip_session: unknown step '{step}'; steps: smoke owner calibrate verdicts {groups} agreement arithmetic "
-        "throughput-pooled throughput-any-config speed v3-speed"
+        "throughput-pooled throughput-any-config speed v3-speed q-len-zero"
     ]
     assert not (checkout / "chip-logs").exists()  # nothing ran, not even the smoke step before it
 
 
-def test_calibrate_runs_each_target_this_jax_loads_once_and_ends_what_each_step_leaves(chip_host):
-    """Each target's step leaves a child running: the step's end kills it, while a process of the user's
-    whose name matches what the session once killed by name (``pkill -f``) survives."""
+def test_each_calibrate_group_is_one_chip_step_that_ends_what_it_leaves(chip_host):
+    """Each group is one `rpa-harness chip calibrate` on its targets (the step shares their time:
+    tests/end_to_end/test_chip_steps.py); each leaves a child running, which the step's end kills, while a
+    process of the user's whose name matches what the session once killed by name (``pkill -f``) survives."""
     checkout, env = chip_host
     env = {**env, "STAND_IN_LEAVES_A_CHILD": "1"}
     bystander = subprocess.Popen(["bash", "-c", f'exec -a "{MATCHING_NAME}" sleep 300'])
@@ -197,28 +199,28 @@ def test_calibrate_runs_each_target_this_jax_loads_once_and_ends_what_each_step_
         bystander.kill()
         bystander.wait()
     assert result.returncode == 0, result.stdout + result.stderr
-    calibrated = [target for _, target, _ in stand_in_calls(env)]
-    assert calibrated == loadable([target for group in calibrate_groups() for target in group])
-    assert sorted(calibrated) == sorted(loadable(SHIPPED))
+    assert stand_in_calls(env) == [("chip-calibrate", ",".join(group), "-") for group in calibrate_groups()]
     children = stand_in_children(env)
-    assert len(children) == len(calibrated) and not any(running(pid) for pid in children)
-    for target in set(SHIPPED) - set(calibrated):
-        assert f"not run here: --rpa-target={target}: " in result.stdout
+    assert len(children) == len(calibrate_groups()) and not any(running(pid) for pid in children)
+    steps = re.findall(r"^=== (calibrate-\d): exit 0 in \d+ s$", result.stdout, re.MULTILINE)
+    assert steps == [f"calibrate-{number}" for number in range(1, len(calibrate_groups()) + 1)]
     assert (checkout / "chip-logs.tgz").is_file()
 
 
-def test_a_calibrate_group_shares_its_time_and_cuts_off_a_target_past_its_share(chip_host):
-    """Every target of a group that outlives its share of RPA_CALIBRATE_SECONDS ends there (exit 124), its
-    child with it, and the group's command within its budget."""
+def test_every_chip_step_of_the_session_is_a_command_of_the_installed_harness(chip_host):
+    """The session's steps are `rpa-harness` commands on the groups' targets: what a user's own session runs
+    from the wheel (docs/nightly-tpu.md)."""
     checkout, env = chip_host
-    env = {**env, "STAND_IN_LEAVES_A_CHILD": "1", "RPA_CALIBRATE_SECONDS": "3", "STAND_IN_SECONDS": "60"}
-    started = time.monotonic()
-    result = run_script(checkout, env, "chip_session.sh", "calibrate-2")
-    assert time.monotonic() - started < 60
-    assert result.returncode == 1, result.stdout + result.stderr
-    cut_off = re.findall(r"^=== calibrate-(\S+): exit 124 in \d+ s$", result.stdout, re.MULTILINE)
-    assert cut_off == loadable(calibrate_groups()[1])
-    assert not any(running(pid) for pid in stand_in_children(env))
+    steps = ["verdicts-1", "agreement-2", "v3-speed", "q-len-zero"]  # 2 s each: the chip's release
+    result = run_script(checkout, env, "chip_session.sh", *steps)
+    assert result.returncode == 0, result.stdout + result.stderr
+    groups = calibrate_groups()
+    assert stand_in_calls(env) == [
+        ("chip-verdicts", ",".join(groups[0]), "-"),
+        ("chip-agreement", ",".join(groups[1]), "-"),
+        ("chip-speed", f"{UPSTREAM},{targets.V3_TARGET}", "-"),
+        ("chip-q-len-zero", "-", "-"),
+    ]
 
 
 @pytest.mark.parametrize(

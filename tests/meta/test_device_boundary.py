@@ -20,14 +20,11 @@ PROCESS_CALLS = ("fork", "forkpty", "kill", "killpg", "system", "popen", "exec",
 # Not yet on device.processes: files another change moves there, each listed until it does (the merge
 # shrinks this set; it never grows).
 STARTS_PROCESSES_FOR_NOW = {
-    "benchmarks/bench_throughput.py",
-    "ci/chip_probe_v3_q_len_zero.py",
-    "ci/chip_verdicts.py",
     "rpa_harness/targets/tpu_inference_v3/known_issues.py",
     "rpa_harness/targets/tpu_inference_v3/report.py",
 }
 # Not yet on Backend: a bare timed loop another change moves onto it.
-WAITS_ON_THE_CHIP_FOR_NOW = {"ci/chip_probe_v3_speed.py"}
+WAITS_ON_THE_CHIP_FOR_NOW: set[str] = set()
 
 
 def scanned() -> dict[str, ast.Module]:

@@ -15,11 +15,11 @@ every shipped catalogue as a whole, which needs no kernel.
 
 import pytest
 
-from rpa_harness import backends, generations, repro, targets
+from rpa_harness import device, generations, repro, targets
 from rpa_harness.known_issues import KnownIssue
 from tests.cases import SMALL
 
-# The generations whose chips judge the catalogue (ci/chip_verdicts.py --backend tpu): v5e's, v6e's and 7x's.
+# The generations whose chips judge the catalogue (`rpa-harness chip verdicts --backend tpu`): v5e's, v6e's and 7x's.
 CHIP_GENERATIONS = ("v5e", "v6e", "7x")
 
 
@@ -79,7 +79,7 @@ def issue_with(repro_path, **fields) -> KnownIssue:
 def write_repro(folder, name: str, generation: str):
     """A repro pair ``folder/name.json`` recorded for ``generation``."""
     example = repro.Repro(
-        "differential[fast-interpret]", "rpa_harness.kernel", backends.FAST_INTERPRET, SMALL.arrays(),
+        "differential[fast-interpret]", "rpa_harness.kernel", device.FAST_INTERPRET, SMALL.arrays(),
         SMALL.options(), case=SMALL, tpu_generation=generation,
     )  # fmt: skip
     folder.mkdir(exist_ok=True)

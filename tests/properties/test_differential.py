@@ -54,7 +54,7 @@ def draw_and_compare(
         with recorded(repro_dir, name, target_, backend, arrays, options, case=case) as notes:
             notes[runlog.LATER_CASE] = index > 0  # the progress line counts examples, not cases
             notes["shard"] = shard
-            # Where a case's host seconds go (benchmarks/bench_throughput.py reads them from the run log).
+            # Where a case's host seconds go (`rpa-harness chip throughput` reads them from the run log).
             notes.update(arrays_s=arrays_s, record_s=time.perf_counter() - started - arrays_s)
             with device.metered() as compiled:  # in this process: none where an owner makes the call
                 comparison = check_differential(target_, backend, arrays, options, seconds=notes)

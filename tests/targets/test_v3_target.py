@@ -227,7 +227,7 @@ HANG_TIMEOUT_SECONDS = 60  # the watchdog, should the deadlock check be unpatche
 def test_q_len_zero_before_live_sequence_deadlocks_at_the_wait_for_its_query_block(v3_runs):
     """The replay on the TPU interpreter stops at sequence 1's wait for its query block: one token, 512
     bytes, on a semaphore only sequence 0's copy of no tokens signalled (the finding; what a TPU does is
-    not settled: ci/chip_probe_v3_q_len_zero.py)."""
+    not settled: `rpa-harness chip q-len-zero`)."""
     replay = run_python(
         "-m", "rpa_harness.cli", "replay", str(HANG_REPRO), "--timeout", str(HANG_TIMEOUT_SECONDS),
         cwd=ROOT, timeout=HANG_TIMEOUT_SECONDS + 120,

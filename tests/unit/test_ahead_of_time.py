@@ -257,29 +257,25 @@ def test_upstreams_compile_predicates_agree_with_the_compiler():
 
 
 @NEEDS_COMPILER
-def test_the_chip_agreement_script_rehearses_on_an_interpreter(tmp_path):
-    """ci/chip_agreement.py's two steps, the chip's stood in for by the interpreter that predicted it: every
-    verdict agrees and the outputs are the same (0 of the bound apart); without a TPU, check says so."""
-    script, folder = str(REPO / "ci" / "chip_agreement.py"), str(tmp_path / "agreement")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    predicted = run_python(
-        script,
-        "predict",
-        "--out",
-        folder,
-        "--count",
-        "2",
-        "--targets",
-        targets.DEFAULT_TARGET,
-        env=env,
-        cwd=tmp_path,
+def test_the_chip_agreement_step_rehearses_on_an_interpreter(tmp_path):
+    """`rpa-harness chip agreement`'s two steps, the chip's stood in for by the interpreter that predicted it:
+    every verdict agrees and the outputs are the same (0 of the bound apart); without a TPU, the check says
+    so in one line, exit 4."""
+    folder = str(tmp_path / "agreement")
+    env = {**os.environ, device.TPU_PROBE_ENV: "none"}
+
+    def agreement(*args):
+        return run_python(
+            "-m", "rpa_harness.cli", "chip", "agreement", "--folder", folder, *args, env=env, cwd=tmp_path
+        )
+
+    predicted = agreement(
+        "--predict", "--count", "2", "--target", targets.DEFAULT_TARGET, "--tpu-generation", "v5e"
     )
     assert predicted.returncode == 0 and "2 configurations predicted" in predicted.stdout, predicted.stderr[
         -2000:
     ]
-    rehearsed = run_python(
-        script, "check", "--folder", folder, "--backend", "fast-interpret", env=env, cwd=tmp_path
-    )
+    rehearsed = agreement("--backend", "fast-interpret")
     assert rehearsed.returncode == 0, rehearsed.stdout + rehearsed.stderr[-2000:]
     rows = [
         line for line in rehearsed.stdout.splitlines() if line.startswith(f"| {targets.DEFAULT_TARGET} |")
@@ -289,5 +285,6 @@ def test_the_chip_agreement_script_rehearses_on_an_interpreter(tmp_path):
         rehearsed.stdout
     )  # -: too large to run
     assert any(row[6] == "0, 0" for row in cells), rehearsed.stdout
-    refused = run_python(script, "check", "--folder", folder, env=env, cwd=tmp_path)
-    assert refused.returncode == 4 and "no TPU" in refused.stderr, refused.stderr[-2000:]
+    refused = agreement()
+    assert refused.returncode == 4 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
+    assert refused.stderr.startswith("rpa-harness chip agreement: jax sees no TPU here"), refused.stderr

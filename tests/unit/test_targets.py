@@ -291,3 +291,40 @@ def test_an_exception_without_a_message_says_where_it_was_raised():
         said = targets.first_line_of_error(error)
     assert re.fullmatch(r"AssertionError \(raised at test_targets\.py:\d+ in kernel_body\)", said), said
     assert targets.first_line_of_error(ValueError("first\nsecond")) == "ValueError: second"
+
+
+@pytest.mark.parametrize(
+    "misspelt, nearest",
+    [
+        ("RPA_HARNESS_PROFIL", "RPA_HARNESS_PROPERTIES"),
+        ("RPA_HARNESS_CAPABILITY", "RPA_HARNESS_CAPABILITIES"),
+        ("RPA_HARNESS_KNOWN_ISSUE", "RPA_HARNESS_KNOWN_ISSUES"),
+        ("RPA_HARNESS_PRECISON", "RPA_HARNESS_PRECISION"),
+    ],
+)
+def test_a_misspelt_profile_attribute_fails_the_load_naming_the_nearest(monkeypatch, misspelt, nearest):
+    monkeypatch.setitem(sys.modules, "user_target", _module(**{misspelt: ("bf16",)}))
+    with pytest.raises(targets.TargetError) as error:
+        targets.load("user_target")
+    message = str(error.value)
+    assert len(message.splitlines()) == 1, message
+    assert message.startswith(f"--rpa-target=user_target: user_target defines {misspelt} = ('bf16',), ")
+    assert f"did you mean {nearest}?" in message and "docs/targets.md" in message
+
+
+def test_every_profile_attribute_is_documented_and_a_long_value_is_cut(monkeypatch):
+    documented = set(re.findall(r"RPA_HARNESS_[A-Z_]+", (ROOT / "docs" / "targets.md").read_text()))
+    assert set(targets.PROFILE_ATTRIBUTES) <= documented
+    monkeypatch.setitem(sys.modules, "user_target", _module(RPA_HARNESS_PROFIL=tuple(range(100))))
+    with pytest.raises(targets.TargetError, match=r"= \(0, 1, 2, .{40,50}\.\.\., which is not"):
+        targets.load("user_target")
+
+
+def test_a_misspelt_profile_attribute_on_the_command_line_is_one_usage_error(monkeypatch, capsys):
+    from rpa_harness import cli
+
+    monkeypatch.setitem(sys.modules, "user_target", _module(RPA_HARNESS_PROFIL=1))
+    assert cli.main(["bench", "--target", "user_target"]) == cli.USAGE
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert "RPA_HARNESS_PROFIL = 1" in captured.err and "RPA_HARNESS_PROPERTIES" in captured.err

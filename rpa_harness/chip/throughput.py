@@ -1,13 +1,10 @@
-"""Examples and cases per minute of the shipped differential property once warm, and where the time goes.
-
-    PYTHONPATH=. python benchmarks/bench_throughput.py [--backend tpu|fast-interpret|interpret]
-        [--targets rpa_harness.kernel,rpa_harness.targets.tpu_inference_v3] [--properties pooled,any-config]
-        [--workers 1,2] [--chip-owner auto|on|off] [--tpu-generation NAME] [--seconds 180] [--max-seconds 600]
-        [--cache cold,warm] [--cache-dir DIR] [--repro-dir DIR]
+"""``rpa-harness chip throughput``: examples and cases per minute of the shipped differential property once
+warm, and where the time goes.
 
 Each row runs the property itself, as a user's run does (``pytest --pyargs rpa_harness.properties``, the dev
 profile resized by ``RPA_MAX_EXAMPLES`` so that it never ends first), until ``--seconds`` have passed since
-its first example, then interrupts it as Ctrl-C would (its process session only) and reads its run log:
+its first example, then interrupts it as Ctrl-C would (its process session only:
+``rpa_harness.device.processes``) and reads its run log:
 
 - the wall time to the first example (starting pytest, the workers, the chip and its owner) and to warm
   (the last case whose process compiled, or the chip owner's last compilation);
@@ -27,20 +24,22 @@ owner. ``pooled`` is ``test_kernel_matches_oracle`` (on a chip, groups of cases 
 ``any-config`` is ``test_kernel_matches_oracle_any_config``. With ``--cache cold,warm`` each row runs twice,
 first with an empty persistent compilation cache (a folder of its own under ``--cache-dir``), then reading
 what the first filled; ``off`` runs without one. Failing examples leave their repros in ``--repro-dir``
-(default: a temporary folder), named in the row.
+(default: a temporary folder), named in the row. ``--backend fast-interpret`` measures the interpreters.
 """
 
 import argparse
-import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-DEFAULT_TARGETS = "rpa_harness.kernel,rpa_harness.targets.tpu_inference_v3"
+from rpa_harness import device, targets
+from rpa_harness.chip import ChipUsageError, add_target_option, backend_of, child_environment, loaded_targets
+from rpa_harness.device import processes
+
+DEFAULT_TARGETS = (targets.DEFAULT_TARGET, targets.V3_TARGET)
 PROPERTIES = {
     "pooled": "test_kernel_matches_oracle and not any_config and not checked and not reference",
     "any-config": "test_kernel_matches_oracle_any_config and not checked",
@@ -59,29 +58,24 @@ def run_row(args, target: str, prop: str, workers: int, cache, repro_dir: Path) 
     """One row: the property until ``args.seconds`` have passed since its first example (at most
     ``args.max_seconds`` in all), then its run log read."""
     log = Path(tempfile.mkdtemp(prefix="rpa-bench-log-"))
-    command = [
-        sys.executable, "-m", "pytest", "--pyargs", "rpa_harness.properties", "-p", "no:cacheprovider", "-q",
+    command = processes.python(
+        "-m", "pytest", "--pyargs", "rpa_harness.properties", "-p", "no:cacheprovider", "-q",
         "-k", PROPERTIES[prop], f"--rpa-target={target}", f"--rpa-backend={args.backend}",
         "--hypothesis-profile=dev", f"--rpa-repro-dir={repro_dir}",
         f"--rpa-compilation-cache={cache if cache is not None else 'off'}",
         "-n", str(workers), f"--rpa-chip-owner={owner_setting(args.chip_owner, workers)}",
         *([f"--rpa-tpu-generation={args.tpu_generation}"] if args.tpu_generation else []),
-    ]  # fmt: skip
-    environ = {**os.environ, "RPA_RUN_LOG": str(log), "RPA_MAX_EXAMPLES": str(NEVER_ENDS_FIRST)}
+    )  # fmt: skip
+    environ = child_environment(RPA_RUN_LOG=str(log), RPA_MAX_EXAMPLES=str(NEVER_ENDS_FIRST))
     started = time.time()
     with tempfile.TemporaryFile("w+") as output:
-        process = subprocess.Popen(
-            command, env=environ, stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        while process.poll() is None and not row_is_long_enough(log, started, args):
-            time.sleep(POLL_SECONDS)
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGINT)  # the run's own controller: it ends its workers and owner
-            try:
-                process.wait(timeout=INTERRUPT_GRACE_SECONDS)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # its session: nothing outside it
-                process.wait()
+        process = processes.start(command, env=environ, stdout=output, stderr=output)
+        try:
+            while process.poll() is None and not row_is_long_enough(log, started, args):
+                time.sleep(POLL_SECONDS)
+        finally:
+            # The run's own controller first, as Ctrl-C: it ends its workers and owner, writes its summary.
+            processes.end(process, first=signal.SIGINT, grace=INTERRUPT_GRACE_SECONDS)
         output.seek(0)
         last_line = output.read().strip().splitlines()[-1:]
     row = summarise(log, started, time.time())
@@ -198,13 +192,15 @@ def print_row(row: dict, cache: str, workers: int) -> None:
     )
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--backend", default="fast-interpret", choices=("tpu", "fast-interpret", "interpret"))
+def add_arguments(parser, step: str) -> None:
+    add_target_option(parser, DEFAULT_TARGETS, "module whose property is run")
     parser.add_argument(
-        "--targets", default=DEFAULT_TARGETS, help=f"comma-separated (default {DEFAULT_TARGETS})"
+        "--backend", default=device.TPU, choices=device.BACKENDS,
+        help="where the kernels run (default tpu; an interpreter measures the interpreters)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tpu-generation",
+        help="the interpreters' emulated generation(s), as --rpa-tpu-generation (default: the target's)",
     )
     parser.add_argument(
         "--properties", default="pooled,any-config", help=f"{', '.join(PROPERTIES)}, comma-separated"
@@ -223,10 +219,6 @@ def main() -> int:
         help="seconds a row runs after its first example (default 180: a steady window after the warm-up)",
     )  # fmt: skip
     parser.add_argument(
-        "--tpu-generation",
-        help="the interpreters' emulated generation(s), as --rpa-tpu-generation (default: the target's)",
-    )
-    parser.add_argument(
         "--max-seconds", type=float, default=600.0, help="wall seconds a row runs at most (default 600)"
     )
     parser.add_argument("--cache", default="cold,warm", help="cold, warm, off, or a comma-separated sequence")
@@ -236,10 +228,24 @@ def main() -> int:
     parser.add_argument(
         "--repro-dir", help="where failing examples leave repros (default: a temporary folder)"
     )
-    args = parser.parse_args()
+
+
+def main(args) -> int:
     unknown = sorted(set(args.properties.split(",")) - set(PROPERTIES))
     if unknown:
-        parser.error(f"--properties: {', '.join(unknown)} is not one of {', '.join(PROPERTIES)}")
+        raise ChipUsageError(f"--properties: {', '.join(unknown)} is not one of {', '.join(PROPERTIES)}")
+    try:
+        worker_counts = [int(count) for count in args.workers.split(",")]
+    except ValueError:
+        worker_counts = []
+    if not worker_counts or min(worker_counts) < 1:
+        raise ChipUsageError(f"--workers={args.workers}: give worker counts of 1 or more, comma-separated")
+    if args.backend == device.TPU and args.tpu_generation:
+        raise ChipUsageError(f"--tpu-generation={args.tpu_generation} with a TPU: the chip is what it is")
+    backend_of(argparse.Namespace(backend=args.backend, tpu_generation="none"))
+    loaded, not_run = loaded_targets(args.target or DEFAULT_TARGETS)
+    for reason in not_run.values():
+        print(f"not run here: {reason}")
     parent = Path(args.cache_dir or tempfile.mkdtemp(prefix="rpa-bench-cache-"))
     repro_dir = Path(args.repro_dir or tempfile.mkdtemp(prefix="rpa-bench-repros-"))
     print(f"backend {args.backend}; {args.seconds:.0f} s a row; repros in {repro_dir}")
@@ -250,9 +256,9 @@ def main() -> int:
         "| largest error/bound |"
     )
     print("|" + " --- |" * 19)
-    for target in args.targets.split(","):
+    for target in (loaded_target.name for loaded_target in loaded):
         for prop in args.properties.split(","):
-            for workers in (int(count) for count in args.workers.split(",")):
+            for workers in worker_counts:
                 folder = parent / f"{target}-{prop}"
                 for cache in args.cache.split(","):
                     if cache == "cold":
@@ -261,7 +267,3 @@ def main() -> int:
                     print_row(row, cache, workers)
                     sys.stdout.flush()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

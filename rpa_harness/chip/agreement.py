@@ -1,41 +1,41 @@
-"""Does the CPU host predict the chip? The compile verdicts and the interpreters' outputs, against a TPU.
+"""``rpa-harness chip agreement``: does the CPU host predict the chip? The compile verdicts and the
+interpreters' outputs, against a TPU.
 
 Two steps, on two machines, sharing one folder:
 
-  # On the CPU host (libtpu installed: pip install "rpa-harness[compile]"), from a checkout:
-  PYTHONPATH=. python ci/chip_agreement.py predict --out agreement --count 50 --generation v5e
+  # On the CPU host (libtpu installed: pip install "rpa-harness[compile]"):
+  rpa-harness chip agreement --predict --folder agreement --count 50 --tpu-generation v5e [--target T]...
   # On a TPU of that generation (the folder carried there; jax[tpu] and the harness installed):
-  python ci/chip_agreement.py check --folder agreement
+  rpa-harness chip agreement --folder agreement [--target T]...
 
-``predict`` draws ``--count`` valid configurations per target (every shipped target this jax loads, by
+``--predict`` draws ``--count`` valid configurations per target (every shipped target this jax loads, by
 default; derandomized, every declared bucket, around the target's declared findings as the properties draw:
 a configuration spent on a known answer tells nothing), compiles each for the generation with libtpu on this
 host, and, where it compiles and is small enough, runs it on the checking interpreter (whose exit check
 predicts a halt: ``halts the chip``) and on the fast interpreter emulating that generation (the chip's
-float32 products emulated). It writes ``predictions.json`` (case,
-options, verdict) and ``outputs.npz`` (the interpreter's outputs) into the folder. ``check`` runs on the chip:
-each configuration is compiled for it (same verdict: compiles, or refused the same way), and each
-interpreted case is run there and compared with the interpreter's output and the float64 oracle. It prints a
-table per target and dtype pair: verdicts agreeing, halts predicted and seen, the largest and median
-|chip - interpreter| as a fraction of the judge's bound, the largest in units of the output's last place
-(1: a result the two computed a hair apart, rounded either way of an output boundary) and the largest
-fraction of the bound where they are more than one unit apart, and the largest error/bound of each; it
-exits 1 when a verdict differs.
+float32 products emulated). It writes ``predictions.json`` (case, options, verdict) and ``outputs.npz`` (the
+interpreter's outputs) into the folder. The check runs on the chip: each configuration is compiled for it
+(same verdict: compiles, or refused the same way), and each interpreted case is run there and compared with
+the interpreter's output and the float64 oracle. It prints a table per target and dtype pair: verdicts
+agreeing, halts predicted and seen, the largest and median |chip - interpreter| as a fraction of the judge's
+bound, the largest in units of the output's last place (1: a result the two computed a hair apart, rounded
+either way of an output boundary) and the largest fraction of the bound where they are more than one unit
+apart, and the largest error/bound of each; it exits 1 when a verdict differs. ``--backend fast-interpret``
+rehearses the check on the CPU host (the interpreter that predicted stands in for the chip).
 """
 
-import argparse
 import dataclasses
 import json
 import os
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from hypothesis import given
-from hypothesis import strategies as st
 
-from benchmarks.drawn import same_examples
+from rpa_harness import device, generations
+from rpa_harness.chip import ChipUsageError, add_target_option
 
 # Cases larger than this many output elements are compiled but not run (the interpreter's time).
 LARGEST_RUN = 1 << 18
@@ -50,6 +50,10 @@ def verdict_of(error) -> str:
 
 
 def draw_cases(target, backend, count: int) -> list:
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from rpa_harness.drawn import same_examples
     from rpa_harness.strategies.shapes import select_buckets
     from rpa_harness.strategies.valid import valid_cases
 
@@ -74,35 +78,36 @@ def draw_cases(target, backend, count: int) -> list:
     return drawn[:count]
 
 
-def predict(args) -> int:
-    from rpa_harness import checks, device, targets
+def predict(args, names: list[str]) -> int:
+    from rpa_harness import checks, targets
     from rpa_harness.repro import stand_ins
 
-    folder = Path(args.out)
+    folder = Path(args.folder)
     folder.mkdir(parents=True, exist_ok=True)
-    compiler = device.Backend(device.TPU_COMPILER, True, args.generation)
-    interpreter = device.Backend(device.FAST_INTERPRET, True, args.generation)
-    checking = device.Backend(device.INTERPRET, True, args.generation)
-    predictions, outputs = [], {}
-    for name in args.targets:
+    compiler = device.Backend(device.TPU_COMPILER, True, args.tpu_generation)
+    interpreter = device.Backend(device.FAST_INTERPRET, True, args.tpu_generation)
+    checking = device.Backend(device.INTERPRET, True, args.tpu_generation)
+    predictions: list[dict[str, Any]] = []
+    outputs: dict[str, Any] = {}  # key -> the interpreter's output
+    for name in names:
         try:
             target = targets.load(name)
-        except targets.TargetError as error:
-            print(f"{name}: not loaded ({error})", file=sys.stderr)
+        except targets.TargetError as cannot:
+            print(f"{name}: not loaded ({cannot})", file=sys.stderr)
             continue
         for index, case in enumerate(draw_cases(target, compiler, args.count)):
             key = f"{name}#{index}"
+            refusal: checks.PropertyFailure | None = None
             try:
                 checks.check_compiles(target, compiler, stand_ins(case.array_shapes()), case.options())
-                error = None
             except checks.CannotRun as reason:
                 print(f"{key}: not compiled here ({reason})", file=sys.stderr)
                 continue
             except checks.PropertyFailure as failure:
-                error = failure
-            entry = {"key": key, "target": name, "case": case.to_json(), "verdict": verdict_of(error)}
+                refusal = failure
+            entry = {"key": key, "target": name, "case": case.to_json(), "verdict": verdict_of(refusal)}
             if (
-                error is None
+                refusal is None
                 and case.max_num_batched_tokens * case.num_q_heads * case.head_dim <= LARGEST_RUN
             ):
                 if halts_on_the_checking_interpreter(target, checking, case):
@@ -114,7 +119,7 @@ def predict(args) -> int:
             predictions.append(entry)
             print(f"{key}: {entry['verdict']}{' (run)' if entry.get('interpreted') else ''}", flush=True)
     (folder / "predictions.json").write_text(
-        json.dumps({"generation": args.generation, "entries": predictions}, indent=1)
+        json.dumps({"generation": args.tpu_generation, "entries": predictions}, indent=1)
     )
     np.savez(folder / "outputs.npz", **outputs)
     print(f"{len(predictions)} configurations predicted into {folder}")
@@ -182,16 +187,13 @@ def check(args) -> int:
     """Runs the entries' calls through a chip owner (``rpa_harness.device.owner``), this process computing the
     oracles and comparisons; a call that halts the chip ends that owner and is that configuration's verdict
     ("halts the chip"), and a fresh owner goes on with the next one."""
-    from rpa_harness import device
 
     device.keep_off_the_chips()  # the owner opens the chip
     if args.backend == device.TPU and not device.tpus():
-        print(
-            f"chip_agreement check: jax sees no TPU here, not a TPU host; run it on the chip, or rehearse it "
-            f"here with --backend {device.FAST_INTERPRET}",
-            file=sys.stderr,
+        raise ChipUsageError(
+            "jax sees no TPU here, not a TPU host; run the check on the chip, or rehearse it here with "
+            f"--backend {device.FAST_INTERPRET}"
         )
-        return 4
     chip_name = device.tpus().kind if args.backend == device.TPU else args.backend
     folder = Path(args.folder)
     recorded = json.loads((folder / "predictions.json").read_text())
@@ -199,7 +201,7 @@ def check(args) -> int:
     chip = device.Backend(
         args.backend, True, "none" if args.backend == device.TPU else recorded["generation"]
     )
-    entries = [entry for entry in recorded["entries"] if not args.targets or entry["target"] in args.targets]
+    entries = [entry for entry in recorded["entries"] if not args.target or entry["target"] in args.target]
     results: dict[str, dict] = {}
     supervisor = device.owner.Supervisor(dict(os.environ)).start()
     device.owner.route_calls_to(supervisor.where)
@@ -215,6 +217,7 @@ def check(args) -> int:
             results[entry["key"]] = result
             print(f"{result['key']}: {result['verdict']}", flush=True)
     finally:
+        device.owner.route_calls_to(None)
         owners = supervisor.stop()
     print(f"chip owner: {owners['calls']} calls, busy {owners['busy_s']:.1f} s, {owners['owners']} owner(s)")
     rows: dict[tuple, dict] = defaultdict(
@@ -265,37 +268,46 @@ def check(args) -> int:
     return 1 if differing else 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def add_arguments(parser, step: str) -> None:
+    add_target_option(
+        parser, ["every shipped target this jax loads"], "module whose configurations are drawn"
     )
-    steps = parser.add_subparsers(dest="step", required=True)
-    ahead = steps.add_parser("predict", help="on the CPU host: compile and interpret drawn configurations")
-    ahead.add_argument(
-        "--out", required=True, help="the folder to write predictions.json and outputs.npz into"
-    )
-    ahead.add_argument("--count", type=int, default=50, help="configurations per target (default 50)")
-    ahead.add_argument("--generation", default="v5e", help="the chip's generation (default v5e)")
-    ahead.add_argument(
-        "--targets", nargs="+", help="target modules (default: every shipped target this jax loads)"
-    )
-    on_chip = steps.add_parser("check", help="on the TPU: the same configurations compiled and run there")
-    on_chip.add_argument("--folder", required=True, help="the folder predict wrote")
-    on_chip.add_argument(
-        "--targets", nargs="+", help="only these targets' configurations (default: every one)"
-    )
-    on_chip.add_argument(
-        "--backend", default="tpu", choices=("tpu", "fast-interpret", "interpret"),
-        help="where to run (default tpu; an interpreter emulating the generation rehearses the check on CPU)",
+    parser.add_argument(
+        "--predict", action="store_true",
+        help="on the CPU host: compile and interpret drawn configurations into --folder (without it: check "
+        "them on the chip)",
     )  # fmt: skip
-    args = parser.parse_args()
-    if args.step == "predict":
+    parser.add_argument("--folder", required=True, help="the folder of predictions.json and outputs.npz")
+    parser.add_argument(
+        "--count", type=int, default=50, help="--predict: configurations per target (default 50)"
+    )
+    parser.add_argument(
+        "--tpu-generation", default="v5e", help="--predict: the chip's generation (default v5e)"
+    )
+    parser.add_argument(
+        "--backend", default=device.TPU, choices=device.BACKENDS,
+        help="the check: where to run (default tpu; an interpreter emulating the predicted generation "
+        "rehearses it on a CPU host)",
+    )  # fmt: skip
+
+
+def main(args) -> int:
+    if args.predict:
+        if args.count < 1:
+            raise ChipUsageError(f"--count={args.count} must be at least 1")
+        try:
+            generations.check_name(args.tpu_generation)
+        except generations.GenerationError as error:
+            raise ChipUsageError(str(error)) from None
+        if args.tpu_generation == generations.NONE:
+            raise ChipUsageError(
+                "--tpu-generation=none: --predict compiles for a TPU generation; name one, e.g. v5e"
+            )
         from rpa_harness import targets
 
-        args.targets = args.targets or [shipped.name for shipped in targets.SHIPPED]
-        return predict(args)
+        return predict(args, args.target or [shipped.name for shipped in targets.SHIPPED])
+    if not (Path(args.folder) / "predictions.json").is_file():
+        raise ChipUsageError(
+            f"--folder={args.folder}: no predictions.json there; write it on the CPU host with --predict"
+        )
     return check(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""How the benchmarks draw their examples with Hypothesis."""
+"""How the benchmarks and `rpa-harness chip agreement` draw their examples with Hypothesis."""
 
 from hypothesis import HealthCheck, settings
 

@@ -1,14 +1,14 @@
-"""What a TPU does with tpu-inference v3's finding ``q-len-zero-before-a-live-sequence-hangs``, step by step.
+"""``rpa-harness chip q-len-zero``: what a TPU does with tpu-inference v3's finding
+``q-len-zero-before-a-live-sequence-hangs``, step by step.
 
-    python3 ci/chip_probe_v3_q_len_zero.py [--backend tpu] [--timeout 120]
-
-On a TPU host (jax[tpu], ``pip install --no-deps tpu-inference==0.32.0``, the harness installed), from a
-checkout. The repro: sequences ``(q_len, kv_len) = (0, 1), (1, 1)``, page size 16, one head, float32. v3's
-program (kernel.py, 0.32.0) never copies sequence 1's query block or its new key and value: sequence 0 runs
-no loop iteration, so the prefetches sequence 1 waits for are the ones started for sequence 0, a query copy
-of 0 bytes (the wait for sequence 1's 512 bytes is what the TPU interpreter calls a deadlock) and a KV
-copy of sequence 0's one cached row (which a wait for sequence 1's one row accepts). A chip that returns
-must read something for sequence 1; this probe says what:
+A step of v3 itself (it drives v3's adapter: its inputs, its kernel options, its returned cache), on a TPU
+host with jax[tpu] and ``pip install --no-deps tpu-inference==0.32.0``. The repro, the finding's own:
+sequences ``(q_len, kv_len) = (0, 1), (1, 1)``, page size 16, one head, float32. v3's program (kernel.py,
+0.32.0) never copies sequence 1's query block or its new key and value: sequence 0 runs no loop iteration,
+so the prefetches sequence 1 waits for are the ones started for sequence 0, a query copy of 0 bytes (the
+wait for sequence 1's 512 bytes is what the TPU interpreter calls a deadlock) and a KV copy of sequence 0's
+one cached row (which a wait for sequence 1's one row accepts). A chip that returns must read something for
+sequence 1; this probe says what:
 
 - ``first-call``: the repro as the process's first kernel call;
 - ``after-a-sentinel-value``: first a call of the same configuration whose only sequence, ``(1, 1)``, has
@@ -17,29 +17,29 @@ must read something for sequence 1; this probe says what:
   one key the output is the value whatever a finite query, so only NaN shows a query never fetched);
 - ``checks-on``: the repro with Mosaic's bounds and semaphore checks on (v3 turns both off by default).
 
-Each step runs in a process of its own (a hang is killed after ``--timeout`` seconds; a halted chip ends
-only its step) and ends with a call of the repro without the empty sequence, which says whether the chip
-was left working. Per call it prints whether it returned, the attention against the float64 oracle, the
-cache against the expected one, and what sequence 1's output row is: its own value (right), sequence 0's
-cached value (what v3's copies put in the KV buffer), the sentinel (a buffer left by the call before), or
-something else. ``--backend interpret`` or ``fast-interpret`` runs the same steps on CPU.
+Each step runs in a process of its own (``rpa_harness.device.processes``; a hang is ended after
+``--timeout`` seconds, a halted chip ends only its step) and ends with a call of the repro without the
+empty sequence, which says whether the chip was left working. Per call it prints whether it returned, the
+attention against the float64 oracle, the cache against the expected one, and what sequence 1's output row
+is: its own value (right), sequence 0's cached value (what v3's copies put in the KV buffer), the sentinel
+(a buffer left by the call before), or something else. ``--backend interpret`` or ``fast-interpret`` runs
+the same steps on CPU.
 """
 
-import argparse
 import dataclasses
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-# jax and the harness are imported by the steps only: the parent process must leave the chip to them.
+from rpa_harness import targets
+from rpa_harness.chip import ChipUsageError, add_backend_options, backend_of, child_environment
+from rpa_harness.device import processes
 
-REPRO = (
-    Path(__file__).resolve().parents[1]
-    / "docs/tpu-inference-v3-findings/q-len-zero-before-a-live-sequence-hangs/v3-hang_interpret.json"
-)
+# jax and the harness's kernels are imported by the steps only: this process leaves the chip to them.
+
+FINDING = "q-len-zero-before-a-live-sequence-hangs"
+
 STEPS = ("first-call", "after-a-sentinel-value", "after-a-nan-query", "checks-on")
 SENTINEL = 3.0
 VALUE = 1  # a key's value is combined head 1 of its page slot (heads interleave K, V)
@@ -61,9 +61,7 @@ def live_row_reads(out, arrays) -> str:
 
 
 def precision(backend) -> tuple[str, ...]:
-    from rpa_harness import targets
-
-    return targets.load("rpa_harness.targets.tpu_inference_v3").precision_on(backend)
+    return targets.load(targets.V3_TARGET).precision_on(backend)
 
 
 def judged_call(what: str, backend, arrays: dict, options: dict, **kernel_options) -> None:
@@ -124,14 +122,22 @@ def with_a_sentinel(arrays: dict, step: str) -> dict:
     return {**arrays, "kv_pages": kv_pages}
 
 
-def run_step(step: str, backend_name: str) -> None:
-    from rpa_harness import interpret_compat
+def finding_repro():
+    """The finding's repro, from v3's catalogue (installed with the harness)."""
     from rpa_harness import repro as repro_files
+    from rpa_harness.targets import tpu_inference_v3
+
+    (issue,) = [issue for issue in tpu_inference_v3.RPA_HARNESS_CATALOGUE if issue.name == FINDING]
+    return repro_files.read(issue.repro)
+
+
+def run_step(step: str, backend_name: str, generation: str) -> None:
+    from rpa_harness import interpret_compat
     from rpa_harness.device import Backend
 
     interpret_compat.install()
-    backend = Backend(backend_name)
-    repro = repro_files.read(REPRO)
+    backend = Backend(backend_name, generation=generation)
+    repro = finding_repro()
     arrays, options = repro.arrays, repro.options
     if step.startswith("after-a-"):
         judged_call("the call before", backend, with_a_sentinel(arrays, step), options)
@@ -144,32 +150,33 @@ def run_step(step: str, backend_name: str) -> None:
     )
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--backend", default="tpu", choices=("tpu", "interpret", "fast-interpret"))
+def add_arguments(parser, step: str) -> None:
+    add_backend_options(parser)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a step is a hang")
-    parser.add_argument("--step", choices=STEPS, help=argparse.SUPPRESS)  # a child: run this step
-    args = parser.parse_args()
-    if args.step:
-        run_step(args.step, args.backend)
-        return 0
+
+
+def main(args) -> int:
+    backend = backend_of(args)
+    try:
+        targets.load(targets.V3_TARGET)
+    except targets.TargetError as error:
+        raise ChipUsageError(
+            f"the probe calls tpu-inference's v3, which does not load here: {error}"
+        ) from None
     for step in STEPS:  # each in a process of its own, which holds the chip while it runs
         print(f"{step}:", flush=True)
-        command = [sys.executable, __file__, "--step", step, "--backend", args.backend]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired as expired:  # its output so far comes as bytes
-            print((expired.stdout or b"").decode(errors="replace"), end="")
-            print(f"  HANG: the step did not end within {args.timeout:g} s", flush=True)
-            continue
+        command = processes.python(
+            "-m", "rpa_harness.chip.q_len_zero", step, backend.name, backend.generation
+        )
+        done = processes.run(command, timeout=args.timeout, env=child_environment())
         print(done.stdout, end="", flush=True)
-        if done.returncode != 0:
+        if done.timed_out:
+            print(f"  HANG: the step did not end within {args.timeout:g} s", flush=True)
+        elif done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             print(f"  the step's process exited {done.returncode}: {last[:300]}", flush=True)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # one step, in a process of its own: STEP BACKEND GENERATION
+    run_step(*sys.argv[1:4])

@@ -1,0 +1,128 @@
+"""``rpa-harness chip smoke`` and ``rpa-harness chip calibrate``: each target's property campaign
+(``rpa-harness run`` on the dev profile) on the chip, one after the other, sharing one time budget.
+
+- ``smoke``, the first thing to run on a fresh TPU VM: the chip and the versions, then a few examples
+  (``RPA_MAX_EXAMPLES``, default 4) of every property against each target (default the bundled kernel and
+  upstream's), one worker that opens the chip (``-n 1``: a halt or a libtpu abort ends the worker, not the
+  run, and the summary names the suspect);
+- ``calibrate``: each target's dev profile (``RPA_MAX_EXAMPLES``, default 3), ``--workers`` feeding one
+  chip owner, ending with its summary: what the nightly's budget buys on this chip.
+
+The targets share ``--seconds``: each is given what is left divided by the targets still to run, so that a
+quick one leaves its time to those after it; one cut off at its share ends without its summary (exit 124,
+as ``timeout`` gives it) and with whatever it started. A shipped target this jax cannot load (its kernel
+needs another jax, or is not installed) is named with the reason and skipped. Each target's output goes to
+``--logs``/STEP-TARGET.log (the smoke's is printed too), its repros under ``--logs``/repros; a line per
+target says how it ended.
+"""
+
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from rpa_harness import device, generations, targets
+from rpa_harness.chip import (
+    ChipUsageError,
+    add_backend_options,
+    add_target_option,
+    backend_of,
+    child_environment,
+    loaded_targets,
+)
+from rpa_harness.device import processes
+
+CUT_OFF = 124  # a target past its share, as timeout(1) reports it
+CHIP_RELEASE_SECONDS = 2.0  # the chip is released with the process that held it
+KILL_GRACE_SECONDS = 10.0
+DEFAULTS = {  # step: (targets, workers, examples per property, seconds the targets share)
+    "smoke": ((targets.DEFAULT_TARGET, targets.UPSTREAM_TARGET), 1, 4, 540.0),
+    "calibrate": (tuple(shipped.name for shipped in targets.SHIPPED), 12, 3, 510.0),
+}
+
+
+def add_arguments(parser, step: str) -> None:
+    names, workers, examples, seconds = DEFAULTS[step]
+    parser.epilog = f"RPA_MAX_EXAMPLES: the examples of each property (default {examples})"
+    add_target_option(parser, names)
+    add_backend_options(parser)
+    parser.add_argument(
+        "--workers", type=int, default=workers,
+        help=f"pytest-xdist workers per target (default {workers}; 2 or more feed one chip owner)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seconds", type=float, default=seconds,
+        help=f"seconds the targets share (default {seconds:g}); each gets what is left over the targets to run",
+    )  # fmt: skip
+    parser.add_argument(
+        "--logs", default="chip-logs", help="folder of the logs and repros (default chip-logs)"
+    )
+
+
+def harness(*args: str) -> list[str]:
+    """An ``rpa-harness`` command run by this Python."""
+    return processes.python("-m", "rpa_harness.cli", *args)
+
+
+def chip_and_versions(backend: device.Backend) -> str:
+    import hypothesis
+    import jax
+    import jaxlib
+    import numpy
+
+    if backend.name == device.TPU:
+        tpus = device.tpus()
+        where = f"TPU: {tpus.count} device(s), {tpus.kind}"
+    else:
+        where = f"{backend.name} emulating {backend.generation} on a CPU (a rehearsal)"
+    return (
+        f"{where}\npython {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+        f"numpy {numpy.__version__}, hypothesis {hypothesis.__version__}"
+    )
+
+
+def run_target(step: str, target: str, backend: device.Backend, args, seconds: float, logs: Path) -> int:
+    """One target's campaign, its output in its log, ended at ``seconds``; its exit status (``CUT_OFF``
+    when it was ended)."""
+    repros = logs / "repros" / (f"smoke/{target}" if step == "smoke" else target)
+    command = harness(
+        "run", "--profile", "dev", "--backend", backend.name, "--target", target, "-n", str(args.workers),
+        "--repro-dir", str(repros),
+        *(["--tpu-generation", backend.generation] if backend.generation != generations.NONE else []),
+    )  # fmt: skip
+    examples = os.environ.get("RPA_MAX_EXAMPLES", str(DEFAULTS[step][2]))
+    started = time.monotonic()
+    with open(logs / f"{step}-{target}.log", "w") as log:
+        done = processes.run(
+            command, timeout=max(seconds, 1.0), env=child_environment(RPA_MAX_EXAMPLES=examples),
+            output=log, grace=KILL_GRACE_SECONDS,
+        )  # fmt: skip
+    code = CUT_OFF if done.returncode is None else done.returncode
+    if step == "smoke":  # a first look at a host: its summary tables where it is read
+        print((logs / f"{step}-{target}.log").read_text(), end="")
+    if backend.name == device.TPU:
+        time.sleep(CHIP_RELEASE_SECONDS)
+    print(f"=== {step}-{target}: exit {code} in {time.monotonic() - started:.0f} s", flush=True)
+    return code
+
+
+def main(args) -> int:
+    if args.workers < 1:
+        raise ChipUsageError(f"--workers={args.workers} must be at least 1")
+    backend = backend_of(args)
+    loaded, not_run = loaded_targets(args.target or DEFAULTS[args.step][0])
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    if args.step == "smoke":
+        print(chip_and_versions(backend), flush=True)
+    for reason in not_run.values():
+        print(f"not run here: {reason}", flush=True)
+    deadline = time.monotonic() + args.seconds
+    status = 0
+    for left, target in zip(range(len(loaded), 0, -1), loaded, strict=True):
+        share = (deadline - time.monotonic()) / left
+        code = run_target(args.step, target.name, backend, args, share, logs)
+        status = status or (1 if code else 0)
+    sys.stdout.flush()
+    return status
