@@ -25,8 +25,9 @@
 #                workers (RPA_THROUGHPUT_WORKERS) feeding a chip owner, each row 180 s after its first
 #                example: the steady rate, the signatures compiled, where a call's and a case's time goes
 #   speed        rpa-harness bench: the bundled kernel, upstream's and v3 at the serving batches
+#   v3-tuning    rpa-harness bench --sweep-blocks on v3 (mixed, decode): its tuning finding's verdict, a report
 #   v3-speed     rpa-harness chip speed: v3's and upstream's time per batch through bench's call and bare,
-#                and v3's per block size
+#                and v3's own choice of block sizes
 #   q-len-zero   rpa-harness chip q-len-zero: v3's q-len-zero-before-a-live-sequence-hangs step by step
 #
 # The calibration groups (CALIBRATE_GROUPS below) hold every shipped target once; on jax 0.10.2 (Python 3.11,
@@ -59,7 +60,7 @@ CALIBRATE_GROUPS=(
   "rpa_harness.targets.tpu_inference_batched_rpa rpa_harness.targets.tpu_inference_rpa_v3_cp rpa_harness.targets.tpu_inference_stacked_rpa rpa_harness.targets.tpu_inference_mla_swa"
 )
 groups=$(for i in "${!CALIBRATE_GROUPS[@]}"; do printf ' calibrate-%d verdicts-%d agreement-%d' $((i + 1)) $((i + 1)) $((i + 1)); done)
-steps="smoke owner calibrate verdicts$groups agreement arithmetic throughput-pooled throughput-any-config speed v3-speed q-len-zero"
+steps="smoke owner calibrate verdicts$groups agreement arithmetic throughput-pooled throughput-any-config speed v3-speed v3-tuning q-len-zero"
 for name in "$@"; do
   case " $steps " in
     *" $name "*) ;;
@@ -148,8 +149,11 @@ for name in "$@"; do
       step speed 300 rpa-harness bench --target rpa_harness.kernel --target rpa_harness.targets.tpu_inference_v3 \
         --json "$logs/bench.json" ;;
     v3-speed)
-      step v3-speed 400 rpa-harness chip speed --target jax.experimental.pallas.ops.tpu.ragged_paged_attention \
-        --target rpa_harness.targets.tpu_inference_v3 --sweep rpa_harness.targets.tpu_inference_v3 ;;
+      step v3-speed 200 rpa-harness chip speed --target jax.experimental.pallas.ops.tpu.ragged_paged_attention \
+        --target rpa_harness.targets.tpu_inference_v3 ;;
+    v3-tuning)  # v3's own block sizes against every pair it accepts on the mixed and decode batches
+      step v3-tuning 400 rpa-harness bench --target rpa_harness.targets.tpu_inference_v3 --batch mixed,decode \
+        --sweep-blocks --baseline none --report-dir "$logs" ;;
     q-len-zero) step q-len-zero 300 rpa-harness chip q-len-zero --timeout 30 ;;
   esac
 done

@@ -20,7 +20,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from rpa_harness import device, generations, lowering
+from rpa_harness import device, generations, lowering, tuning
 from rpa_harness.checks import kernel_call
 from rpa_harness.strategies.case import DTYPES, Case
 from rpa_harness.targets import (
@@ -191,6 +191,58 @@ def time_target(target: Target, backend: device.Backend, batch: Batch, calls: in
     return timing
 
 
+def sweep(target: Target, backend: device.Backend, batch: Batch, calls: int) -> tuning.Sweep:
+    """The target on ``batch`` with its own block sizes and with each pair of ``tuning.candidates``: a
+    pair its validator rejects is not called, and one whose call raises is refused with what it raised."""
+    pairs = [
+        tuning.Blocks(None, None),
+        *tuning.candidates(batch.case, target.capabilities.max_kv_pages_per_block),
+    ]
+    timings = {}
+    for blocks in pairs:
+        case = tuning.with_blocks(batch.case, blocks)
+        swept = Batch(batch.name, batch.description, case)
+        if blocks.kv_pages is not None and target.has_validator:
+            try:
+                target.validate(case.arrays(), case.options())
+            except Exception as error:  # the rules refuse the pair: not timed
+                timings[blocks] = Timing(target.name, batch.name, error=first_line_of_error(error))
+                continue
+        timings[blocks] = time_target(target, backend, swept, calls)
+    return tuning.Sweep(target.name, batch.name, timings)
+
+
+def report_sweeps(targets: list[Target], backend: device.Backend, batches: dict, args, where: str) -> bool:
+    """Sweeps each target's block sizes on each batch, prints each table and the chip's verdicts, and
+    writes a report of each sweep whose own choice loses by ``--tuning-threshold`` where ``--report-dir``
+    is given; whether a verdict fails the bench."""
+    chip = lowering.real_tpu_generation() if backend.name == device.TPU else None
+    failed = False
+    for target in targets:
+        for batch in batches.values():
+            if unsupported(target, batch.case) is not None:
+                continue
+            swept = sweep(target, backend, batch, args.calls)
+            print(f"{target.name} on batch {batch.name}, block sizes swept:")
+            print("\n".join(f"  {line}" for line in tuning.table(swept)))
+            if chip is None:
+                print("  no tuning verdict: an interpreter's times are the CPU's")
+            for verdict in tuning.verdicts(swept, target.tuning_findings, chip, args.tuning_threshold):
+                name = verdict.finding.name if verdict.finding else "undeclared"
+                print(f"  {'TUNING' if verdict.fails else 'tuning'} {name}: {verdict.words}")
+                failed = failed or verdict.fails
+            ratio = swept.ratio()
+            if args.report_dir and ratio is not None and ratio >= args.tuning_threshold:
+                path = tuning.report_path(Path(args.report_dir), swept)
+                path.write_text(
+                    tuning.report(
+                        swept, batch.description, where, args.calls, args.tuning_threshold, target.version
+                    )
+                )
+                print(f"  report: {path}")
+    return failed
+
+
 def chip_peak(backend: device.Backend) -> tuple[str, Peak | None]:
     """What the times were measured on, and its peak where the times are a chip's."""
     if backend.name != device.TPU:
@@ -316,6 +368,13 @@ def bench(args) -> int:
         for flag, limit in (("--max-slowdown", args.max_slowdown), ("--max-ratio", args.max_ratio)):
             if limit is not None and not limit > 0:
                 raise BenchUsageError(f"{flag}={limit:g} must be positive: a time ratio, e.g. 1.2")
+        if not args.tuning_threshold > 1:
+            raise BenchUsageError(
+                f"--tuning-threshold={args.tuning_threshold:g} must be above 1: how many times the fastest "
+                "accepted block sizes a target's own choice may take, e.g. 1.5"
+            )
+        if args.report_dir and not Path(args.report_dir).is_dir():
+            raise BenchUsageError(f"--report-dir={args.report_dir}: not a folder; create it or name another")
         if args.calls < 1:
             raise BenchUsageError(f"--calls={args.calls} must be at least 1")
         unknown = [name for name in args.batch if name not in BATCHES]
@@ -353,6 +412,9 @@ def bench(args) -> int:
         case = batch.case
         print(f"  {batch.name}: {batch.description} ({hbm_bytes(case) / 1e6:,.4g} MB to move, "
               f"{attention_flops(case) / 1e9:,.4g} GFLOP)")  # fmt: skip
+    if args.sweep_blocks:
+        named = targets[: len(args.target or [DEFAULT_TARGET])]  # the baselines come after: not swept
+        return REGRESSED if report_sweeps(named, backend, batches, args, where) else PASSES
     timings = [time_target(t, backend, batch, args.calls) for batch in batches.values() for t in targets]
     print("\n".join(table(timings, batches, baselines, peak)))
     for target in targets:
@@ -416,6 +478,19 @@ def add_parser(commands) -> None:
         "--max-ratio",
         type=float,
         help="exit 1 where a target's median is more than this many times its baseline's",
+    )
+    parser.add_argument(
+        "--sweep-blocks", action="store_true",
+        help="time each target's own block sizes against every (KV pages, queries) per block pair it "
+        "accepts; on a chip, a tuning finding where its own choice loses by --tuning-threshold",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tuning-threshold", type=float, default=tuning.DEFAULT_THRESHOLD,
+        help=f"with --sweep-blocks: the times the fastest accepted pair's that a target's own choice may take "
+        f"(default {tuning.DEFAULT_THRESHOLD:g})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--report-dir", help="with --sweep-blocks: write a performance report of each tuning finding here"
     )
     parser.add_argument("--json", help="also write the timings to this file (a later run's --previous)")
     parser.add_argument("--previous", help="an earlier run's --json file to compare with (missing: none)")

@@ -43,6 +43,7 @@ __all__ = [  # what an adapter imports (docs/targets.md)
     "KnownIssue",
     "KnownIssueError",
     "Kernel",
+    "TuningFinding",
     "findings_dir",
     "case_arrays",
     "keep_sequences",
@@ -185,6 +186,26 @@ class KnownIssue:
     def shows(self, failure: str) -> bool:
         """Whether a property failure is this issue's (and not some other failure of the repro)."""
         return re.search(self.symptom, failure) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningFinding:
+    """A batch of ``rpa-harness bench`` (``rpa_harness.bench.BATCHES``) on which a target's own block
+    sizes lose to ones its rules accept (``rpa_harness.tuning``), on the chips named.
+
+    ``generations``: the TPU generations whose tuning has it (``rpa_harness.generations`` names; empty for
+    every generation). ``measured``: what a chip measured, in words, for the finding's docs and report."""
+
+    name: str
+    batch: str
+    generations: tuple[str, ...] = ()
+    measured: str = ""
+
+    def __post_init__(self):
+        generations.check_declared(self.generations)
+
+    def applies_to(self, generation: str) -> bool:
+        return not self.generations or generation in self.generations
 
 
 def recorded_generation(repro_json: Path) -> str:

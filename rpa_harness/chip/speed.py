@@ -10,16 +10,14 @@ per call of:
 - ``bare``: the same kernel function on the same device arrays, called in a loop under one guard of the
   backend (``Backend.guarded``: the known-good call on a chip, the watchdog), without the adapter's
   per-call work: what is left is the kernel's own time;
-- for each ``--sweep`` target, the same at each of ``BLOCK_SWEEP``'s block sizes, next to v3's own choice
-  for the chip (as its adapter reads it) where the target is v3.
+- v3's own choice of block sizes for the chip (as its adapter reads it) where v3 is a target.
 
-If ``bench`` and ``bare`` agree, the gap to another kernel is the kernel's; if a swept size beats the
-kernel's own choice by much, the choice is (a performance finding, with these numbers). ``--backend
+If ``bench`` and ``bare`` agree, the gap to another kernel is the kernel's, and ``rpa-harness bench
+--sweep-blocks`` says whether its own block sizes are the cause (a tuning finding). ``--backend
 fast-interpret --tpu-generation v5e --batch small`` rehearses it on a CPU (the times are then the
 interpreter's).
 """
 
-import dataclasses
 import statistics
 import sys
 
@@ -32,9 +30,6 @@ from rpa_harness.chip import (
     loaded_targets,
 )
 
-# (num_kv_pages_per_block, num_queries_per_block) in upstream's terms, which v3's adapter passes to v3's
-# three kernels as (bq, bkv, bq_chunk, bkv_chunk).
-BLOCK_SWEEP = ((8, 16), (16, 32), (32, 32), (64, 32), (32, 64), (128, 64))
 DEFAULT_TARGETS = (targets.UPSTREAM_TARGET, targets.V3_TARGET)
 
 
@@ -46,10 +41,6 @@ def add_arguments(parser, step: str) -> None:
         help=f"bench's batches, comma-separated, of: {', '.join(bench.BATCHES)} (default mixed,decode,prefill)",
     )  # fmt: skip
     parser.add_argument("--calls", type=int, default=20, help="timed calls per row (default 20)")
-    parser.add_argument(
-        "--sweep", action="append", default=[],
-        help="a module also timed at each of the sweep's block sizes (repeatable; default none)",
-    )  # fmt: skip
 
 
 def bare_median(target: targets.Target, backend: device.Backend, case, calls: int) -> float:
@@ -89,8 +80,7 @@ def main(args) -> int:
         )
     backend = backend_of(args, opens_the_chip=True)
     timed, not_timed = loaded_targets(args.target or DEFAULT_TARGETS)
-    swept, not_swept = loaded_targets(args.sweep)
-    for reason in {**not_timed, **not_swept}.values():
+    for reason in not_timed.values():
         print(f"not run here: {reason}")
     print(f"backend {backend.label}; median ms per call of {args.calls}")
     print("| batch | what | bench ms | bare ms |")
@@ -104,18 +94,9 @@ def main(args) -> int:
             )
             shown = "-" if bare is None else f"{bare * 1e3:.3f}"
             print(f"| {name} | {target.name}, its own blocks | {milliseconds(timing)} | {shown} |")
-        for target in swept:
             if target.name == targets.V3_TARGET:
                 print(
                     f"| {name} | v3's own choice (decode, mixed) | {v3_own_choice(batch.case, backend)} | |"
-                )
-            for pages, queries in BLOCK_SWEEP:
-                case = dataclasses.replace(
-                    batch.case, num_kv_pages_per_block=pages, num_queries_per_block=queries
-                )
-                timing = bench.time_target(target, backend, dataclasses.replace(batch, case=case), args.calls)
-                print(
-                    f"| {name} | {target.name}, {pages} pages x {queries} queries | {milliseconds(timing)} | |"
                 )
         sys.stdout.flush()
     return 0

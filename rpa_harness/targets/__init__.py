@@ -119,6 +119,7 @@ PROFILE_ATTRIBUTES = (
     "RPA_HARNESS_KERNEL",
     "RPA_HARNESS_BASELINE",
     "RPA_HARNESS_COMPILED_CALL",
+    "RPA_HARNESS_TUNING_FINDINGS",
 )
 
 
@@ -184,6 +185,9 @@ class Target:
     # Whose each catalogue entry is, by issue name (known_issues.Kernel): a failure is offered an entry only
     # for a case of that kernel's API, and the suggestion names the kernel.
     catalogue_kernels: dict = dataclasses.field(default_factory=dict)
+    # The batches on which its own block sizes are known to lose (known_issues.TuningFinding entries;
+    # RPA_HARNESS_TUNING_FINDINGS): `rpa-harness bench --sweep-blocks` gives each its verdict on a chip.
+    tuning_findings: tuple = ()
 
     def precision_on(self, backend) -> tuple[str, ...]:
         """The contract its outputs are judged under on ``backend``: the declared one, plus ``bf16-matmul``
@@ -446,10 +450,11 @@ def _target(name: str, module: types.ModuleType, profile: types.ModuleType) -> T
     properties = _properties(name, profile)
     baseline = _baseline(name, profile)
     version = _version(name, module, profile)
+    tuning_findings = _tuning_findings(name, profile)
     return Target(
         name, module, capabilities, precision, issues, rules, catalogue, version, hook, report, properties,
         updates_cache, product_precision, compiled_call,
-        None if baseline is None else ALIASES.get(baseline, baseline), catalogue_kernels,
+        None if baseline is None else ALIASES.get(baseline, baseline), catalogue_kernels, tuning_findings,
     )  # fmt: skip
 
 
@@ -585,6 +590,18 @@ def _baseline(name: str, profile: types.ModuleType) -> str | None:
             "`rpa-harness bench` compares it with, or leave it out (upstream's kernel)"
         )
     return baseline
+
+
+def _tuning_findings(name: str, profile: types.ModuleType) -> tuple:
+    declared = getattr(profile, "RPA_HARNESS_TUNING_FINDINGS", ())
+    entries = tuple(declared) if isinstance(declared, (tuple, list)) else (declared,)
+    wrong = [entry for entry in entries if not isinstance(entry, known_issues.TuningFinding)]
+    if wrong:
+        raise TargetError(
+            f"--rpa-target={name}: RPA_HARNESS_TUNING_FINDINGS holds {wrong[0]!r}, which is no TuningFinding; "
+            "declare a tuple of rpa_harness.known_issues.TuningFinding entries, or leave it out"
+        )
+    return entries
 
 
 def first_line_of_error(error: BaseException) -> str:

@@ -180,7 +180,7 @@ def test_an_unknown_chip_session_step_is_a_one_line_usage_error(chip_host, step)
     groups = " ".join(f"calibrate-{number} verdicts-{number} agreement-{number}" for number in numbers)
     assert result.stderr.splitlines() == [
         f"chip_session: unknown step '{step}'; steps: smoke owner calibrate verdicts {groups} agreement arithmetic "
-        "throughput-pooled throughput-any-config speed v3-speed q-len-zero"
+        "throughput-pooled throughput-any-config speed v3-speed v3-tuning q-len-zero"
     ]
     assert not (checkout / "chip-logs").exists()  # nothing ran, not even the smoke step before it
 

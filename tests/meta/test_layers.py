@@ -22,7 +22,7 @@ DEVICE = {
 ABOVE_THE_DEVICE = {
     "runlog", "progress", "property_names", "repro", "report_sections", "snippets", "known_issues", "failures",
 }  # fmt: skip
-RUNNING = {"recording", "run_settings", "bench", "bug_report", "plugin", "chip", "drawn"}
+RUNNING = {"recording", "run_settings", "bench", "tuning", "bug_report", "plugin", "chip", "drawn"}
 
 
 def modules() -> dict[str, Path]:

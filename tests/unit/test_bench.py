@@ -9,7 +9,8 @@ import types
 
 import pytest
 
-from rpa_harness import bench, cli, targets
+from rpa_harness import bench, cli, targets, tuning
+from rpa_harness.known_issues import TuningFinding
 from rpa_harness.strategies.case import Case
 
 TWO_SEQUENCES = Case(
@@ -81,6 +82,8 @@ def test_a_time_past_max_slowdown_of_the_previous_run_fails(tmp_path, capsys):
         (["--target", "no_such_module"], "cannot import it"),
         (["--tpu-generation", "v99"], "--tpu-generation=v99 is not one this jax knows"),
         (["--json", "no/such/folder/out.json"], "--json=no/such/folder/out.json: its folder does not exist"),
+        (["--sweep-blocks", "--tuning-threshold", "1"], "--tuning-threshold=1 must be above 1"),
+        (["--sweep-blocks", "--report-dir", "no/such/folder"], "--report-dir=no/such/folder: not a folder"),
     ],
 )
 def test_a_usage_error_is_one_line_and_exit_4(args, said, capsys):
@@ -122,3 +125,81 @@ def test_a_target_that_raises_at_a_batch_fails_the_bench_and_the_others_still_ru
     assert "small  raising_target" in out and "raised: RuntimeError: out of VMEM at this batch" in out
     assert "RAISED: raising_target on batch small: RuntimeError: out of VMEM at this batch" in out
     assert any(line.startswith(f"small  {targets.UPSTREAM_TARGET} ") for line in out.splitlines())
+
+
+def test_a_sweep_times_the_own_choice_and_every_pair_that_fits_and_reports_it(tmp_path, capsys):
+    """The bundled kernel on the small batch (4 pages a sequence, 16 tokens): its own choice and 2 x 2
+    pairs, each timed; the report holds the table and the command that measures it on a chip."""
+    assert _bench("--sweep-blocks", "--tuning-threshold", "1.0001", "--report-dir", str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    table = out.split("block sizes swept:\n", 1)[1].splitlines()
+    labels = {line.split("  ")[1].strip() for line in table[1:6]}
+    assert labels == {tuning.OWN, *(f"{k} pages x {q} queries" for k in (2, 4) for q in (8, 16))}, out
+    assert "no tuning verdict: an interpreter's times are the CPU's" in out
+    assert "rpa_harness.kernel" in out and targets.UPSTREAM_TARGET not in out  # the baseline is not swept
+    reports = list(tmp_path.glob("tuning-*.md"))
+    if reports:  # written where its own choice was the slower, which an interpreter's times may say
+        text = reports[0].read_text()
+        assert "## Time per call" in text and "--sweep-blocks" in text and "--backend tpu" in text
+
+
+def _timing(seconds):
+    return bench.Timing("t", "mixed", seconds=[seconds] * 3)
+
+
+def _sweep(own_s, pairs):
+    timings = {tuning.Blocks(None, None): _timing(own_s)}
+    timings.update({tuning.Blocks(k, q): _timing(s) for (k, q), s in pairs.items()})
+    return tuning.Sweep("t", "mixed", timings)
+
+
+SLOW_OWN = _sweep(10.8e-3, {(32, 32): 3.43e-3, (8, 16): 5.2e-3})
+DECLARED = (TuningFinding("own-blocks-slow", batch="mixed", generations=("v5e",)),)
+
+
+def test_a_declared_tuning_finding_reproduces_where_its_own_choice_loses_by_the_threshold():
+    (verdict,) = tuning.verdicts(SLOW_OWN, DECLARED, "v5e", 1.5)
+    assert not verdict.fails and verdict.finding is DECLARED[0]
+    assert verdict.words == (
+        "reproduces on v5e: its own choice 10.800 ms, 32 pages x 32 queries 3.430 ms: 3.15x"
+    )
+
+
+def test_a_chip_the_finding_is_not_declared_for_gets_a_verdict_of_its_own():
+    verdicts = tuning.verdicts(SLOW_OWN, DECLARED, "v6e", 1.5)
+    assert [(v.finding, v.fails) for v in verdicts] == [(DECLARED[0], False), (None, True)]
+    assert verdicts[0].words == "does not apply to v6e (declared for v5e)"
+    assert verdicts[1].words.startswith("TUNING FINDING on v6e: its own choice 10.800 ms")
+
+
+def test_a_declared_finding_not_seen_fails_and_an_interpreter_gives_no_verdict():
+    tuned = _sweep(3.5e-3, {(32, 32): 3.43e-3})
+    (verdict,) = tuning.verdicts(tuned, DECLARED, "v5e", 1.5)
+    assert verdict.fails and verdict.words.startswith("NOT SEEN on v5e") and "under 1.5x" in verdict.words
+    assert tuning.verdicts(SLOW_OWN, DECLARED, None, 1.5) == []
+    assert tuning.verdicts(tuned, (), "v5e", 1.5) == []
+
+
+def test_the_pairs_swept_fit_the_batch_and_the_targets_declared_block_limit():
+    mixed = bench.BATCHES["mixed"].case  # 512 pages a sequence, 512 tokens
+    assert len(tuning.candidates(mixed)) == len(tuning.KV_PAGES_PER_BLOCK) * len(tuning.QUERIES_PER_BLOCK)
+    assert {b.kv_pages for b in tuning.candidates(mixed, max_kv_pages_per_block=16)} == {2, 4, 8, 16}
+    small = bench.BATCHES["small"].case
+    assert {(b.kv_pages, b.queries) for b in tuning.candidates(small)} == {(2, 8), (2, 16), (4, 8), (4, 16)}
+
+
+def test_v3_declares_its_mixed_batch_finding_for_the_v5e_it_was_measured_on():
+    from rpa_harness.targets import tpu_inference_v3 as v3
+
+    (finding,) = v3.RPA_HARNESS_TUNING_FINDINGS
+    assert (finding.batch, finding.generations) == ("mixed", ("v5e",)) and finding.batch in bench.BATCHES
+
+
+def test_a_tuning_finding_that_is_no_tuning_finding_fails_the_load(monkeypatch):
+    module = types.ModuleType("user_target")
+    module.ragged_paged_attention = lambda *args, **kwargs: None
+    module.dynamic_validate_inputs = lambda *args, **kwargs: None
+    module.RPA_HARNESS_TUNING_FINDINGS = ("mixed",)
+    monkeypatch.setitem(sys.modules, "user_target", module)
+    with pytest.raises(targets.TargetError, match="holds 'mixed', which is no TuningFinding"):
+        targets.load("user_target")
