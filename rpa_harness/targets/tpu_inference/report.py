@@ -530,11 +530,15 @@ MAX_EMBEDDED_BYTES = 16 * 2**10
 
 
 def embedded_inputs(inputs) -> str | None:
-    """The call's queries, new keys and values and cache as base64 of a compressed NPZ of their bits, or
-    None when that exceeds ``MAX_EMBEDDED_BYTES``."""
+    """The call's queries, new keys and values and cache as ``embedded_arrays`` gives them."""
     q, keys, values, kv_cache = inputs.args[:4]
+    return embedded_arrays(dict(queries=q, keys=keys, values=values, kv_cache=kv_cache))
+
+
+def embedded_arrays(named: dict) -> str | None:
+    """The ``named`` arrays as base64 of a compressed NPZ of their bits, or None when that exceeds
+    ``MAX_EMBEDDED_BYTES``: what a script embeds."""
     buffer = io.BytesIO()
-    named = dict(queries=q, keys=keys, values=values, kv_cache=kv_cache)
     # Any: unpacked into savez_compressed, whose allow_pickle mypy would match an array to.
     bits: dict[str, Any] = {
         name: np.asarray(a).view(f"u{np.asarray(a).dtype.itemsize}") for name, a in named.items()

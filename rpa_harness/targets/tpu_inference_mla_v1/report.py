@@ -10,9 +10,7 @@ call, expected against actual for both outputs, and a standalone script in the k
 needs only jax, numpy and tpu-inference and exits 1 while the kernel disagrees with that reference.
 """
 
-import base64
 import dataclasses
-import io
 import types
 from collections.abc import Callable
 from typing import Any
@@ -298,19 +296,10 @@ new_kv_c, new_k_pe, cache_kv = (stored[name].view(kv_dtype) for name in ("new_kv
 
 
 def embedded_inputs(inputs: mla_v1.MlaInputs) -> str | None:
-    """v1's query, new tokens and cache as base64 of a compressed NPZ of their bits, or None when that
-    exceeds v3's report's limit (``MAX_EMBEDDED_BYTES``)."""
-    buffer = io.BytesIO()
+    """v1's query, new tokens and cache as the family's report embeds a script's data
+    (``embedded_arrays``)."""
     names = ("ql_nope", "q_pe", "new_kv_c", "new_k_pe", "cache_kv")
-    # Any: unpacked into savez_compressed, whose allow_pickle mypy would match an array to.
-    bits: dict[str, Any] = {
-        n: np.asarray(a).view(f"u{np.asarray(a).dtype.itemsize}")
-        for n, a in zip(names, inputs.args[:5], strict=True)
-    }
-    np.savez_compressed(buffer, **bits)
-    if buffer.tell() > family_report.MAX_EMBEDDED_BYTES:
-        return None
-    return base64.b64encode(buffer.getvalue()).decode()
+    return family_report.embedded_arrays(dict(zip(names, inputs.args[:5], strict=True)))
 
 
 def script(kernel: ReportedMla, v1_inputs: mla_v1.MlaInputs, call: mla_v1.MlaInputs, description: str,

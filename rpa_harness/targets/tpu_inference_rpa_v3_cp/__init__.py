@@ -47,7 +47,7 @@ RPA_HARNESS_KNOWN_ISSUES = tuple(
 )
 
 
-# v3's report with the fork's module.
+# v3's report (the family's with v3's kernel) with the fork's module.
 def _reported_kernel():  # imported when a report is asked for: the report module loads the kernel
     from rpa_harness.targets.tpu_inference_rpa_v3_cp.report import CP
 

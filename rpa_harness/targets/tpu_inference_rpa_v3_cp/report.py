@@ -1,5 +1,5 @@
-"""The context-parallel fork's ``rpa-harness report``: v3's report (``tpu_inference_v3.report``) with the
-fork's module, whose reference, options and cache layout are v3's."""
+"""The context-parallel fork's ``rpa-harness report``: v3's (``tpu_inference_v3.report.V3``, the family's
+report with v3's kernel) with the fork's module, whose reference, options and cache layout are v3's."""
 
 import dataclasses
 

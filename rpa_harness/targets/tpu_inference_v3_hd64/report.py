@@ -1,4 +1,4 @@
-"""The head_dim-64 kernel's ``rpa-harness report``: v3's report (``tpu_inference_v3.report``) with this
+"""The head_dim-64 kernel's ``rpa-harness report``: the family's report (``tpu_inference.report``) with this
 kernel's function, reference, options and cache layout.
 
 Its standalone script passes the block sizes the harness's call ran with, the tuned table's choice where
