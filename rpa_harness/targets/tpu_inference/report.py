@@ -394,7 +394,37 @@ def expected_vs_actual(kernel: Reported, observation: Observation) -> list[str]:
     return [*attention_in_words(kernel, observation), "", *cache_in_words(kernel, observation)]
 
 
-SCRIPT = '''"""{name}: {description}
+# The parts of a report's standalone script that every kernel's shares, spliced into its template (their
+# fields: ``hang_seconds``, ``reproduces``, ``reference_words``): the watchdog that takes a call that does
+# not return for a hang, the attention compared with the reference, and the verdict.
+SCRIPT_WATCHDOG = """returned = threading.Event()
+
+
+def watchdog():
+    if not returned.wait({hang_seconds}):
+        print("{reproduces}: the kernel did not return within {hang_seconds} s", flush=True)
+        os._exit(1)
+
+
+threading.Thread(target=watchdog, daemon=True).start()
+"""
+SCRIPT_ATTENTION = """tolerance = 1e-4 if out.dtype == jnp.float32 else 5e-2
+wrong = ~np.isclose(got, want, rtol=tolerance, atol=tolerance)
+print(f"attention: {{int(wrong.sum())}} of {{wrong.size}} elements differ from the reference (tolerance {{tolerance}})")
+if wrong.any():
+    row, head, dim = np.argwhere(wrong)[0]
+    sequence = int(np.searchsorted(cu_q_lens[1:], row, side="right"))
+    print(f"  first at sequence {{sequence}}, token {{row - cu_q_lens[sequence]}}, head {{head}}, dim {{dim}}: "
+          f"kernel {{got[row, head, dim]}}, reference {{want[row, head, dim]}}")
+"""
+SCRIPT_VERDICT = """if wrong.any() or differs.any():
+    print("{reproduces}: the kernel disagrees with {reference_words}")
+    sys.exit(1)
+print("does not reproduce: the kernel agrees with {reference_words}")
+"""
+
+SCRIPT = (
+    '''"""{name}: {description}
 
 Runs as written on {where}: `python repro.py` exits 1 while the kernel disagrees with {reference_words}
 (or does not return), 0 otherwise. {data_words}; the lengths, page
@@ -451,17 +481,9 @@ except ValueError as error:  # the kernel does not run this validator: it must s
     print("the reference rejects these inputs:", error)
     expected_out = expected_cache = None
 
-returned = threading.Event()
-
-
-def watchdog():
-    if not returned.wait({hang_seconds}):
-        print("{reproduces}: the kernel did not return within {hang_seconds} s", flush=True)
-        os._exit(1)
-
-
-threading.Thread(target=watchdog, daemon=True).start()
-try:
+'''
+    + SCRIPT_WATCHDOG
+    + """try:
     out, cache = jax.block_until_ready(kernel.{function}(*map(jnp.asarray, arrays), **options))
 except Exception as error:
     if expected_out is None:  # inputs the reference rejects: only a call that never returns is a finding
@@ -477,15 +499,9 @@ if expected_out is None:
     sys.exit(0)
 
 got, want = np.asarray(out[:rows], np.float32), np.asarray(expected_out[:rows], np.float32)
-tolerance = 1e-4 if out.dtype == jnp.float32 else 5e-2
-wrong = ~np.isclose(got, want, rtol=tolerance, atol=tolerance)
-print(f"attention: {{int(wrong.sum())}} of {{wrong.size}} elements differ from the reference (tolerance {{tolerance}})")
-if wrong.any():
-    row, head, dim = np.argwhere(wrong)[0]
-    sequence = int(np.searchsorted(cu_q_lens[1:], row, side="right"))
-    print(f"  first at sequence {{sequence}}, token {{row - cu_q_lens[sequence]}}, head {{head}}, dim {{dim}}: "
-          f"kernel {{got[row, head, dim]}}, reference {{want[row, head, dim]}}")
-
+"""
+    + SCRIPT_ATTENTION
+    + """
 bits = f"u{{kv_cache.dtype.itemsize}}"
 returned_bits, expected_bits = np.asarray(cache).view(bits), np.asarray(expected_cache).view(bits)
 differs = (returned_bits != expected_bits).reshape(pages, page_size, -1).any(axis=-1)
@@ -501,11 +517,9 @@ for i in range(int(distribution[2])):  # slot by slot: whose key each differing 
             held = "left its input contents there" if kept[page, slot] else "wrote other values"
             print(f"  page {{page}}, slot {{slot}} (sequence {{i}}, key position {{position}}, {{role}}): the kernel {{held}}")
 
-if wrong.any() or differs.any():
-    print("{reproduces}: the kernel disagrees with {reference_words}")
-    sys.exit(1)
-print("does not reproduce: the kernel agrees with {reference_words}")
-'''
+"""
+    + SCRIPT_VERDICT
+)
 
 
 RANDOM_DATA = """\

@@ -167,7 +167,8 @@ def call_in_words(kernel: ReportedMla, inputs: CallInputs) -> list[str]:
     ]
 
 
-SCRIPT = '''"""{name}: {description}
+SCRIPT = (
+    '''"""{name}: {description}
 
 Runs as written on {where}: `python repro.py` exits 1 while the kernel disagrees with MLA v1's
 `ref_mla_ragged_paged_attention` (or does not return), 0 otherwise. {data_words}; the lengths, page
@@ -220,17 +221,9 @@ tuning = {tuning!r} + {kernel_only!r}
 expected_out, expected_cache = v1.ref_mla_ragged_paged_attention(
     *map(jnp.asarray, arrays), **{{k: v for k, v in options.items() if k not in tuning}}
 )
-returned = threading.Event()
-
-
-def watchdog():
-    if not returned.wait({hang_seconds}):
-        print("{reproduces}: the kernel did not return within {hang_seconds} s", flush=True)
-        os._exit(1)
-
-
-threading.Thread(target=watchdog, daemon=True).start()
-call_arrays = ({query_arg}, *arrays[1:])
+'''
+    + family_report.SCRIPT_WATCHDOG
+    + """call_arrays = ({query_arg}, *arrays[1:])
 try:
     out, cache = jax.block_until_ready(kernel.mla_ragged_paged_attention(*map(jnp.asarray, call_arrays), **options))
 except Exception as error:
@@ -247,15 +240,9 @@ returned.set()
 lkv = ql_nope.shape[-1]  # the reference pads its output's lanes to 128
 got = np.asarray({attention_out}, np.float32)[:rows, :, :lkv]
 want = np.asarray(expected_out, np.float32)[:rows, :, :lkv]
-tolerance = 1e-4 if out.dtype == jnp.float32 else 5e-2
-wrong = ~np.isclose(got, want, rtol=tolerance, atol=tolerance)
-print(f"attention: {{int(wrong.sum())}} of {{wrong.size}} elements differ from the reference (tolerance {{tolerance}})")
-if wrong.any():
-    row, head, dim = np.argwhere(wrong)[0]
-    sequence = int(np.searchsorted(cu_q_lens[1:], row, side="right"))
-    print(f"  first at sequence {{sequence}}, token {{row - cu_q_lens[sequence]}}, head {{head}}, dim {{dim}}: "
-          f"kernel {{got[row, head, dim]}}, reference {{want[row, head, dim]}}")
-
+"""
+    + family_report.SCRIPT_ATTENTION
+    + """
 pages, page_size = cache_kv.shape[0], cache_kv.shape[1] * cache_kv.shape[2]
 bits = f"u{{cache_kv.dtype.itemsize}}"
 slot_bits = lambda c: np.asarray(c).view(bits).reshape(pages, page_size, -1)  # noqa: E731
@@ -268,11 +255,9 @@ for page, slot in np.argwhere(differs)[:16]:
     whose = f"sequence {{owner[0]}}" if owner else "no live sequence"
     print(f"  page {{page}}, slot {{slot}} ({{whose}})")
 
-if wrong.any() or differs.any():
-    print("{reproduces}: the kernel disagrees with MLA v1's reference")
-    sys.exit(1)
-print("does not reproduce: the kernel agrees with MLA v1's reference")
-'''
+"""
+    + family_report.SCRIPT_VERDICT
+)
 
 RANDOM_DATA = """\
 rng = np.random.default_rng(0)
@@ -344,6 +329,7 @@ def script(kernel: ReportedMla, v1_inputs: mla_v1.MlaInputs, call: mla_v1.MlaInp
         kernel_only=kernel_only,
         hang_seconds=family_report.HANG_SECONDS,
         reproduces=family_report.REPRODUCES,
+        reference_words="MLA v1's reference",
         query_arg="ql_nope.transpose(1, 0, 2)" if kernel.head_major else "ql_nope",
         attention_out="out.transpose(1, 0, 2)" if kernel.head_major else "out",
     )
