@@ -24,6 +24,7 @@ Install v3 without its dependencies (its ``__init__`` imports vllm, and it pins 
 """
 
 from rpa_harness.spec.interface import MASK_REPLACES
+from rpa_harness.targets.tpu_inference import kit
 from rpa_harness.targets.tpu_inference.judging import ATTENTION_AND_CACHE, HANG, checks_both_outputs
 from rpa_harness.targets.tpu_inference.releases import installed_version, run_header, v3_api
 from rpa_harness.targets.tpu_inference.rules import RULES as _RULES
@@ -113,10 +114,10 @@ RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only wher
 RPA_HARNESS_COMPILED_CALL = compiled_call  # the compile property's: the adapter maps a call with NumPy
 
 
-def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
-    """v3's own report (the family's ``render`` of ``report.V3``): imported when a report is asked for, not
-    with the target (``report.V3`` loads v3's kernel)."""
-    from rpa_harness.targets.tpu_inference.report import render
+def _reported_kernel():  # imported when a report is asked for: the report module loads the kernel
     from rpa_harness.targets.tpu_inference_v3 import early_api, report
 
-    return render(early_api.reported_kernel(report.V3) if _early else report.V3, *args, **kwargs)
+    return early_api.reported_kernel(report.V3) if _early else report.V3
+
+
+RPA_HARNESS_REPORT = kit.deferred_report(_reported_kernel)  # v3's own report: the family's with v3's kernel
