@@ -5,7 +5,7 @@
 For drawn valid cases (v3's declared capabilities; pooled configurations unless --any-config), runs v3 on
 the generic interpreter (fast-interpret, with the compat layer's dynamic-size copies) and on the checking
 TPU interpreter: the first call (compilation included) and a warm one, wall and CPU; judges the fast run
-against the float64 oracle and v3's expected cache (``rpa_harness.targets.tpu_inference_v3.both_outputs``'s rules) and says
+against the float64 oracle and v3's expected cache (``rpa_harness.targets.tpu_inference.judging``'s rules) and says
 whether both interpreters returned the same bits. Needs tpu-inference (``pip install --no-deps
 tpu-inference==0.32.0``).
 """

@@ -181,7 +181,7 @@ class RunSummary:
 SUMMARY_ROW = re.compile(r"^(?P<name>\S.*?)\s+(?P<examples>\d+)\s+(?P<result>passed|FAILED|skipped|xfailed)$")
 KNOWN_ISSUE_ROW = re.compile(r"^(?P<name>\S+)\s+(?P<avoided>\d+)\s+(?P<replay>.*)$")
 REPRODUCES = ": reproduces"  # a replay's outcome in the known-issues table, "LABEL: reproduces"
-# How the run header names the kernel the target loaded (rpa_harness.targets.tpu_inference_v3.releases):
+# How the run header names the kernel the target loaded (rpa_harness.targets.tpu_inference.releases):
 # "tpu-inference 0.19.0 (v3/kernel.py 07999f4d126f)".
 LOADED_KERNEL = re.compile(r"tpu-inference \S+ \(v3/\S+ (?P<digest>[0-9a-f]{12})\)")
 

@@ -68,7 +68,8 @@ def judged_call(what: str, backend, arrays: dict, options: dict, **kernel_option
     """One v3 call, both outputs judged, as one printed line."""
     from rpa_harness import reference
     from rpa_harness.checks import CacheMismatch
-    from rpa_harness.targets.tpu_inference_v3 import adapter, both_outputs
+    from rpa_harness.targets.tpu_inference.judging import check_updated_cache
+    from rpa_harness.targets.tpu_inference_v3 import adapter
 
     inputs = adapter.v3_inputs(**arrays, **options)
     inputs = dataclasses.replace(inputs, kwargs={**inputs.kwargs, **kernel_options})
@@ -86,7 +87,7 @@ def judged_call(what: str, backend, arrays: dict, options: dict, **kernel_option
         precision=precision(backend),
     )
     try:
-        both_outputs.check_updated_cache(inputs, cache)
+        check_updated_cache(inputs, cache)
         cache_verdict = "right"
     except CacheMismatch as mismatch:
         cache_verdict = (

@@ -17,7 +17,8 @@ import functools
 import types
 
 from rpa_harness.targets import upstream
-from rpa_harness.targets.tpu_inference_v3.adapter import installed_version, load_kernel_module
+from rpa_harness.targets.tpu_inference.kernels import load_kernel_module
+from rpa_harness.targets.tpu_inference.releases import installed_version
 
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v2.kernel"
 

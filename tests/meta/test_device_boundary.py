@@ -17,15 +17,6 @@ PROCESS_MODULES = {"subprocess", "multiprocessing"}
 # os's calls that start, replace or signal a process.
 PROCESS_CALLS = ("fork", "forkpty", "kill", "killpg", "system", "popen", "exec", "spawn", "posix_spawn")
 
-# Not yet on device.processes: files another change moves there, each listed until it does (the merge
-# shrinks this set; it never grows).
-STARTS_PROCESSES_FOR_NOW = {
-    "rpa_harness/targets/tpu_inference_v3/known_issues.py",
-    "rpa_harness/targets/tpu_inference_v3/report.py",
-}
-# Not yet on Backend: a bare timed loop another change moves onto it.
-WAITS_ON_THE_CHIP_FOR_NOW: set[str] = set()
-
 
 def scanned() -> dict[str, ast.Module]:
     paths = [path for folder in SCANNED for path in (ROOT / folder).rglob("*.py")]
@@ -99,14 +90,7 @@ def waits_outside_an_interpreter(tree: ast.Module) -> list[str]:
 def test_no_module_outside_the_device_package_starts_or_signals_a_process():
     modules = scanned()
     found = {path: uses for path, tree in modules.items() if (uses := process_uses(tree))}
-    unconverted = {path for path in STARTS_PROCESSES_FOR_NOW if path in found}
-    assert {path: uses for path, uses in found.items() if path not in unconverted} == {}, (
-        "start and end child processes with rpa_harness.device.processes"
-    )
-    assert unconverted == STARTS_PROCESSES_FOR_NOW, (
-        f"{sorted(STARTS_PROCESSES_FOR_NOW - unconverted)} start no process by themselves now: "
-        "take them off STARTS_PROCESSES_FOR_NOW"
-    )
+    assert found == {}, "start and end child processes with rpa_harness.device.processes"
 
 
 def test_no_module_outside_the_device_package_waits_for_a_call_on_a_chip():
@@ -114,14 +98,7 @@ def test_no_module_outside_the_device_package_waits_for_a_call_on_a_chip():
     a call on a chip goes through ``Backend.run``, ``Backend.timed`` or ``Backend.guarded``."""
     modules = scanned()
     found = {path: waits for path, tree in modules.items() if (waits := waits_outside_an_interpreter(tree))}
-    unconverted = {path for path in WAITS_ON_THE_CHIP_FOR_NOW if path in found}
-    assert {path: waits for path, waits in found.items() if path not in unconverted} == {}, (
-        "make kernel calls on a chip through rpa_harness.device.Backend"
-    )
-    assert unconverted == WAITS_ON_THE_CHIP_FOR_NOW, (
-        f"{sorted(WAITS_ON_THE_CHIP_FOR_NOW - unconverted)} wait on no chip by themselves now: "
-        "take them off WAITS_ON_THE_CHIP_FOR_NOW"
-    )
+    assert found == {}, "make kernel calls on a chip through rpa_harness.device.Backend"
 
 
 def test_the_checks_see_what_they_look_for():

@@ -54,9 +54,7 @@ def layer(module: str) -> float:
         return 4.1
     if top == "targets":
         inner = parts[1] if len(parts) > 1 else ""
-        return {"": 4.0, "layouts": 4.0, "tpu_inference_v3": 4.2, "kit": 4.3, "experimental": 4.3}.get(
-            inner, 4.4
-        )
+        return {"": 4.0, "layouts": 4.0, "tpu_inference": 4.2}.get(inner, 4.4)
     if top == "checks":
         return 5
     if top in RUNNING:

@@ -20,6 +20,7 @@ from tests.cases import skip_without_tpu_inference
 skip_without_tpu_inference(module_level=True)
 
 from rpa_harness.targets import tpu_inference_batched_rpa as batched  # noqa: E402  (needs tpu-inference)
+from rpa_harness.targets.tpu_inference import kernels  # noqa: E402
 from rpa_harness.targets.tpu_inference_v3 import adapter as v3  # noqa: E402
 
 TARGET = targets.load(targets.BATCHED_RPA_TARGET)
@@ -97,7 +98,7 @@ def test_batched_rpa_agrees_with_v3s_reference():
     with on_v6e.context():
         out, _ = batched.call_batched(inputs)
     options = {k: inputs.kwargs[k] for k in ("sm_scale", "sliding_window", "soft_cap", "mask_value")}
-    expected, _ = v3.kernel().ref_ragged_paged_attention(*v3.device_arrays(inputs.args), **options)
+    expected, _ = v3.kernel().ref_ragged_paged_attention(*kernels.device_arrays(inputs.args), **options)
     result = reference.oracle(**arrays, **CASE.options())
     padded = np.zeros(result.out.shape, np.float32)  # rows past the live tokens are not judged
     padded[: len(expected)] = np.asarray(expected)

@@ -27,7 +27,7 @@ from tests.processes import run_python
 skip_without_tpu_inference(module_level=True)
 
 from rpa_harness.targets import tpu_inference_mla_swa as swa  # noqa: E402  (needs tpu-inference)
-from rpa_harness.targets.tpu_inference_v3.adapter import load_kernel_module  # noqa: E402
+from rpa_harness.targets.tpu_inference.kernels import load_kernel_module  # noqa: E402
 
 NAME = "rpa_harness.targets.tpu_inference_mla_swa"
 REPO_ROOT = Path(__file__).resolve().parents[2]

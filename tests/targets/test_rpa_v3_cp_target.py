@@ -15,6 +15,7 @@ skip_without_tpu_inference(module_level=True)
 
 from rpa_harness.targets import tpu_inference_rpa_v3_cp as cp  # noqa: E402  (needs tpu-inference)
 from rpa_harness.targets import tpu_inference_v3 as v3  # noqa: E402
+from rpa_harness.targets.tpu_inference import kernels  # noqa: E402
 from rpa_harness.targets.tpu_inference_v3 import known_issues as v3_known_issues  # noqa: E402
 
 TARGET = targets.load(targets.V3_CP_TARGET)
@@ -40,7 +41,7 @@ def test_the_fork_agrees_with_its_own_reference():
     inputs = cp.cp_inputs(**arrays, **CASE.options())
     tuning = ("d_block_sizes", "p_block_sizes", "m_block_sizes", "vmem_limit_bytes", "chunk_prefill_size")
     kwargs = {k: v for k, v in v3.validator_options(inputs.kwargs).items() if k not in tuning}
-    expected, _ = cp.kernel().ref_ragged_paged_attention(*v3.device_arrays(inputs.args), **kwargs)
+    expected, _ = cp.kernel().ref_ragged_paged_attention(*kernels.device_arrays(inputs.args), **kwargs)
     with Backend(FAST_INTERPRET).context():
         out, _ = cp.call_cp(inputs)
     rows = slice(0, CASE.num_tokens)

@@ -20,7 +20,8 @@ from jax._src import dtypes as jax_dtypes
 from rpa_harness import generations
 from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES, Options
 from rpa_harness.strategies.case import Case
-from rpa_harness.targets.tpu_inference_v3 import adapter, early_api, early_known_issues, early_rules, releases
+from rpa_harness.targets.tpu_inference import arguments, kernels, releases
+from rpa_harness.targets.tpu_inference_v3 import adapter, early_api, early_known_issues, early_rules
 from tests.processes import run_python
 
 RELEASES = Path.home() / ".cache" / "rpa-harness" / "tpu-inference"
@@ -75,7 +76,12 @@ def test_each_releases_kernel_has_its_meaning(release, meaning):
     [
         (None, MASK_ADDED, MASK_ADDED, DEFAULT_MASK_VALUE),  # the kernel takes no None: its default
         (None, MASK_REPLACES, MASK_ADDED, DEFAULT_MASK_VALUE),  # both defaults mask fully
-        (adapter.UPSTREAM_DEFAULT_MASK_VALUE, MASK_ADDED, MASK_REPLACES, adapter.UPSTREAM_DEFAULT_MASK_VALUE),
+        (
+            arguments.UPSTREAM_DEFAULT_MASK_VALUE,
+            MASK_ADDED,
+            MASK_REPLACES,
+            arguments.UPSTREAM_DEFAULT_MASK_VALUE,
+        ),
         (-2.0, MASK_ADDED, MASK_ADDED, -2.0),
         (-2.0, MASK_REPLACES, MASK_REPLACES, -2.0),
     ],
@@ -111,7 +117,7 @@ def test_an_option_the_early_api_lacks_is_refused_off_its_default(monkeypatch, n
 
 def test_the_old_name_of_bit_width_is_provided_where_jax_lacks_it(monkeypatch):
     monkeypatch.delattr(jax_dtypes, "bit_width", raising=False)
-    early_api.provide_dtypes_bit_width()
+    kernels.provide_dtypes_bit_width()
     assert jax_dtypes.bit_width(np.dtype(np.float32)) == 32
     assert jax_dtypes.bit_width(jax_dtypes.bfloat16) == jax_dtypes.itemsize_bits(jax_dtypes.bfloat16) == 16
 

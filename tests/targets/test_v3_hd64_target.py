@@ -30,8 +30,8 @@ from rpa_harness.strategies.options import SINK_LOGITS
 from rpa_harness.strategies.shapes import layouts
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import layouts as layout_converters
-from rpa_harness.targets import tpu_inference_v3 as v3target
 from rpa_harness.targets import tpu_inference_v3_hd64 as hd64target
+from rpa_harness.targets.tpu_inference import judging
 from tests.cases import drawn_cases, skip_without_tpu_inference
 from tests.references import as_one_program
 
@@ -54,7 +54,7 @@ def judge(arrays: dict, options: dict, backend: Backend) -> None:
     hd64target.check_both_outputs(TARGET, backend, arrays, options)
 
 
-BOTH_OUTPUTS = v3target.ATTENTION_AND_CACHE
+BOTH_OUTPUTS = judging.ATTENTION_AND_CACHE
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def hd64_runs():
     """Skips, with the reason, where the kernel cannot run at all: a recognised interpreter limitation.
     Any other error is a failure, never a skip."""
     try:
-        judge(BASE.arrays(), BASE.options(), v3target.CHECKING)
+        judge(BASE.arrays(), BASE.options(), judging.CHECKING)
     except Exception as error:
         reason = recognise(error)
         if reason is None:
@@ -75,9 +75,9 @@ def hd64_runs():
 def test_hd64_attention_and_updated_cache_any_config(hd64_runs, repro_dir, data):
     case = data.draw(valid_cases(CAPABILITIES, excluding=TARGET.known_issues), label="case")
     arrays, options = case.arrays(), case.options()
-    with recorded(repro_dir, PropertyName(BOTH_OUTPUTS, label=INTERPRET), TARGET, v3target.CHECKING, arrays,
+    with recorded(repro_dir, PropertyName(BOTH_OUTPUTS, label=INTERPRET), TARGET, judging.CHECKING, arrays,
                   options, case=case):  # fmt: skip
-        judge(arrays, options, v3target.CHECKING)
+        judge(arrays, options, judging.CHECKING)
 
 
 # One static configuration (bfloat16 where this jax runs it, 4 q heads per KV head: a multiple of the q
@@ -139,7 +139,7 @@ def test_bfloat16_queries_need_a_jax_with_the_kernels_reciprocal():
         return
     case = dataclasses.replace(BASE, q_dtype="bfloat16", kv_dtype="bfloat16")
     with pytest.raises(AttributeError, match="has no attribute 'reciprocal'"):
-        v3target.CHECKING.run(TARGET.attention, case.arrays(), case.options())
+        judging.CHECKING.run(TARGET.attention, case.arrays(), case.options())
 
 
 # ---- Its validators: its rules and messages (static_validate_inputs, dynamic_validate_inputs) ----
@@ -181,7 +181,7 @@ STATIC = {name: rest for name, *rest in _static_cases()}
 def test_static_rule_raises_the_kernels_message(rule):
     arrays, options, message = STATIC[rule]
     with pytest.raises(ValueError) as raised:
-        v3target.CHECKING.run(TARGET.attention, arrays, {**BASE.options(), **options})
+        judging.CHECKING.run(TARGET.attention, arrays, {**BASE.options(), **options})
     assert str(raised.value) == message
 
 
@@ -343,4 +343,4 @@ def test_hd64_issues_are_narrow():
 def test_mask_value_none_traces():
     inputs = hd64target.hd64_inputs(**BASE.arrays(), **BASE.options())
     with_none = dataclasses.replace(inputs, kwargs={**inputs.kwargs, "mask_value": None})
-    v3target.CHECKING.run(hd64target.call_hd64, with_none)
+    judging.CHECKING.run(hd64target.call_hd64, with_none)

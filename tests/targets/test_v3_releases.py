@@ -1,4 +1,4 @@
-"""The v3 targets on any tpu-inference release (``rpa_harness.targets.tpu_inference_v3.releases``): the API
+"""The v3 targets on any tpu-inference release (``rpa_harness.targets.tpu_inference.releases``): the API
 read from a kernel's signature, the options passed for it, the findings by release and the run header.
 
 None of these needs tpu-inference: each reads stand-in kernel files and signatures.
@@ -11,7 +11,8 @@ import pytest
 from packaging.specifiers import InvalidSpecifier
 
 from rpa_harness.known_issues import KnownIssue
-from rpa_harness.targets.tpu_inference_v3 import adapter, releases
+from rpa_harness.targets.tpu_inference import releases
+from rpa_harness.targets.tpu_inference_v3 import adapter
 
 EARLY = """
 def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,

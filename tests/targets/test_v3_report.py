@@ -27,6 +27,7 @@ from rpa_harness.strategies.case import Case  # noqa: E402
 from rpa_harness.targets import tpu_inference_batched_rpa as batched  # noqa: E402
 from rpa_harness.targets import tpu_inference_v3 as v3  # noqa: E402
 from rpa_harness.targets import tpu_inference_v3_hd64 as hd64  # noqa: E402
+from rpa_harness.targets.tpu_inference import report as family_report  # noqa: E402
 from rpa_harness.targets.tpu_inference_batched_rpa.report import BATCHED  # noqa: E402
 from rpa_harness.targets.tpu_inference_v3_hd64.report import HD64  # noqa: E402
 
@@ -51,7 +52,7 @@ def script_of(issue, kernel=v3_report.V3) -> tuple[str, object]:
     repro = repro_files.read(issue.repro)
     with generations.emulated(repro.tpu_generation):  # the block sizes are chosen for the chip
         inputs = kernel.inputs(**repro.arrays, **repro.options)
-    return v3_report.script(kernel, inputs, issue.description, repro.tpu_generation), inputs
+    return family_report.script(kernel, inputs, issue.description, repro.tpu_generation), inputs
 
 
 def options_of(program: str) -> dict:
@@ -96,7 +97,9 @@ def test_a_small_repros_script_carries_its_own_inputs():
                  num_q_heads=1, num_kv_heads=1, head_dim=128, q_dtype="float32", kv_dtype="float32",
                  q_lens=(1,), kv_lens=(1000,))  # fmt: skip
     inputs = v3.v3_inputs(**large.arrays(), **large.options())
-    assert "rng = np.random.default_rng(0)" in v3_report.script(v3_report.V3, inputs, "d", generations.NONE)
+    assert "rng = np.random.default_rng(0)" in family_report.script(
+        v3_report.V3, inputs, "d", generations.NONE
+    )
 
 
 def test_an_hd64_findings_report_runs_its_script_without_vllm():
@@ -128,7 +131,7 @@ def test_report_of_the_cache_finding_lists_the_slots_and_its_script_reproduces()
         "page 2, slot 0 (sequence 0, key position 0, a new token): the kernel left its input contents there"
         in output
     )
-    assert "attention: 0 of 640 elements differ" in output and v3_report.REPRODUCES in output
+    assert "attention: 0 of 640 elements differ" in output and family_report.REPRODUCES in output
 
 
 def test_a_repro_that_does_not_reproduce_gets_no_report(monkeypatch):
@@ -136,18 +139,18 @@ def test_a_repro_that_does_not_reproduce_gets_no_report(monkeypatch):
     reported as a bug."""
     repro = repro_files.read(FINDINGS["finite-mask-value-counts-keys-by-block"].repro)
     inputs = v3.v3_inputs(**repro.arrays, **repro.options)
-    right = v3_report.Observation(inputs)
+    right = family_report.Observation(inputs)
     right.comparison = type("Right", (), {"ok": True})()
-    crash = v3_report.Observation(inputs, error="RuntimeError: the interpreter gave up")
+    crash = family_report.Observation(inputs, error="RuntimeError: the interpreter gave up")
     for observation, says in (
         (right, "within the kernel.s precision contract"),
         (crash, "not what was recorded"),
     ):
-        monkeypatch.setattr(v3_report, "observe", lambda kernel, repro, backend, o=observation: o)
+        monkeypatch.setattr(family_report, "observe", lambda kernel, repro, backend, o=observation: o)
         with pytest.raises(
             NothingToReport, match=f"does not reproduce on interpret: .*{says}.*replay it with"
         ):
-            v3_report.render(
+            family_report.render(
                 v3_report.V3,
                 "x.json",
                 repro,
@@ -156,10 +159,10 @@ def test_a_repro_that_does_not_reproduce_gets_no_report(monkeypatch):
                 "x.json",
                 precision=v3_report.V3.precision,
             )
-    hang = v3_report.Observation(inputs, hang="the TPU interpreter found a deadlock")
-    assert v3_report.reproduces(hang, repro, None)
-    recorded = v3_report.Observation(inputs, error="ValueError: Out-of-bounds read of (0 0 vmem 110)")
-    assert v3_report.reproduces(recorded, repro, FINDINGS["default-blocks-break-v3s-own-rules"])
+    hang = family_report.Observation(inputs, hang="the TPU interpreter found a deadlock")
+    assert family_report.reproduces(hang, repro, None)
+    recorded = family_report.Observation(inputs, error="ValueError: Out-of-bounds read of (0 0 vmem 110)")
+    assert family_report.reproduces(recorded, repro, FINDINGS["default-blocks-break-v3s-own-rules"])
 
 
 def test_the_hang_findings_script_reproduces_on_cpu_through_the_deadlock_check(tmp_path):
@@ -167,9 +170,10 @@ def test_the_hang_findings_script_reproduces_on_cpu_through_the_deadlock_check(t
     interpreter's deadlock into the same verdict, in seconds."""
     issue = FINDINGS["q-len-zero-before-a-live-sequence-hangs"]
     program, _ = script_of(issue)
-    status, output = v3_report.run_script(program, INTERPRET, generations.NONE, tmp_path)
+    status, output = family_report.run_script(program, INTERPRET, generations.NONE, tmp_path)
     assert status == 1, output
     assert "the reference rejects these inputs: Require 0 < q_len" in output
     assert (
-        f"{v3_report.REPRODUCES}: on a TPU the kernel would never return" in output and "DEADLOCK" in output
+        f"{family_report.REPRODUCES}: on a TPU the kernel would never return" in output
+        and "DEADLOCK" in output
     )

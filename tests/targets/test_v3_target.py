@@ -28,6 +28,7 @@ from rpa_harness import ahead_of_time, generations, known_issues, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.checks import check_compiles, numeric_failure
 from rpa_harness.device import FAST_INTERPRET, INTERPRET, TPU_COMPILER, Backend
+from rpa_harness.failures import CacheMismatch
 from rpa_harness.interpret_compat.limitations import recognise
 from rpa_harness.property_names import PropertyName
 from rpa_harness.recording import closeness_notes, recorded
@@ -37,7 +38,7 @@ from rpa_harness.strategies.capabilities import Capabilities
 from rpa_harness.strategies.case import Case
 from rpa_harness.strategies.valid import valid_cases
 from rpa_harness.targets import tpu_inference_v3 as v3target
-from rpa_harness.targets.tpu_inference_v3 import adapter as v3_adapter
+from rpa_harness.targets.tpu_inference import judging, kernels, releases
 from tests.cases import drawn_cases, sized_case, skip_without_tpu_inference
 from tests.processes import run_python
 from tests.references import as_one_program
@@ -45,18 +46,18 @@ from tests.references import as_one_program
 skip_without_tpu_inference(module_level=True)
 CAPABILITIES = Capabilities(**v3target.RPA_HARNESS_CAPABILITIES)
 TARGET = targets.load(targets.V3_TARGET)
-BACKEND = v3target.CHECKING
+BACKEND = judging.CHECKING
 CATALOGUE = {issue.name: issue for issue in v3target.RPA_HARNESS_CATALOGUE}
 # The entries of the installed release: a predicate restates the kernel of the releases it names
 # (tests/targets/test_v3_early_api.py tests the early releases' entries).
 INSTALLED_RELEASES = tuple(
-    i for i in v3target.RPA_HARNESS_CATALOGUE if i.affects(v3target.installed_version())
+    i for i in v3target.RPA_HARNESS_CATALOGUE if i.affects(releases.installed_version())
 )
 # Few examples: each new configuration compiles for seconds on the TPU interpreter (docs/measurements.md);
 # the generation matrix adds v3 on the fast interpreter.
 POOLED_EXAMPLES = max(5, settings.default.max_examples // 8)
 ANY_CONFIG_EXAMPLES = max(3, settings.default.max_examples // 16)
-PROPERTY = v3target.ATTENTION_AND_CACHE
+PROPERTY = judging.ATTENTION_AND_CACHE
 # v3's declared known issues are not drawn, except the sliding-window one: this property checks the cache,
 # and counts a mismatch that is exactly that finding's as the finding.
 EXCLUDED = tuple(i for i in TARGET.known_issues if i.name != v3target.SLIDING_WINDOW_FINDING)
@@ -192,7 +193,7 @@ DYNAMIC = {name: rest for name, *rest in _dynamic_cases()}
 def test_static_rule_raises_v3_message(rule):
     arrays, options, message = STATIC[rule]
     with pytest.raises(ValueError) as raised:
-        v3target.CHECKING.run(TARGET.attention, arrays, {**BASE.options(), **options})
+        judging.CHECKING.run(TARGET.attention, arrays, {**BASE.options(), **options})
     assert str(raised.value) == message
 
 
@@ -298,12 +299,12 @@ def test_new_tokens_are_the_last_q_len_keys_of_each_sequence():
 
 def test_cache_check_reports_a_changed_slot_outside_the_new_tokens():
     inputs = v3target.v3_inputs(**BASE.arrays(), **BASE.options())
-    v3target.check_updated_cache(inputs, inputs.expected_cache)
+    judging.check_updated_cache(inputs, inputs.expected_cache)
     changed = inputs.expected_cache.copy()
     page = int(BASE.arrays()["page_indices"][1, 0])
     changed[page, 0, 0, 0, 5] += 1  # sequence 1, key position 0: not a new token
-    with pytest.raises(v3target.CacheMismatch) as raised:
-        v3target.check_updated_cache(inputs, changed)
+    with pytest.raises(CacheMismatch) as raised:
+        judging.check_updated_cache(inputs, changed)
     assert "1 slot (0 of 4 new-token slots, 1 slot it must leave unchanged)" in str(raised.value)
     assert f"page {page}, slot 0 (a slot v3 must leave unchanged; sequence 1, key position 0)" in str(
         raised.value
@@ -522,5 +523,5 @@ def test_v3_compiles_ahead_of_time_through_its_host_mapping(generation):
     compiler = Backend(TPU_COMPILER, True, generation)
     check_compiles(TARGET, compiler, repro_files.stand_ins(case.array_shapes()), case.options())
     function, arguments = TARGET.compiled_call(case.arrays(), case.options())
-    # The jitted call v3's adapter runs (``adapter.jitted``): compiled ahead, it serves the call that follows.
-    assert function in v3_adapter._JITTED.values() and len(arguments) == 8
+    # The jitted call v3's adapter runs (``kernels.jitted``): compiled ahead, it serves the call that follows.
+    assert function in kernels._JITTED.values() and len(arguments) == 8

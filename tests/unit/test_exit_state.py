@@ -250,7 +250,7 @@ def test_predicate_on_the_chips_halts():
 def test_v3s_own_property_reports_an_exit_that_would_halt_a_tpu_with_its_kind():
     """v3's both-outputs check (attention and cache) turns the checking interpreter's exit check into the
     failure kind, as the generic properties do, never a crash of the replay."""
-    from rpa_harness.targets.tpu_inference_v3.both_outputs import checks_both_outputs
+    from rpa_harness.targets.tpu_inference.judging import checks_both_outputs
 
     def judge_outputs(arrays, options, backend, precision):
         raise WouldHaltTpu("WOULD HALT A TPU: a DMA started at kernel.py:1 and never waited")

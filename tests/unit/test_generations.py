@@ -147,12 +147,13 @@ def test_v3_runs_on_its_own_defaults_on_a_generation():
     7x), and v3 then matches the oracle."""
     skip_without_tpu_inference()
     from rpa_harness.targets import tpu_inference_v3 as v3target
+    from rpa_harness.targets.tpu_inference import arguments
 
     v3 = targets.load(targets.V3_TARGET)
     arrays, options = V3_CASE.arrays(), V3_CASE.options()
     off_chip = v3target.v3_inputs(**arrays, **options)
     assert off_chip.kwargs["d_block_sizes"] == off_chip.mixed_block_sizes  # the target's own defaults
-    assert off_chip.kwargs["vmem_limit_bytes"] == v3target.DEFAULT_VMEM_LIMIT_BYTES
+    assert off_chip.kwargs["vmem_limit_bytes"] == arguments.DEFAULT_VMEM_LIMIT_BYTES
     chosen = {}
     for generation in ("v6e", "7x"):
         with generations.emulated(generation):

@@ -1,10 +1,12 @@
 """Targets are one place each: the loader reads a profile from a module's declarations, the core holds
 nothing of any one target, and a run says what it tests."""
 
+import ast
 import dataclasses
 import re
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -255,6 +257,51 @@ def test_every_package_of_the_harness_is_in_the_wheel():
     assert found - listed == set(), (
         f"packages under rpa_harness/ missing from pyproject.toml: {found - listed}"
     )
+
+
+TARGETS = ROOT / "rpa_harness" / "targets"
+# v3 and the forks that build on its own rules and findings; every other target builds on the family's floor.
+V3_AND_ITS_FORKS = ("tpu_inference_v3", "tpu_inference_v3_hd64", "tpu_inference_rpa_v3_cp")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, at its top or in a function, ``from package import module`` as
+    ``package.module``."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update({node.module, *(f"{node.module}.{alias.name}" for alias in node.names)})
+    return names
+
+
+def importers(paths, imported: Callable[[str], bool]) -> list[str]:
+    """``file: module`` for each module a file of ``paths`` imports that ``imported`` selects."""
+    return [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in paths
+        for name in sorted(imported_modules(path))
+        if imported(name)
+    ]
+
+
+def test_only_v3_and_its_forks_import_v3():
+    """The tpu-inference targets build on their family's floor (``targets.tpu_inference``), v3 one target
+    among them: outside v3's package and its forks' no module imports v3's."""
+    others = [
+        path
+        for path in sorted(TARGETS.rglob("*.py"))
+        if path.relative_to(TARGETS).parts[0].removesuffix(".py") not in V3_AND_ITS_FORKS
+    ]
+    v3 = "rpa_harness.targets.tpu_inference_v3"
+    assert importers(others, lambda name: name == v3 or name.startswith(v3 + ".")) == []
+
+
+def test_the_family_floor_imports_no_target():
+    """The floor is beneath every tpu-inference target: it imports none of them."""
+    floor = sorted((TARGETS / "tpu_inference").rglob("*.py"))
+    assert importers(floor, lambda name: name.startswith("rpa_harness.targets.tpu_inference_")) == []
 
 
 @pytest.mark.parametrize("shipped", targets.SHIPPED, ids=lambda shipped: shipped.name)

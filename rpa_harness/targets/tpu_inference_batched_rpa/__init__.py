@@ -13,7 +13,7 @@ Install as for v3:
 
 import jax
 
-from rpa_harness.targets import kit
+from rpa_harness.targets.tpu_inference import judging, kit
 from rpa_harness.targets.tpu_inference_batched_rpa import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_batched_rpa.adapter import (  # noqa: F401  (the adapter's public names)
     BatchedInputs,
@@ -23,7 +23,6 @@ from rpa_harness.targets.tpu_inference_batched_rpa.adapter import (  # noqa: F40
     ragged_paged_attention,
 )
 from rpa_harness.targets.tpu_inference_batched_rpa.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
-from rpa_harness.targets.tpu_inference_v3 import both_outputs as v3_judge
 
 RPA_HARNESS_CAPABILITIES = kit.v3_derived_capabilities(
     # XLA:CPU (jax 0.12) cannot run some of its bfloat16 x bfloat16 dots with a float32 result ("Unsupported
@@ -50,10 +49,18 @@ RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype", "softmax-in-output-dtyp
 RPA_HARNESS_PRODUCT_PRECISION = "default"
 RPA_HARNESS_VERSION = kit.version("experimental batched_rpa")
 RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only where tpu-inference is installed
-judge = v3_judge.judge_with("tpu-inference batched RPA", batched_inputs, call_batched)
-check_both_outputs = v3_judge.checks_both_outputs(judge)
+judge = judging.judge_with("tpu-inference batched RPA", batched_inputs, call_batched)
+check_both_outputs = judging.checks_both_outputs(judge)
 RPA_HARNESS_PROPERTIES = kit.both_outputs_judged(check_both_outputs)
 # Its known issues (docs/tpu-inference-batched-rpa-findings/): their cases are not drawn.
 RPA_HARNESS_CATALOGUE, RPA_HARNESS_KNOWN_ISSUES = kit.every_finding(_known_issues.RPA_HARNESS_CATALOGUE)
-# v3's report with batched RPA's call and v3's reference.
-RPA_HARNESS_REPORT = kit.deferred_report(kit.V3_REPORT, f"{__name__}.report", "BATCHED")
+
+
+# The family's report with batched RPA's call and v3's reference.
+def _reported_kernel():  # imported when a report is asked for: the report module loads the kernel
+    from rpa_harness.targets.tpu_inference_batched_rpa.report import BATCHED
+
+    return BATCHED
+
+
+RPA_HARNESS_REPORT = kit.deferred_report(_reported_kernel)

@@ -14,8 +14,8 @@ import types
 import numpy as np
 
 from rpa_harness.spec.interface import options_taken
-from rpa_harness.targets import experimental, layouts
-from rpa_harness.targets.tpu_inference_v3 import adapter as v3
+from rpa_harness.targets import layouts
+from rpa_harness.targets.tpu_inference import arguments, experimental, kernels
 
 _WRAPPER = "tpu_inference.kernels.experimental.batched_rpa.wrapper"
 _CONFIGS = "tpu_inference.kernels.experimental.batched_rpa.configs"
@@ -36,24 +36,24 @@ BUFFERS = 3
 def kernel() -> types.ModuleType:
     """batched RPA's wrapper module, imported on first use (ImportError says how to install tpu-inference);
     its tuned parameters import vllm's logger, for which the v3 adapter's stand-in serves."""
-    v3.stand_in_for_tpu_inference_logger()
-    return v3.load_kernel_module(_WRAPPER)
+    kernels.stand_in_for_tpu_inference_logger()
+    return kernels.load_kernel_module(_WRAPPER)
 
 
 def configs() -> types.ModuleType:
     """batched RPA's configuration module (``BlockSizes``, ``KVLayout``, ``RpaConfigs``)."""
     kernel()
-    return v3.load_kernel_module(_CONFIGS)
+    return kernels.load_kernel_module(_CONFIGS)
 
 
 def schedule() -> types.ModuleType:
     """batched RPA's schedule module (``RpaSchedule``: the step arrays its schedule kernel fills)."""
     kernel()
-    return v3.load_kernel_module(_SCHEDULE)
+    return kernels.load_kernel_module(_SCHEDULE)
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchedInputs(v3.KernelInputs):
+class BatchedInputs(arguments.KernelInputs):
     """One upstream-style call in batched RPA's terms, and the cache it must return."""
 
     # The decode and mixed kernels' BlockSizes (bq_sz, bq_c_sz, bkv_sz, batch_size, n_buffer); None where
@@ -68,7 +68,7 @@ def batched_block_sizes(num_queries_per_block, num_kv_pages_per_block, page_size
     whole pages. (None, None) when the case gives neither block: the kernel tunes its own."""
     if num_queries_per_block is None and num_kv_pages_per_block is None:
         return None, None
-    given = v3.given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
+    given = arguments.given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
     assert given is not None  # a block is given
     bq, bq_chunk, bkv = experimental.mixed_blocks(given, page_size)
     block = configs().BlockSizes
@@ -99,7 +99,7 @@ def batched_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **ke
 
 def call_batched(inputs: BatchedInputs):
     """Runs batched RPA (on whatever backend the caller's context selects): ``(attention, updated cache)``."""
-    return v3.run_jitted(kernel().ragged_paged_attention, inputs)
+    return kernels.run_jitted(kernel().ragged_paged_attention, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

@@ -13,13 +13,13 @@ from rpa_harness import generations
 from rpa_harness.failures import NonFiniteOutput, OverTheBound, RaisedOnValidInput
 from rpa_harness.known_issues import NUMERIC_MISMATCH, KnownIssue, case_arrays, findings_dir, keep_sequences
 from rpa_harness.strategies.case import Case
-from rpa_harness.targets.tpu_inference_batched_rpa import adapter
-from rpa_harness.targets.tpu_inference_mla_v1.known_issues import finite_mask_value_weights_keys_past_kv_len
-from rpa_harness.targets.tpu_inference_v3.known_issues import (
+from rpa_harness.targets.tpu_inference.findings import (
     INT16_MAX,
     with_a_window_within_int16,
     with_v3_default_mask_value,
 )
+from rpa_harness.targets.tpu_inference_batched_rpa import adapter
+from rpa_harness.targets.tpu_inference_mla_v1.known_issues import finite_mask_value_weights_keys_past_kv_len
 
 FINDINGS = findings_dir("tpu-inference-batched-rpa-findings")
 SCHEDULE_WRITE_ALIGNMENT = 1024  # schedule.py: utils.align_to(write_size, 1024)

@@ -1,17 +1,15 @@
-"""batched RPA's ``rpa-harness report``: v3's report (``tpu_inference_v3.report``) with batched RPA's call,
-whose arguments, cache layout and outputs are v3's; it ships no reference, so the report and its script
-compare it with v3's ``ref_ragged_paged_attention``."""
-
-import dataclasses
+"""batched RPA's ``rpa-harness report``: the family's report (``tpu_inference.report``) with batched RPA's
+call, whose arguments, cache layout and outputs are v3's; it ships no reference, so the report and its
+script compare it with v3's ``ref_ragged_paged_attention``."""
 
 from rpa_harness.targets import tpu_inference_batched_rpa as batched
-from rpa_harness.targets.tpu_inference_v3 import adapter as v3
-from rpa_harness.targets.tpu_inference_v3 import report as v3_report
+from rpa_harness.targets.tpu_inference import kernels
+from rpa_harness.targets.tpu_inference import report as family_report
 
 # Lines of the script's loader: batched RPA's package, as the loader stubs v3's, and a stand-in for
 # tpu_inference.logger (vllm's logger), which its tuned parameters import.
 SCRIPT_STUBS = (
-    v3_report.package_stubs("experimental", "batched_rpa")
+    family_report.package_stubs("experimental", "batched_rpa")
     + """\
     if "tpu_inference.logger" not in sys.modules and importlib.util.find_spec("vllm") is None:
         sys.modules["tpu_inference.logger"] = types.ModuleType("tpu_inference.logger")
@@ -27,9 +25,10 @@ def block_sizes_in_words(inputs: batched.BatchedInputs) -> str:
     return f"- block sizes (`configs.BlockSizes`, given): decode `{decode}`, mixed `{mixed}`"
 
 
-BATCHED = dataclasses.replace(
-    v3_report.V3,
+BATCHED = family_report.ReportedKernel(
     name="tpu-inference batched RPA (experimental)",
+    function="ragged_paged_attention",
+    reference="ref_ragged_paged_attention",
     tuning_options=(
         "decode_block_sizes",
         "prefill_block_sizes",
@@ -38,14 +37,16 @@ BATCHED = dataclasses.replace(
         "update_kv_cache",
         "kv_layout",
     ),
-    **v3_report.adapted(batched, batched.batched_inputs, batched.call_batched),
+    cache_layout="v3's packed layout",
+    **family_report.adapted(batched, batched.batched_inputs, batched.call_batched),
     block_sizes_in_words=block_sizes_in_words,
+    script_options=lambda inputs: inputs.kwargs,
     off_a_tpu="no particular TPU: batched RPA reads the chip throughout, so the harness always emulates one",
     on_a_generation=(
         "TPU {generation}: batched RPA takes its layout's alignment, SMEM budget and position integers from "
         "the chip; on a CPU, rpa-harness makes the device report a TPU {generation}"
     ),
     script_stubs=SCRIPT_STUBS,
-    reference_module=v3.kernel(),
+    reference_module=kernels.load_kernel_module(kernels.V3_KERNEL_MODULE),
     reference_owner="v3's",
 )

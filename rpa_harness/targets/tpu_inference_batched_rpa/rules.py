@@ -1,14 +1,14 @@
 """batched RPA's rule table: the checks of its validator (``configs.RpaConfigs.validate_inputs``) that an
 input can reach, and its refusals of the options it does not take.
 
-Its metadata checks are v3's, with v3's messages (``tpu_inference_v3.rules``). Its checks of q, k and v
+Its metadata checks are v3's, with v3's messages (``tpu_inference.rules``). Its checks of q, k and v
 (three dimensions, equal K and V shapes and token counts, equal head_dims) cannot fire: the wrapper
 reshapes and concatenates q, k and v (``prepare_inputs``) before it validates, so such an input fails
 there first, with jax's error (docs/experimental-kernels.md), and no rule of them is declared.
 """
 
 from rpa_harness.strategies.violations import Rule
-from rpa_harness.targets.tpu_inference_v3.rules import RULES as V3_RULES
+from rpa_harness.targets.tpu_inference.rules import RULES as V3_RULES
 
 
 def _chunk_prefill_size(arrays, options, case, param):

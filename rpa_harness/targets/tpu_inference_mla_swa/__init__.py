@@ -12,7 +12,7 @@ slot by slot (``RPA_HARNESS_UPDATES_CACHE``). It needs jax >= 0.12 (``pltpu.reci
     pip install --no-deps tpu-inference==0.32.0
 """
 
-from rpa_harness.targets import kit
+from rpa_harness.targets.tpu_inference import kit
 from rpa_harness.targets.tpu_inference_mla_swa import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_mla_swa.adapter import (  # noqa: F401  (the adapter's public names)
     VALUE_HEAD_DIMS,

@@ -24,7 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from rpa_harness.spec.interface import DEFAULT_MASK_VALUE, options_taken
 from rpa_harness.targets import layouts
-from rpa_harness.targets.tpu_inference_v3 import adapter as v3_adapter
+from rpa_harness.targets.tpu_inference import kernels
 
 KERNEL_MODULE = "tpu_inference.kernels.experimental.deepseek_v4.core_attention.mla_swa"
 # (head_dim, value_head_dim): the latent is key and value at once. DeepSeek-V4's is 512 wide; 256 keeps an
@@ -46,7 +46,7 @@ _DEFAULT_MASKS = (None, DEFAULT_MASK_VALUE)
 
 def reciprocal_call_site() -> str:
     """Where the installed kernel calls ``pltpu.reciprocal`` (``mla_swa.py:LINE``), read from its source."""
-    module = v3_adapter.load_kernel_module(KERNEL_MODULE)
+    module = kernels.load_kernel_module(KERNEL_MODULE)
     name = Path(inspect.getfile(module)).name
     for number, line in enumerate(inspect.getsource(module).splitlines(), start=1):
         if "pltpu.reciprocal" in line:
@@ -58,7 +58,7 @@ def reciprocal_call_site() -> str:
 def kernel() -> types.ModuleType:
     """The kernel's module, imported on first use. ImportError says how to install tpu-inference, or, on a
     jax without ``pltpu.reciprocal`` (0.10.2), that no call can run there and what jax it needs."""
-    module = v3_adapter.load_kernel_module(KERNEL_MODULE)
+    module = kernels.load_kernel_module(KERNEL_MODULE)
     if not hasattr(pltpu, "reciprocal"):
         raise ImportError(
             f"tpu-inference's mla_swa does not trace on jax {jax.__version__}: it normalises a bfloat16 output "
@@ -158,7 +158,7 @@ def swa_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **option
 
 def call_swa(inputs: SwaInputs):
     """Runs the kernel (on whatever backend the caller's context selects): ``(attention, byte cache, l, m)``."""
-    return v3_adapter.run_jitted(kernel().mla_sliding_window_ragged_paged_attention, inputs)
+    return kernels.run_jitted(kernel().mla_sliding_window_ragged_paged_attention, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

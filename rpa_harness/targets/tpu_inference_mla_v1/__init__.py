@@ -13,7 +13,7 @@ holds its validators' rules and messages. Install as for v3:
 """
 
 from rpa_harness.spec.interface import MASK_REPLACES
-from rpa_harness.targets import kit
+from rpa_harness.targets.tpu_inference import kit
 from rpa_harness.targets.tpu_inference_mla_v1 import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_mla_v1.adapter import (  # noqa: F401  (the adapter's public names)
     HAS_TPU_RECIPROCAL,
@@ -61,6 +61,13 @@ RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only wher
 
 # Its known issues (docs/tpu-inference-mla-v1-findings/): their cases are not drawn.
 RPA_HARNESS_CATALOGUE, RPA_HARNESS_KNOWN_ISSUES = kit.every_finding(_known_issues.RPA_HARNESS_CATALOGUE)
-RPA_HARNESS_REPORT = kit.deferred_report(
-    kit.V3_REPORT, kit.MLA_REPORT, "MLA_V1"
-)  # v3's report, MLA's sections
+
+
+# The family's report with MLA's sections.
+def _reported_kernel():  # imported when a report is asked for: the report module loads the kernel
+    from rpa_harness.targets.tpu_inference_mla_v1.report import MLA_V1
+
+    return MLA_V1
+
+
+RPA_HARNESS_REPORT = kit.deferred_report(_reported_kernel)

@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from rpa_harness.spec.interface import options_taken, values_per_word
 from rpa_harness.targets import layouts
-from rpa_harness.targets.tpu_inference_v3 import adapter as v3_adapter
+from rpa_harness.targets.tpu_inference import kernels
 
 _KERNEL_MODULE = "tpu_inference.kernels.mla.v1.kernel"
 # (head_dim, lkv): lkv + r with r = 64 (DeepSeek's rotary dims), the latent 512 (DeepSeek's kv_lora_rank)
@@ -36,7 +36,7 @@ _NOT_TAKEN = ("q_scale", "attention_sink", "use_causal_mask", "out_dtype", "skip
 @functools.cache
 def kernel() -> types.ModuleType:
     """MLA v1's kernel module, imported on first use (ImportError says how to install it)."""
-    return v3_adapter.load_kernel_module(_KERNEL_MODULE)
+    return kernels.load_kernel_module(_KERNEL_MODULE)
 
 
 def latent_dim(head_dim: int) -> int:
@@ -107,7 +107,7 @@ def mla_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **option
 
 def call_mla(inputs: MlaInputs):
     """Runs MLA v1 (on whatever backend the caller's context selects): ``(attention, updated cache)``."""
-    return v3_adapter.run_jitted(kernel().mla_ragged_paged_attention, inputs)
+    return kernels.run_jitted(kernel().mla_ragged_paged_attention, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
@@ -123,4 +123,4 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
 def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
     """MLA v1's own ``dynamic_validate_inputs`` (its rules, its messages) on the mapped inputs."""
     inputs = mla_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
-    kernel().dynamic_validate_inputs(*v3_adapter.device_arrays(inputs.args), **inputs.kwargs)
+    kernel().dynamic_validate_inputs(*kernels.device_arrays(inputs.args), **inputs.kwargs)

@@ -13,16 +13,10 @@ it is on.
 import dataclasses
 
 from rpa_harness.failures import OverTheBound, RaisedOnValidInput
-from rpa_harness.known_issues import (
-    FLOAT32_EXP_UNDERFLOW,
-    NUMERIC_MISMATCH,
-    KnownIssue,
-    case_arrays,
-    findings_dir,
-)
+from rpa_harness.known_issues import NUMERIC_MISMATCH, KnownIssue, findings_dir
 from rpa_harness.spec.interface import DEFAULT_MASK_VALUE, values_per_word
 from rpa_harness.strategies.case import Case
-from rpa_harness.targets.tpu_inference_v3.known_issues import finite_replacing_mask_value, v3_row_max_logits
+from rpa_harness.targets.tpu_inference.findings import finite_replacing_mask_value, masked_keys_weigh
 
 FINDINGS = findings_dir("tpu-inference-mla-v1-findings")
 # The block sizes tpu-inference's own MLA tests give (tests/kernels/mla_v2_test.py: 8 KV pages, 8 queries per
@@ -90,13 +84,8 @@ def finite_mask_value_weights_keys_past_kv_len(case: Case) -> bool:
     if mask_value is None or not case.num_kv_pages_per_block or case.num_kv_pages_per_block <= 0:
         return False
     block = case.num_kv_pages_per_block * case.page_size
-    for seq, kv_len in enumerate(case.kv_lens):
-        if kv_len % block == 0:
-            continue
-        row_max = v3_row_max_logits(case, case_arrays(case), seq, mask_value)
-        if (mask_value - row_max > FLOAT32_EXP_UNDERFLOW).any():
-            return True
-    return False
+    past_kv_len = (seq for seq, kv_len in enumerate(case.kv_lens) if kv_len % block)
+    return masked_keys_weigh(case, mask_value, past_kv_len)
 
 
 RPA_HARNESS_CATALOGUE = (

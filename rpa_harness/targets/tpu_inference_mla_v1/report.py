@@ -5,14 +5,12 @@ is their own; ``ReportedMla`` holds what differs between MLA v1 (``MLA_V1``) and
 ``report.MLA_V2``). The report re-runs the repro on its backend through the target (the attention and the
 cache in upstream's layout, judged as the properties judge them), runs MLA v1's
 ``ref_mla_ragged_paged_attention`` (the reference tpu-inference ships for both) on the same case, and
-writes what v3's report writes (``ReportedMla`` fills ``tpu_inference_v3.report.render``): the case, the
+writes what the family's report writes (``ReportedMla`` fills ``tpu_inference.report.render``): the case, the
 call, expected against actual for both outputs, and a standalone script in the kernel's own layout that
 needs only jax, numpy and tpu-inference and exits 1 while the kernel disagrees with that reference.
 """
 
-import base64
 import dataclasses
-import io
 import types
 from collections.abc import Callable
 from typing import Any
@@ -25,8 +23,8 @@ from rpa_harness.device import TPU, Backend
 from rpa_harness.generations import NONE
 from rpa_harness.report_sections import case_in_words, environment
 from rpa_harness.targets import tpu_inference_mla_v1 as mla_v1
-from rpa_harness.targets import tpu_inference_v3 as v3
-from rpa_harness.targets.tpu_inference_v3 import report as v3_report
+from rpa_harness.targets.tpu_inference import kernels, releases
+from rpa_harness.targets.tpu_inference import report as family_report
 
 # MLA v1's options that its reference does not take.
 TUNING_OPTIONS = ("chunk_prefill_size", "num_kv_pages_per_block", "num_queries_per_block", "vmem_limit_bytes")
@@ -72,9 +70,9 @@ class ReportedMla:
     def reference_functions(self) -> types.ModuleType:
         return mla_v1.kernel()
 
-    # What v3's shared report (``v3_report.observe``, ``v3_report.render``) asks of a kernel:
-    # ``v3_report.Reported``. The kernel is judged in upstream's layout; its reference is MLA v1's on v1's
-    # call for the case.
+    # What the family's report (``tpu_inference.report``: ``observe``, ``render``) asks of a kernel:
+    # ``Reported``. The kernel is judged in upstream's layout; its reference is MLA v1's on v1's call for
+    # the case.
     def observed_inputs(self, inputs: mla_v1.MlaInputs, repro: repro_files.Repro) -> CallInputs:
         expected = expected_upstream_cache(repro.arrays)
         return CallInputs(
@@ -100,10 +98,10 @@ class ReportedMla:
 
     def environment_words(self, repro: repro_files.Repro, backend: Backend) -> list[str]:
         return [
-            f"- tpu-inference {v3.installed_version()} (`{self.qualified_function}`, installed with "
-            f"`{v3.INSTALL_COMMAND}`)",
+            f"- tpu-inference {releases.installed_version()} (`{self.qualified_function}`, installed with "
+            f"`{kernels.INSTALL_COMMAND}`)",
             *environment(repro.versions, leave_out=("hypothesis",)),
-            f"- observed on: {v3_report.interpreter_words(backend.name)}"
+            f"- observed on: {family_report.interpreter_words(backend.name)}"
             + (
                 " on CPU, through rpa-harness's interpreter compatibility layer"
                 if backend.name != TPU
@@ -128,7 +126,7 @@ class ReportedMla:
     ) -> tuple[str, str]:
         v1_inputs = mla_v1.mla_inputs(**repro.arrays, **repro.options)
         program = script(self, v1_inputs, inputs.mla, description, generation)
-        return program, v3_report.data_words(embedded_inputs(v1_inputs))
+        return program, family_report.data_words(embedded_inputs(v1_inputs))
 
     def script_words(self, data: str, backend: Backend) -> str:
         return (
@@ -169,7 +167,8 @@ def call_in_words(kernel: ReportedMla, inputs: CallInputs) -> list[str]:
     ]
 
 
-SCRIPT = '''"""{name}: {description}
+SCRIPT = (
+    '''"""{name}: {description}
 
 Runs as written on {where}: `python repro.py` exits 1 while the kernel disagrees with MLA v1's
 `ref_mla_ragged_paged_attention` (or does not return), 0 otherwise. {data_words}; the lengths, page
@@ -222,17 +221,9 @@ tuning = {tuning!r} + {kernel_only!r}
 expected_out, expected_cache = v1.ref_mla_ragged_paged_attention(
     *map(jnp.asarray, arrays), **{{k: v for k, v in options.items() if k not in tuning}}
 )
-returned = threading.Event()
-
-
-def watchdog():
-    if not returned.wait({hang_seconds}):
-        print("{reproduces}: the kernel did not return within {hang_seconds} s", flush=True)
-        os._exit(1)
-
-
-threading.Thread(target=watchdog, daemon=True).start()
-call_arrays = ({query_arg}, *arrays[1:])
+'''
+    + family_report.SCRIPT_WATCHDOG
+    + """call_arrays = ({query_arg}, *arrays[1:])
 try:
     out, cache = jax.block_until_ready(kernel.mla_ragged_paged_attention(*map(jnp.asarray, call_arrays), **options))
 except Exception as error:
@@ -249,15 +240,9 @@ returned.set()
 lkv = ql_nope.shape[-1]  # the reference pads its output's lanes to 128
 got = np.asarray({attention_out}, np.float32)[:rows, :, :lkv]
 want = np.asarray(expected_out, np.float32)[:rows, :, :lkv]
-tolerance = 1e-4 if out.dtype == jnp.float32 else 5e-2
-wrong = ~np.isclose(got, want, rtol=tolerance, atol=tolerance)
-print(f"attention: {{int(wrong.sum())}} of {{wrong.size}} elements differ from the reference (tolerance {{tolerance}})")
-if wrong.any():
-    row, head, dim = np.argwhere(wrong)[0]
-    sequence = int(np.searchsorted(cu_q_lens[1:], row, side="right"))
-    print(f"  first at sequence {{sequence}}, token {{row - cu_q_lens[sequence]}}, head {{head}}, dim {{dim}}: "
-          f"kernel {{got[row, head, dim]}}, reference {{want[row, head, dim]}}")
-
+"""
+    + family_report.SCRIPT_ATTENTION
+    + """
 pages, page_size = cache_kv.shape[0], cache_kv.shape[1] * cache_kv.shape[2]
 bits = f"u{{cache_kv.dtype.itemsize}}"
 slot_bits = lambda c: np.asarray(c).view(bits).reshape(pages, page_size, -1)  # noqa: E731
@@ -270,11 +255,9 @@ for page, slot in np.argwhere(differs)[:16]:
     whose = f"sequence {{owner[0]}}" if owner else "no live sequence"
     print(f"  page {{page}}, slot {{slot}} ({{whose}})")
 
-if wrong.any() or differs.any():
-    print("{reproduces}: the kernel disagrees with MLA v1's reference")
-    sys.exit(1)
-print("does not reproduce: the kernel agrees with MLA v1's reference")
-'''
+"""
+    + family_report.SCRIPT_VERDICT
+)
 
 RANDOM_DATA = """\
 rng = np.random.default_rng(0)
@@ -298,19 +281,10 @@ new_kv_c, new_k_pe, cache_kv = (stored[name].view(kv_dtype) for name in ("new_kv
 
 
 def embedded_inputs(inputs: mla_v1.MlaInputs) -> str | None:
-    """v1's query, new tokens and cache as base64 of a compressed NPZ of their bits, or None when that
-    exceeds v3's report's limit (``MAX_EMBEDDED_BYTES``)."""
-    buffer = io.BytesIO()
+    """v1's query, new tokens and cache as the family's report embeds a script's data
+    (``embedded_arrays``)."""
     names = ("ql_nope", "q_pe", "new_kv_c", "new_k_pe", "cache_kv")
-    # Any: unpacked into savez_compressed, whose allow_pickle mypy would match an array to.
-    bits: dict[str, Any] = {
-        n: np.asarray(a).view(f"u{np.asarray(a).dtype.itemsize}")
-        for n, a in zip(names, inputs.args[:5], strict=True)
-    }
-    np.savez_compressed(buffer, **bits)
-    if buffer.tell() > v3_report.MAX_EMBEDDED_BYTES:
-        return None
-    return base64.b64encode(buffer.getvalue()).decode()
+    return family_report.embedded_arrays(dict(zip(names, inputs.args[:5], strict=True)))
 
 
 def script(kernel: ReportedMla, v1_inputs: mla_v1.MlaInputs, call: mla_v1.MlaInputs, description: str,
@@ -339,7 +313,7 @@ def script(kernel: ReportedMla, v1_inputs: mla_v1.MlaInputs, call: mla_v1.MlaInp
     )
     kernel_only = tuple(k for k in call.kwargs if k not in v1_inputs.kwargs)
     return SCRIPT.format(
-        name=f"{kernel.name} (tpu-inference {v3.installed_version()})",
+        name=f"{kernel.name} (tpu-inference {releases.installed_version()})",
         description=description,
         where=f"a TPU {generation}" if generation != NONE else "a TPU",
         data_words="Random data (seed 0)" if encoded is None else "The failing case's own data",
@@ -349,12 +323,13 @@ def script(kernel: ReportedMla, v1_inputs: mla_v1.MlaInputs, call: mla_v1.MlaInp
         page_indices=page_indices.tolist(),
         cu_q_lens=cu_q_lens.tolist(),
         distribution=distribution.tolist(),
-        options=v3_report.options_source(call.kwargs),
+        options=family_report.options_source(call.kwargs),
         data_lines=data,
         tuning=kernel.tuning_options,
         kernel_only=kernel_only,
-        hang_seconds=v3_report.HANG_SECONDS,
-        reproduces=v3_report.REPRODUCES,
+        hang_seconds=family_report.HANG_SECONDS,
+        reproduces=family_report.REPRODUCES,
+        reference_words="MLA v1's reference",
         query_arg="ql_nope.transpose(1, 0, 2)" if kernel.head_major else "ql_nope",
         attention_out="out.transpose(1, 0, 2)" if kernel.head_major else "out",
     )
@@ -362,6 +337,6 @@ def script(kernel: ReportedMla, v1_inputs: mla_v1.MlaInputs, call: mla_v1.MlaInp
 
 MLA_V1 = ReportedMla(
     name="tpu-inference MLA v1",
-    **v3_report.adapted(mla_v1, mla_v1.mla_inputs, mla_v1.call_mla),
+    **family_report.adapted(mla_v1, mla_v1.mla_inputs, mla_v1.call_mla),
     head_major=False,
 )

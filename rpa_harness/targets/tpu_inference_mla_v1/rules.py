@@ -5,8 +5,8 @@ latent cache has one KV head and no separate value."""
 
 from rpa_harness.strategies import violations as shared
 from rpa_harness.strategies.violations import Rule
+from rpa_harness.targets.tpu_inference import rules as family_rules
 from rpa_harness.targets.tpu_inference_mla_v1.adapter import latent_dim
-from rpa_harness.targets.tpu_inference_v3 import rules as v3_rules
 
 
 def head_dim_mismatch_message(q_head_dim, kv_head_dim) -> str:
@@ -19,7 +19,7 @@ def head_dim_mismatch_message(q_head_dim, kv_head_dim) -> str:
 
 _OWN: dict[str, Rule] = {
     "head_dim mismatch": Rule("static", shared.break_head_dim, head_dim_mismatch_message),
-    **v3_rules.UPSTREAM_BLOCK_OPTION_RULES,
+    **family_rules.UPSTREAM_BLOCK_OPTION_RULES,
 }
 # In MLA v1's order: its own rules where they differ from v3's, v3's rule by that name elsewhere.
 _ORDER = (
@@ -30,4 +30,4 @@ _ORDER = (
     "decreasing cu_q_lens", "too few pages per sequence", "page index out of range",
 )  # fmt: skip
 
-RULES = v3_rules.in_order(_ORDER, _OWN)
+RULES = family_rules.in_order(_ORDER, _OWN)

@@ -8,7 +8,7 @@ latent cases onto it as MLA v1's adapter does, with ``s_dtype=float32`` (see the
     pip install --no-deps tpu-inference==0.32.0
 """
 
-from rpa_harness.targets import kit
+from rpa_harness.targets.tpu_inference import kit
 from rpa_harness.targets.tpu_inference_mla_v1 import RPA_HARNESS_CAPABILITIES as V1_CAPABILITIES
 from rpa_harness.targets.tpu_inference_mla_v2 import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_mla_v2.adapter import (  # noqa: F401  (the adapter's public names)
@@ -36,5 +36,13 @@ RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only wher
 
 # Its known issues (docs/tpu-inference-mla-v2-findings/): their cases are not drawn.
 RPA_HARNESS_CATALOGUE, RPA_HARNESS_KNOWN_ISSUES = kit.every_finding(_known_issues.RPA_HARNESS_CATALOGUE)
-# v3's report with MLA's sections (tpu_inference_mla_v1.report) and v2's call.
-RPA_HARNESS_REPORT = kit.deferred_report(kit.V3_REPORT, f"{__name__}.report", "MLA_V2")
+
+
+# The family's report with MLA's sections (tpu_inference_mla_v1.report) and v2's call.
+def _reported_kernel():  # imported when a report is asked for: the report module loads the kernel
+    from rpa_harness.targets.tpu_inference_mla_v2.report import MLA_V2
+
+    return MLA_V2
+
+
+RPA_HARNESS_REPORT = kit.deferred_report(_reported_kernel)

@@ -21,14 +21,14 @@ import types
 import jax.numpy as jnp
 import numpy as np
 
+from rpa_harness.targets.tpu_inference import arguments, kernels
 from rpa_harness.targets.tpu_inference_mla_v1 import adapter as v1
-from rpa_harness.targets.tpu_inference_v3 import adapter as v3_adapter
 
 _KERNEL_MODULE = "tpu_inference.kernels.mla.v2.kernel"
 # The precision options the adapter passes (see the module's docstring).
 PRECISION_OPTIONS = {"s_dtype": jnp.dtype(jnp.float32)}
 # v2's only chip-dependent code is its default VMEM limit (vmem_limit_bytes=None reads the chip's VMEM
-# capacity), as v3's: off a TPU the adapter passes v3's default (``v3_adapter.vmem_limit``).
+# capacity), as v3's: off a TPU the adapter passes v3's default (``arguments.vmem_limit``).
 
 
 def _divisors(n: int) -> list[int]:
@@ -42,15 +42,15 @@ def _stand_in_for_missing_imports() -> None:
         sympy = types.ModuleType("sympy")
         sympy.divisors = _divisors  # type: ignore[attr-defined]
         sys.modules["sympy"] = sympy
-    v3_adapter.stand_in_for_tpu_inference_logger()
+    kernels.stand_in_for_tpu_inference_logger()
 
 
 @functools.cache
 def kernel() -> types.ModuleType:
     """MLA v2's kernel module, imported on first use (ImportError says how to install it)."""
-    v3_adapter.load_kernel_module("tpu_inference.kernels.ragged_paged_attention.v3.util")  # the package stubs
+    kernels.load_kernel_module("tpu_inference.kernels.ragged_paged_attention.v3.util")  # the package stubs
     _stand_in_for_missing_imports()
-    return v3_adapter.load_kernel_module(_KERNEL_MODULE)
+    return kernels.load_kernel_module(_KERNEL_MODULE)
 
 
 def mla_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options) -> v1.MlaInputs:
@@ -58,7 +58,7 @@ def mla_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **option
     inputs = v1.mla_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
     ql_nope, *rest = inputs.args
     kwargs = {**inputs.kwargs, **PRECISION_OPTIONS}
-    kwargs["vmem_limit_bytes"] = v3_adapter.vmem_limit(kwargs["vmem_limit_bytes"])
+    kwargs["vmem_limit_bytes"] = arguments.vmem_limit(kwargs["vmem_limit_bytes"])
     return v1.MlaInputs(
         (np.ascontiguousarray(ql_nope.transpose(1, 0, 2)), *rest),
         kwargs,
@@ -69,7 +69,7 @@ def mla_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **option
 
 def call_mla(inputs: v1.MlaInputs):
     """Runs MLA v2 (on whatever backend the caller's context selects): ``(attention [H, T, lkv], cache)``."""
-    return v3_adapter.run_jitted(kernel().mla_ragged_paged_attention, inputs)
+    return kernels.run_jitted(kernel().mla_ragged_paged_attention, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

@@ -2,8 +2,8 @@
 head-major query and attention, and the stand-ins its imports need where sympy and vllm are absent."""
 
 from rpa_harness.targets import tpu_inference_mla_v2 as mla_v2
+from rpa_harness.targets.tpu_inference import report as family_report
 from rpa_harness.targets.tpu_inference_mla_v1 import report as mla_report
-from rpa_harness.targets.tpu_inference_v3 import report as v3_report
 
 # Lines of the script's loader: v2's modules import sympy (divisors) and tpu_inference.logger (vllm's).
 SCRIPT_STUBS = """\
@@ -18,7 +18,7 @@ SCRIPT_STUBS = """\
 
 MLA_V2 = mla_report.ReportedMla(
     name="tpu-inference MLA v2",
-    **v3_report.adapted(mla_v2, mla_v2.mla_inputs, mla_v2.call_mla),
+    **family_report.adapted(mla_v2, mla_v2.mla_inputs, mla_v2.call_mla),
     head_major=True,
     script_stubs=SCRIPT_STUBS,
     reference_owner="MLA v1's",

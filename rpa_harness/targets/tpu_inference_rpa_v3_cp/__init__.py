@@ -12,8 +12,9 @@ several devices and a mesh: not drawn (docs/experimental-kernels.md). Install as
     pip install --no-deps tpu-inference==0.32.0
 """
 
-from rpa_harness.targets import kit
 from rpa_harness.targets import tpu_inference_v3 as v3_target
+from rpa_harness.targets.tpu_inference import kit, releases
+from rpa_harness.targets.tpu_inference.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
 from rpa_harness.targets.tpu_inference_rpa_v3_cp.adapter import (  # noqa: F401  (the adapter's public names)
     call_cp,
     cp_inputs,
@@ -23,7 +24,6 @@ from rpa_harness.targets.tpu_inference_rpa_v3_cp.adapter import (  # noqa: F401 
 )
 from rpa_harness.targets.tpu_inference_rpa_v3_cp.both_outputs import check_both_outputs, judge  # noqa: F401
 from rpa_harness.targets.tpu_inference_v3 import known_issues as v3_known_issues
-from rpa_harness.targets.tpu_inference_v3.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
 
 RPA_HARNESS_CAPABILITIES = v3_target.RPA_HARNESS_CAPABILITIES
 # v3's accumulators (l, m and acc allocated in out_dtype; return_lse, which makes l and m float32, is a CP
@@ -43,8 +43,15 @@ RPA_HARNESS_BASELINE = v3_target.__name__  # `rpa-harness bench` times the fork 
 RPA_HARNESS_KNOWN_ISSUES = tuple(
     v3_known_issues.for_module(issue, kernel)
     for issue in v3_target.RPA_HARNESS_CATALOGUE
-    if issue.name != "default-blocks-break-v3s-own-rules" and issue.affects(v3_target.installed_version())
+    if issue.name != "default-blocks-break-v3s-own-rules" and issue.affects(releases.installed_version())
 )
 
-# v3's report with the fork's module.
-RPA_HARNESS_REPORT = kit.deferred_report(kit.V3_REPORT, f"{__name__}.report", "CP")
+
+# v3's report (the family's with v3's kernel) with the fork's module.
+def _reported_kernel():  # imported when a report is asked for: the report module loads the kernel
+    from rpa_harness.targets.tpu_inference_rpa_v3_cp.report import CP
+
+    return CP
+
+
+RPA_HARNESS_REPORT = kit.deferred_report(_reported_kernel)

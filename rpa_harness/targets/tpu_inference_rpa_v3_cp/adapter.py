@@ -9,6 +9,7 @@ maps exactly as v3's does, with the fork's module where v3's adapter reads the k
 import functools
 import types
 
+from rpa_harness.targets.tpu_inference import kernels
 from rpa_harness.targets.tpu_inference_v3 import adapter as v3
 
 _KERNEL_MODULE = "tpu_inference.kernels.experimental.rpa_v3_cp.kernel"
@@ -17,7 +18,7 @@ _KERNEL_MODULE = "tpu_inference.kernels.experimental.rpa_v3_cp.kernel"
 @functools.cache
 def kernel() -> types.ModuleType:
     """The fork's kernel module, imported on first use (ImportError says how to install tpu-inference)."""
-    return v3.load_kernel_module(_KERNEL_MODULE)
+    return kernels.load_kernel_module(_KERNEL_MODULE)
 
 
 def cp_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options) -> v3.V3Inputs:
@@ -27,7 +28,7 @@ def cp_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options
 
 def call_cp(inputs: v3.V3Inputs):
     """Runs the fork (on whatever backend the caller's context selects): ``(attention, updated cache)``."""
-    return v3.run_jitted(kernel().ragged_paged_attention, inputs)
+    return kernels.run_jitted(kernel().ragged_paged_attention, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
@@ -39,4 +40,6 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
 def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
     """The fork's own ``dynamic_validate_inputs`` (v3's rules and messages) on the mapped inputs."""
     inputs = cp_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
-    kernel().dynamic_validate_inputs(*v3.device_arrays(inputs.args), **v3.validator_options(inputs.kwargs))
+    kernel().dynamic_validate_inputs(
+        *kernels.device_arrays(inputs.args), **v3.validator_options(inputs.kwargs)
+    )

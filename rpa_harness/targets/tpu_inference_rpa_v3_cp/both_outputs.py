@@ -2,8 +2,8 @@
 on the checking TPU interpreter by default, the attention against the float64 oracle under the declared
 contract, the updated cache bit for bit."""
 
+from rpa_harness.targets.tpu_inference import judging
 from rpa_harness.targets.tpu_inference_rpa_v3_cp.adapter import call_cp, cp_inputs
-from rpa_harness.targets.tpu_inference_v3 import both_outputs as v3_judge
 
-judge = v3_judge.judge_with("tpu-inference RPA v3 CP", cp_inputs, call_cp)
-check_both_outputs = v3_judge.checks_both_outputs(judge)
+judge = judging.judge_with("tpu-inference RPA v3 CP", cp_inputs, call_cp)
+check_both_outputs = judging.checks_both_outputs(judge)

@@ -12,7 +12,7 @@ target is a usage error that says so. Install as for v3:
     pip install --no-deps tpu-inference==0.32.0
 """
 
-from rpa_harness.targets import kit
+from rpa_harness.targets.tpu_inference import judging, kit
 from rpa_harness.targets.tpu_inference_stacked_rpa import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_stacked_rpa import layout  # noqa: F401  (the converter, public)
 from rpa_harness.targets.tpu_inference_stacked_rpa.adapter import (  # noqa: F401  (the adapter's public names)
@@ -24,7 +24,6 @@ from rpa_harness.targets.tpu_inference_stacked_rpa.adapter import (  # noqa: F40
 )
 from rpa_harness.targets.tpu_inference_stacked_rpa.both_outputs import check_updated_cache, judge  # noqa: F401
 from rpa_harness.targets.tpu_inference_stacked_rpa.rules import RULES as RPA_HARNESS_RULES  # noqa: F401
-from rpa_harness.targets.tpu_inference_v3 import both_outputs as v3_judge
 
 RPA_HARNESS_CAPABILITIES = kit.v3_derived_capabilities(
     # Its validator requires a multiple of 128 (the sequence is on the lanes); 256 and up would only
@@ -54,7 +53,7 @@ RPA_HARNESS_PRECISION = ("accumulators-in-output-dtype", "softmax-in-output-dtyp
 RPA_HARNESS_PRODUCT_PRECISION = "default"
 RPA_HARNESS_VERSION = kit.version("experimental stacked_rpa")
 RPA_HARNESS_KERNEL = kernel  # imported on first use: it fails to load where the kernel cannot run
-check_both_outputs = v3_judge.checks_both_outputs(judge)
+check_both_outputs = judging.checks_both_outputs(judge)
 RPA_HARNESS_PROPERTIES = kit.both_outputs_judged(check_both_outputs)
 # Its known issues (docs/tpu-inference-stacked-rpa-findings/): their cases are not drawn.
 RPA_HARNESS_CATALOGUE, RPA_HARNESS_KNOWN_ISSUES = kit.every_finding(_known_issues.RPA_HARNESS_CATALOGUE)

@@ -16,9 +16,8 @@ import jax
 import numpy as np
 
 from rpa_harness.spec.interface import options_taken
-from rpa_harness.targets import experimental
+from rpa_harness.targets.tpu_inference import arguments, experimental, kernels
 from rpa_harness.targets.tpu_inference_stacked_rpa import layout
-from rpa_harness.targets.tpu_inference_v3 import adapter as v3
 
 _WRAPPER = "tpu_inference.kernels.experimental.stacked_rpa.wrapper"
 _DECODE_BLOCKS = "tpu_inference.kernels.experimental.stacked_rpa.decode.block_sizes"
@@ -51,20 +50,20 @@ def kernel() -> types.ModuleType:
             f"{TRACE_FAILURE}); run this target on jax 0.11.2, the jax tpu-inference "
             "0.32.0 pins (Python >= 3.12: pip install jax==0.11.2 jaxlib==0.11.2), or 0.10.2 (Python 3.11)"
         )
-    return v3.load_kernel_module(_WRAPPER)
+    return kernels.load_kernel_module(_WRAPPER)
 
 
 def block_size_types() -> tuple[type, type]:
     """(decode, mixed) ``BlockSizes`` classes: ``(bq_sz, bkv_sz, batch_size, n_buffer)`` and ``(bq_sz,
     bq_c_sz, bkv_sz, batch_size, n_buffer)``."""
     kernel()
-    decode = v3.load_kernel_module(_DECODE_BLOCKS).BlockSizes
-    mixed = v3.load_kernel_module(_PREFILL_BLOCKS).BlockSizes
+    decode = kernels.load_kernel_module(_DECODE_BLOCKS).BlockSizes
+    mixed = kernels.load_kernel_module(_PREFILL_BLOCKS).BlockSizes
     return decode, mixed
 
 
 @dataclasses.dataclass(frozen=True)
-class StackedInputs(v3.KernelInputs):
+class StackedInputs(arguments.KernelInputs):
     """One upstream-style call in stacked RPA's terms. ``expected_cache`` and ``given_cache`` are slots first
     (``layout.slots_first``), as the cache judge reads them; ``args[3]`` is the given cache in the kernel's
     layout."""
@@ -90,7 +89,7 @@ def stacked_block_sizes(
     query block computed in halves when even (v3's adapter's rule), KV blocks of whole pages (a decode
     block widened to the window's span, as the kernel requires; the mixed kernel sizes its own KV block
     from the window). (None, None) when the case gives neither block: the kernel chooses its own."""
-    given = v3.given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
+    given = arguments.given_block_options(num_queries_per_block, num_kv_pages_per_block, pages_per_seq)
     if given is None:
         return None, None
     bq, bq_chunk, bkv = experimental.mixed_blocks(given, page_size)
@@ -106,7 +105,7 @@ def stacked_block_sizes(
 
 def stacked_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywords) -> StackedInputs:
     """Maps an upstream-style call to stacked RPA's: the new tokens split from the cache and their slots
-    poisoned (``v3.v3_arguments``), the cache stacked, v3's meaning of ``mask_value``. ``keywords``: the
+    poisoned (``arguments.v3_arguments``), the cache stacked, v3's meaning of ``mask_value``. ``keywords``: the
     specification's options but ``experimental.NOT_TAKEN``."""
     options = options_taken(keywords, by="stacked_inputs", without=experimental.NOT_TAKEN)
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
@@ -134,7 +133,7 @@ def stacked_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **ke
 def call_stacked(inputs: StackedInputs):
     """Runs stacked RPA (on whatever backend the caller's context selects): ``(attention, updated cache)``,
     the cache in the kernel's layout."""
-    return v3.run_jitted(kernel().ragged_paged_attention, inputs)
+    return kernels.run_jitted(kernel().ragged_paged_attention, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

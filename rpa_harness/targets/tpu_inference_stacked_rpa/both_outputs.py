@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from rpa_harness.cache_judge import ExpectedCache, cache_mismatch
+from rpa_harness.targets.tpu_inference import judging
 from rpa_harness.targets.tpu_inference_stacked_rpa import layout
 from rpa_harness.targets.tpu_inference_stacked_rpa.adapter import StackedInputs, call_stacked, stacked_inputs
-from rpa_harness.targets.tpu_inference_v3 import both_outputs as v3_judge
 
 NAME = "tpu-inference stacked RPA"
 
@@ -161,7 +161,7 @@ def unwritten_by_window_write_back(inputs: StackedInputs) -> np.ndarray | None:
 
 # On jax 0.10's generic interpreter the cache comes back as given (writes into an aliased input are lost
 # there): judge the cache on the TPU interpreter, or on jax 0.11.
-judge = v3_judge.judge_with(
+judge = judging.judge_with(
     NAME,
     stacked_inputs,
     call_stacked,

@@ -9,23 +9,16 @@ import numpy as np
 
 from rpa_harness.device import INTERPRET, TPU, Backend
 from rpa_harness.failures import CacheMismatch, OverTheBound
-from rpa_harness.known_issues import (
-    FLOAT32_EXP_UNDERFLOW,
-    NUMERIC_MISMATCH,
-    KnownIssue,
-    case_arrays,
-    findings_dir,
-)
+from rpa_harness.known_issues import NUMERIC_MISMATCH, KnownIssue, findings_dir
 from rpa_harness.strategies.case import Case
 from rpa_harness.targets import layouts
-from rpa_harness.targets.tpu_inference_stacked_rpa import both_outputs
-from rpa_harness.targets.tpu_inference_v3 import adapter as v3
-from rpa_harness.targets.tpu_inference_v3 import both_outputs as v3_judge
-from rpa_harness.targets.tpu_inference_v3.known_issues import (
+from rpa_harness.targets.tpu_inference import arguments, judging
+from rpa_harness.targets.tpu_inference.findings import (
     finite_replacing_mask_value,
-    v3_row_max_logits,
+    masked_keys_weigh,
     with_v3_default_mask_value,
 )
+from rpa_harness.targets.tpu_inference_stacked_rpa import both_outputs
 
 FINDINGS = findings_dir("tpu-inference-stacked-rpa-findings")
 
@@ -39,13 +32,12 @@ def finite_mask_value_weights_keys_by_block(case: Case) -> bool:
     if mask_value is None:
         return False
     block = (case.num_kv_pages_per_block or 1) * case.page_size
-    arrays = case_arrays(case)
-    for seq, (q_len, kv_len) in enumerate(zip(case.q_lens, case.kv_lens, strict=True)):
-        if kv_len % block == 0 and q_len == 1 and case.sliding_window is None:
-            continue
-        if (mask_value - v3_row_max_logits(case, arrays, seq, mask_value) > FLOAT32_EXP_UNDERFLOW).any():
-            return True
-    return False
+    with_masked_keys = (
+        seq
+        for seq, (q_len, kv_len) in enumerate(zip(case.q_lens, case.kv_lens, strict=True))
+        if kv_len % block or q_len != 1 or case.sliding_window is not None
+    )
+    return masked_keys_weigh(case, mask_value, with_masked_keys)
 
 
 def window_write_back_leaves_new_tokens_unwritten(case: Case) -> bool:
@@ -56,7 +48,7 @@ def window_write_back_leaves_new_tokens_unwritten(case: Case) -> bool:
         return False
     q_lens = np.asarray(case.q_lens, np.int32)  # a case of no sequences has q_lens ()
     mixed = range(int(layouts.distribution(q_lens, case.num_seqs)[1]), len(case.q_lens))
-    given = v3.given_block_options(
+    given = arguments.given_block_options(
         case.num_queries_per_block, case.num_kv_pages_per_block, case.pages_per_seq
     )
     if given is None:
@@ -77,7 +69,7 @@ def _replay_where_the_cache_is_written(issue, target, backend, repro) -> None:
     """Replays both outputs on a TPU, else on the TPU interpreter: jax 0.10's generic interpreter returns an
     aliased cache as given, whatever the kernel writes."""
     where = backend if backend.name == TPU else Backend(INTERPRET, generation=repro.tpu_generation)
-    v3_judge.checks_both_outputs(both_outputs.judge)(target, where, repro.arrays, repro.options)
+    judging.checks_both_outputs(both_outputs.judge)(target, where, repro.arrays, repro.options)
 
 
 RPA_HARNESS_CATALOGUE = (

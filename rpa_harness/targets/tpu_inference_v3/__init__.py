@@ -9,12 +9,14 @@ unchanged. This module is its profile (the ``RPA_HARNESS_*`` declarations); the 
 - ``adapter``: ``ragged_paged_attention`` / ``dynamic_validate_inputs`` with upstream's signatures (the
   attention output), ``v3_inputs`` (the upstream-style case in v3's layout: what is passed, and what the
   cache must become) and ``call_v3`` (the same call returning v3's updated cache too);
-- ``both_outputs``: v3's own property, both outputs judged (``check_updated_cache``: the cache bit for bit);
-- ``messages`` and ``rules``: its validators' messages and rule table; ``known_issues``: its findings with
-  their predicates; ``report``: its upstream-ready reports.
+- ``both_outputs``: v3's judge of the family's property, both outputs judged (``tpu_inference.judging``);
+- ``known_issues``: its findings with their predicates; ``report``: its upstream-ready reports (the
+  family's, ``tpu_inference.report``, with v3's kernel); ``early_*``: tpu-inference 0.11.1 to 0.13.x's v3.
 
-The adapter's and the judge's public names are also this module's. ``rpa_harness.tpu_inference_v3`` is
-accepted as a shorter target name.
+Its validators' messages and rule table are the family's (``tpu_inference.messages``,
+``tpu_inference.rules``): the other kernels with v3's validators word theirs as v3 does. The adapter's and
+v3's judge's public names are also this module's. ``rpa_harness.tpu_inference_v3`` is accepted as a
+shorter target name.
 
 Install v3 without its dependencies (its ``__init__`` imports vllm, and it pins a jax it does not need):
 
@@ -22,49 +24,29 @@ Install v3 without its dependencies (its ``__init__`` imports vllm, and it pins 
 """
 
 from rpa_harness.spec.interface import MASK_REPLACES
+from rpa_harness.targets.tpu_inference import kit
+from rpa_harness.targets.tpu_inference.judging import ATTENTION_AND_CACHE, HANG, checks_both_outputs
+from rpa_harness.targets.tpu_inference.releases import installed_version, run_header, v3_api
+from rpa_harness.targets.tpu_inference.rules import RULES as _RULES
 from rpa_harness.targets.tpu_inference_v3 import early_known_issues as _early_known_issues
 from rpa_harness.targets.tpu_inference_v3 import early_rules as _early_rules
 from rpa_harness.targets.tpu_inference_v3 import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_v3.adapter import (  # noqa: F401  (the adapter's public names)
-    DEFAULT_KV_PAGES_PER_BLOCK,
-    DEFAULT_QUERIES_PER_BLOCK,
-    DEFAULT_VMEM_LIMIT_BYTES,
-    INSTALL_COMMAND,
-    PINNED_RELEASE,
-    UPSTREAM_DEFAULT_MASK_VALUE,
-    KernelInputs,
     V3Inputs,
     call_v3,
     compiled_call,
-    device_arrays,
     dynamic_validate_inputs,
-    given_block_options,
-    install_command,
-    installed_version,
-    jitted,
     kernel,
-    kernel_arguments,
-    load_kernel_module,
     ragged_paged_attention,
-    replacing_mask_value,
     v3_inputs,
     validator_options,
 )
 from rpa_harness.targets.tpu_inference_v3.both_outputs import (  # noqa: F401  (the judge's public names)
-    ATTENTION_AND_CACHE,
-    CHECKING,
-    HANG,
     SLIDING_WINDOW_FINDING,
-    CacheMismatch,
-    Verdict,
-    check_updated_cache,
-    checks_both_outputs,
     judge,
     unwritten_by_sliding_window,
 )
 from rpa_harness.targets.tpu_inference_v3.early_api import kernel_mask_value_meaning
-from rpa_harness.targets.tpu_inference_v3.releases import run_header, v3_api
-from rpa_harness.targets.tpu_inference_v3.rules import RULES as _RULES
 
 _api = v3_api()  # the installed release's (None without tpu-inference)
 # tpu-inference 0.11.1 to 0.13.x: upstream's block options, none of the options below from non_causal on
@@ -134,8 +116,10 @@ RPA_HARNESS_KERNEL = kernel  # imported on first use: the target loads only wher
 RPA_HARNESS_COMPILED_CALL = compiled_call  # the compile property's: the adapter maps a call with NumPy
 
 
-def RPA_HARNESS_REPORT(*args, **kwargs):  # noqa: N802  (a profile attribute, named as the others)
-    """v3's own report (``report.render``): imported when a report is asked for, not with the target."""
+def _reported_kernel():  # imported when a report is asked for: the report module loads the kernel
     from rpa_harness.targets.tpu_inference_v3 import early_api, report
 
-    return report.render(early_api.reported_kernel(report.V3) if _early else report.V3, *args, **kwargs)
+    return early_api.reported_kernel(report.V3) if _early else report.V3
+
+
+RPA_HARNESS_REPORT = kit.deferred_report(_reported_kernel)  # v3's own report: the family's with v3's kernel

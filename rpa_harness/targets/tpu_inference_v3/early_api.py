@@ -1,9 +1,9 @@
-"""v3 as tpu-inference 0.11.1 to 0.13.x ship it: their older API mapped from an upstream-style call, and what
-loading those kernels needs on the jax versions the harness supports.
+"""v3 as tpu-inference 0.11.1 to 0.13.x ship it: their older API mapped from an upstream-style call (what
+loading those kernels needs on the jax versions the harness supports is ``tpu_inference.kernels``'s).
 
-The early kernels take the new tokens and the packed cache as 0.18.0 on does (``adapter.v3_arguments``), but
-upstream's two block options (``num_kv_pages_per_block``, ``num_queries_per_block``) instead of per-kernel
-block tuples, and none of ``use_causal_mask``, ``skip_kv_mask``, ``out_dtype`` or ``update_kv_cache``. Each
+The early kernels take the new tokens and the packed cache as 0.18.0 on does
+(``tpu_inference.arguments.v3_arguments``), but upstream's two block options (``num_kv_pages_per_block``,
+``num_queries_per_block``) instead of per-kernel block tuples, and none of ``use_causal_mask``, ``skip_kv_mask``, ``out_dtype`` or ``update_kv_cache``. Each
 query block walks whole KV blocks of ``num_kv_pages_per_block`` pages (no compute chunks), so the target's
 ``(bq, bkv, bq_chunk, bkv_chunk)`` are ``(bq, bkv, bq, bkv)`` for every kernel. Where neither block option
 is given the kernel asks its tuned table (``v3/tuned_block_sizes.py``), which reads the chip; the default
@@ -22,11 +22,11 @@ import types
 from pathlib import Path
 
 import numpy as np
-from jax._src import dtypes as jax_dtypes
 
 from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES, Options, options_taken
 from rpa_harness.targets import layouts
-from rpa_harness.targets.tpu_inference_v3 import adapter, releases
+from rpa_harness.targets.tpu_inference import arguments, releases
+from rpa_harness.targets.tpu_inference_v3 import adapter
 
 # The Pallas kernel's functions (``_ragged_paged_attention_kernel``, 0.32.0's ``..._loop``), where the mask is
 # applied; the reference is another function.
@@ -34,21 +34,6 @@ KERNEL_BODY = "_ragged_paged_attention_kernel"
 LACKING_OPTIONS_DEFAULTS = dict(
     use_causal_mask=True, skip_kv_mask=False, out_dtype=None, update_kv_cache=True
 )
-
-
-def provide_dtypes_bit_width() -> None:
-    """0.11.1 and 0.12.0's ``v3/util.py`` call ``jax._src.dtypes.bit_width``, which the jax versions the
-    harness supports (0.10.2 to 0.12) name ``itemsize_bits``: the old name, where it is absent, for the same
-    function (0.13.x's util tries both)."""
-    if not hasattr(jax_dtypes, "bit_width"):
-        setattr(jax_dtypes, "bit_width", jax_dtypes.itemsize_bits)  # noqa: B010  (a name mypy does not know)
-
-
-def prepare_to_load() -> None:
-    """What an early release's v3 package needs before it is imported here (later releases need neither; both
-    are harmless to them)."""
-    provide_dtypes_bit_width()
-    adapter.stand_in_for_tpu_inference_utils()
 
 
 @functools.cache
@@ -76,7 +61,7 @@ def early_mask_value(options: Options, kernel_meaning: str, kernel_default: floa
     """The ``mask_value`` to pass to an early kernel, which takes no None (its default is
     ``kernel_default``). A finite value means what it means only where the case's meaning is the kernel's;
     otherwise only the defaults, which mask fully under both meanings, have a counterpart."""
-    if options.mask_value is None or options.mask_value == adapter.UPSTREAM_DEFAULT_MASK_VALUE:
+    if options.mask_value is None or options.mask_value == arguments.UPSTREAM_DEFAULT_MASK_VALUE:
         return kernel_default if options.mask_value is None else options.mask_value
     if options.mask_value_meaning == kernel_meaning:
         return options.mask_value
@@ -145,16 +130,16 @@ def early_v3_inputs(
         options, _mask_value_meaning_of(Path(inspect.getfile(module))), module.DEFAULT_MASK_VALUE
     )
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
-    tokens, args = adapter.v3_arguments(
+    tokens, args = arguments.v3_arguments(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
         update_kv_cache=True, chunk_prefill_size=options.chunk_prefill_size,
     )  # fmt: skip
     page_size, pages_per_seq = kv_pages.shape[1], np.asarray(page_indices).shape[1]
-    given = adapter.given_block_options(
+    given = arguments.given_block_options(
         options.num_queries_per_block, options.num_kv_pages_per_block, pages_per_seq
     )
     kwargs = dict(
-        **adapter.score_options(options),
+        **arguments.score_options(options),
         mask_value=mask_value,
         chunk_prefill_size=options.chunk_prefill_size,
         num_kv_pages_per_block=None if given is None else given[1],

@@ -31,6 +31,7 @@ from rpa_harness.known_issues import (
 from rpa_harness.reference.float64 import quantised_query
 from rpa_harness.spec.interface import MASK_ADDED, MASK_REPLACES, values_per_word
 from rpa_harness.strategies.case import Case
+from rpa_harness.targets.tpu_inference.arguments import UPSTREAM_DEFAULT_MASK_VALUE
 from rpa_harness.targets.tpu_inference_v3 import adapter
 
 FINDINGS = findings_dir("tpu-inference-v3-findings")
@@ -122,7 +123,7 @@ def finite_mask_value_weights_slots_past_kv_len(case: Case) -> bool:
     and values there): each gets the weight ``exp(mask_value - m)``. Every key in [0, kv_len) is visited
     (no block is skipped), so those slots are the only difference from the specified semantics.
     """
-    mask_value = adapter.UPSTREAM_DEFAULT_MASK_VALUE if case.mask_value is None else case.mask_value
+    mask_value = UPSTREAM_DEFAULT_MASK_VALUE if case.mask_value is None else case.mask_value
     if not math.isfinite(mask_value):
         return False
     bkv = _kv_block(case)

@@ -7,7 +7,7 @@ positive.``, the KV block first) instead of v3's block-size tuples, and they hav
 rule on it). Broken through the v3 target's upstream-style interface, as v3's rules are.
 """
 
-from rpa_harness.targets.tpu_inference_v3 import rules as v3_rules
+from rpa_harness.targets.tpu_inference import rules as family_rules
 
 _ORDER = (
     "k and v shapes differ", "head_dim mismatch", "heads not divisible", "index dtype", "kv_lens shape",
@@ -17,4 +17,4 @@ _ORDER = (
     "num_seqs over max_num_seqs", "too many q tokens", "q_len over kv_len", "q_len zero", "decreasing cu_q_lens",
     "too few pages per sequence", "page index out of range",
 )  # fmt: skip
-RULES = v3_rules.in_order(_ORDER, v3_rules.UPSTREAM_BLOCK_OPTION_RULES)
+RULES = family_rules.in_order(_ORDER, family_rules.UPSTREAM_BLOCK_OPTION_RULES)

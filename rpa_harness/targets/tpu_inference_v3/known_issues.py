@@ -12,10 +12,7 @@ with its own kernel's choices read instead (``for_module``).
 import contextvars
 import dataclasses
 import functools
-import math
 import os
-import subprocess
-import sys
 import types
 from collections.abc import Callable
 from typing import NamedTuple
@@ -24,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from rpa_harness import generations
+from rpa_harness.device import processes
 from rpa_harness.failures import CacheMismatch, NonFiniteOutput, OverTheBound, RaisedOnValidInput
 from rpa_harness.known_issues import (
     FLOAT32_EXP_UNDERFLOW,
@@ -32,15 +30,20 @@ from rpa_harness.known_issues import (
     TuningFinding,
     case_arrays,
     findings_dir,
-    hidden_keys,
     keep_sequences,
     sequence_queries_and_keys,
-    soft_capped_logits,
 )
-from rpa_harness.reference.float64 import quantised_query
 from rpa_harness.reference.tolerance import half_ulp
-from rpa_harness.spec.interface import MASK_REPLACES
 from rpa_harness.strategies.case import DTYPES, Case
+from rpa_harness.targets.tpu_inference.arguments import DEFAULT_QUERIES_PER_BLOCK
+from rpa_harness.targets.tpu_inference.findings import (
+    INT16_MAX,
+    finite_replacing_mask_value,
+    v3_logits,
+    v3_row_max_logits,
+    with_a_window_within_int16,
+    with_v3_default_mask_value,
+)
 from rpa_harness.targets.tpu_inference_v3 import adapter as v3
 from rpa_harness.targets.tpu_inference_v3.both_outputs import unwritten_by_sliding_window
 
@@ -148,37 +151,6 @@ def drop_empty_sequences_before_live_ones(case: Case) -> Case:
     return keep_sequences(case, [not (q[i] == 0 and any(q[i + 1 :])) for i in range(case.num_seqs)])
 
 
-def v3_logits(
-    case: Case, q: np.ndarray, k: np.ndarray, seq: int, mask_value: float, rows=slice(None), keys=slice(None)
-):
-    """[rows, num_q_heads, keys] logits of sequence ``seq`` (its queries ``q`` and keys ``k`` as
-    ``sequence_queries_and_keys`` reads them), v3's semantics: q quantised with q_scale, k_scale and q_scale
-    folded into the score scale, soft cap, masked logits replaced by mask_value."""
-    q = quantised_query(q[rows], case.q_scale, k.dtype)
-    scale = case.sm_scale * (case.k_scale or 1.0) * (case.q_scale or 1.0)
-    logits = soft_capped_logits(case, q, k[keys], scale)
-    masked = hidden_keys(case, case.q_lens[seq], case.kv_lens[seq])[rows, keys]
-    return np.where(masked[:, None, :], mask_value, logits)
-
-
-def v3_row_max_logits(case: Case, arrays: dict, seq: int, mask_value: float) -> np.ndarray:
-    """[q_len, num_q_heads] largest logit over keys [0, kv_len), v3's semantics (``v3_logits``)."""
-    q, k = sequence_queries_and_keys(case, arrays, seq)
-    return v3_logits(case, q, k, seq, mask_value).max(axis=-1)
-
-
-def finite_replacing_mask_value(case: Case) -> float | None:
-    """The case's mask_value if it is finite and replaces the masked logits (the mask value that gives masked
-    keys weight), else None."""
-    if (
-        case.mask_value_meaning == MASK_REPLACES
-        and case.mask_value is not None
-        and math.isfinite(case.mask_value)
-    ):
-        return case.mask_value
-    return None
-
-
 def v3_finite_mask_value_counts_keys_by_block(case: Case) -> bool:
     """A finite replacing mask_value with a weight exp(mask_value - row max) that does not underflow, in a
     query block whose visited keys are not exactly [0, kv_len) with every value kept.
@@ -276,11 +248,6 @@ def with_weights_a_bfloat16_sum_keeps(case: Case) -> Case:
     return dataclasses.replace(case, q_dtype="float32", out_dtype=None)
 
 
-def with_v3_default_mask_value(case: Case) -> Case:
-    """v3's default mask value (finfo(output dtype).min: masked keys get no weight)."""
-    return dataclasses.replace(case, mask_value=None)
-
-
 def chunk_overruns_block(sizes: tuple[int, int, int, int], q_len: int, kv_len: int) -> bool:
     """Whether a v3 kernel with block sizes ``(bq, bkv, bq_chunk, bkv_chunk)`` computes a chunk past its
     block for a sequence of ``q_len`` rows and ``kv_len`` keys. Its KV loop takes ``cdiv(keys in the
@@ -319,10 +286,7 @@ def v3_default_blocks_break_its_rules(case: Case) -> bool:
 
 def with_given_block_sizes(case: Case) -> Case:
     """The target's own block sizes, given (v3 validates them): 8 query rows, 2 pages per KV block."""
-    return dataclasses.replace(case, num_queries_per_block=v3.DEFAULT_QUERIES_PER_BLOCK)
-
-
-INT16_MAX = 32767
+    return dataclasses.replace(case, num_queries_per_block=DEFAULT_QUERIES_PER_BLOCK)
 
 
 def v3_sliding_window_wraps_int16_positions(case: Case) -> bool:
@@ -336,14 +300,6 @@ def v3_sliding_window_wraps_int16_positions(case: Case) -> bool:
     if case.kv_capacity > INT16_MAX or kernel.get_tpu_version() < 6:
         return False
     return case.sliding_window + case.kv_capacity > INT16_MAX
-
-
-def with_a_window_within_int16(case: Case) -> Case:
-    """No window where it covers every key (the same attention), else the widest window that cannot wrap."""
-    assert case.sliding_window is not None  # a case of the issue: it has a window
-    if case.sliding_window >= max(case.kv_lens, default=0):
-        return dataclasses.replace(case, sliding_window=None)
-    return dataclasses.replace(case, sliding_window=max(1, INT16_MAX - case.kv_capacity))
 
 
 def v3_positions_wrap_in_int16(case: Case) -> bool:
@@ -386,13 +342,15 @@ def _replay_v3_hang(issue, target, backend, repro) -> None:
     hangs, whether the interpreter's deadlock check says so (in seconds) or the replay's watchdog ends the
     child (a wait that cannot be interrupted, where the check is unpatched)."""
     seconds = float(os.environ.get("RPA_KNOWN_HANG_TIMEOUT", "60"))
-    child = subprocess.run(
-        [sys.executable, "-m", "rpa_harness.cli", "replay", str(issue.repro), "--target", target.name,
-         "--backend", "interpret", "--timeout", f"{seconds:g}"],
-        capture_output=True,
-        text=True,
+    child = processes.run(
+        processes.python("-m", "rpa_harness.cli", "replay", str(issue.repro), "--target", target.name,
+                         "--backend", "interpret", "--timeout", f"{seconds:g}"),
         timeout=seconds + 180,
     )  # fmt: skip
+    if child.timed_out:
+        raise TimeoutError(
+            f"the hang's replay did not end within {seconds + 180:g} s, its watchdog's included"
+        )
     said = [line for line in (child.stdout + child.stderr).splitlines() if "hangs" in line]
     if child.returncode == 1 and said:
         raise AssertionError(f"still hangs: {said[0].split('hangs', 1)[1].lstrip(': ')}")

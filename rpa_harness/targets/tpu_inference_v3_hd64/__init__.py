@@ -17,10 +17,10 @@ the new tokens split from the cache, the distribution, the replacing mask value,
 """
 
 from rpa_harness.spec.interface import MASK_REPLACES
-from rpa_harness.targets import kit
 from rpa_harness.targets import tpu_inference_v3 as v3_target
-from rpa_harness.targets.tpu_inference_v3.both_outputs import ATTENTION_AND_CACHE
-from rpa_harness.targets.tpu_inference_v3.releases import run_header
+from rpa_harness.targets.tpu_inference import kit, releases
+from rpa_harness.targets.tpu_inference.judging import ATTENTION_AND_CACHE
+from rpa_harness.targets.tpu_inference.releases import run_header
 from rpa_harness.targets.tpu_inference_v3_hd64 import known_issues as _known_issues
 from rpa_harness.targets.tpu_inference_v3_hd64.adapter import (  # noqa: F401  (the adapter's public names)
     HEAD_DIM,
@@ -77,9 +77,16 @@ RPA_HARNESS_PROPERTIES = {ATTENTION_AND_CACHE: check_both_outputs}
 RPA_HARNESS_KNOWN_ISSUES = tuple(
     issue.name
     for issue in RPA_HARNESS_CATALOGUE
-    if issue.affects(v3_target.installed_version())
+    if issue.affects(releases.installed_version())
     and (NARROW_OUTPUT_TRACES or issue.name != "hd64-sink-on-padded-q-heads")
 )
 
-# v3's report with this kernel's calls.
-RPA_HARNESS_REPORT = kit.deferred_report(kit.V3_REPORT, f"{__name__}.report", "HD64")
+
+# The family's report with this kernel's calls.
+def _reported_kernel():  # imported when a report is asked for: the report module loads the kernel
+    from rpa_harness.targets.tpu_inference_v3_hd64.report import HD64
+
+    return HD64
+
+
+RPA_HARNESS_REPORT = kit.deferred_report(_reported_kernel)

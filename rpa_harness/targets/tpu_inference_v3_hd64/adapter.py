@@ -11,9 +11,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from rpa_harness.spec.interface import options_taken
 from rpa_harness.targets import layouts
-from rpa_harness.targets.tpu_inference_v3 import adapter as v3_target
-from rpa_harness.targets.tpu_inference_v3 import releases
-from rpa_harness.targets.tpu_inference_v3.adapter import tpu_device_name  # noqa: F401  (a public name)
+from rpa_harness.targets.tpu_inference import arguments, kernels, releases
+from rpa_harness.targets.tpu_inference.kernels import tpu_device_name  # noqa: F401  (a public name)
 
 _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel_hd64"
 
@@ -21,8 +20,8 @@ _KERNEL_MODULE = "tpu_inference.kernels.ragged_paged_attention.v3.kernel_hd64"
 @functools.cache
 def kernel() -> types.ModuleType:
     """The head_dim-64 kernel's module, imported on first use (as v3's: ``tpu_inference_v3.adapter.kernel``)."""
-    v3_target.stand_in_for_tpu_inference_utils()
-    return v3_target.load_kernel_module(_KERNEL_MODULE)
+    kernels.stand_in_for_tpu_inference_utils()
+    return kernels.load_kernel_module(_KERNEL_MODULE)
 
 
 HEAD_DIM = 64
@@ -41,7 +40,7 @@ NARROW_OUTPUT_TRACES = narrow_output_traces()
 
 
 @dataclasses.dataclass(frozen=True)
-class Hd64Inputs(v3_target.KernelInputs):
+class Hd64Inputs(arguments.KernelInputs):
     """One upstream-style call in the hd64 kernel's terms, and the cache it must return (``args`` end with
     the sinks)."""
 
@@ -70,23 +69,23 @@ def hd64_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **keywo
     q, kv_pages = np.asarray(q), np.asarray(kv_pages)
     tokens = layouts.split_new_tokens(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     pages_per_seq = np.asarray(page_indices).shape[1]
-    given = v3_target.given_block_options(
+    given = arguments.given_block_options(
         options.num_queries_per_block, options.num_kv_pages_per_block, pages_per_seq
     )  # None: the tuned table's, below
     num_queries_per_block, num_kv_pages_per_block = given or (None, None)
     kwargs = dict(
-        **v3_target.score_options(options),
+        **arguments.score_options(options),
         num_kv_pages_per_block=num_kv_pages_per_block,
         num_queries_per_block=num_queries_per_block,
         vmem_limit_bytes=options.vmem_limit_bytes,
         chunk_prefill_size=options.chunk_prefill_size,
     )
-    replacing = v3_target.replacing_mask_value(options.mask_value, options.mask_value_meaning)
+    replacing = arguments.replacing_mask_value(options.mask_value, options.mask_value_meaning)
     if replacing is not None:  # None: the kernel's default (passed as None, it fails to trace: a finding)
         kwargs["mask_value"] = replacing
     cache = layouts.pack_cache_side_by_side(tokens.poisoned_cache(kv_pages))
     args = (
-        *v3_target.kernel_arguments(
+        *arguments.kernel_arguments(
             q,
             tokens,
             cache,
@@ -125,7 +124,7 @@ def tuned_block_sizes(
 
 def call_hd64(inputs: Hd64Inputs):
     """Runs the kernel (on whatever backend the caller's context selects): ``(attention, updated cache)``."""
-    return v3_target.run_jitted(kernel().ragged_paged_attention_hd64, inputs)
+    return kernels.run_jitted(kernel().ragged_paged_attention_hd64, inputs)
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
@@ -138,4 +137,4 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
 def dynamic_validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
     """The kernel's own ``dynamic_validate_inputs`` (its rules, its messages) on the mapped inputs."""
     inputs = hd64_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
-    kernel().dynamic_validate_inputs(*v3_target.device_arrays(inputs.args), **inputs.kwargs)
+    kernel().dynamic_validate_inputs(*kernels.device_arrays(inputs.args), **inputs.kwargs)

@@ -2,8 +2,8 @@
 on the checking TPU interpreter by default, the attention against the float64 oracle under the declared
 contract, the updated cache bit for bit."""
 
-from rpa_harness.targets.tpu_inference_v3 import both_outputs as v3_judge
+from rpa_harness.targets.tpu_inference import judging
 from rpa_harness.targets.tpu_inference_v3_hd64.adapter import call_hd64, hd64_inputs
 
-judge = v3_judge.judge_with("tpu-inference v3 hd64", hd64_inputs, call_hd64)
-check_both_outputs = v3_judge.checks_both_outputs(judge)
+judge = judging.judge_with("tpu-inference v3 hd64", hd64_inputs, call_hd64)
+check_both_outputs = judging.checks_both_outputs(judge)

@@ -13,22 +13,14 @@ mapping of the case (``hd64_inputs``): the case's, or the tuned table's for the 
 import dataclasses
 import functools
 
-import numpy as np
-
 from rpa_harness import generations
 from rpa_harness.failures import OverTheBound, RaisedOnValidInput
-from rpa_harness.known_issues import (
-    FLOAT32_EXP_UNDERFLOW,
-    NUMERIC_MISMATCH,
-    KnownIssue,
-    case_arrays,
-    findings_dir,
-)
+from rpa_harness.known_issues import NUMERIC_MISMATCH, KnownIssue, case_arrays, findings_dir
 from rpa_harness.spec.interface import values_per_word
 from rpa_harness.strategies.case import Case
-from rpa_harness.targets.tpu_inference_v3.known_issues import (
+from rpa_harness.targets.tpu_inference.findings import (
     finite_replacing_mask_value,
-    v3_row_max_logits,
+    masked_keys_weigh,
     with_v3_default_mask_value,
 )
 from rpa_harness.targets.tpu_inference_v3_hd64 import adapter as hd64
@@ -100,17 +92,14 @@ def hd64_finite_mask_value_weights_keys_by_block(case: Case) -> bool:
         return False
     kv_pages, _ = _block_sizes_on(case, generations.current())
     block = kv_pages * case.page_size
-    for seq, (q_len, kv_len) in enumerate(zip(case.q_lens, case.kv_lens, strict=True)):
-        window = case.sliding_window
-        start = max(kv_len - q_len - window, 0) // block * block if window is not None else 0
-        if start == 0 and kv_len % block == 0:
-            continue
-        row_max = v3_row_max_logits(case, case_arrays(case), seq, mask_value)
-        if case.attention_sink is not None:
-            row_max = np.maximum(row_max, np.asarray(case.attention_sink)[None, :])
-        if (mask_value - row_max > FLOAT32_EXP_UNDERFLOW).any():
-            return True
-    return False
+    window = case.sliding_window
+    # Slots past kv_len in the last block, or a first visited block past block 0 (a window skips keys).
+    not_exactly_their_keys = (
+        seq
+        for seq, (q_len, kv_len) in enumerate(zip(case.q_lens, case.kv_lens, strict=True))
+        if kv_len % block or (window is not None and max(kv_len - q_len - window, 0) >= block)
+    )
+    return masked_keys_weigh(case, mask_value, not_exactly_their_keys, sinks=True)
 
 
 RPA_HARNESS_CATALOGUE = (

@@ -2,7 +2,7 @@
 
 Source: ``static_validate_inputs`` in ``tpu_inference/kernels/ragged_paged_attention/v3/kernel_hd64.py``
 (PyPI ``tpu-inference`` 0.32.0), rendered with ``f"{x=}"`` as the kernel renders them. Its other messages
-are word for word v3's (``rpa_harness.targets.tpu_inference_v3.messages``), but for the block options, which
+are word for word v3's (``rpa_harness.targets.tpu_inference.messages``), but for the block options, which
 it checks as upstream names them with v3's ``not_positive_message`` wording.
 """
 

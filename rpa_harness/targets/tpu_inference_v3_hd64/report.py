@@ -1,4 +1,4 @@
-"""The head_dim-64 kernel's ``rpa-harness report``: v3's report (``tpu_inference_v3.report``) with this
+"""The head_dim-64 kernel's ``rpa-harness report``: the family's report (``tpu_inference.report``) with this
 kernel's function, reference, options and cache layout.
 
 Its standalone script passes the block sizes the harness's call ran with, the tuned table's choice where
@@ -8,7 +8,7 @@ loader stubs the two names the table imports).
 """
 
 from rpa_harness.targets import tpu_inference_v3_hd64 as hd64
-from rpa_harness.targets.tpu_inference_v3 import report as v3_report
+from rpa_harness.targets.tpu_inference import report as family_report
 
 
 def block_sizes_in_words(inputs: hd64.Hd64Inputs) -> str:
@@ -34,7 +34,7 @@ SCRIPT_STUBS = """\
             sys.modules.setdefault(name, stub)
 """
 
-HD64 = v3_report.ReportedKernel(
+HD64 = family_report.ReportedKernel(
     name="tpu-inference RPA v3 hd64",
     function="ragged_paged_attention_hd64",
     reference="ref_ragged_paged_attention_hd64",
@@ -45,7 +45,7 @@ HD64 = v3_report.ReportedKernel(
         "chunk_prefill_size",
     ),
     cache_layout="each KV head's K and V side by side in one 128-lane row",
-    **v3_report.adapted(hd64, hd64.hd64_inputs, hd64.call_hd64),
+    **family_report.adapted(hd64, hd64.hd64_inputs, hd64.call_hd64),
     block_sizes_in_words=block_sizes_in_words,
     script_options=script_options,
     off_a_tpu=(

@@ -1,4 +1,4 @@
-"""The rule table of tpu-inference's head_dim-64 kernel: v3's table (``tpu_inference_v3.rules``) with this
+"""The rule table of tpu-inference's head_dim-64 kernel: v3's table (``tpu_inference.rules``) with this
 kernel's differences, in its validators' order.
 
 Broken through the hd64 target's upstream-style interface, as v3's are through v3's. Its own: the sink's
@@ -10,7 +10,7 @@ import dataclasses
 
 from rpa_harness.strategies import violations as shared
 from rpa_harness.strategies.violations import Rule
-from rpa_harness.targets.tpu_inference_v3 import rules as v3_rules
+from rpa_harness.targets.tpu_inference import rules as family_rules
 from rpa_harness.targets.tpu_inference_v3_hd64 import messages
 
 WIDER_HEAD_DIM = 128
@@ -33,7 +33,7 @@ def _break_head_dim_64(arrays, options, case, param):
 _OWN = {
     "attention_sink length": Rule("static", _break_sink_length, messages.attention_sink_length_message),
     "head_dim not 64": Rule("static", _break_head_dim_64, messages.head_dim_not_64_message),
-    **v3_rules.UPSTREAM_BLOCK_OPTION_RULES,
+    **family_rules.UPSTREAM_BLOCK_OPTION_RULES,
 }
 # The kernel's order: after v3's head_dim mismatch come the sink's length and head_dim 64; the KV block is
 # checked before the query block.
@@ -46,4 +46,4 @@ _ORDER = (
     "q_len over kv_len", "q_len zero", "decreasing cu_q_lens", "too few pages per sequence",
     "page index out of range",
 )  # fmt: skip
-RULES = v3_rules.in_order(_ORDER, _OWN)
+RULES = family_rules.in_order(_ORDER, _OWN)

@@ -5,16 +5,13 @@ A profile (the target package's ``__init__``) calls these with what differs and 
 loader reads it (``RPA_HARNESS_*``, ``rpa_harness.targets``); docs/targets.md walks through a new one.
 """
 
-import importlib
 from collections.abc import Callable
 
 from rpa_harness.spec.interface import MASK_REPLACES
-from rpa_harness.targets.tpu_inference_v3.adapter import installed_version
-from rpa_harness.targets.tpu_inference_v3.both_outputs import ATTENTION_AND_CACHE, HANG
+from rpa_harness.targets.tpu_inference.judging import ATTENTION_AND_CACHE, HANG
+from rpa_harness.targets.tpu_inference.releases import installed_version
 
 EVERY_BACKEND = ("interpret", "fast-interpret", "tpu")
-V3_REPORT = "rpa_harness.targets.tpu_inference_v3.report"  # v3's report, any kernel with v3's outputs
-MLA_REPORT = "rpa_harness.targets.tpu_inference_mla_v1.report"  # MLA's sections of it, v1 and v2
 
 
 def v3_derived_capabilities(**differs) -> dict:
@@ -73,12 +70,15 @@ def both_outputs_judged(check: Callable) -> dict:
     return dict.fromkeys((ATTENTION_AND_CACHE, HANG), check)
 
 
-def deferred_report(renderer: str, kernel_module: str, kernel: str) -> Callable:
-    """``RPA_HARNESS_REPORT`` rendered by module ``renderer``'s ``render`` for the reported kernel
-    ``kernel`` of module ``kernel_module``, both imported when a report is asked for, not with the target."""
+def deferred_report(reported_kernel: Callable) -> Callable:
+    """``RPA_HARNESS_REPORT``: the family's report (``report.render``) of the kernel ``reported_kernel()``
+    returns (a ``report.Reported``), both imported when a report is asked for, not with the target: a
+    reported kernel loads its kernel module (tpu-inference), which a target that only draws cases needs not."""
 
     def report(*args, **kwargs):
-        reported = getattr(importlib.import_module(kernel_module), kernel)
-        return importlib.import_module(renderer).render(reported, *args, **kwargs)
+        # The report's own modules (its sections, the script's runner) come with a report, not with a target.
+        from rpa_harness.targets.tpu_inference.report import render
+
+        return render(reported_kernel(), *args, **kwargs)
 
     return report

@@ -1,4 +1,6 @@
-"""tpu-inference v3's rule table: the shared rule-breaking strategies with v3's stages and messages.
+"""tpu-inference v3's rule table: the shared rule-breaking strategies with v3's stages and messages. It is
+the family's base table: a kernel with v3's validators takes its rules from it (``in_order``), each with its
+own where it words or breaks one otherwise.
 
 The rules are broken through the v3 target's upstream-style interface: the target maps the arrays to v3's
 (new tokens split from the cache, a packed cache, flat page indices, distribution = (decodes, decodes,
@@ -17,7 +19,7 @@ import numpy as np
 from rpa_harness.strategies import violations as shared
 from rpa_harness.strategies.shapes import make_config
 from rpa_harness.strategies.violations import Rule
-from rpa_harness.targets.tpu_inference_v3 import messages
+from rpa_harness.targets.tpu_inference import messages
 
 
 @shared.variants(2)

@@ -1,4 +1,5 @@
-"""tpu-inference RPA v3's validation messages, restated from its source (imports no kernel).
+"""tpu-inference RPA v3's validation messages, restated from its source (imports no kernel): the family's,
+as the kernels with v3's validators (its forks, batched RPA, MLA v1) word theirs as it does.
 
 Source: ``static_validate_inputs`` and ``dynamic_validate_inputs`` in
 ``tpu_inference/kernels/ragged_paged_attention/v3/kernel.py`` (PyPI ``tpu-inference`` 0.32.0). v3 renders
