@@ -9,6 +9,7 @@ import pytest
 
 from rpa_harness import ahead_of_time, cli, device, targets
 from rpa_harness.chip import verdicts
+from tests.cases import skip_without_tpu_inference
 from tests.processes import run_python
 
 UPSTREAM = targets.UPSTREAM_TARGET
@@ -100,7 +101,7 @@ def test_every_declared_finding_of_upstream_gets_the_chips_verdict(pytestconfig,
 def test_hd64s_prediction_is_the_chips(tmp_path):
     """hd64's finite-mask finding is masked on a v5e by its tiling finding, whose case the kernel's own
     block sizes for a v5e are (verdicts-2.md): the v5e compiler ahead of time sees it on this host."""
-    pytest.importorskip("tpu_inference", reason="hd64's kernel is tpu-inference's")
+    skip_without_tpu_inference()
     chip_table = CHIP_TABLES / "verdicts-2.md"
     result = predict(HD64, tmp_path, "--compare", str(chip_table))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
