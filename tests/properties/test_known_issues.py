@@ -126,7 +126,7 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
     # Rebuilt as `rpa-harness replay` rebuilds it (the contract it failed under, the chip it was recorded
     # for: an issue of one generation's code does not show on another), on this run's backend; predicting a
     # chip, under its generation, a halt on the interpreter that checks what a chip halts on.
-    halts_on_the_interpreter = predicting and repro.halt is not None
+    halts_on_the_interpreter = predicting and bool(repro.halt)
     run = for_repro(
         repro,
         target=target.name,
