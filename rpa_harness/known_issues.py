@@ -63,6 +63,9 @@ def findings_dir(name: str) -> Path:
 
 
 OPTION = "--rpa-known-issues"
+# The known-issue property's prediction of a chip: on an interpreter emulating a generation, each finding
+# replayed as a chip of that generation replays it (tests/properties/test_known_issues.py).
+PREDICT_CHIP_OPTION = "--rpa-predict-chip"
 AUTO, NONE = "auto", "none"
 # The smallest positive float32 is exp(-103.3); a weight exp(x) with x below this is exactly 0 in float32
 # (the margin covers the difference between float64 logits here and the kernel's float32 ones).

@@ -176,6 +176,15 @@ def pytest_addoption(parser):
         "cases are not drawn and whose repros must still fail",
     )
     group.addoption(
+        known_issues.PREDICT_CHIP_OPTION,
+        action="store_true",
+        default=False,
+        help="on an interpreter emulating a TPU generation, the known-issue property predicts that chip's "
+        "verdicts: the repro a chip of it replays, compiled first for it where libtpu is installed (a refusal "
+        "another finding predicts masks it), a halt's on the checking interpreter (rpa-harness chip verdicts "
+        "passes it)",
+    )
+    group.addoption(
         "--rpa-compilation-cache",
         default=os.environ.get(device.COMPILATION_CACHE_ENV, device.DEFAULT_COMPILATION_CACHE),
         help="folder of jax's persistent compilation cache, or off (default: "

@@ -60,8 +60,9 @@ def add_parser(commands) -> None:
         description="Run one step of a session on a TPU for the targets named (the shipped ones or your "
         "own): smoke, calibrate, verdicts, agreement, throughput, speed, q-len-zero. "
         "On a CPU host, --backend fast-interpret (emulating a generation) rehearses a step.",
-        epilog="exit codes: 0 done (for verdicts: no finding FIXED or failing differently; for agreement: "
-        "every verdict agrees); 1 otherwise, or a step's run failed; 4 usage error (one line).",
+        epilog="exit codes: 0 done (for verdicts: no finding FIXED or failing differently, and every row a "
+        "--compare table judges agrees; for agreement: every verdict agrees); 1 otherwise, or a step's run "
+        "failed; 4 usage error (one line).",
     )  # fmt: skip
     steps = chip.add_subparsers(dest="step", required=True, metavar="STEP", parser_class=type(chip))
     for step, module in STEP_MODULES.items():

@@ -2,8 +2,13 @@
 a table (the rows docs/measurements.md and each finding's doc take).
 
 On a TPU (``--backend tpu``, the default) it says what each finding's repro does on this chip; on a CPU
-host, ``--backend fast-interpret --tpu-generation v5e`` says what the interpreters emulating that chip
-predict (the repros recorded for another generation then replay under theirs, as they do in CI).
+host, ``--backend fast-interpret --tpu-generation v5e`` predicts what a v5e says: the known-issue property
+(``--rpa-predict-chip``) replays the repro a v5e replays, under the v5e's emulation, compiled first for the
+v5e where libtpu is installed (a refusal another finding predicts masks it, as on the chip), and a halt's
+repro on the checking interpreter, whose exit check is what halts a chip. ``--compare CHIP_TABLE.md``
+(repeatable) compares the rows with a chip's table of the same targets and findings by verdict (the words
+before the trailing backend), printing each disagreement; a row the chip did not judge (recorded for another
+generation, not run) is not compared.
 
 Per target, the known-issue property (``rpa_harness.properties``' ``test_known_issues``) replays the
 target's declared findings in one pytest process holding the chip, with the harness's own rules: the repro
@@ -18,11 +23,13 @@ verdict:
 - ``does not apply to G`` / ``recorded for G', not replayed on G``: the chip cannot show it (its code);
 - ``masked by NAME``, ``fails differently``, ``not run ...``: as the known-issue property says.
 
-Exit 0 when no finding is FIXED or fails differently, 1 otherwise, 4 on a usage error.
+Exit 0 when no finding is FIXED or fails differently and every compared row agrees, 1 otherwise, 4 on a
+usage error.
 """
 
 import datetime
 import platform
+import re
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -30,6 +37,7 @@ from pathlib import Path
 from rpa_harness import device, generations, lowering, runlog, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.chip import (
+    ChipUsageError,
     add_backend_options,
     add_target_option,
     backend_of,
@@ -37,6 +45,7 @@ from rpa_harness.chip import (
     loaded_targets,
 )
 from rpa_harness.device import processes
+from rpa_harness.known_issues import PREDICT_CHIP_OPTION
 
 KNOWN_ISSUE_PROPERTY = "test_known_issue_still_reproduces"
 UNTOLD_OUTCOMES = ("FIXED", "fails differently", "fails where it cannot show")
@@ -44,12 +53,22 @@ SECONDS_PER_TARGET = 540
 REPLAY_TIMEOUT_SECONDS = 120  # a replayed hang's call: past this it still hangs
 # rpa-harness replay's exit statuses: the property holds now, it still fails the same way.
 REPLAY_PASSES, REPLAY_FAILS = 0, 1
+# A verdict's trailing backend, which a prediction and the chip name differently (``tpu-compiler-v5e``).
+BACKEND_NAMES = "|".join(map(re.escape, (device.TPU_COMPILER, *device.BACKENDS)))
+TRAILING_BACKEND = re.compile(rf" \((?:{BACKEND_NAMES})(?:-[\w.]+)?\)$")
+# The verdicts of a row the chip did not judge: its repro was recorded for another generation, or not run.
+NOT_JUDGED = ("recorded for ", "not run")
 
 
 def add_arguments(parser, step: str) -> None:
     add_target_option(parser, ["every shipped target"], "module whose declared findings are replayed")
     add_backend_options(parser)
     parser.add_argument("--markdown", help="also write the table to this file")
+    parser.add_argument(
+        "--compare", action="append", default=[], metavar="CHIP_TABLE.md",
+        help="a chip's verdicts table (repeat for several): each of its judged rows of this run's targets "
+        "and findings must have the same verdict here (exit 1 where one differs)",
+    )  # fmt: skip
 
 
 def replay_the_property(target: targets.Target, backend: device.Backend, log: Path) -> dict[str, str]:
@@ -59,6 +78,7 @@ def replay_the_property(target: targets.Target, backend: device.Backend, log: Pa
         "--hypothesis-profile=dev", f"--rpa-target={target.name}", f"--rpa-backend={backend.name}",
         f"--rpa-repro-dir={log / 'repros'}", "-k", KNOWN_ISSUE_PROPERTY, "-p", "no:xdist",
         *([f"{generations.OPTION}={backend.generation}"] if backend.generation != generations.NONE else []),
+        *([PREDICT_CHIP_OPTION] if backend.name != device.TPU and backend.generation != generations.NONE else []),
     )  # fmt: skip
     # Past its time the run is ended: the findings replayed before it still have their outcome.
     processes.run(
@@ -100,6 +120,50 @@ def verdict(outcome: str) -> str:
     return outcome or "no outcome: the property recorded none (it errored, or its run ended before it)"
 
 
+def verdict_class(verdict: str) -> str:
+    """A verdict without its trailing backend: ``reproduces (tpu)`` and ``reproduces (fast-interpret-v5e)``
+    are both ``reproduces``."""
+    return TRAILING_BACKEND.sub("", verdict.strip())
+
+
+def table_rows(markdown: str) -> dict[tuple[str, str], str]:
+    """A verdicts table's verdict per (target, finding), its header and unloaded targets left out."""
+    rows = {}
+    for line in markdown.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) >= 4 and cells[0] not in ("target", "---"):
+            if cells[1] != "(not loaded)":
+                rows[cells[0], cells[1]] = "|".join(cells[3:])
+    return rows
+
+
+def read_chip_tables(paths: list[str]) -> dict[tuple[str, str], tuple[str, str]]:
+    """The chip's verdict and its table's path per (target, finding), from every table named; a table that
+    cannot be read or holds no row is a usage error."""
+    chip_rows = {}
+    for path in paths:
+        try:
+            rows = table_rows(Path(path).read_text())
+        except OSError as error:
+            raise ChipUsageError(f"--compare {path}: {error.strerror or error}") from None
+        if not rows:
+            raise ChipUsageError(f"--compare {path}: no row of a verdicts table (| target | finding | ... |)")
+        chip_rows.update({key: (verdict, path) for key, verdict in rows.items()})
+    return chip_rows
+
+
+def disagreements(rows: dict[tuple[str, str], str], chip_rows: dict) -> tuple[int, list[str]]:
+    """How many rows both tables judge, and a line per row whose verdicts differ."""
+    compared, differing = 0, []
+    for key, (chip_verdict, path) in chip_rows.items():
+        if key not in rows or chip_verdict.startswith(NOT_JUDGED):
+            continue
+        compared += 1
+        if verdict_class(rows[key]) != verdict_class(chip_verdict):
+            differing.append(f"{key[0]} {key[1]}: here {rows[key]}; the chip ({path}) {chip_verdict}")
+    return compared, differing
+
+
 def chip_line(backend: device.Backend, chip: str) -> str:
     """The table's first line: when, on what, with which versions, and the command that made it."""
     import jax
@@ -121,6 +185,7 @@ def chip_line(backend: device.Backend, chip: str) -> str:
 
 def main(args) -> int:
     backend = backend_of(args)
+    chip_rows = read_chip_tables(args.compare)
     loaded, not_run = loaded_targets(args.target or [shipped.name for shipped in targets.SHIPPED])
     chip = ""
     if backend.name == device.TPU:
@@ -130,7 +195,7 @@ def main(args) -> int:
         "|---|---|---|---|",
         *(f"| {name} | (not loaded) | | {reason} |" for name, reason in not_run.items()),
     ]
-    untold = 0
+    untold, verdicts = 0, {}
     for target in loaded:
         if not target.known_issues:
             continue
@@ -145,9 +210,16 @@ def main(args) -> int:
             untold += any(word in outcome for word in UNTOLD_OUTCOMES)
             where = ", ".join(finding.generations) or "all"
             rows.append(f"| {target.name} | {finding.name} | {where} | {outcome} |")
+            verdicts[target.name, finding.name] = outcome
             print(rows[-1], flush=True)
     table = "\n".join([chip_line(backend, chip), "", *rows])
     print(f"\n{table}")
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
-    return 1 if untold else 0
+    differing = []
+    if args.compare:
+        compared, differing = disagreements(verdicts, chip_rows)
+        print(f"\nagreement with {', '.join(args.compare)}: {compared - len(differing)} of {compared} rows")
+        for line in differing:
+            print(f"  differs: {line}")
+    return 1 if untold or differing else 0

@@ -16,15 +16,22 @@ repro recorded for another generation shows that generation's code, so it is not
 issue outside the chip's generation does not apply. A repro stopped on a chip by what a declared issue
 predicts for its case (a configuration this chip's compiler refuses, a tiling it rejects) is masked by
 that issue: the chip cannot show the replayed one with this repro.
+
+Under ``--rpa-predict-chip`` an interpreter emulating a generation G predicts what a chip of G says (what
+``rpa-harness chip verdicts`` compares with a chip's table): the repro ``repro_on_chip(G)`` picks, replayed
+under G's emulation; a numeric repro compiled first for G on this host's TPU compiler, as the chip compiles
+before it calls, so that a refusal another declared finding predicts masks it as on the chip; a halt's
+repro, after the examples its process ran before it, on the checking interpreter emulating G, whose exit
+check (``WouldHaltATpu``) is what halts a chip; a hang's that reproduces, a hang.
 """
 
 import pytest
 
-from rpa_harness import device, property_names, runlog
+from rpa_harness import device, generations, property_names, runlog
 from rpa_harness import repro as repro_files
-from rpa_harness.checks import recheck
-from rpa_harness.failures import PropertyFailure
-from rpa_harness.known_issues import OPTION
+from rpa_harness.checks import CannotRun, check_compiles, declared_unrunnable, recheck
+from rpa_harness.failures import PropertyFailure, RaisedOnValidInput
+from rpa_harness.known_issues import OPTION, PREDICT_CHIP_OPTION, on_generation
 from rpa_harness.plugin import VOLUME, settings_of
 from rpa_harness.run_settings import for_repro
 
@@ -35,37 +42,73 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("known_issue", issues, ids=[issue.name for issue in issues])
 
 
-def chip_refusal_masking(failure, known_issue, repro, backend, pytestconfig) -> str | None:
+# The property kinds whose repro arrays are the kernel call's: a chip compiles that call before it runs it.
+CALLS_THE_KERNEL = (property_names.DIFFERENTIAL, property_names.DETERMINISM)
+
+
+def chip_of(backend, pytestconfig) -> str | None:
+    """The TPU generation whose chip this replay is, or stands for: a real chip's own, or under
+    ``--rpa-predict-chip`` the one the interpreter emulates; None for an interpreter that stands for none."""
+    if backend.name == device.TPU:
+        return backend.generation_seen
+    if pytestconfig.getoption(PREDICT_CHIP_OPTION) and backend.generation != generations.NONE:
+        return backend.generation
+    return None
+
+
+def chip_refusal_masking(failure, known_issue, repro, backend, chip, pytestconfig) -> str | None:
     """The declared issue whose predicate matches ``repro``'s case and whose symptom its failure shows,
-    where the repro of another issue fails on a real chip without that issue's own symptom (the chip's
-    compiler refuses the configuration, or the kernel rejects a tiling the chip has): the chip cannot show
-    ``known_issue`` with this repro, which is not news."""
-    if backend.name != device.TPU or repro.case is None or known_issue.shows(str(failure)):
+    where the repro of another issue fails on a chip (``chip``: a real one, or the one an interpreter
+    predicts) without that issue's own symptom (the chip's compiler refuses the configuration, or the
+    kernel rejects a tiling the chip has): the chip cannot show ``known_issue`` with this repro, which is
+    not news. The predicates see the backend's emulated generation, as the kernel traced for it does."""
+    if chip is None or repro.case is None or known_issue.shows(str(failure)):
         return None
-    for issue in settings_of(pytestconfig).target.known_issues:
-        if issue is not known_issue and issue.matches(repro.case) and issue.shows(str(failure)):
+    for issue in on_generation(settings_of(pytestconfig).target.known_issues, backend.generation):
+        if issue.name != known_issue.name and issue.matches(repro.case) and issue.shows(str(failure)):
             return issue.name
     return None
 
 
+def compiled_first(target, chip: str, repro, replay) -> None:
+    """``replay()`` after the repro's kernel call is compiled ahead of time for ``chip``, as a chip compiles
+    it before the call: a refusal of the compiler or of the kernel's tiling is the failure. Where the kernel
+    raised while traced for the chip, the replay's failure is, where the interpreter's trace raises too (in
+    the property's own words), else what it raised. Without a compile where this host has no TPU compiler,
+    the target declares it runs on no chip, or its kernel reads its inputs' values while traced."""
+    compiler = device.Backend(device.TPU_COMPILER, True, chip)
+    if not compiler.skip_reason and not declared_unrunnable(target, compiler):
+        try:
+            check_compiles(target, compiler, repro.arrays, repro.options)
+        except CannotRun:
+            pass
+        except RaisedOnValidInput:
+            replay()
+            raise
+    replay()
+
+
 def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytestconfig):
     repro_path = known_issue.repro
-    if replay_backend.name == device.TPU:
-        chip = replay_backend.generation_seen
+    chip = chip_of(replay_backend, pytestconfig)
+    predicting = chip is not None and replay_backend.name != device.TPU
+    if chip is not None:
         repro_path, why_not = known_issue.repro_on_chip(chip)
         if repro_path is None:
             outcome = why_not.split(" (", 1)[0]
             runlog.record_event(
                 "known-issue-replay", issue=known_issue.name, backend=replay_backend.label, outcome=outcome
             )
-            pytest.skip(f"{known_issue.name} on this TPU {chip}: {why_not}")
+            pytest.skip(f"{known_issue.name} on a TPU {chip}: {why_not}")
     repro = repro_files.read(repro_path)
     if repro.kind == property_names.COMPILATION:
         if replay_backend != settings_of(pytestconfig).backends[0]:
             pytest.skip(
                 f"{known_issue.name}: a compile repro is compiled once a run, on the first backend's turn"
             )
-        replay_backend = device.Backend(device.TPU_COMPILER, True, repro.tpu_generation)
+        replay_backend = device.Backend(
+            device.TPU_COMPILER, True, chip if predicting else repro.tpu_generation
+        )
         if replay_backend.skip_reason:
             runlog.record_event(
                 "known-issue-replay", issue=known_issue.name, backend=replay_backend.label, outcome="not run"
@@ -81,14 +124,35 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
             f"own, `rpa-harness replay {repro_path} --backend tpu`"
         )
     # Rebuilt as `rpa-harness replay` rebuilds it (the contract it failed under, the chip it was recorded
-    # for: an issue of one generation's code does not show on another), on this run's backend.
+    # for: an issue of one generation's code does not show on another), on this run's backend; predicting a
+    # chip, under its generation, a halt on the interpreter that checks what a chip halts on.
+    halts_on_the_interpreter = predicting and bool(repro.halt)
+    not_on_the_checker = (
+        declared_unrunnable(target, device.Backend(device.INTERPRET)) if halts_on_the_interpreter else None
+    )
+    if not_on_the_checker:
+        runlog.record_event(
+            "known-issue-replay", issue=known_issue.name, backend=replay_backend.label, outcome="not run"
+        )
+        pytest.skip(
+            f"{known_issue.name}: its halt is predicted on the checking interpreter, but {target.name} "
+            f"{not_on_the_checker}"
+        )
     run = for_repro(
         repro,
         target=target.name,
-        backend=replay_backend.name,
+        backend=device.INTERPRET if halts_on_the_interpreter else replay_backend.name,
+        tpu_generation=chip if predicting else None,
         interpreter_compat=replay_backend.interpreter_compat,
     )
     target, replay_backend = run.target, run.backends[0]
+    run_first = []  # a halt's predecessors, each with its settings: a call can leave the fault the next meets
+    if halts_on_the_interpreter:
+        predecessors = repro_files.predecessors(repro_path, repro)
+        run_first = [
+            (example, for_repro(example, target=target.name, backend=device.INTERPRET, tpu_generation=chip))
+            for example in predecessors
+        ]
     where = f"{known_issue.name} in {target.name} on {replay_backend.label}"
 
     def record(outcome: str) -> None:  # for the summary of ``rpa-harness run``
@@ -104,11 +168,20 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
             f"{bucket} bucket's properties do"
         )
     visible = known_issue.visible_on(replay_backend.name)
-    try:
+
+    def replay() -> None:
+        for example, settings in run_first:
+            recheck(settings.target, settings.backends[0], example)
         if known_issue.replay is not None:  # a target's own property (e.g. v3's attention and cache)
             known_issue.replay(known_issue, target, replay_backend, repro)
         else:
             recheck(target, replay_backend, repro)
+
+    try:
+        if predicting and repro.kind in CALLS_THE_KERNEL:
+            compiled_first(target, chip, repro, replay)
+        else:
+            replay()
     except AssertionError as failure:
         report = str(failure)
         if not visible:
@@ -117,7 +190,7 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
                 f"{where}: its repro {repro_path} fails on a backend that cannot see the issue (it "
                 f"shows on {', '.join(known_issue.backends)} only), so this is another failure:\n{report}"
             )
-        masking = chip_refusal_masking(failure, known_issue, repro, replay_backend, pytestconfig)
+        masking = chip_refusal_masking(failure, known_issue, repro, replay_backend, chip, pytestconfig)
         if masking is not None:
             record(f"masked by {masking}")
             pytest.skip(
@@ -139,7 +212,10 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
                 f"({declared}), so a failure like it is not offered the issue: add that kind's class of "
                 f"rpa_harness.failures to its fails_as:\n{report}"
             )
-        record("reproduces")
+        if predicting and (repro.halt or repro.hang):  # what a chip does on the failure the interpreter sees
+            record(f"reproduces: {'halts the chip' if repro.halt else 'hangs'}")
+        else:
+            record("reproduces")
         pytest.xfail(f"{where} still reproduces: {report.splitlines()[0][:200]}")
     if not visible:  # its cases are drawn here too; the repro passing is what this backend can check
         record("passes (not visible here)")

@@ -130,7 +130,8 @@ def test_a_chip_faulted_before_the_first_example_ends_the_process_blaming_no_cas
 def test_a_chip_only_refusal_another_declared_issue_predicts_masks_the_replay(monkeypatch):
     """hd64's finite-mask-value repro, left to the kernel's v5e block sizes on the chip, stops at the
     prologue's tile reshape: the declared not-whole-tiles finding predicts that for its case, so the replay
-    is masked by it; its own symptom, or the same refusal off a chip, is not masked."""
+    is masked by it, as it is where an interpreter emulating a v5e predicts the chip (its predicates then
+    see the v5e); its own symptom, or the same refusal off a chip, is not masked."""
     skip_without_tpu_inference()
     from tests.properties import test_known_issues as the_property
 
@@ -144,9 +145,11 @@ def test_a_chip_only_refusal_another_declared_issue_predicts_masks_the_replay(mo
         "ValueError: Specified dims (2, -1, 8, 128) do not evenly divide the size of the ref"
     )
     chip, interpreter = device.Backend(device.TPU), device.Backend(device.INTERPRET)
+    masked_by = "hd64-kv-block-not-whole-tiles-fails-to-trace"
     with generations.emulated("v5e"):  # the kernel's block sizes on a v5e, as the chip's predicates see them
-        masking = the_property.chip_refusal_masking(refusal, finite, example, chip, None)
-        assert masking == "hd64-kv-block-not-whole-tiles-fails-to-trace"
-        assert the_property.chip_refusal_masking(refusal, finite, example, interpreter, None) is None
+        assert the_property.chip_refusal_masking(refusal, finite, example, chip, "v5e", None) == masked_by
+        assert the_property.chip_refusal_masking(refusal, finite, example, interpreter, None, None) is None
         own = AssertionError("3 of 64 elements over the bound")
-        assert the_property.chip_refusal_masking(own, finite, example, chip, None) is None
+        assert the_property.chip_refusal_masking(own, finite, example, chip, "v5e", None) is None
+    predicting = device.Backend(device.FAST_INTERPRET, generation="v5e")
+    assert the_property.chip_refusal_masking(refusal, finite, example, predicting, "v5e", None) == masked_by
