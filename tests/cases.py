@@ -2,6 +2,7 @@
 imported from here (never from a test module)."""
 
 import math
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -112,3 +113,24 @@ def drawn_cases(strategy, count: int) -> list[Case]:
 
     collect()
     return cases
+
+
+def repro_recorded_for(folder: Path, name: str, generation: str) -> Path:
+    """A repro pair ``folder/name.json`` of ``SMALL`` recorded for TPU ``generation``."""
+    from rpa_harness import device, repro
+
+    example = repro.Repro(
+        "differential[fast-interpret]", "rpa_harness.kernel", device.FAST_INTERPRET, SMALL.arrays(),
+        SMALL.options(), case=SMALL, tpu_generation=generation,
+    )  # fmt: skip
+    folder.mkdir(exist_ok=True)
+    return repro.write(example, folder).rename(folder / f"{name}.json")
+
+
+def issue_with(repro_path: Path, **fields):
+    """A known issue of every case, whose repro is ``repro_path``, with ``fields`` (generations, ...)."""
+    from rpa_harness.known_issues import KnownIssue
+
+    return KnownIssue(
+        "an-issue", "goes wrong", repro_path, lambda case: True, lambda case: case, "over the bound", **fields
+    )

@@ -125,3 +125,11 @@ def without_checkout_names(script: str) -> str:
     """``script`` with the checkout's folder names unimportable: what it imports must be installed (a user
     runs it outside any checkout)."""
     return f"import sys\nsys.modules.update(dict.fromkeys({CHECKOUT_NAMES!r}))\n{script}"
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a killed one not yet reaped is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

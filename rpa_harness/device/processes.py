@@ -47,16 +47,9 @@ def start(
 ) -> subprocess.Popen:
     """Starts ``command`` in a session of its own; ``stdout``/``stderr`` are as ``subprocess.Popen`` takes
     them (a file, ``PIPE``, ``STDOUT``, ``DEVNULL``, or None for this process's own); so is ``stdin``."""
-    return subprocess.Popen(
-        list(command),
-        env=None if env is None else dict(env),
-        cwd=cwd,
-        stdin=stdin,
-        stdout=stdout,
-        stderr=stderr,
-        text=text,
-        start_new_session=True,
-    )
+    streams = {"stdin": stdin, "stdout": stdout, "stderr": stderr}
+    environ = None if env is None else dict(env)
+    return subprocess.Popen(list(command), env=environ, cwd=cwd, text=text, start_new_session=True, **streams)
 
 
 def end(process: subprocess.Popen, *, first: int | None = None, grace: float = GRACE_SECONDS) -> None:

@@ -6,12 +6,12 @@ import os
 import re
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from rpa_harness import cli, device, targets
 from rpa_harness.chip import campaign
+from tests.processes import running
 
 # Stands in for `rpa-harness run`: records its target, -n and --repro-dir, takes $STAND_IN_SECONDS and, with
 # STAND_IN_LEAVES_A_CHILD=1, leaves a child running, its pid written to $STAND_IN_CHILDREN.
@@ -34,14 +34,6 @@ fi
 sleep "${STAND_IN_SECONDS:-0}"
 """
 SHIPPED = [shipped.name for shipped in targets.SHIPPED]
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a killed one not yet reaped is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rpa_harness import targets
+from tests.processes import running
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted([*ROOT.glob("ci/*.sh"), ROOT / ".ci" / "run"])
@@ -108,14 +109,6 @@ def calibrate_groups() -> list[list[str]]:
     listed = re.search(r"^CALIBRATE_GROUPS=\((.*?)^\)", text, re.MULTILINE | re.DOTALL)
     assert listed, "CALIBRATE_GROUPS=( ... ) not found in ci/chip_session.sh"
     return [group.split() for group in re.findall(r'"([^"]*)"', listed[1])]
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a killed one not yet reaped is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture

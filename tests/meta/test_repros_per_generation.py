@@ -15,9 +15,9 @@ every shipped catalogue as a whole, which needs no kernel.
 
 import pytest
 
-from rpa_harness import device, generations, repro, targets
+from rpa_harness import generations, targets
 from rpa_harness.known_issues import KnownIssue
-from tests.cases import SMALL
+from tests.cases import issue_with, repro_recorded_for
 
 # The generations whose chips judge the catalogue (`rpa-harness chip verdicts --backend tpu`): v5e's, v6e's and 7x's.
 CHIP_GENERATIONS = ("v5e", "v6e", "7x")
@@ -70,29 +70,13 @@ def test_each_catalogued_finding_has_a_repro_for_each_chip_it_applies_to():
     )
 
 
-def issue_with(repro_path, **fields) -> KnownIssue:
-    return KnownIssue(
-        "an-issue", "goes wrong", repro_path, lambda case: True, lambda case: case, "over the bound", **fields
-    )
-
-
-def write_repro(folder, name: str, generation: str):
-    """A repro pair ``folder/name.json`` recorded for ``generation``."""
-    example = repro.Repro(
-        "differential[fast-interpret]", "rpa_harness.kernel", device.FAST_INTERPRET, SMALL.arrays(),
-        SMALL.options(), case=SMALL, tpu_generation=generation,
-    )  # fmt: skip
-    folder.mkdir(exist_ok=True)
-    return repro.write(example, folder).rename(folder / f"{name}.json")
-
-
 def test_a_finding_recorded_for_one_generation_lacks_the_others_it_applies_to(tmp_path):
-    for_v6e = write_repro(tmp_path / "finding", "r", "v6e")
+    for_v6e = repro_recorded_for(tmp_path / "finding", "r", "v6e")
     lines = unreplayed([issue_with(for_v6e)])
     assert [line.split(" (", 1)[0] for line in lines] == ["an-issue on v5e", "an-issue on 7x"]
     assert f"rpa-harness replay {for_v6e} --tpu-generation v5e" in lines[0]
     assert not unreplayed([issue_with(for_v6e, generations=("v6e",))])
-    write_repro(tmp_path / "finding", "s", "v5e")
-    write_repro(tmp_path / "finding", "t", "7x")
+    repro_recorded_for(tmp_path / "finding", "s", "v5e")
+    repro_recorded_for(tmp_path / "finding", "t", "7x")
     assert not unreplayed([issue_with(for_v6e)])
-    assert not unreplayed([issue_with(write_repro(tmp_path / "anywhere", "r", generations.NONE))])
+    assert not unreplayed([issue_with(repro_recorded_for(tmp_path / "anywhere", "r", generations.NONE))])

@@ -9,8 +9,8 @@ import types
 import pytest
 
 from rpa_harness import cli, device, generations, lowering, repro, targets
-from rpa_harness.known_issues import KnownIssue, recorded_generation
-from tests.cases import SMALL, skip_without_tpu_inference
+from rpa_harness.known_issues import recorded_generation
+from tests.cases import issue_with, repro_recorded_for, skip_without_tpu_inference
 from tests.processes import run_python
 
 
@@ -25,21 +25,6 @@ def on_a_v5e(monkeypatch):
     device.tpus.cache_clear()
 
 
-def write_repro(folder, name, generation):
-    example = repro.Repro(
-        "differential[fast-interpret]", "rpa_harness.kernel", device.FAST_INTERPRET, SMALL.arrays(),
-        SMALL.options(), case=SMALL, tpu_generation=generation,
-    )  # fmt: skip
-    folder.mkdir(exist_ok=True)
-    return repro.write(example, folder).rename(folder / f"{name}.json")
-
-
-def issue_with(repro_path, **fields):
-    return KnownIssue(
-        "an-issue", "goes wrong", repro_path, lambda case: True, lambda case: case, "over the bound", **fields
-    )
-
-
 def test_from_major_version_is_what_get_tpu_version_at_least_selects():
     assert {"v6e", "7x"} <= set(generations.from_major_version(6))
     assert not {"v4", "v5e", "v5p"} & set(generations.from_major_version(6))
@@ -47,24 +32,24 @@ def test_from_major_version_is_what_get_tpu_version_at_least_selects():
 
 
 def test_an_issue_of_other_generations_does_not_apply_to_the_chip(tmp_path):
-    issue = issue_with(write_repro(tmp_path, "r", "v6e"), generations=("v6e", "7x"))
+    issue = issue_with(repro_recorded_for(tmp_path, "r", "v6e"), generations=("v6e", "7x"))
     assert issue.applies_to("v6e") and issue.applies_to(generations.NONE) and not issue.applies_to("v5e")
     path, why = issue.repro_on_chip("v5e")
     assert path is None and why.startswith("does not apply to v5e (it is in the code of v6e, 7x only)")
 
 
 def test_a_repro_recorded_for_another_generation_is_not_replayed_on_the_chip(tmp_path):
-    issue = issue_with(write_repro(tmp_path, "r", "v6e"))
+    issue = issue_with(repro_recorded_for(tmp_path, "r", "v6e"))
     path, why = issue.repro_on_chip("v5e")
     assert path is None and why.startswith("recorded for v6e, not replayed on v5e (")
     assert issue.repro_on_chip("v6e") == (issue.repro, "")
 
 
 def test_the_repro_recorded_for_the_chip_or_for_none_is_the_one_replayed(tmp_path):
-    for_v6e = write_repro(tmp_path / "a", "r", "v6e")
-    for_v5e = write_repro(tmp_path / "a", "s", "v5e")
+    for_v6e = repro_recorded_for(tmp_path / "a", "r", "v6e")
+    for_v5e = repro_recorded_for(tmp_path / "a", "s", "v5e")
     assert issue_with(for_v6e).repro_on_chip("v5e") == (for_v5e, "")
-    anywhere = write_repro(tmp_path / "b", "r", generations.NONE)
+    anywhere = repro_recorded_for(tmp_path / "b", "r", generations.NONE)
     assert issue_with(anywhere).repro_on_chip("v5e") == (anywhere, "")
 
 
@@ -81,7 +66,7 @@ def test_no_shipped_issue_replays_a_repro_of_another_generation_on_a_chip():
 
 def test_a_chip_draws_the_cases_of_an_issue_of_other_generations(on_a_v5e, tmp_path):
     bundled = targets.load("rpa_harness.kernel")
-    path = write_repro(tmp_path, "r", "v6e")
+    path = repro_recorded_for(tmp_path, "r", "v6e")
     of_v6e = issue_with(path, generations=("v6e",))
     everywhere = dataclasses.replace(issue_with(path), name="everywhere")
     target = dataclasses.replace(bundled, known_issues=(of_v6e, everywhere))
@@ -91,7 +76,7 @@ def test_a_chip_draws_the_cases_of_an_issue_of_other_generations(on_a_v5e, tmp_p
 
 
 def test_replay_on_a_chip_of_another_generation_says_so_and_runs_nothing(on_a_v5e, tmp_path, capsys):
-    path = write_repro(tmp_path, "r", "v6e")
+    path = repro_recorded_for(tmp_path, "r", "v6e")
     assert cli.main(["replay", str(path), "--backend", "tpu"]) == cli.CANNOT_RUN
     error = capsys.readouterr().err
     assert "recorded for TPU v6e, and this chip is v5e" in error and "--backend fast-interpret" in error

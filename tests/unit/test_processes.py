@@ -6,6 +6,7 @@ import subprocess
 import time
 
 from rpa_harness.device import processes
+from tests.processes import running
 
 # A child that starts a grandchild in its session, prints the grandchild's pid, and waits.
 PARENT_OF_A_SLEEPER = (
@@ -14,18 +15,6 @@ PARENT_OF_A_SLEEPER = (
     "print(child.pid, flush=True)\n"
     "time.sleep(300)\n"
 )
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is ended: reap it if it is ours, else read its state
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_run_returns_the_exit_code_and_the_output():
@@ -48,9 +37,9 @@ def test_a_child_past_its_time_is_ended_with_what_it_started(tmp_path):
     assert done.timed_out and done.returncode is None
     grandchild = int(log.read_text().split()[0])
     deadline = time.monotonic() + 5
-    while alive(grandchild) and time.monotonic() < deadline:
+    while running(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive(grandchild)
+    assert not running(grandchild)
 
 
 def test_end_sends_the_first_signal_to_the_child_alone():
