@@ -432,7 +432,8 @@ def _check_profile_names(name: str, module: types.ModuleType) -> None:
         raise TargetError(
             f"--rpa-target={name}: {module.__name__} defines {attribute} = {shown}, which is not a profile "
             f"attribute; did you mean {PROFILE_PREFIX}{nearest[0]}? Rename it (docs/targets.md lists the "
-            f"profile's attributes) or drop the {PROFILE_PREFIX} prefix from a name of the module's own"
+            f"profile's attributes) or drop the {PROFILE_PREFIX} prefix from a name of the module's own (a load "
+            "error since rpa-harness 0.7.0: CHANGELOG.md, Stricter)"
         )
 
 
