@@ -216,7 +216,7 @@ def main(args) -> int:
     print(f"\n{table}")
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
-    differing = []
+    differing: list[str] = []
     if args.compare:
         compared, differing = disagreements(verdicts, chip_rows)
         print(f"\nagreement with {', '.join(args.compare)}: {compared - len(differing)} of {compared} rows")

@@ -696,7 +696,7 @@ def run_script(program: str, backend_name: str, generation: str, directory) -> t
     path.write_text(program)
     text = program if backend_name == TPU else cpu_launcher(str(path), backend_name, generation)
     result = processes.run(processes.python("-c", text), timeout=SCRIPT_TIMEOUT)
-    if result.timed_out:
+    if result.returncode is None:
         raise TimeoutError(f"the report's script did not finish within {SCRIPT_TIMEOUT:g} s")
     output = result.stdout.rstrip()
     if REPRODUCES not in output and "does not reproduce" not in output:
