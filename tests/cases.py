@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from jax.experimental.pallas import tpu as pltpu
 
+from rpa_harness import targets
 from rpa_harness.strategies.case import Case
 
 
@@ -134,3 +135,15 @@ def issue_with(repro_path: Path, **fields):
     return KnownIssue(
         "an-issue", "goes wrong", repro_path, lambda case: True, lambda case: case, "over the bound", **fields
     )
+
+
+def loadable(names: list[str]) -> list[str]:
+    """Those of ``names`` this jax loads (the kernel installed, the jax it needs), in their order."""
+    found = []
+    for name in names:
+        try:
+            targets.load(name)
+        except targets.TargetError:
+            continue
+        found.append(name)
+    return found

@@ -11,6 +11,7 @@ import pytest
 
 from rpa_harness import cli, device, targets
 from rpa_harness.chip import campaign
+from tests.cases import loadable
 from tests.processes import running
 
 # Stands in for `rpa-harness run`: records its target, -n and --repro-dir, takes $STAND_IN_SECONDS and, with
@@ -68,17 +69,6 @@ def all_ended(pids: list[int], seconds: float = 10.0) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-def loadable(names: list[str]) -> list[str]:
-    found = []
-    for name in names:
-        try:
-            targets.load(name)
-        except targets.TargetError:
-            continue
-        found.append(name)
-    return found
 
 
 def test_calibrate_runs_each_target_this_jax_loads_once_and_names_the_others(stand_in, tmp_path, capsys):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rpa_harness import targets
+from tests.cases import loadable
 from tests.processes import running
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,18 +91,6 @@ MATCHING_NAME = "pytest chip_agreement bench_throughput chip_arithmetic rpa-harn
 USAGE = "usage: bash ci/nightly_tpu.sh [--targets MODULE[,MODULE...]]"
 SHIPPED = [shipped.name for shipped in targets.SHIPPED]
 UPSTREAM = targets.UPSTREAM_TARGET
-
-
-def loadable(names: list[str]) -> list[str]:
-    """Those of ``names`` this jax loads (the kernel installed, the jax it needs), in their order."""
-    found = []
-    for name in names:
-        try:
-            targets.load(name)
-        except targets.TargetError:
-            continue
-        found.append(name)
-    return found
 
 
 def calibrate_groups() -> list[list[str]]:
