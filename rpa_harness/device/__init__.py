@@ -6,7 +6,8 @@ The public front over the package's modules, each one job:
   ``--rpa-backend`` choice, and ``Backend``, through which every kernel call is made;
 - ``endings``: how a process ends on a hang, a call too slow to judge, a halted device or a chip faulted
   before its first example, the exit codes, and the watchdog;
-- ``chip``: whether a TPU is present (the probe) and the known-good call before a process's first call;
+- ``chip``: whether a TPU is present (the probe), how many chips the host has, and the known-good call
+  before a process's first call;
 - ``compilation``: jax's compilation cache, the CPU compiler's flags, and counting compilations;
 - ``interpreter_reports``: the checking interpreter's races, deadlocks and exits that would halt a TPU;
 - ``owner``: the chip owner, the one process that makes a run's kernel calls, installed as the route of
@@ -30,6 +31,7 @@ from rpa_harness.device.chip import (
     TPU_PROBE_ENV,
     Tpus,
     chip_in_words,
+    chips_on_this_host,
     keep_off_the_chips,
     tpus,
 )
@@ -74,7 +76,7 @@ __all__ = [
     "AUTO", "BACKENDS", "FAST_INTERPRET", "INTERPRET", "TPU", "TPU_COMPILER", "Backend", "BackendChoiceError",
     "resolve",
     # chip
-    "TPU_PROBE_ENV", "Tpus", "chip_in_words", "keep_off_the_chips", "tpus",
+    "TPU_PROBE_ENV", "Tpus", "chip_in_words", "chips_on_this_host", "keep_off_the_chips", "tpus",
     # compilation
     "COMPILATION_CACHE_ENV", "DEFAULT_COMPILATION_CACHE", "FASTER_CPU_COMPILATION", "compilation_cache_setting",
     "compilation_stats", "count_compilations", "enable_compilation_cache", "faster_cpu_compilation", "metered",

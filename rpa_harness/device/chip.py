@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +152,37 @@ def tpus() -> Tpus:
     except RuntimeError:
         return Tpus()
     return Tpus(len(devices), ", ".join(sorted({device.device_kind for device in devices})))
+
+
+GOOGLE_PCI_VENDOR = "0x1ae0"  # a TPU chip's PCI vendor id, in sysfs
+
+
+def chips_on_this_host(
+    dev: Path = Path("/dev"), iommu_groups: Path = Path("/sys/kernel/iommu_groups")
+) -> int:
+    """How many TPU chips this host has, counted from their device files without opening libtpu (which would
+    take them all): /dev/accel0, /dev/accel1, ... where the chips have the accel driver (v4), else the
+    numbered VFIO groups under /dev/vfio (v5e, v5p, v6e) whose device is Google's, so that another device
+    bound to vfio-pci is not counted (as tpu-inference's ``tpu_info.get_num_chips`` counts them, with ray's
+    vendor check, ray-project/ray#65034). Not whether jax can open them (``tpus``), only how many a run may
+    pin an owner each to; 0 on a host with neither."""
+    accelerators = sorted(dev.glob("accel[0-9]*"))
+    if accelerators:
+        return len(accelerators)
+    try:
+        groups = [entry.name for entry in (dev / "vfio").iterdir() if entry.name.isdigit()]
+    except OSError:
+        return 0
+    return sum(1 for group in groups if _google_device_in(iommu_groups / group / "devices"))
+
+
+def _google_device_in(devices: Path) -> bool:
+    try:
+        return any(
+            (device / "vendor").read_text().strip() == GOOGLE_PCI_VENDOR for device in devices.iterdir()
+        )
+    except OSError:
+        return False
 
 
 def tpu_available() -> bool:

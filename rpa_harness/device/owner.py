@@ -16,8 +16,13 @@ chip just before it), and that process ends as it would have with the chip in ha
 written, its exit status. A ``Supervisor`` starts a fresh owner at the same address, and the other processes
 send their calls there. Hypothesis shrinks in the worker as ever: each call of a shrink is a request.
 
+On a host with several chips (a v5e-4 or -8, a v6e-8) a run can have one owner per chip (``Owners``): each
+owner's libtpu is told to open one chip (``chip_pinning``) and each worker sends its calls to one owner,
+worker i to owner i mod N (``address``). Each owner has a supervisor of its own, so a halt ends one chip's
+owner and a fresh one opens that chip while the others serve on.
+
 With ``--rpa-chip-owner=on`` an owner serves the interpreters too: the fast interpreter in one process
-stands in for the chip on a CPU host (what the tests check).
+stands in for the chip on a CPU host (what the tests check); there the pinning is inert.
 """
 
 import collections
@@ -40,7 +45,9 @@ import jax
 from rpa_harness import generations
 from rpa_harness.device import backends, chip, compilation, endings, processes
 
-ADDRESS_ENV = "RPA_CHIP_OWNER_SOCKET"  # the owner's socket, in the processes whose kernel calls it makes
+# The owner's socket, in the processes whose kernel calls it makes; where a run has an owner per chip, their
+# sockets joined by os.pathsep, of which each xdist worker takes one (``address``).
+ADDRESS_ENV = "RPA_CHIP_OWNER_SOCKET"
 OWNER_MODULE = "rpa_harness.device.owner"  # run as ``python -m OWNER_MODULE SOCKET_PATH``: an owner process
 OWNER_FILE = "owner.sock"
 ENDED_FILE = "ended.json"  # the supervisor's last word, where it starts no more owners
@@ -126,8 +133,19 @@ def calls_before_the_halt() -> list | None:
 # The processes that send calls.
 
 
+def worker_number() -> int:
+    """This process's number among pytest-xdist's workers (gw3: 3), which xdist sets in a worker's
+    environment before its configuration; 0 in any other process."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+
+
 def address() -> str | None:
-    return os.environ.get(ADDRESS_ENV) or None
+    """The owner this process sends its calls to: the one ``ADDRESS_ENV`` names, or of the several it names
+    (one owner per chip) the one this worker's number picks, worker i taking owner i mod N, so that the
+    workers spread evenly over the chips (a replacement worker's new number picks one as well)."""
+    addresses = [where for where in os.environ.get(ADDRESS_ENV, "").split(os.pathsep) if where]
+    return addresses[worker_number() % len(addresses)] if addresses else None
 
 
 def route_calls_to(where: str | None) -> None:
@@ -144,7 +162,7 @@ def route_calls_to(where: str | None) -> None:
 @contextlib.contextmanager
 def calls_routed_to(where: str):
     """``route_calls_to(where)`` for the enclosed block."""
-    previous = address()
+    previous = os.environ.get(ADDRESS_ENV) or None
     route_calls_to(where)
     try:
         yield
@@ -502,27 +520,8 @@ class Supervisor:
         return found
 
     def summary(self) -> dict:
-        """The run's owners together: calls made, seconds the chip was busy, seconds owners were up, owners
-        started, and the exit statuses of those that ended before the run did."""
-        stats = self.owner_stats()
-        seconds: collections.defaultdict = collections.defaultdict(float)
-        for owner in stats:
-            for name, value in owner.get("seconds", {}).items():
-                seconds[name] += value
-        signatures = [signature for owner in stats for signature in owner.get("signatures", [])]
-        return {
-            "calls": sum(s["calls"] for s in stats),
-            "busy_s": sum(s["busy_s"] for s in stats),
-            "alive_s": sum(s["alive_s"] for s in stats),
-            "owners": len(stats),
-            "exits": list(self.exits),
-            "seconds": dict(seconds),
-            "last_compiled": max((s.get("last_compiled", 0.0) for s in stats), default=0.0),
-            "signatures": len(signatures),
-            "compiled_ahead": sum(1 for s in signatures if s["ahead"]),
-            "signatures_compiled_in_calls": sum(1 for s in signatures if s["compiled_in_calls"]),
-            "calls_per_signature": sorted(s["calls"] for s in signatures),
-        }
+        """The owners this supervisor started, together (``summary_of``)."""
+        return summary_of(self.owner_stats(), self.exits)
 
     def stop(self) -> dict:
         """Ends the owner (its own process group: nothing else) and returns ``summary``."""
@@ -534,6 +533,98 @@ class Supervisor:
         for path in self.folder.iterdir():
             if path != self.log_path:
                 path.unlink(missing_ok=True)
+        return summary
+
+
+def summary_of(stats: list[dict], exits: list[int]) -> dict:
+    """Owner processes together, from their ``STATS_FILE``s: calls made, seconds the chip was busy, seconds
+    owners were up, owners started, the exit statuses of those that ended before the run did, where the
+    calls' seconds went and what was compiled."""
+    seconds: collections.defaultdict = collections.defaultdict(float)
+    for owner in stats:
+        for name, value in owner.get("seconds", {}).items():
+            seconds[name] += value
+    signatures = [signature for owner in stats for signature in owner.get("signatures", [])]
+    return {
+        "calls": sum(s["calls"] for s in stats),
+        "busy_s": sum(s["busy_s"] for s in stats),
+        "alive_s": sum(s["alive_s"] for s in stats),
+        "owners": len(stats),
+        "exits": list(exits),
+        "seconds": dict(seconds),
+        "last_compiled": max((s.get("last_compiled", 0.0) for s in stats), default=0.0),
+        "signatures": len(signatures),
+        "compiled_ahead": sum(1 for s in signatures if s["ahead"]),
+        "signatures_compiled_in_calls": sum(1 for s in signatures if s["compiled_in_calls"]),
+        "calls_per_signature": sorted(s["calls"] for s in signatures),
+    }
+
+
+# libtpu's environment for a process that opens some of its host's chips, as tpu-inference 0.32.0 sets it for
+# a data-parallel rank (tpu_inference/worker/tpu_worker.py, ``_setup_dp_chip_isolation``) and jax's Cloud TPU
+# recipe for non-communicating processes (gist skye/f82ba45d2445bb19d53545538754f9a3): the chips it sees
+# (TPU_VISIBLE_CHIPS), their shape (TPU_CHIPS_PER_PROCESS_BOUNDS), one process in its own slice
+# (TPU_PROCESS_BOUNDS, CLOUD_TPU_TASK_ID), and a libtpu port of its own so that the runtimes coexist on the
+# host (TPU_PROCESS_PORT, TPU_PROCESS_ADDRESSES), numbered from libtpu's default 8476 as tpu-inference does.
+TPU_PROCESS_PORT_BASE = 8476
+
+
+def chip_pinning(chip: int, chips: int) -> dict[str, str]:
+    """The environment in which owner ``chip`` of ``chips`` opens that one chip of its host and no other
+    (libtpu opens every chip of the host unless told which); none for a single owner, which opens them all
+    as a process without owners would."""
+    if chips == 1:
+        return {}
+    port = TPU_PROCESS_PORT_BASE + chip
+    return {
+        "TPU_VISIBLE_CHIPS": str(chip),
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+        "TPU_PROCESS_BOUNDS": "1,1,1",
+        "CLOUD_TPU_TASK_ID": "0",
+        "TPU_PROCESS_PORT": str(port),
+        "TPU_PROCESS_ADDRESSES": f"localhost:{port}",
+    }
+
+
+class Owners:
+    """A run's owners, one per chip, each kept serving by a ``Supervisor`` of its own: a halt ends the owner
+    of one chip, and a fresh one opens that chip while the others serve on. ``where`` is their addresses as
+    ``ADDRESS_ENV`` carries them to the workers."""
+
+    def __init__(self, environ: dict, chips: int):
+        self.supervisors = [Supervisor({**environ, **chip_pinning(chip, chips)}) for chip in range(chips)]
+        self.where = os.pathsep.join(supervisor.where for supervisor in self.supervisors)
+
+    def start(self) -> "Owners":
+        for supervisor in self.supervisors:
+            supervisor.start()
+        return self
+
+    def facts(self) -> list[dict]:
+        """``owner_facts`` of each owner, once it has opened its chip (they open them at once)."""
+        return [owner_facts(supervisor.where) for supervisor in self.supervisors]
+
+    def summary(self) -> dict:
+        """The owners together (``summary_of``), and each chip's: ``per_chip``, the chip (its
+        TPU_VISIBLE_CHIPS; all, for a single owner), its calls, busy seconds, owner processes and early
+        exits, in chip order."""
+        per_chip = [supervisor.summary() for supervisor in self.supervisors]
+        stats = [owner for supervisor in self.supervisors for owner in supervisor.owner_stats()]
+        together = summary_of(stats, [code for supervisor in self.supervisors for code in supervisor.exits])
+        together["per_chip"] = [
+            {
+                "chip": supervisor.environ.get("TPU_VISIBLE_CHIPS", "all"),
+                **{name: summary[name] for name in ("calls", "busy_s", "owners", "exits")},
+            }
+            for supervisor, summary in zip(self.supervisors, per_chip, strict=True)
+        ]
+        return together
+
+    def stop(self) -> dict:
+        """Ends every owner (``Supervisor.stop``) and returns ``summary`` as it stood before."""
+        summary = self.summary()
+        for supervisor in self.supervisors:
+            supervisor.stop()
         return summary
 
 
