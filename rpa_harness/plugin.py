@@ -32,6 +32,9 @@ Options (each also read from an environment variable):
   --rpa-chip-owner=auto|on|off RPA_CHIP_OWNER      one process makes every kernel call for the xdist workers
                                                     (default: auto, on the tpu backend with -n 2 or more;
                                                     on: on any backend; off: -n 1 on the tpu backend)
+  --rpa-chip-owners=N|auto      RPA_CHIP_OWNERS     how many chip owners, one chip each, the workers spread
+                                                    over them (default: auto, one per chip of the host on
+                                                    the tpu backend, else 1; at most one per worker)
 Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
 RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
 
@@ -213,6 +216,13 @@ def pytest_addoption(parser):
         "the interpreters standing in for the chip; off: the tpu backend runs one worker)",
     )
     group.addoption(
+        CHIP_OWNERS_OPTION,
+        default=os.environ.get("RPA_CHIP_OWNERS", "auto"),
+        help="how many chip owners the run starts, each pinned to one chip of the host (libtpu's "
+        "TPU_VISIBLE_CHIPS), worker i sending its calls to owner i mod N; auto (default): one per chip of the "
+        "host on the tpu backend (counted from /dev/accel* or /dev/vfio), else 1; at most one per worker",
+    )
+    group.addoption(
         "--rpa-allow-no-numeric",
         action="store_true",
         default=os.environ.get("RPA_ALLOW_NO_NUMERIC", "") not in ("", "0"),
@@ -221,6 +231,7 @@ def pytest_addoption(parser):
 
 
 BUCKETS_OPTION = "--rpa-buckets"
+CHIP_OWNERS_OPTION = "--rpa-chip-owners"
 
 
 NUMERIC = "rpa_numeric"
@@ -311,8 +322,9 @@ def pytest_configure_after_hypothesis(config):
         ) from None
     _chip_owner_or_one_worker(config)
     # Where the run has a chip owner, it makes this process's kernel calls: a worker finds its address in the
-    # environment the controller started it with.
-    device.owner.route_calls_to(device.owner.address())
+    # environment the controller started it with (all the owners' where there is one a chip: each call takes
+    # this worker's, ``device.owner.address``).
+    device.owner.route_calls_to(os.environ.get(device.owner.ADDRESS_ENV))
     _name_the_chip(config)
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
@@ -334,8 +346,8 @@ def _on_a_tpu(config) -> bool:
 
 
 WORKERS_ASKED = pytest.StashKey[int]()
-OWNER = pytest.StashKey[device.owner.Supervisor]()
-OWNER_CHIPS = pytest.StashKey[list]()  # the chips the owner holds, as the run log's device events name them
+OWNER = pytest.StashKey[device.owner.Owners]()
+OWNER_CHIPS = pytest.StashKey[list]()  # the chips the owners hold, as the run log's device events name them
 
 
 def _chip_owner_or_one_worker(config) -> None:
@@ -354,28 +366,54 @@ def _chip_owner_or_one_worker(config) -> None:
         config.stash[WORKERS_ASKED] = workers
 
 
+def _chip_owners_wanted(config) -> int:
+    """How many chip owners the run starts (``--rpa-chip-owners``): the number given, or for auto one per chip
+    the host has on the tpu backend (``device.chips_on_this_host``) and one elsewhere; never more than the
+    workers, since an owner no worker feeds would hold a chip for nothing."""
+    choice = config.getoption(CHIP_OWNERS_OPTION).strip().lower()
+    chips = device.chips_on_this_host() if _on_a_tpu(config) else 0
+    if choice == "auto":
+        wanted = max(chips, 1)
+    elif choice.isdigit() and int(choice) >= 1:
+        wanted = int(choice)
+    else:
+        raise pytest.UsageError(
+            f"{CHIP_OWNERS_OPTION}={choice!r} is not a number of chip owners; pass a number from 1 up, or auto "
+            "(one per chip of the host on the tpu backend)"
+        )
+    if chips and wanted > chips:
+        raise pytest.UsageError(
+            f"{CHIP_OWNERS_OPTION}={wanted}: this host has {chips} TPU chip(s) (/dev/accel*, /dev/vfio), one "
+            f"owner a chip; pass {chips} or fewer, or auto"
+        )
+    return min(wanted, len(config.option.tx))
+
+
 def _start_chip_owner(config) -> None:
-    """Starts the owner and points the workers at it (they start after configuration, from this process's
-    environment); on a chip they compute on the CPU and take the chip's description from the owner."""
+    """Starts the owners, one per chip, and points the workers at them (they start after configuration, from
+    this process's environment, each taking its owner from it); on a chip they compute on the CPU and take
+    the chips' description from the owners."""
     environ = dict(os.environ)
     folder = device.compilation_cache_setting(config.getoption("--rpa-compilation-cache"))
     environ[device.COMPILATION_CACHE_ENV] = str(folder) if folder is not None else "off"
-    supervisor = device.owner.Supervisor(environ).start()
+    owners = device.owner.Owners(environ, _chip_owners_wanted(config)).start()
     try:
-        facts = device.owner.owner_facts(supervisor.where)
+        facts = owners.facts()
     except device.owner.OwnerUnavailable as error:
-        supervisor.stop()
+        owners.stop()
         pytest.exit(f"rpa-harness: {device.CHIP_FAULTED}: {error}", returncode=device.CHIP_FAULTED_EXIT_CODE)
-    config.stash[OWNER] = supervisor
-    device.owner.route_calls_to(supervisor.where)
+    config.stash[OWNER] = owners
+    device.owner.route_calls_to(owners.where)
     loaded = settings.default
     assert loaded is not None  # None only while Hypothesis itself is imported
     if not loaded.derandomize:  # derandomized shards would all draw the same examples
         os.environ[VOLUME_SHARDS_ENV] = str(len(config.option.tx))
-    if facts["tpu_count"]:
-        config.stash[OWNER_CHIPS] = [{"device_kind": facts["tpu_kind"], "count": facts["tpu_count"]}]
+    chips = sum(owner["tpu_count"] for owner in facts)
+    if chips:
+        kind = facts[0]["tpu_kind"]
+        config.stash[OWNER_CHIPS] = [{"device_kind": kind, "count": chips}]
         os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ[device.TPU_PROBE_ENV] = f"{facts['tpu_kind']}:{facts['tpu_count']}"
+        os.environ[device.TPU_PROBE_ENV] = f"{kind}:{chips}"
 
 
 def pytest_unconfigure(config):
@@ -667,25 +705,27 @@ class RunVerdicts:
             )
 
     def chip_owner_summary(self) -> dict:
-        """The chip owners' calls and the fraction of the run's wall time the chip spent in them."""
+        """The chip owners' calls and the fraction of the run's wall time their chips spent in them: each
+        chip's (``per_chip``), and all of them together (of as many times the wall time as there are chips)."""
         summary = self.config.stash[OWNER].summary()
         wall = time.time() - self.started
-        return {**summary, "wall_s": wall, "busy_fraction": summary["busy_s"] / wall if wall > 0 else 0.0}
+
+        def busy_fraction(busy_s: float, chips: int = 1) -> float:
+            return busy_s / (wall * chips) if wall > 0 else 0.0
+
+        per_chip = [{**chip, "busy_fraction": busy_fraction(chip["busy_s"])} for chip in summary["per_chip"]]
+        return {
+            **summary,
+            "per_chip": per_chip,
+            "wall_s": wall,
+            "busy_fraction": busy_fraction(summary["busy_s"], len(per_chip)),
+        }
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_terminal_summary(self, terminalreporter):
         if OWNER in self.config.stash:
-            owners = self.chip_owner_summary()
-            ended = (
-                f"; {len(owners['exits'])} ended early (exit {owners['exits']})" if owners["exits"] else ""
-            )
-            terminalreporter.write_line(
-                f"rpa-harness: chip owner: {owners['calls']} kernel calls, busy {owners['busy_s']:.1f} s of "
-                f"{owners['wall_s']:.1f} s ({owners['busy_fraction']:.0%}); {owners['owners']} owner "
-                f"process(es){ended}"
-            )
-            for line in device.owner.summary_lines(owners):
-                terminalreporter.write_line(f"rpa-harness: chip owner: {line}")
+            for line in chip_owner_lines(self.chip_owner_summary()):
+                terminalreporter.write_line(f"rpa-harness: {line}")
         verdict = self.no_numeric_verdict()
         if verdict:
             terminalreporter.write_line(verdict, red=True, bold=True)
@@ -696,6 +736,33 @@ class RunVerdicts:
                 "Its numeric properties there were skipped; its validator properties ran.",
                 yellow=True,
             )
+
+
+def chip_owner_lines(owners: dict) -> list[str]:
+    """``RunVerdicts.chip_owner_summary`` in words: the owners' calls and how busy their chips were, all of
+    them together, then each chip where there are several; then what was compiled and where a call's time
+    went (``device.owner.summary_lines``)."""
+
+    def ended(exits: list[int]) -> str:
+        return f"; {len(exits)} ended early (exit {exits})" if exits else ""
+
+    chips = owners["per_chip"]
+    wall = (
+        f"{owners['wall_s']:.1f} s" if len(chips) == 1 else f"{len(chips)} chips x {owners['wall_s']:.1f} s"
+    )
+    on_chips = f" on {len(chips)} chips" if len(chips) > 1 else ""
+    lines = [
+        f"chip owner: {owners['calls']} kernel calls, busy {owners['busy_s']:.1f} s of {wall} "
+        f"({owners['busy_fraction']:.0%}); {owners['owners']} owner process(es){on_chips}{ended(owners['exits'])}"
+    ]
+    if len(chips) > 1:
+        lines += [
+            f"chip owner on chip {chip['chip']}: {chip['calls']} kernel calls, busy {chip['busy_s']:.1f} s of "
+            f"{owners['wall_s']:.1f} s ({chip['busy_fraction']:.0%}); {chip['owners']} owner "
+            f"process(es){ended(chip['exits'])}"
+            for chip in chips
+        ]
+    return lines + [f"chip owner: {line}" for line in device.owner.summary_lines(owners)]
 
 
 def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
@@ -737,7 +804,13 @@ def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
         if WORKERS_ASKED in config.stash:
             chip_line += f"; 1 worker (-n {config.stash[WORKERS_ASKED]} asked: one process holds the chips)"
     if OWNER in config.stash:
-        chip_line += f"; one chip owner process makes the kernel calls of {len(config.option.tx)} workers"
+        chips = len(config.stash[OWNER].supervisors)
+        owners = (
+            "one chip owner process makes"
+            if chips == 1
+            else f"{chips} chip owner processes, one a chip, make"
+        )
+        chip_line += f"; {owners} the kernel calls of {len(config.option.tx)} workers"
     buckets = run.buckets or target.capabilities.buckets
     chip_products = (
         f", + {BF16_MATMUL} on a TPU generation (float32 products at DEFAULT precision)"
