@@ -417,9 +417,9 @@ def _start_chip_owner(config) -> None:
 
 
 def pytest_unconfigure(config):
-    supervisor = config.stash.get(OWNER, None)
-    if supervisor is not None:
-        supervisor.stop()
+    owners = config.stash.get(OWNER, None)
+    if owners is not None:
+        owners.stop()
 
 
 def _name_the_chip(config) -> None:

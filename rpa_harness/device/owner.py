@@ -566,6 +566,9 @@ def summary_of(stats: list[dict], exits: list[int]) -> dict:
 # (TPU_VISIBLE_CHIPS), their shape (TPU_CHIPS_PER_PROCESS_BOUNDS), one process in its own slice
 # (TPU_PROCESS_BOUNDS, CLOUD_TPU_TASK_ID), and a libtpu port of its own so that the runtimes coexist on the
 # host (TPU_PROCESS_PORT, TPU_PROCESS_ADDRESSES), numbered from libtpu's default 8476 as tpu-inference does.
+# Chip bounds smaller than a host's also spare the owners libtpu's host-wide lockfile, which would let one of
+# them open a chip (XLA's tpu_initializer_helper.cc, ``TryAcquireTpuLock``: bounds set and not the whole
+# host's, "allowing multiple libtpu.so loads").
 TPU_PROCESS_PORT_BASE = 8476
 
 
