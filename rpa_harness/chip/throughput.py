@@ -160,7 +160,8 @@ def bound(row: dict, workers: int) -> str:
         return f"{name} ({share:.0%} of the row)"
     owner = row["owner"]
     if owner and owner.get("calls"):
-        running = owner.get("seconds", {}).get("run_s", 0.0)
+        # Where there is an owner a chip, their seconds together over the chips: a chip's on average.
+        running = owner.get("seconds", {}).get("run_s", 0.0) / len(owner.get("per_chip", [None]))
         busy = running / max(owner.get("wall_s", wall) - row["warm_after_s"], 1e-9)
         if busy >= 0.8:
             return f"chip ({busy:.0%} busy)"

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rpa_harness import cli, device, targets
-from rpa_harness.chip import campaign
+from rpa_harness.chip import campaign, throughput
 from tests.cases import loadable
 from tests.processes import running
 
@@ -153,3 +153,13 @@ def test_a_steps_usage_error_is_one_line_and_exit_4(stand_in, capsys, argv, comp
     assert captured.err.startswith(f"rpa-harness chip {argv[0]}: ") and complaint in captured.err, (
         captured.err
     )
+
+
+def test_a_throughput_row_with_an_owner_a_chip_counts_how_busy_a_chip_was_on_average():
+    """Two owners' 160 s running in a 90 s window are two chips 89% busy, the row bound by the chips; four
+    owners' are four chips 44% busy, the row bound by the host."""
+    owner = {"calls": 100, "wall_s": 100.0, "seconds": {"run_s": 160.0}, "per_chip": [{}, {}]}
+    row = {"wall_s": 100.0, "before_first_s": 5.0, "warm_after_s": 10.0, "window_s": 90.0, "owner": owner}
+    assert throughput.bound(row, 4) == "chip (89% busy)"
+    owner["per_chip"] = [{}, {}, {}, {}]
+    assert throughput.bound(row, 4) == "host (4 workers)"
