@@ -419,7 +419,7 @@ def _skip_past_the_targets_share(item, run: RunSettings) -> None:
     if name not in cutoffs:
         names = [each.target.name for each in every_settings(item.config)]
         cutoffs[name] = target_share_ends(float(deadline), now, len(names) - names.index(name))
-    if now > cutoffs[name]:
+    if now >= cutoffs[name]:
         pytest.skip(
             f"target {name} is past its share of the run's {item.config.getoption(TARGET_SECONDS_OPTION)} s "
             f"({TARGET_SECONDS_OPTION})"
@@ -681,9 +681,10 @@ def pytest_collection_modifyitems(config, items):
 
 def settings_of_item(item) -> RunSettings:
     """The settings of the target a collected test runs against (in a run of several, its ``target``
-    parameter; a test that uses no target: the first's)."""
-    callspec = getattr(item, "callspec", None)
-    return settings_of(item.config, callspec.params.get("target") if callspec is not None else None)
+    parameter; a test that uses no target, or has no parameters: the first's)."""
+    named = getattr(item, "callspec", None) and item.callspec.params.get("target")
+    # A test whose parameters are empty for every target has pytest's placeholder there, no name.
+    return settings_of(item.config, named if isinstance(named, str) else None)
 
 
 def pytest_runtest_setup(item):
