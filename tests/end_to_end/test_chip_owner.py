@@ -212,3 +212,24 @@ def test_within_endings_raise_a_halt_is_an_exception_and_a_fresh_owner_takes_the
     assert ended.value.kind == "halted" and "The program continuator has halted" in ended.value.report[1]
     assert out.shape == (passing.max_num_batched_tokens, passing.num_q_heads, 64)
     assert owners["calls"] == 2 and owners["owners"] == 2 and owners["exits"] == [device.HALT_EXIT_CODE]
+
+
+def test_one_run_and_one_owner_serve_two_targets(tmp_path, pytestconfig):
+    """``rpa-harness run`` with two targets: one pytest session, one worker and one owner (the fast interpreter
+    standing in for the chip) make every call of both; each target's property (the determinism one: two
+    calls an example) runs under its own id and passes, and the summary names both targets."""
+    result = run_python(
+        "-m", "rpa_harness.cli", "run", "--profile", "dev", "--target", "rpa_harness.kernel", "--target", UPSTREAM,
+        "--backend", "fast-interpret", "--tpu-generation", "none", "-n", "1", "--repro-dir", str(tmp_path),
+        "--", "--rpa-chip-owner=on", "-k", "test_same_call_gives_same_bits",
+        cwd=pytestconfig.rootpath, env={**os.environ, "RPA_MAX_EXAMPLES": "2"},
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    calls, owners = owner_line(output)
+    assert calls >= 2 and owners == 1, output[-3000:]
+    table = result.stdout[result.stdout.index("rpa-harness summary") :]
+    for test_id in ("kernel-fast-interpret", "ragged_paged_attention-fast-interpret"):
+        assert f"test_same_call_gives_same_bits[{test_id}]" in table, table
+    assert "target rpa_harness.kernel" in table and f"target {UPSTREAM}" in table, table
+    assert f"targets (2):\n    rpa_harness.kernel: 1 passed\n    {UPSTREAM}: 1 passed" in table, table
