@@ -58,7 +58,7 @@ def add_arguments(parser, step: str) -> None:
     add_backend_options(parser)
     parser.add_argument(
         "--workers", type=int, default=workers,
-        help=f"pytest-xdist workers per target (default {workers}; 2 or more feed one chip owner)",
+        help=f"pytest-xdist workers of a run (default {workers}; 2 or more feed one chip owner)",
     )  # fmt: skip
     parser.add_argument(
         "--seconds", type=float, default=seconds,
