@@ -284,7 +284,10 @@ def settings_of(config, target=None) -> RunSettings:
     if target is None:
         return every[0]
     name = getattr(target, "name", target)
-    return next(run for run in every if run.target.name == name)
+    for run in every:
+        if run.target.name == name:
+            return run
+    raise LookupError(f"target {name} is not one this run serves ({', '.join(r.target.name for r in every)})")
 
 
 def every_settings(config) -> tuple[RunSettings, ...]:
@@ -398,7 +401,8 @@ def _share_the_targets_time(config) -> None:
         budget = float(seconds)
     except ValueError:
         raise pytest.UsageError(
-            f"{TARGET_SECONDS_OPTION}={seconds}: not a number of seconds; pass e.g. {TARGET_SECONDS_OPTION}=300"
+            f"{TARGET_SECONDS_OPTION}={seconds} (or RPA_SECONDS): not a number of seconds; pass e.g. "
+            f"{TARGET_SECONDS_OPTION}=300"
         ) from None
     os.environ[TARGETS_DEADLINE_ENV] = str(time.time() + budget)
 
