@@ -1024,8 +1024,10 @@ def _crash_note(config, nodeid: str, started: float) -> str:
     """Names what a crashed worker left for this test: the hang or halt repro its last call wrote, else the
     example it had in flight, which on the tpu backend is the suspect of a crash of the device (a libtpu
     abort ends the process inside the call). The example in flight goes into the run log's summary too."""
+    directory = Path(config.getoption("--rpa-repro-dir"))
     in_flight = None
-    for path in sorted(path for folder in repro_folders(config) for path in folder.glob("*.json")):
+    # A run of several targets keeps each one's repros in a folder of its own there (``repro_folders``).
+    for path in sorted([*directory.glob("*.json"), *directory.glob("*/*.json")]):
         if path.stat().st_mtime < started:  # left by an earlier run
             continue
         try:
