@@ -10,9 +10,10 @@
 #   smoke        rpa-harness chip smoke: the bundled kernel and upstream's, -n 1, a first check of a fresh host
 #   owner        the bundled kernel's dev profile with 12 workers feeding one chip owner (rpa_harness.device.owner)
 #   calibrate-N  rpa-harness chip calibrate on one group of shipped targets: each target's dev profile on the
-#                chip, 12 workers feeding one chip owner (RPA_CALIBRATE_WORKERS; RPA_MAX_EXAMPLES, default 3),
-#                ending with its summary; a target this jax cannot load (its kernel needs another jax, or is
-#                not installed) is named with the reason and skipped
+#                chip, the group's targets in one run (one start-up), 12 workers feeding one chip owner
+#                (RPA_CALIBRATE_WORKERS; RPA_MAX_EXAMPLES, default 3), ending with its summary and a line per
+#                target; a target this jax cannot load (its kernel needs another jax, or is not installed) is
+#                named with the reason and skipped
 #   calibrate    every group, one after the other (a host without a limit per command)
 #   verdicts-N   rpa-harness chip verdicts on group N's targets: each declared finding's verdict on this chip
 #                (halting repros replayed in processes of their own), as a table in verdicts-N.md
@@ -37,14 +38,17 @@
 #   calibrate-2  tpu-inference's MLA v1, MLA v2 and the head_dim-64 kernel
 #   calibrate-3  tpu-inference's batched RPA, the CP fork of v3, stacked RPA and mla_swa
 #
-# A group is one command of under 10 minutes: its targets share RPA_CALIBRATE_SECONDS (default 510 s), each
-# given what is left divided by the targets still to run (rpa_harness.chip.campaign); a target cut off at its
-# share ends without its summary (exit 124 on its line). The three groups, `bash ci/chip_session.sh
-# calibrate-1`, then -2, then -3, within 30 minutes of chip time. A dev-profile run takes 60-250 s on a v5e.
+# A group is one command of under 10 minutes, one `rpa-harness run` of its targets: they share
+# RPA_CALIBRATE_SECONDS (default 510 s), the run giving each what is left of 90% of it divided by the targets
+# still to run and skipping the tests of a target past its share (rpa_harness.chip.campaign); a run still
+# going at the full budget is cut off without its summary (exit 124 on its line). The three groups, `bash
+# ci/chip_session.sh calibrate-1`, then -2, then -3, within 30 minutes of chip time. A dev-profile run of one
+# target takes 60-250 s on a v5e.
 #
 # Each step runs in a session of its own, and whatever it leaves running is ended with it, by that session's
-# id: never another process of the host. Logs (a step's STEP.log; a campaign's target's STEP-TARGET.log),
-# repro folders and kept failures go to $RPA_CHIP_LOGS (default chip-logs/), and all of it into one archive,
+# id: never another process of the host. Logs (a step's STEP.log; the smoke's target's smoke-TARGET.log, a
+# calibration group's run's calibrate-TARGETS.log), repro folders and kept failures go to $RPA_CHIP_LOGS
+# (default chip-logs/), and all of it into one archive,
 # $RPA_CHIP_LOGS.tgz (a machine that returns few files returns that one). Exit: 0 when every step exited 0, 4
 # for an unknown step (before anything runs), else 1 (each step's code is in its log and in the step's last
 # line).

@@ -8,10 +8,11 @@ rpa-harness replay FILE [--target MODULE] [--backend NAME] [--tpu-generation NAM
     malformed; 3: it cannot run here (a
     recognised interpreter limitation, a backend that is absent or not declared, or an error other than
     the recorded one).
-rpa-harness run [--profile ci] [--target MODULE] [--backend auto] [-n 2] [--repro-dir DIR] [--junit FILE]
+rpa-harness run [--profile ci] [--target MODULE]... [--backend auto] [-n 2] [--repro-dir DIR] [--junit FILE]
                 [--buckets NAME,...] [--tpu-generation NAME,...] [-- PYTEST ARGS]
     runs pytest on the properties and ends with a table: property, examples, result, repros, coverage,
-    and the declared known issues (cases avoided, whether each still reproduces).
+    and the declared known issues (cases avoided, whether each still reproduces). Several --target run in
+    one pytest session (one start-up, one set of workers, one chip owner), each property once per target.
 rpa-harness report FILE [--target MODULE] [--backend NAME] [--run-script]
     prints an upstream-ready bug report (Markdown) for a differential repro or any tpu-inference v3 repro;
     exit 2 for a bad file, 3 when the repro does not reproduce here (nothing to report).
@@ -349,6 +350,9 @@ def run(args) -> int:
             print(summary(junit, examples, runlog.read_session(scratch), events, halts))
             print(known_issues_summary(events))
             print("pytest command:", shlex.join(command))
+            failing = failing_targets_line(runlog.read_session(scratch))
+            if failing:
+                print(failing)
             if code == 1 and only_unconfirmed_halts_failed(junit, examples, halts):
                 print(
                     "rpa-harness: every failure of this run is an unconfirmed halt (it passed alone and after its "
@@ -406,8 +410,8 @@ def pytest_command(args, junit: Path) -> list[str]:
     replaces, never the run; ``-n 0`` runs in this one process."""
     command = [
         sys.executable, "-m", "pytest", "--pyargs", PROPERTIES_PACKAGE, "-p", "no:cacheprovider",
-        f"--hypothesis-profile={args.profile}", f"--rpa-target={args.target}", f"--rpa-backend={args.backend}",
-        f"--rpa-repro-dir={args.repro_dir}", f"--junitxml={junit}", "-q",
+        f"--hypothesis-profile={args.profile}", *(f"--rpa-target={target}" for target in targets_of(args)),
+        f"--rpa-backend={args.backend}", f"--rpa-repro-dir={args.repro_dir}", f"--junitxml={junit}", "-q",
         "--tb=short",  # a failure's report is its message; the frames are the harness's (`-- --tb=long`)
     ]  # fmt: skip
     if args.buckets:
@@ -417,6 +421,11 @@ def pytest_command(args, junit: Path) -> list[str]:
     if args.n and args.n >= 1:
         command += ["-n", str(args.n)]
     return command + args.pytest_args
+
+
+def targets_of(args) -> list[str]:
+    """The targets ``rpa-harness run`` was given (``--target``, repeated), each once, in order."""
+    return list(dict.fromkeys(args.target or [DEFAULT_TARGET]))
 
 
 def _call_with_progress(command: list[str], env: dict, log_dir: str) -> int:
@@ -572,8 +581,12 @@ def summary(
         lines += textwrap.wrap(line, SUMMARY_WIDTH, subsequent_indent=indent + "    ", break_on_hyphens=False)
     if session.get("no_numeric"):
         lines.append(session["no_numeric"])
-    for name, reason in session.get("cannot_run", {}).items():
-        lines += _wrapped(f"rpa-harness: target cannot run on {name}: {reason}", indent="")
+    several = len(session.get("targets", {})) > 1
+    for each in session.get("cannot_run", []):
+        which = f"target {each['target']}" if several else "target"
+        lines += _wrapped(
+            f"rpa-harness: {which} cannot run on {each['backend']}: {each['reason']}", indent=""
+        )
     shown = {test: test.rpartition("/")[2] for test in results}  # the file's name is enough: all are ours
     width = min(max([len(name) for name in shown.values()] + [8]), SUMMARY_WIDTH - 19)
     lines.append(f"{'property':<{width}}  {'examples':>8}  result")
@@ -594,7 +607,34 @@ def summary(
         f"coverage labels seen ({len(labels)}): " + ", ".join(f"{k} x{v}" for k, v in sorted(labels.items())),
         indent="",
     )
+    if several:
+        lines += targets_summary(session["targets"])
     return "\n".join(lines)
+
+
+OUTCOMES = ("passed", "failed", "skipped", "xfailed")
+
+
+def targets_summary(served: dict[str, dict]) -> list[str]:
+    """A line per target of a run that served several: its tests' outcomes and, where one failed, the
+    folder of its repros (``rpa-harness replay`` runs each against the target it names)."""
+    lines = [f"targets ({len(served)}):"]
+    for name, outcomes in served.items():
+        counted = ", ".join(f"{outcomes[o]} {o}" for o in OUTCOMES if outcomes.get(o)) or "no test ran"
+        failing = f"; FAILING, repros in {outcomes['repros']}" if outcomes.get("failed") else ""
+        lines += _wrapped(f"{name}: {counted}{failing}")
+    return lines
+
+
+def failing_targets_line(session: dict) -> str | None:
+    """The exit summary of a run of several targets with failures: which targets failed, and how many tests
+    each; None where the run served one target or none failed."""
+    served = session.get("targets", {})
+    failing = {name: outcomes["failed"] for name, outcomes in served.items() if outcomes.get("failed")}
+    if len(served) < 2 or not failing:
+        return None
+    named = ", ".join(f"{name} ({count} failed)" for name, count in failing.items())
+    return f"rpa-harness: failing target(s): {named}; passing: {len(served) - len(failing)} of {len(served)}"
 
 
 def closeness_to_bound(examples: list[dict]) -> str:
@@ -730,8 +770,9 @@ def _add_replay_parser(commands) -> None:
 def _add_run_parser(commands) -> None:
     run_parser = commands.add_parser(
         "run", help="run the property campaign (pytest) and print a summary",
-        description="Run the shipped properties with pytest against one target and end with a summary table "
-        "(property, examples, result, repros, coverage, known issues) and the pytest command it ran.",
+        description="Run the shipped properties with pytest against one target, or several in one session, "
+        "and end with a summary table (property, examples, result, repros, coverage, known issues) and the "
+        "pytest command it ran.",
         epilog="exit codes (pytest's): 0 every property held; 1 a property failed (its repro is named); 2 "
         "interrupted; 3 internal error; 4 usage error (one line: what was wrong and what to pass); 5 no "
         "numeric property ran (NOT GREEN). Without xdist (-n 0) a hang ends the run with 70, a call too slow to "
@@ -744,8 +785,10 @@ def _add_run_parser(commands) -> None:
         "example database), repro (replay the saved failures only)",
     )  # fmt: skip
     run_parser.add_argument(
-        "--target", default=DEFAULT_TARGET,
-        help=f"module under test: upstream's API or an adapter (default {DEFAULT_TARGET}, the bundled kernel)",
+        "--target", action="append", default=None,
+        help="module under test: upstream's API or an adapter; repeat for several, each property then runs "
+        "once per target in one session, its test ids and repro folder (DIR/MODULE) naming the target "
+        f"(default {DEFAULT_TARGET}, the bundled kernel)",
     )  # fmt: skip
     run_parser.add_argument(
         "--backend", default=AUTO, choices=(*BACKENDS, AUTO),

@@ -8,7 +8,10 @@ pyproject.toml). Elsewhere it registers its options and profiles and does nothin
 Hypothesis profile and imports no target.
 
 Options (each also read from an environment variable):
-  --rpa-target=MODULE           RPA_TARGET          the kernel module under test (default: rpa_harness.kernel)
+  --rpa-target=MODULE[,MODULE...]
+                                RPA_TARGET          the kernel module(s) under test (default: rpa_harness.kernel);
+                                                    repeatable: several targets run in one session, each test
+                                                    once per target, its id naming the target
   --rpa-backend=NAME            RPA_BACKEND         interpret | fast-interpret | tpu | auto (default: auto)
   --rpa-repro-dir=DIR           RPA_REPRO_DIR       where failing examples are written (default: rpa-repros)
   --rpa-interpreter-compat=on|off                   patch the interpreters' known gaps (default: on)
@@ -35,6 +38,9 @@ Options (each also read from an environment variable):
   --rpa-chip-owners=N|auto      RPA_CHIP_OWNERS     how many chip owners, one chip each, the workers spread
                                                     over them (default: auto, one per chip of the host on
                                                     the tpu backend, else 1; at most one per worker)
+  --rpa-seconds=S               RPA_SECONDS         seconds the run's targets share: each is given what is left
+                                                    over the targets still to run, and a test of a target past
+                                                    its share is skipped (default: no limit)
 Profiles (--hypothesis-profile or HYPOTHESIS_PROFILE): dev (default), ci, nightly, repro;
 RPA_MAX_EXAMPLES resizes the chosen profile's base example count.
 
@@ -44,6 +50,7 @@ fixtures skip a backend that is absent or that the target declares it does not r
 needs an opt-in capability carries ``rpa_requires("name", reason=...)``.
 """
 
+import itertools
 import os
 import tempfile
 import time
@@ -146,8 +153,17 @@ def pytest_addoption(parser):
     group = parser.getgroup("rpa-harness")
     group.addoption(
         "--rpa-target",
-        default=os.environ.get("RPA_TARGET", targets.DEFAULT_TARGET),
-        help=f"module with ragged_paged_attention and dynamic_validate_inputs (default: {targets.DEFAULT_TARGET})",
+        action="append",
+        default=None,
+        help="module with ragged_paged_attention and dynamic_validate_inputs, or several comma-separated; "
+        "repeatable: every property runs once per target in one session (default: RPA_TARGET, else "
+        f"{targets.DEFAULT_TARGET})",
+    )
+    group.addoption(
+        TARGET_SECONDS_OPTION,
+        default=os.environ.get("RPA_SECONDS", ""),
+        help="seconds the run's targets share: each is given what is left over the targets still to run, and "
+        "the tests of a target past its share are skipped (default: no limit)",
     )
     group.addoption(
         "--rpa-backend",
@@ -232,6 +248,10 @@ def pytest_addoption(parser):
 
 BUCKETS_OPTION = "--rpa-buckets"
 CHIP_OWNERS_OPTION = "--rpa-chip-owners"
+TARGET_SECONDS_OPTION = "--rpa-seconds"
+# The moment the run's targets' time (``--rpa-seconds``) ends, as the process that started the run set it: its
+# xdist workers, started later, share it.
+TARGETS_DEADLINE_ENV = "RPA_TARGETS_DEADLINE"
 
 
 NUMERIC = "rpa_numeric"
@@ -261,16 +281,55 @@ def _names_the_harness(config) -> bool:
 
 
 ACTIVE = pytest.StashKey[bool]()
-SETTINGS = pytest.StashKey[RunSettings]()
+SETTINGS = pytest.StashKey[tuple[RunSettings, ...]]()  # one per target, in the order they were named
 
 
 def _active(config) -> bool:
     return config.stash.get(ACTIVE, False)
 
 
-def settings_of(config) -> RunSettings:
-    """The run's settings (``rpa_harness.run_settings``), resolved once when the session is configured."""
+def settings_of(config, target=None) -> RunSettings:
+    """The run's settings for ``target`` (a target or its name; default: the first the run names), resolved
+    once when the session is configured (``rpa_harness.run_settings``)."""
+    every = config.stash[SETTINGS]
+    if target is None:
+        return every[0]
+    name = getattr(target, "name", target)
+    for run in every:
+        if run.target.name == name:
+            return run
+    raise LookupError(f"target {name} is not one this run serves ({', '.join(r.target.name for r in every)})")
+
+
+def every_settings(config) -> tuple[RunSettings, ...]:
+    """The settings of each target the run serves, in the order they were named."""
     return config.stash[SETTINGS]
+
+
+def _serves_several_targets(config) -> bool:
+    return len(config.stash[SETTINGS]) > 1
+
+
+def target_names(config) -> list[str]:
+    """The targets the run names (``--rpa-target``, repeated or comma-separated, else ``RPA_TARGET``), each
+    once, in order."""
+    given = config.getoption("--rpa-target") or [os.environ.get("RPA_TARGET") or targets.DEFAULT_TARGET]
+    names = [name.strip() for value in given for name in value.split(",")]
+    return list(dict.fromkeys(name for name in names if name))
+
+
+def target_ids(names) -> dict[str, str]:
+    """Each target's part of a test id where a run serves several: the shortest tail of its module name that
+    no other target's ends with (``kernel`` for rpa_harness.kernel), so that ``-k kernel`` selects it."""
+    ids = {}
+    for name in names:
+        parts = name.split(".")
+        for length in range(1, len(parts) + 1):
+            tail = ".".join(parts[-length:])
+            if not any(other != name and (other == tail or other.endswith(f".{tail}")) for other in names):
+                break
+        ids[name] = tail
+    return ids
 
 
 @pytest.hookimpl(tryfirst=True)  # before Hypothesis's plugin loads --hypothesis-profile
@@ -306,20 +365,28 @@ def pytest_configure_after_hypothesis(config):
     _one_blas_thread_per_worker(config)
     os.environ.update(device.faster_cpu_compilation(os.environ))  # before the target computes anything
     try:
-        config.stash[SETTINGS] = from_options(
-            target=config.getoption("--rpa-target"),
-            backend=config.getoption("--rpa-backend"),
-            interpreter_compat=config.getoption("--rpa-interpreter-compat") == "on",
-            precision=config.getoption("--rpa-precision"),
-            known_issue_names=config.getoption(known_issues.OPTION),
-            buckets=config.getoption(BUCKETS_OPTION),
-            tpu_generation=config.getoption(generations.OPTION),
-            profile=profile,
-        )
+        every = [
+            from_options(
+                target=name,
+                backend=config.getoption("--rpa-backend"),
+                interpreter_compat=config.getoption("--rpa-interpreter-compat") == "on",
+                precision=config.getoption("--rpa-precision"),
+                known_issue_names=config.getoption(known_issues.OPTION),
+                buckets=config.getoption(BUCKETS_OPTION),
+                tpu_generation=config.getoption(generations.OPTION),
+                profile=profile,
+            )
+            for name in target_names(config)
+        ]
     except SettingError as error:
         raise pytest.UsageError(
             in_cli_terms(str(error)) if os.environ.get(CLI_TERMS_ENV) else str(error)
         ) from None
+    once: dict[str, RunSettings] = {}  # an alias and the module it names load as one target: it runs once
+    for run in every:
+        once.setdefault(run.target.name, run)
+    config.stash[SETTINGS] = tuple(once.values())
+    _share_the_targets_time(config)
     _chip_owner_or_one_worker(config)
     # Where the run has a chip owner, it makes this process's kernel calls: a worker finds its address in the
     # environment the controller started it with (all the owners' where there is one a chip: each call takes
@@ -330,6 +397,49 @@ def pytest_configure_after_hypothesis(config):
     if capture is not None:
         device.set_output_release(lambda: capture.suspend_global_capture(in_=False))
     config.pluginmanager.register(RunVerdicts(config), "rpa-harness-verdicts")
+
+
+TARGET_CUTOFFS = pytest.StashKey[dict[str, float]]()  # in each process: when each target's share ends
+
+
+def _share_the_targets_time(config) -> None:
+    """Starts the clock of ``--rpa-seconds``: the process that starts the run fixes the moment the targets'
+    time ends, and its xdist workers (started from its environment) keep it."""
+    config.stash[TARGET_CUTOFFS] = {}
+    seconds = config.getoption(TARGET_SECONDS_OPTION)
+    if not seconds or _is_worker(config):
+        return
+    try:
+        budget = float(seconds)
+    except ValueError:
+        raise pytest.UsageError(
+            f"{TARGET_SECONDS_OPTION}={seconds} (or RPA_SECONDS): not a number of seconds; pass e.g. "
+            f"{TARGET_SECONDS_OPTION}=300"
+        ) from None
+    os.environ[TARGETS_DEADLINE_ENV] = str(time.time() + budget)
+
+
+def target_share_ends(deadline: float, now: float, targets_left: int) -> float:
+    """When a target starting now stops: it is given what is left until ``deadline`` divided by the targets
+    still to run, itself included, so that a quick one leaves its time to those after it."""
+    return now + max(deadline - now, 0.0) / targets_left
+
+
+def _skip_past_the_targets_share(item, run: RunSettings) -> None:
+    """Skips a test of a target whose share of ``--rpa-seconds`` is spent, as this process sees it: the share
+    starts with the target's first test here (pytest runs a target's tests together)."""
+    deadline = os.environ.get(TARGETS_DEADLINE_ENV)
+    if not deadline or not item.config.getoption(TARGET_SECONDS_OPTION):
+        return
+    cutoffs, now, name = item.config.stash[TARGET_CUTOFFS], time.time(), run.target.name
+    if name not in cutoffs:
+        names = [each.target.name for each in every_settings(item.config)]
+        cutoffs[name] = target_share_ends(float(deadline), now, len(names) - names.index(name))
+    if now >= cutoffs[name]:
+        pytest.skip(
+            f"target {name} is past its share of the run's {item.config.getoption(TARGET_SECONDS_OPTION)} s "
+            f"({TARGET_SECONDS_OPTION})"
+        )
 
 
 def _is_controller(config) -> bool:
@@ -491,22 +601,84 @@ VOLUME = (device.FAST_INTERPRET, device.TPU)
 CHECKING = (device.INTERPRET, device.TPU)
 
 
+# In a run of several targets, the parametrizations that depend on the target, while pytest_generate_tests
+# runs for a test function: (argnames, params_of, indirect) each, made jointly with the target afterwards.
+_PER_TARGET: dict[pytest.Metafunc, list] = {}
+
+
+def parametrize_per_target(metafunc, argnames, params_of, **parametrize) -> None:
+    """Parametrizes ``argnames`` with ``params_of(run_settings)`` (a list of ``pytest.param``), the values a
+    target's settings give: at once where the run serves one target (its ids as they always were); where it
+    serves several, jointly with ``target`` once the test's every parametrization is known, each target's
+    tests with that target's own values, their ids led by the target's (``target_ids``)."""
+    if metafunc not in _PER_TARGET:
+        metafunc.parametrize(argnames, params_of(settings_of(metafunc.config)), **parametrize)
+        return
+    names = (argnames,) if isinstance(argnames, str) else tuple(argnames)
+    _PER_TARGET[metafunc].append((names, params_of, bool(parametrize.get("indirect"))))
+
+
+@pytest.hookimpl(wrapper=True, specname="pytest_generate_tests")
+def pytest_generate_tests_with_every_target(metafunc):
+    """Where the run serves several targets, a test that uses ``target`` runs once per target: ``target`` is
+    parametrized together with what ``parametrize_per_target`` was given for it (pytest's separate
+    parametrizations would pair each target with every other's backends, known issues and rules)."""
+    config = metafunc.config
+    if not (_active(config) and _serves_several_targets(config) and "target" in metafunc.fixturenames):
+        return (yield)
+    _PER_TARGET[metafunc] = []
+    try:
+        generated = yield
+    finally:
+        pending = _PER_TARGET.pop(metafunc)
+    names = ("target", *(name for argnames, _, _ in pending for name in argnames))
+    indirect = ["target", *(name for argnames, _, by_fixture in pending if by_fixture for name in argnames)]
+    every = every_settings(config)
+    ids = target_ids([run.target.name for run in every])
+    params = []
+    for run in every:
+        for combination in itertools.product(*(params_of(run) for _, params_of, _ in pending)):
+            parts = [ids[run.target.name]]
+            parts += [p.id if p.id is not None else "-".join(map(str, p.values)) for p in combination]
+            params.append(
+                pytest.param(
+                    run.target.name,
+                    *(value for p in combination for value in p.values),
+                    marks=[mark for p in combination for mark in p.marks],
+                    id="-".join(parts),
+                )
+            )
+    metafunc.parametrize(names, params, indirect=indirect, scope="session")
+    return generated
+
+
+def _backends_of(kinds):
+    """``params_of`` for a backend fixture: the target's chosen backends of ``kinds``."""
+    return lambda run: [pytest.param(b, id=b.label) for b in run.backends if b.name in kinds]
+
+
+def _compilers_of(run: RunSettings) -> list:
+    """``params_of`` for ``compile_backend``: this host's TPU compiler for each generation the target's
+    compile property compiles for."""
+    compilers = [
+        device.Backend(device.TPU_COMPILER, run.interpreter_compat, generation)
+        for generation in run.compile_generations
+    ]
+    return [pytest.param(b, id=b.label) for b in compilers]
+
+
 def pytest_generate_tests(metafunc):
     """``volume_backend``: where many examples run; ``checking_backend``: where memory safety is checked;
-    ``replay_backend``: every chosen backend (a repro replayed once on each)."""
+    ``replay_backend``: every chosen backend (a repro replayed once on each); each the target's own."""
     if not _active(metafunc.config):
         return
-    settings = settings_of(metafunc.config)
     for fixture, kinds in (
         ("volume_backend", VOLUME),
         ("checking_backend", CHECKING),
         ("replay_backend", device.BACKENDS),
     ):
         if fixture in metafunc.fixturenames:
-            chosen = [b for b in settings.backends if b.name in kinds]
-            metafunc.parametrize(
-                fixture, chosen, ids=[b.label for b in chosen], scope="session", indirect=True
-            )
+            parametrize_per_target(metafunc, fixture, _backends_of(kinds), scope="session", indirect=True)
     shards = int(os.environ.get(VOLUME_SHARDS_ENV, "1"))
     if "volume_shard" in metafunc.fixturenames and shards > 1:
         metafunc.parametrize(
@@ -517,13 +689,7 @@ def pytest_generate_tests(metafunc):
             scope="session",
         )
     if "compile_backend" in metafunc.fixturenames:
-        compilers = [
-            device.Backend(device.TPU_COMPILER, settings.interpreter_compat, generation)
-            for generation in settings.compile_generations
-        ]
-        metafunc.parametrize(
-            "compile_backend", compilers, ids=[b.label for b in compilers], scope="session", indirect=True
-        )
+        parametrize_per_target(metafunc, "compile_backend", _compilers_of, scope="session", indirect=True)
 
 
 def _example_budget(item) -> int | None:
@@ -555,10 +721,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(NUMERIC)
 
 
+def settings_of_item(item) -> RunSettings:
+    """The settings of the target a collected test runs against (in a run of several, its ``target``
+    parameter; a test that uses no target, or has no parameters: the first's)."""
+    named = getattr(item, "callspec", None) and item.callspec.params.get("target")
+    # A test whose parameters are empty for every target has pytest's placeholder there, no name.
+    return settings_of(item.config, named if isinstance(named, str) else None)
+
+
 def pytest_runtest_setup(item):
     if not _active(item.config):
         return
-    target = settings_of(item.config).target
+    run = settings_of_item(item)
+    target = run.target
+    _skip_past_the_targets_share(item, run)
     for marker in item.iter_markers(REQUIRES):
         capability = marker.args[0]
         if not getattr(target.capabilities, capability):
@@ -566,13 +742,12 @@ def pytest_runtest_setup(item):
             pytest.skip(f"{reason} (target {target.name} does not opt in: {capability})")
 
 
-def _runnable_backend(config, backend):
+def _runnable_backend(config, backend, target):
     """A backend the target can run on, or a skip with the declared reason (absent TPU, declared backends,
     a backend declared slow that --rpa-backend=auto chose)."""
     if backend.skip_reason:
         pytest.skip(backend.skip_reason)
-    settings = settings_of(config)
-    target = settings.target
+    settings = settings_of(config, target)
     declared = checks.declared_unrunnable(target, backend, by_default=settings.backends_by_default)
     if declared:
         raise CannotRunHere(
@@ -582,8 +757,8 @@ def _runnable_backend(config, backend):
 
 
 @pytest.fixture(scope="session")
-def volume_backend(request, pytestconfig):
-    return _runnable_backend(pytestconfig, request.param)
+def volume_backend(request, pytestconfig, target):
+    return _runnable_backend(pytestconfig, request.param, target)
 
 
 @pytest.fixture(scope="session")
@@ -594,43 +769,58 @@ def volume_shard(request) -> int:
 
 
 @pytest.fixture(scope="session")
-def checking_backend(request, pytestconfig):
-    return _runnable_backend(pytestconfig, request.param)
+def checking_backend(request, pytestconfig, target):
+    return _runnable_backend(pytestconfig, request.param, target)
 
 
 @pytest.fixture(scope="session")
-def replay_backend(request, pytestconfig):
-    return _runnable_backend(pytestconfig, request.param)
+def replay_backend(request, pytestconfig, target):
+    return _runnable_backend(pytestconfig, request.param, target)
 
 
 @pytest.fixture(scope="session")
-def compile_backend(request, pytestconfig):
+def compile_backend(request, pytestconfig, target):
     """The TPU compiler on this host for one generation (``--rpa-tpu-generation``), or a skip that says
     what to install."""
-    return _runnable_backend(pytestconfig, request.param)
+    return _runnable_backend(pytestconfig, request.param, target)
 
 
 @pytest.fixture(scope="session")
-def target(pytestconfig):
-    return settings_of(pytestconfig).target
+def target(request, pytestconfig):
+    """The target under test, with the run's precision contract and known issues applied (in a run of
+    several, the one this test's ``target`` parameter names)."""
+    return settings_of(pytestconfig, getattr(request, "param", None)).target
 
 
 @pytest.fixture(scope="session")
-def bucket_selection(pytestconfig):
+def bucket_selection(pytestconfig, target):
     """The buckets this run draws (``--rpa-buckets``, else the profile's defaults): the strategies'
     ``selection``."""
-    return settings_of(pytestconfig).buckets
+    return settings_of(pytestconfig, target).buckets
 
 
 @pytest.fixture(scope="session")
-def backend(pytestconfig):
+def backend(pytestconfig, target):
     """The backend for properties that need one kernel run per example and no volume (the first chosen)."""
-    return settings_of(pytestconfig).backends[0]
+    return settings_of(pytestconfig, target).backends[0]
+
+
+def repro_folders(config) -> list[Path]:
+    """Where the run's repros go: ``--rpa-repro-dir``, in a run of several targets a folder in it per target,
+    named by the target's module, so that the same property of two targets leaves two repros."""
+    folder = Path(config.getoption("--rpa-repro-dir"))
+    if not _serves_several_targets(config):
+        return [folder]
+    return [folder / run.target.name for run in every_settings(config)]
 
 
 @pytest.fixture(scope="session")
-def repro_dir(pytestconfig):
-    return Path(pytestconfig.getoption("--rpa-repro-dir"))
+def repro_dir(pytestconfig, target):
+    folder = Path(pytestconfig.getoption("--rpa-repro-dir"))
+    if not _serves_several_targets(pytestconfig):
+        return folder
+    (folder / target.name).mkdir(parents=True, exist_ok=True)
+    return folder / target.name
 
 
 def _is_worker(config) -> bool:
@@ -638,29 +828,62 @@ def _is_worker(config) -> bool:
 
 
 CANNOT_RUN_PROPERTY = "rpa_cannot_run"  # (backend name, reason) in a report's user_properties
+# In a run of several targets, the test's target in its report's user_properties.
+TARGET_PROPERTY = "rpa_target"
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """A skip because the target cannot run on a backend carries the backend and the reason in the
-    report's user_properties (which xdist sends to the controller with the report)."""
+    report's user_properties (which xdist sends to the controller with the report); in a run of several
+    targets every report carries its target there."""
     report = yield
     if call.excinfo is not None and isinstance(call.excinfo.value, CannotRunHere):
         report.user_properties.append(
             (CANNOT_RUN_PROPERTY, (call.excinfo.value.backend_name, call.excinfo.value.reason))
         )
+    if _active(item.config) and _serves_several_targets(item.config):
+        report.user_properties.append((TARGET_PROPERTY, settings_of_item(item).target.name))
     return report
 
 
+class TargetVerdicts:
+    """One target's reports, as the process that sees every report counts them."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, int] = {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0}
+        self.failed_tests: list[str] = []
+        self.numeric_ran = self.numeric_skipped = 0
+        self.cannot_run: dict[str, str] = {}  # backend name -> the first reason a numeric property gave
+
+    def count(self, report) -> None:
+        if report.failed:
+            self.outcomes["failed"] += 1
+            self.failed_tests.append(report.nodeid)
+        elif report.skipped:
+            self.outcomes["xfailed" if hasattr(report, "wasxfail") else "skipped"] += 1
+        elif report.when == "call":
+            self.outcomes["passed"] += 1
+
+    def line(self, name: str) -> str:
+        """``target NAME: 3 passed, 1 failed, ...``, the outcomes this target had."""
+        counted = ", ".join(f"{n} {outcome}" for outcome, n in self.outcomes.items() if n)
+        return f"target {name}: {counted or 'no test ran'}"
+
+
 class RunVerdicts:
-    """In the process that sees every report (the xdist controller, or the only one): how many numeric
-    properties ran and were skipped, and why the target could not run on a backend."""
+    """In the process that sees every report (the xdist controller, or the only one): for each target, how
+    many numeric properties ran and were skipped, why it could not run on a backend, and its outcomes."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.started = time.time()
-        self.numeric_ran = self.numeric_skipped = 0
-        self.cannot_run: dict[str, str] = {}  # backend name -> the first reason a numeric property gave
+        self.targets = {run.target.name: TargetVerdicts() for run in every_settings(config)}
+
+    def of(self, report) -> TargetVerdicts:
+        """The verdicts of the report's target (the first target's where the report names none)."""
+        named = [value for name, value in report.user_properties if name == TARGET_PROPERTY]
+        return self.targets.get(named[0] if named else "", next(iter(self.targets.values())))
 
     @pytest.hookimpl(tryfirst=True)  # before junitxml and the terminal reporter read the report
     def pytest_runtest_logreport(self, report):
@@ -668,25 +891,39 @@ class RunVerdicts:
             return
         if report.failed and isinstance(report.longrepr, str) and "crashed while running" in report.longrepr:
             report.longrepr += _crash_note(self.config, report.nodeid, self.started)
+        verdicts = self.of(report)
+        verdicts.count(report)
         if NUMERIC not in report.keywords:
             return
         if report.skipped:
-            self.numeric_skipped += 1
+            verdicts.numeric_skipped += 1
             for name, value in report.user_properties:
                 if name == CANNOT_RUN_PROPERTY:
                     backend_name, reason = value
-                    self.cannot_run.setdefault(backend_name, reason)
+                    verdicts.cannot_run.setdefault(backend_name, reason)
         elif report.when == "call" or report.failed:
-            self.numeric_ran += 1
+            verdicts.numeric_ran += 1
 
     def no_numeric_verdict(self) -> str | None:
-        if self.numeric_ran or not self.numeric_skipped or self.config.getoption("--rpa-allow-no-numeric"):
+        """NOT GREEN for each target none of whose numeric properties ran, one line each; None if none."""
+        if self.config.getoption("--rpa-allow-no-numeric"):
             return None
-        return (
-            f"rpa-harness: NOT GREEN: no numeric property ran against target {settings_of(self.config).target.name} "
-            f"({self.numeric_skipped} selected, all skipped; reasons below). Pass --rpa-allow-no-numeric "
+        lines = [
+            f"rpa-harness: NOT GREEN: no numeric property ran against target {name} "
+            f"({verdicts.numeric_skipped} selected, all skipped; reasons below). Pass --rpa-allow-no-numeric "
             "(or RPA_ALLOW_NO_NUMERIC=1) to accept a run that checks no numbers."
-        )
+            for name, verdicts in self.targets.items()
+            if not verdicts.numeric_ran and verdicts.numeric_skipped
+        ]
+        return "\n".join(lines) or None
+
+    def cannot_run(self) -> list[dict]:
+        """Each target's backends it could not run on, with the reason a numeric property gave."""
+        return [
+            {"target": name, "backend": backend_name, "reason": reason}
+            for name, verdicts in self.targets.items()
+            for backend_name, reason in verdicts.cannot_run.items()
+        ]
 
     def pytest_sessionfinish(self, session, exitstatus):
         if os.environ.get(runlog.ENV):  # every process: its compilations and cache use
@@ -701,7 +938,15 @@ class RunVerdicts:
         if os.environ.get(runlog.ENV):
             chips = [e for e in runlog.read_events(os.environ[runlog.ENV]) if e["kind"] == "device"]
             runlog.write_session(
-                no_numeric=verdict, cannot_run=self.cannot_run, header=run_header(self.config, chips or None)
+                no_numeric=verdict,
+                cannot_run=self.cannot_run(),
+                header=run_headers(self.config, chips or None),
+                targets={
+                    name: {**verdicts.outcomes, "failed_tests": verdicts.failed_tests, "repros": str(folder)}
+                    for (name, verdicts), folder in zip(
+                        self.targets.items(), repro_folders(self.config), strict=True
+                    )
+                },
             )
 
     def chip_owner_summary(self) -> dict:
@@ -729,13 +974,20 @@ class RunVerdicts:
         verdict = self.no_numeric_verdict()
         if verdict:
             terminalreporter.write_line(verdict, red=True, bold=True)
-        name = settings_of(self.config).target.name
-        for backend_name, reason in self.cannot_run.items():
+        for each in self.cannot_run():
             terminalreporter.write_line(
-                f"rpa-harness: target {name} cannot run on {backend_name}: {reason}. "
+                f"rpa-harness: target {each['target']} cannot run on {each['backend']}: {each['reason']}. "
                 "Its numeric properties there were skipped; its validator properties ran.",
                 yellow=True,
             )
+        if _serves_several_targets(self.config) and any(
+            any(v.outcomes.values()) for v in self.targets.values()
+        ):
+            for name, verdicts in self.targets.items():
+                failed = bool(verdicts.outcomes["failed"])
+                terminalreporter.write_line(
+                    f"rpa-harness: {verdicts.line(name)}", red=failed, green=not failed
+                )
 
 
 def chip_owner_lines(owners: dict) -> list[str]:
@@ -765,7 +1017,12 @@ def chip_owner_lines(owners: dict) -> list[str]:
     return lines + [f"chip owner: {line}" for line in device.owner.summary_lines(owners)]
 
 
-def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
+def run_headers(config, chips_seen: list[dict] | None = None) -> list[str]:
+    """The header of each target the run serves (``run_header``), one after the other."""
+    return [line for run in every_settings(config) for line in run_header(config, chips_seen, run)]
+
+
+def run_header(config, chips_seen: list[dict] | None = None, run: RunSettings | None = None) -> list[str]:
     """What a run is testing, as its first lines say it: the target and its version, the backends, the
     precision contract, the rule table, the declared known issues, the buckets, and jax's version.
 
@@ -776,7 +1033,7 @@ def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
 
     from rpa_harness import __version__
 
-    run = settings_of(config)
+    run = run or settings_of(config)
     target = run.target
     version = f" ({target.version})" if target.version else ""
     backends_line = ", ".join(backend.label for backend in run.backends)
@@ -832,7 +1089,7 @@ def run_header(config, chips_seen: list[dict] | None = None) -> list[str]:
 
 def pytest_report_header(config):
     if _active(config) and SETTINGS in config.stash and not _is_worker(config):
-        return run_header(config)
+        return run_headers(config)
     return None
 
 
@@ -842,7 +1099,8 @@ def _crash_note(config, nodeid: str, started: float) -> str:
     abort ends the process inside the call). The example in flight goes into the run log's summary too."""
     directory = Path(config.getoption("--rpa-repro-dir"))
     in_flight = None
-    for path in sorted(directory.glob("*.json")):
+    # A run of several targets keeps each one's repros in a folder of its own there (``repro_folders``).
+    for path in sorted([*directory.glob("*.json"), *directory.glob("*/*.json")]):
         if path.stat().st_mtime < started:  # left by an earlier run
             continue
         try:

@@ -4,8 +4,8 @@ A kernel developer who installs the harness on their TPU VM runs the same steps 
 run (``ci/chip_session.sh`` is a thin caller of these), on their own target modules as on the shipped ones:
 
 - ``smoke``: a few examples of every property on the chip, each target in one worker that opens it;
-- ``calibrate``: each target's dev profile on the chip, workers feeding one chip owner, the targets sharing
-  one time budget;
+- ``calibrate``: each target's dev profile on the chip, every target in one run, workers feeding one chip
+  owner, the targets sharing one time budget;
 - ``verdicts``: each declared finding's verdict on this chip, as a table (``rpa_harness.chip.verdicts``);
 - ``agreement``: whether a CPU host predicts the chip: ``--predict`` on the CPU host, then the check on the
   chip (``rpa_harness.chip.agreement``);
@@ -40,7 +40,7 @@ STEP_MODULES = {
 }
 STEP_HELP = {
     "smoke": "a few examples of every property on the chip, each target in one worker",
-    "calibrate": "each target's dev profile on the chip, workers feeding one chip owner",
+    "calibrate": "each target's dev profile on the chip, all in one run, workers feeding one chip owner",
     "verdicts": "each declared finding's verdict on this chip, as a table",
     "agreement": "the CPU host's predictions (--predict) checked on the chip",
     "throughput": "the differential property's steady rate on the chip and where its time goes",

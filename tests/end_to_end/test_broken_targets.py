@@ -101,6 +101,32 @@ def test_a_failure_reads_in_one_screen_and_the_summary_in_120_columns(tmp_path, 
     assert all(line.startswith("pytest command:") for line in wide), wide
 
 
+def test_a_failing_second_target_is_told_apart_and_its_repro_replays_against_it(
+    tmp_path, pytestconfig, capsys
+):
+    """``rpa-harness run`` serving the bundled kernel and a broken target in one session: the kernel's property
+    passes, the broken one's fails, its repro in its own folder replays against it (the repro names it), and
+    the exit summary names the failing target."""
+    broken = "tests.broken.raises_on_batches"
+    result = run(
+        "-m", "rpa_harness.cli", "run", "--profile", "dev", "--target", "rpa_harness.kernel", "--target", broken,
+        "--backend", "fast-interpret", "-n", "0", "--repro-dir", str(tmp_path),
+        "--", "-k", "test_kernel_matches_oracle and not any_config and not checked and not long and not production",
+        cwd=pytestconfig.rootpath, env={"RPA_MAX_EXAMPLES": "2"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "FAILED tests/properties/test_differential.py::test_kernel_matches_oracle[raises_on_batches-" in (
+        result.stdout
+    )
+    assert f"rpa-harness: failing target(s): {broken} (1 failed); passing: 1 of 2" in result.stdout
+    assert not list((tmp_path / "rpa_harness.kernel").iterdir()), "the passing target left no repro"
+    path = tmp_path / broken / "differential_fast-interpret.json"
+    assert json.loads(path.read_text())["target"] == broken
+    assert cli.main(["replay", str(path)]) == 1  # in this process: jax is imported already
+    replayed = capsys.readouterr().out
+    assert f"target:   {broken}" in replayed and "unsupported batch" in replayed, replayed
+
+
 # tests.broken.hangs compiles nothing (it returns the oracle's output where it does not hang), so the
 # watchdog's timeout only has to cover a NumPy oracle on a small case.
 HANG_TIMEOUT = "2"

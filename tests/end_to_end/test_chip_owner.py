@@ -384,3 +384,24 @@ def test_a_halt_ends_the_owner_of_one_chip_and_a_fresh_one_opens_it_while_the_ot
         ("1", 2, 2, [device.HALT_EXIT_CODE]),
     ]
     assert summary["calls"] == 3 and summary["owners"] == 3
+
+
+def test_one_run_and_one_owner_serve_two_targets(tmp_path, pytestconfig):
+    """``rpa-harness run`` with two targets: one pytest session, one worker and one owner (the fast interpreter
+    standing in for the chip) make every call of both; each target's property (the determinism one: two
+    calls an example) runs under its own id and passes, and the summary names both targets."""
+    result = run_python(
+        "-m", "rpa_harness.cli", "run", "--profile", "dev", "--target", "rpa_harness.kernel", "--target", UPSTREAM,
+        "--backend", "fast-interpret", "--tpu-generation", "none", "-n", "1", "--repro-dir", str(tmp_path),
+        "--", "--rpa-chip-owner=on", "-k", "test_same_call_gives_same_bits",
+        cwd=pytestconfig.rootpath, env={**os.environ, "RPA_MAX_EXAMPLES": "2"},
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    calls, owners = owner_line(output)
+    assert calls >= 2 and owners == 1, output[-3000:]
+    table = result.stdout[result.stdout.index("rpa-harness summary") :]
+    for test_id in ("kernel-fast-interpret", "ragged_paged_attention-fast-interpret"):
+        assert f"test_same_call_gives_same_bits[{test_id}]" in table, table
+    assert "target rpa_harness.kernel" in table and f"target {UPSTREAM}" in table, table
+    assert f"targets (2):\n    rpa_harness.kernel: 1 passed\n    {UPSTREAM}: 1 passed" in table, table

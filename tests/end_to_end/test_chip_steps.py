@@ -1,6 +1,6 @@
 """``rpa-harness chip smoke`` and ``calibrate``: which targets they run and how, the time their targets share,
-and that a target cut off at its share is ended with what it started. A stand-in for the ``rpa-harness run``
-each target's campaign is records its calls (no campaign runs here: that needs a chip)."""
+and that a run cut off is ended with what it started. A stand-in for the ``rpa-harness run`` of a campaign
+records its calls (no campaign runs here: that needs a chip)."""
 
 import os
 import re
@@ -11,22 +11,24 @@ import pytest
 
 from rpa_harness import cli, device, targets
 from rpa_harness.chip import campaign, throughput
+from rpa_harness.plugin import target_ids
 from tests.cases import loadable
 from tests.processes import running
 
-# Stands in for `rpa-harness run`: records its target, -n and --repro-dir, takes $STAND_IN_SECONDS and, with
-# STAND_IN_LEAVES_A_CHILD=1, leaves a child running, its pid written to $STAND_IN_CHILDREN.
+# Stands in for `rpa-harness run`: records its targets (comma-separated), -n, --repro-dir, the examples and the
+# seconds the targets share, takes $STAND_IN_SECONDS and, with STAND_IN_LEAVES_A_CHILD=1, leaves a child
+# running, its pid written to $STAND_IN_CHILDREN.
 STAND_IN = """#!/usr/bin/env bash
-target=- workers=- repros=-
+target="" workers=- repros=-
 while [ $# -gt 0 ]; do
   case "$1" in
-    --target) target=$2 ;;
+    --target) target="${target:+$target,}$2" ;;
     -n) workers=$2 ;;
     --repro-dir) repros=$2 ;;
   esac
   shift
 done
-echo "$target $workers $repros $RPA_MAX_EXAMPLES" >>"$STAND_IN_CALLS"
+echo "${target:--} $workers $repros $RPA_MAX_EXAMPLES ${RPA_SECONDS:--}" >>"$STAND_IN_CALLS"
 echo "summary of $target"
 if [ "${STAND_IN_LEAVES_A_CHILD:-0}" = 1 ]; then
   sleep 300 &
@@ -71,7 +73,11 @@ def all_ended(pids: list[int], seconds: float = 10.0) -> bool:
     return True
 
 
-def test_calibrate_runs_each_target_this_jax_loads_once_and_names_the_others(stand_in, tmp_path, capsys):
+def test_calibrate_runs_every_target_this_jax_loads_in_one_run_and_names_the_others(
+    stand_in, tmp_path, capsys
+):
+    """One run serves the group (one start-up, one chip owner), each target's repros in a folder of its own
+    (the run's doing), the run sharing --seconds among the targets, less the summary's reserve."""
     logs = tmp_path / "logs"
     code = cli.main(
         ["chip", "calibrate", "--backend", "fast-interpret", "--logs", str(logs), "--workers", "3"]
@@ -79,19 +85,29 @@ def test_calibrate_runs_each_target_this_jax_loads_once_and_names_the_others(sta
     out = capsys.readouterr().out
     assert code == 0, out
     calibrated = loadable(SHIPPED)
-    assert stand_in() == [(target, "3", str(logs / "repros" / target), "3") for target in calibrated]
+    shared = f"{campaign.DEFAULTS['calibrate'][3] * (1 - campaign.SUMMARY_RESERVE):g}"
+    assert stand_in() == [(",".join(calibrated), "3", str(logs / "repros"), "3", shared)]
     for target in set(SHIPPED) - set(calibrated):
         assert f"not run here: --rpa-target={target}: " in out
-    ended = re.findall(r"^=== calibrate-(\S+): exit 0 in \d+ s$", out, re.MULTILINE)
-    assert ended == calibrated
-    assert (logs / f"calibrate-{calibrated[0]}.log").read_text() == f"summary of {calibrated[0]}\n"
+    log = "calibrate-" + "+".join(target_ids(calibrated).values()) + ".log"
+    ended = re.findall(r"^=== calibrate \((\d+) targets, (\S+)\): exit 0 in \d+ s$", out, re.MULTILINE)
+    assert ended == [(str(len(calibrated)), log)], out
+    assert (logs / log).read_text() == f"summary of {','.join(calibrated)}\n"
 
 
-def test_targets_share_the_time_and_one_past_its_share_is_ended_with_what_it_started(
+def test_a_calibration_of_one_target_keeps_its_repros_in_their_folder(stand_in, tmp_path, capsys):
+    logs = tmp_path / "logs"
+    assert cli.main(["chip", "calibrate", "--backend", "fast-interpret", "--logs", str(logs), "--target",
+                     targets.DEFAULT_TARGET]) == 0  # fmt: skip
+    (called,) = stand_in()
+    assert called[:3] == (targets.DEFAULT_TARGET, "12", str(logs / "repros" / targets.DEFAULT_TARGET))
+
+
+def test_a_calibration_past_its_seconds_is_ended_with_what_it_started(
     stand_in, tmp_path, capsys, monkeypatch
 ):
-    """Every target that outlives its share of --seconds ends there (exit 124), its child with it, and the
-    step within its budget."""
+    """The run that outlives --seconds ends there (exit 124), its child with it, and the step within its
+    budget; a target past its share inside the run is the run's to skip (tests/end_to_end/test_cli.py)."""
     monkeypatch.setenv("STAND_IN_LEAVES_A_CHILD", "1")
     monkeypatch.setenv("STAND_IN_SECONDS", "60")
     monkeypatch.setattr(campaign, "KILL_GRACE_SECONDS", 1.0)
@@ -104,9 +120,10 @@ def test_targets_share_the_time_and_one_past_its_share_is_ended_with_what_it_sta
     assert time.monotonic() - started < 30
     out = capsys.readouterr().out
     assert code == 1, out
-    assert re.findall(r"^=== calibrate-(\S+): exit 124 in \d+ s$", out, re.MULTILINE) == two
+    assert re.findall(r"^=== calibrate \(2 targets, \S+\): exit 124 in \d+ s$", out, re.MULTILINE), out
+    assert [called[0] for called in stand_in()] == [",".join(two)]
     children = [int(line) for line in (tmp_path / "children").read_text().split()]
-    assert len(children) == 2 and all_ended(children)
+    assert len(children) == 1 and all_ended(children)
 
 
 def test_smoke_shows_the_versions_and_each_targets_summary_one_worker_each(stand_in, tmp_path, capsys):
@@ -115,7 +132,7 @@ def test_smoke_shows_the_versions_and_each_targets_summary_one_worker_each(stand
     out = capsys.readouterr().out
     assert out.startswith("fast-interpret emulating none on a CPU") and ", jax " in out
     two = [targets.DEFAULT_TARGET, targets.UPSTREAM_TARGET]
-    assert stand_in() == [(target, "1", str(logs / "repros" / "smoke" / target), "4") for target in two]
+    assert stand_in() == [(target, "1", str(logs / "repros" / "smoke" / target), "4", "-") for target in two]
     assert all(f"summary of {target}\n=== smoke-{target}: exit 0" in out for target in two), out
 
 

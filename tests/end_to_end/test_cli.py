@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rpa_harness import bug_report, cli, device, recording, reference, targets
+from rpa_harness import bug_report, cli, device, plugin, recording, reference, targets
 from rpa_harness import repro as repro_files
 from rpa_harness.plugin import settings_of
 from rpa_harness.property_names import DIFFERENTIAL, PropertyName
@@ -255,14 +255,48 @@ def test_unknown_target_is_one_usage_error(pytestconfig):
 
 
 def test_run_shows_a_usage_error_in_one_line_naming_its_own_options(pytestconfig):
+    """The second of two targets does not load: the run is a usage error naming it, as for one target."""
     result = run_python(
-        "-m", "rpa_harness.cli", "run", "--target", "no_such_module", "-n", "0", cwd=pytestconfig.rootpath
-    )
+        "-m", "rpa_harness.cli", "run", "--target", "rpa_harness.kernel", "--target", "no_such_module", "-n", "0",
+        cwd=pytestconfig.rootpath,
+    )  # fmt: skip
     assert result.returncode == 4, result.stdout + result.stderr
     assert result.stdout.strip() == "", result.stdout  # no pytest command, no summary
     error = result.stderr.strip().splitlines()
     assert len(error) == 1 and "--target no_such_module: cannot import it" in error[0], result.stderr
     assert "--rpa-target" not in result.stderr
+
+
+def test_a_target_past_its_share_of_the_runs_seconds_has_its_tests_skipped(pytestconfig):
+    """``--rpa-seconds`` shares a run's time among its targets: with none to share, every test of both targets
+    is skipped, saying why (the validator property: no kernel runs)."""
+    result = run_python(
+        "-m", "pytest", "tests/properties/test_validation.py::test_valid_input_passes_validation", "-p",
+        "no:cacheprovider", "-p", "no:xdist", "-rs", "--rpa-target=rpa_harness.kernel,tests.broken.wrong_shape",
+        "--rpa-seconds=0", "--hypothesis-profile=dev", cwd=pytestconfig.rootpath,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for name in ("rpa_harness.kernel", "tests.broken.wrong_shape"):
+        assert f"target {name} is past its share of the run's 0 s (--rpa-seconds)" in result.stdout, (
+            result.stdout
+        )
+    assert "2 skipped" in result.stdout, result.stdout[-3000:]
+
+
+def test_each_target_gets_what_is_left_over_the_targets_still_to_run():
+    assert plugin.target_share_ends(deadline=100.0, now=40.0, targets_left=3) == 60.0
+    assert plugin.target_share_ends(deadline=100.0, now=90.0, targets_left=1) == 100.0
+    assert plugin.target_share_ends(deadline=100.0, now=120.0, targets_left=2) == 120.0  # past it: no time
+
+
+def test_a_targets_test_id_is_the_shortest_tail_of_its_name_no_other_shares():
+    names = ["rpa_harness.kernel", "mine.a.rpa", "mine.b.rpa", "rpa"]
+    assert plugin.target_ids(names) == {
+        "rpa_harness.kernel": "kernel",
+        "mine.a.rpa": "a.rpa",
+        "mine.b.rpa": "b.rpa",
+        "rpa": "rpa",
+    }
 
 
 def test_a_replay_error_names_the_option_the_user_typed(failing_repro, capsys):

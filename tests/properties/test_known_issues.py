@@ -32,14 +32,17 @@ from rpa_harness import repro as repro_files
 from rpa_harness.checks import CannotRun, check_compiles, declared_unrunnable, recheck
 from rpa_harness.failures import PropertyFailure, RaisedOnValidInput
 from rpa_harness.known_issues import OPTION, PREDICT_CHIP_OPTION, on_generation
-from rpa_harness.plugin import VOLUME, settings_of
+from rpa_harness.plugin import VOLUME, parametrize_per_target, settings_of
 from rpa_harness.run_settings import for_repro
+
+
+def _declared_issues(run) -> list:
+    return [pytest.param(issue, id=issue.name) for issue in run.target.known_issues]
 
 
 def pytest_generate_tests(metafunc):
     if "known_issue" in metafunc.fixturenames:
-        issues = settings_of(metafunc.config).target.known_issues
-        metafunc.parametrize("known_issue", issues, ids=[issue.name for issue in issues])
+        parametrize_per_target(metafunc, "known_issue", _declared_issues)
 
 
 # The property kinds whose repro arrays are the kernel call's: a chip compiles that call before it runs it.
@@ -56,7 +59,7 @@ def chip_of(backend, pytestconfig) -> str | None:
     return None
 
 
-def chip_refusal_masking(failure, known_issue, repro, backend, chip, pytestconfig) -> str | None:
+def chip_refusal_masking(failure, known_issue, repro, backend, chip, target) -> str | None:
     """The declared issue whose predicate matches ``repro``'s case and whose symptom its failure shows,
     where the repro of another issue fails on a chip (``chip``: a real one, or the one an interpreter
     predicts) without that issue's own symptom (the chip's compiler refuses the configuration, or the
@@ -64,7 +67,7 @@ def chip_refusal_masking(failure, known_issue, repro, backend, chip, pytestconfi
     not news. The predicates see the backend's emulated generation, as the kernel traced for it does."""
     if chip is None or repro.case is None or known_issue.shows(str(failure)):
         return None
-    for issue in on_generation(settings_of(pytestconfig).target.known_issues, backend.generation):
+    for issue in on_generation(target.known_issues, backend.generation):
         if issue.name != known_issue.name and issue.matches(repro.case) and issue.shows(str(failure)):
             return issue.name
     return None
@@ -102,7 +105,7 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
             pytest.skip(f"{known_issue.name} on a TPU {chip}: {why_not}")
     repro = repro_files.read(repro_path)
     if repro.kind == property_names.COMPILATION:
-        if replay_backend != settings_of(pytestconfig).backends[0]:
+        if replay_backend != settings_of(pytestconfig, target).backends[0]:
             pytest.skip(
                 f"{known_issue.name}: a compile repro is compiled once a run, on the first backend's turn"
             )
@@ -190,7 +193,7 @@ def test_known_issue_still_reproduces(target, replay_backend, known_issue, pytes
                 f"{where}: its repro {repro_path} fails on a backend that cannot see the issue (it "
                 f"shows on {', '.join(known_issue.backends)} only), so this is another failure:\n{report}"
             )
-        masking = chip_refusal_masking(failure, known_issue, repro, replay_backend, chip, pytestconfig)
+        masking = chip_refusal_masking(failure, known_issue, repro, replay_backend, chip, target)
         if masking is not None:
             record(f"masked by {masking}")
             pytest.skip(

@@ -26,7 +26,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from rpa_harness.checks import check_differential
-from rpa_harness.plugin import settings_of
+from rpa_harness.plugin import parametrize_per_target, settings_of
 from rpa_harness.properties.budget import LONG_CORNER_EXAMPLES, LONG_EXAMPLES, PRODUCTION_EXAMPLES
 from rpa_harness.property_names import DIFFERENTIAL, PropertyName
 from rpa_harness.recording import closeness_notes, recorded
@@ -34,22 +34,26 @@ from rpa_harness.strategies.buckets import is_packed, long_corners, why_not_draw
 from rpa_harness.strategies.valid import valid_cases
 
 
+def _corners(run) -> list:
+    return [pytest.param(corner, id=corner.name) for corner in long_corners(run.target.capabilities)]
+
+
 def pytest_generate_tests(metafunc):
     if "long_corner" in metafunc.fixturenames:
-        corners = long_corners(settings_of(metafunc.config).target.capabilities)
-        metafunc.parametrize("long_corner", corners, ids=[corner.name for corner in corners])
+        parametrize_per_target(metafunc, "long_corner", _corners)
 
 
 def large_target(target, pytestconfig, bucket: str, *, random: bool = True):
     """The target, when examples of the large ``bucket`` are to be drawn in this run (else the test is
     skipped); ``random``: examples anywhere in the bucket, not in a corner."""
-    if bucket == "production" and settings_of(pytestconfig).profile == "ci":
+    run = settings_of(pytestconfig, target)
+    if bucket == "production" and run.profile == "ci":
         pytest.skip("production examples never run under the ci profile (tens of seconds each)")
-    if bucket == "long" and random and settings_of(pytestconfig).profile == "ci":
+    if bucket == "long" and random and run.profile == "ci":
         pytest.skip(
             "the ci profile draws the long bucket's corners only (..._long_corner); nightly adds these"
         )
-    why = why_not_drawn(target.capabilities, settings_of(pytestconfig).buckets, bucket)
+    why = why_not_drawn(target.capabilities, run.buckets, bucket)
     if why is not None:
         pytest.skip(why)
     return target

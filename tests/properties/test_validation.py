@@ -13,7 +13,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ups
 
 from rpa_harness import runlog
 from rpa_harness.checks import check_validation
-from rpa_harness.plugin import settings_of
+from rpa_harness.plugin import parametrize_per_target
 from rpa_harness.properties.budget import EXAMPLES_PER_VARIANT
 from rpa_harness.property_names import VALIDATION, PropertyName
 from rpa_harness.recording import recorded
@@ -36,8 +36,8 @@ def _rule_params(table):
 
 def pytest_generate_tests(metafunc):
     if "rule" in metafunc.fixturenames:
-        metafunc.parametrize(
-            ("rule", "variant"), list(_rule_params(settings_of(metafunc.config).target.rules))
+        parametrize_per_target(
+            metafunc, ("rule", "variant"), lambda run: list(_rule_params(run.target.rules))
         )
 
 

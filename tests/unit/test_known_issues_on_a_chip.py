@@ -4,7 +4,6 @@ that generation's code), and `rpa-harness replay` says the same. Simulated by an
 a v5e does."""
 
 import dataclasses
-import types
 
 import pytest
 
@@ -112,7 +111,7 @@ def test_a_chip_faulted_before_the_first_example_ends_the_process_blaming_no_cas
     assert "kernel calls" not in result.stdout
 
 
-def test_a_chip_only_refusal_another_declared_issue_predicts_masks_the_replay(monkeypatch):
+def test_a_chip_only_refusal_another_declared_issue_predicts_masks_the_replay():
     """hd64's finite-mask-value repro, left to the kernel's v5e block sizes on the chip, stops at the
     prologue's tile reshape: the declared not-whole-tiles finding predicts that for its case, so the replay
     is masked by it, as it is where an interpreter emulating a v5e predicts the chip (its predicates then
@@ -121,7 +120,6 @@ def test_a_chip_only_refusal_another_declared_issue_predicts_masks_the_replay(mo
     from tests.properties import test_known_issues as the_property
 
     hd64 = targets.load("rpa_harness.targets.tpu_inference_v3_hd64")
-    monkeypatch.setattr(the_property, "settings_of", lambda config: types.SimpleNamespace(target=hd64))
     finite = next(
         issue for issue in hd64.known_issues if issue.name == "hd64-finite-mask-value-weights-keys-by-block"
     )
@@ -132,9 +130,9 @@ def test_a_chip_only_refusal_another_declared_issue_predicts_masks_the_replay(mo
     chip, interpreter = device.Backend(device.TPU), device.Backend(device.INTERPRET)
     masked_by = "hd64-kv-block-not-whole-tiles-fails-to-trace"
     with generations.emulated("v5e"):  # the kernel's block sizes on a v5e, as the chip's predicates see them
-        assert the_property.chip_refusal_masking(refusal, finite, example, chip, "v5e", None) == masked_by
-        assert the_property.chip_refusal_masking(refusal, finite, example, interpreter, None, None) is None
+        assert the_property.chip_refusal_masking(refusal, finite, example, chip, "v5e", hd64) == masked_by
+        assert the_property.chip_refusal_masking(refusal, finite, example, interpreter, None, hd64) is None
         own = AssertionError("3 of 64 elements over the bound")
-        assert the_property.chip_refusal_masking(own, finite, example, chip, "v5e", None) is None
+        assert the_property.chip_refusal_masking(own, finite, example, chip, "v5e", hd64) is None
     predicting = device.Backend(device.FAST_INTERPRET, generation="v5e")
-    assert the_property.chip_refusal_masking(refusal, finite, example, predicting, "v5e", None) == masked_by
+    assert the_property.chip_refusal_masking(refusal, finite, example, predicting, "v5e", hd64) == masked_by
