@@ -777,7 +777,8 @@ def _add_run_parser(commands) -> None:
         "interrupted; 3 internal error; 4 usage error (one line: what was wrong and what to pass); 5 no "
         "numeric property ran (NOT GREEN). Without xdist (-n 0) a hang ends the run with 70, a call too slow to "
         "judge (still stepping after four RPA_CALL_TIMEOUTs) with 71, a halted device with 72. On --backend tpu "
-        "with -n 2 or more, one chip owner process makes the kernel calls the workers send it.",
+        "with -n 2 or more, chip owner processes, one a chip (RPA_CHIP_OWNERS), make the kernel calls the workers "
+        "send them.",
     )  # fmt: skip
     run_parser.add_argument(
         "--profile", default="ci", choices=("dev", "ci", "nightly", "repro"),
@@ -799,7 +800,7 @@ def _add_run_parser(commands) -> None:
         type=int,
         default=2,
         help="pytest-xdist workers (default 2; 0: one process, where a native crash ends the run; on --backend "
-        "tpu, 2 or more feed one chip owner process, 1 opens the chip itself)",
+        "tpu, 2 or more feed the chip owners, one a chip (RPA_CHIP_OWNERS), 1 opens the chip itself)",
     )
     run_parser.add_argument(
         "--repro-dir", default=repro_files.DEFAULT_REPRO_DIR,
