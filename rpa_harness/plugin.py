@@ -256,6 +256,7 @@ TARGETS_DEADLINE_ENV = "RPA_TARGETS_DEADLINE"
 
 NUMERIC = "rpa_numeric"
 REQUIRES = "rpa_requires"
+TARGET_MARK = "rpa_target"  # on each test of a run of several targets: the target it runs against
 NO_NUMERIC_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED  # 5: the target's numbers were never checked
 
 
@@ -351,6 +352,9 @@ def pytest_configure_after_hypothesis(config):
     )
     config.addinivalue_line(
         "markers", f"{REQUIRES}(capability, reason=None): skip unless the target's Capabilities opt in"
+    )
+    config.addinivalue_line(
+        "markers", f"{TARGET_MARK}(name): the target this test runs against (set by the plugin at collection)"
     )
     profile = settings.get_current_profile_name()  # before RPA_MAX_EXAMPLES renames it "sized"
     if os.environ.get("RPA_MAX_EXAMPLES"):  # resize the chosen profile (benchmarks, long local runs)
@@ -644,7 +648,8 @@ def pytest_generate_tests_with_every_target(metafunc):
                 pytest.param(
                     run.target.name,
                     *(value for p in combination for value in p.values),
-                    marks=[mark for p in combination for mark in p.marks],
+                    marks=[getattr(pytest.mark, TARGET_MARK)(run.target.name)]
+                    + [mark for p in combination for mark in p.marks],
                     id="-".join(parts),
                 )
             )
@@ -722,11 +727,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def settings_of_item(item) -> RunSettings:
-    """The settings of the target a collected test runs against (in a run of several, its ``target``
-    parameter; a test that uses no target, or has no parameters: the first's)."""
-    named = getattr(item, "callspec", None) and item.callspec.params.get("target")
-    # A test whose parameters are empty for every target has pytest's placeholder there, no name.
-    return settings_of(item.config, named if isinstance(named, str) else None)
+    """The settings of the target a collected test runs against: in a run of several, the one its
+    ``TARGET_MARK`` names (a parameter of the test's own that happens to be called ``target`` is not one);
+    a test that uses no target, or whose parameters are empty for every target: the first's."""
+    marked = item.get_closest_marker(TARGET_MARK)
+    return settings_of(item.config, marked.args[0] if marked is not None else None)
 
 
 def pytest_runtest_setup(item):
