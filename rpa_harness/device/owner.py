@@ -611,16 +611,20 @@ class Owners:
         """The owners together (``summary_of``), and each chip's: ``per_chip``, the chip (its
         TPU_VISIBLE_CHIPS; all, for a single owner), its calls, busy seconds, owner processes and early
         exits, in chip order."""
-        per_chip = [supervisor.summary() for supervisor in self.supervisors]
-        stats = [owner for supervisor in self.supervisors for owner in supervisor.owner_stats()]
-        together = summary_of(stats, [code for supervisor in self.supervisors for code in supervisor.exits])
-        together["per_chip"] = [
-            {
-                "chip": supervisor.environ.get("TPU_VISIBLE_CHIPS", "all"),
-                **{name: summary[name] for name in ("calls", "busy_s", "owners", "exits")},
-            }
-            for supervisor, summary in zip(self.supervisors, per_chip, strict=True)
-        ]
+        stats = [supervisor.owner_stats() for supervisor in self.supervisors]  # each read once
+        together = summary_of(
+            [owner for each in stats for owner in each],
+            [code for supervisor in self.supervisors for code in supervisor.exits],
+        )
+        together["per_chip"] = []
+        for supervisor, each in zip(self.supervisors, stats, strict=True):
+            chip = summary_of(each, supervisor.exits)
+            together["per_chip"].append(
+                {
+                    "chip": supervisor.environ.get("TPU_VISIBLE_CHIPS", "all"),
+                    **{name: chip[name] for name in ("calls", "busy_s", "owners", "exits")},
+                }
+            )
         return together
 
     def stop(self) -> dict:
