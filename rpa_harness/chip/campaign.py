@@ -91,27 +91,36 @@ def chip_and_versions(backend: device.Backend) -> str:
     )
 
 
+def run_logged(names: list[str], backend: device.Backend, args, seconds: float, repros: Path, log_path: Path,
+               **environment: str) -> int:  # fmt: skip
+    """``rpa-harness run`` on the dev profile for ``names``, its output in ``log_path``, ended at ``seconds``;
+    its exit status (``CUT_OFF`` when it was ended), once the chip it held is free again."""
+    command = harness(
+        "run", "--profile", "dev", "--backend", backend.name, *(o for name in names for o in ("--target", name)),
+        "-n", str(args.workers), "--repro-dir", str(repros),
+        *(["--tpu-generation", backend.generation] if backend.generation != generations.NONE else []),
+    )  # fmt: skip
+    with open(log_path, "w") as log:
+        done = processes.run(
+            command, timeout=max(seconds, 1.0), env=child_environment(**environment), output=log,
+            grace=KILL_GRACE_SECONDS,
+        )  # fmt: skip
+    if backend.name == device.TPU:
+        time.sleep(CHIP_RELEASE_SECONDS)
+    return CUT_OFF if done.returncode is None else done.returncode
+
+
 def run_target(step: str, target: str, backend: device.Backend, args, seconds: float, logs: Path) -> int:
     """One target's campaign (the smoke's), its output in its log, ended at ``seconds``; its exit status
     (``CUT_OFF`` when it was ended)."""
-    repros = logs / "repros" / step / target
-    command = harness(
-        "run", "--profile", "dev", "--backend", backend.name, "--target", target, "-n", str(args.workers),
-        "--repro-dir", str(repros),
-        *(["--tpu-generation", backend.generation] if backend.generation != generations.NONE else []),
-    )  # fmt: skip
     examples = os.environ.get("RPA_MAX_EXAMPLES", str(DEFAULTS[step][2]))
+    log_path = logs / f"{step}-{target}.log"
     started = time.monotonic()
-    with open(logs / f"{step}-{target}.log", "w") as log:
-        done = processes.run(
-            command, timeout=max(seconds, 1.0), env=child_environment(RPA_MAX_EXAMPLES=examples),
-            output=log, grace=KILL_GRACE_SECONDS,
-        )  # fmt: skip
-    code = CUT_OFF if done.returncode is None else done.returncode
+    code = run_logged(
+        [target], backend, args, seconds, logs / "repros" / step / target, log_path, RPA_MAX_EXAMPLES=examples
+    )
     if step == "smoke":  # a first look at a host: its summary tables where it is read
-        print((logs / f"{step}-{target}.log").read_text(), end="")
-    if backend.name == device.TPU:
-        time.sleep(CHIP_RELEASE_SECONDS)
+        print(log_path.read_text(), end="")
     print(f"=== {step}-{target}: exit {code} in {time.monotonic() - started:.0f} s", flush=True)
     return code
 
@@ -125,23 +134,13 @@ def calibrate(names: list[str], backend: device.Backend, args, logs: Path) -> in
     # A run of several targets keeps each one's repros in a folder of its own in the one given; a run of one
     # is given its own.
     repros = logs / "repros" / (names[0] if len(names) == 1 else "")
-    command = harness(
-        "run", "--profile", "dev", "--backend", backend.name, *(o for name in names for o in ("--target", name)),
-        "-n", str(args.workers), "--repro-dir", str(repros),
-        *(["--tpu-generation", backend.generation] if backend.generation != generations.NONE else []),
-    )  # fmt: skip
     examples = os.environ.get("RPA_MAX_EXAMPLES", str(DEFAULTS["calibrate"][2]))
     shared = f"{args.seconds * (1 - SUMMARY_RESERVE):g}"
     log_path = logs / f"calibrate-{'+'.join(target_ids(names).values())}.log"
     started = time.monotonic()
-    environment = child_environment(RPA_MAX_EXAMPLES=examples, RPA_SECONDS=shared)
-    with open(log_path, "w") as log:
-        done = processes.run(
-            command, timeout=max(args.seconds, 1.0), env=environment, output=log, grace=KILL_GRACE_SECONDS
-        )
-    code = CUT_OFF if done.returncode is None else done.returncode
-    if backend.name == device.TPU:
-        time.sleep(CHIP_RELEASE_SECONDS)
+    code = run_logged(
+        names, backend, args, args.seconds, repros, log_path, RPA_MAX_EXAMPLES=examples, RPA_SECONDS=shared
+    )
     for line in log_path.read_text().splitlines():
         if line.startswith(("rpa-harness: target ", "rpa-harness: failing target")):
             print(line)
