@@ -250,16 +250,29 @@ def sequence_queries_and_keys(case: Case, arrays: dict, seq: int) -> tuple[np.nd
 
 
 def soft_capped_logits(case: Case, q: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
-    """[q_len, num_q_heads, kv_len] float64 logits q.k * scale, soft-capped; k repeated over each KV group."""
-    k = np.repeat(k.astype(np.float64), case.num_q_heads // case.num_kv_heads, axis=1)
-    logits = np.einsum("qhd,khd->qhk", q.astype(np.float64), k) * scale
-    return logits if case.soft_cap is None else case.soft_cap * np.tanh(logits / case.soft_cap)
+    """[q_len, num_q_heads, kv_len] float64 logits q.k * scale, soft-capped; q head h reads KV head
+    h // (num_q_heads / num_kv_heads). One matrix product per KV head's group (BLAS), the keys never
+    repeated: a long context's keys are hundreds of MiB in float64, and drawing a case judges them."""
+    (q_len, _, head_dim), kv_len = q.shape, k.shape[0]
+    group = case.num_q_heads // case.num_kv_heads
+    grouped = q.astype(np.float64).reshape(q_len, case.num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+    keys = k.astype(np.float64).transpose(1, 2, 0)[:, None]  # [kv_heads, 1, head_dim, kv_len]
+    logits = np.matmul(grouped, keys).reshape(case.num_q_heads, q_len, kv_len).transpose(1, 0, 2)
+    logits *= scale
+    if case.soft_cap is not None:
+        logits /= case.soft_cap
+        np.tanh(logits, out=logits)
+        logits *= case.soft_cap
+    return logits
 
 
-def hidden_keys(case: Case, q_len: int, kv_len: int) -> np.ndarray:
-    """[q_len, kv_len] True where the causal mask or the sliding window hides the key from the row."""
-    position = kv_len - q_len + np.arange(q_len)[:, None]
-    key = np.arange(kv_len)[None, :]
+def hidden_keys(
+    case: Case, q_len: int, kv_len: int, rows: slice = slice(None), keys: slice = slice(None)
+) -> np.ndarray:
+    """[q_len, kv_len] True where the causal mask or the sliding window hides the key from the row; only
+    ``rows`` and ``keys`` of it where given."""
+    position = kv_len - q_len + np.arange(q_len)[rows, None]
+    key = np.arange(kv_len)[None, keys]
     masked = key > position
     if case.sliding_window is not None:
         masked |= position - case.sliding_window >= key

@@ -31,7 +31,7 @@ def v3_logits(
     q = quantised_query(q[rows], case.q_scale, k.dtype)
     scale = case.sm_scale * (case.k_scale or 1.0) * (case.q_scale or 1.0)
     logits = soft_capped_logits(case, q, k[keys], scale)
-    masked = hidden_keys(case, case.q_lens[seq], case.kv_lens[seq])[rows, keys]
+    masked = hidden_keys(case, case.q_lens[seq], case.kv_lens[seq], rows, keys)
     return np.where(masked[:, None, :], mask_value, logits)
 
 
