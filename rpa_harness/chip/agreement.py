@@ -10,10 +10,12 @@ Two steps, on two machines, sharing one folder:
 
 ``--predict`` draws ``--count`` valid configurations per target (every shipped target this jax loads, by
 default; derandomized, every declared bucket, around the target's declared findings as the properties draw:
-a configuration spent on a known answer tells nothing), compiles each for the generation with libtpu on this
-host, and, where it compiles and is small enough, runs it on the checking interpreter (whose exit check
-predicts a halt: ``halts the chip``) and on the fast interpreter emulating that generation (the chip's
-float32 products emulated). It writes ``predictions.json`` (case, options, verdict) and ``outputs.npz`` (the
+a configuration spent on a known answer tells nothing) in groups that share a compile signature
+(``draw_groups``), compiles each group once for the generation with libtpu on this host, and runs each
+configuration that compiles and is small enough (``interpreted``: no long context) on the checking
+interpreter (whose exit check predicts a halt: ``halts the chip``) and on the fast interpreter emulating that
+generation (the chip's float32 products emulated), the groups shared among ``--workers`` processes; it ends
+with the seconds per target and phase. It writes ``predictions.json`` (case, options, verdict) and ``outputs.npz`` (the
 interpreter's outputs) into the folder. The check runs on the chip: each configuration is compiled for it
 (same verdict: compiles, or refused the same way), and each interpreted case is run there and compared with
 the interpreter's output and the float64 oracle. It prints a table per target and dtype pair: verdicts
@@ -24,10 +26,15 @@ apart, and the largest error/bound of each; it exits 1 when a verdict differs. `
 rehearses the check on the CPU host (the interpreter that predicted stands in for the chip).
 """
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import json
+import multiprocessing
 import os
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -37,8 +44,20 @@ import numpy as np
 from rpa_harness import device, generations
 from rpa_harness.chip import ChipUsageError, add_target_option
 
-# Cases larger than this many output elements are compiled but not run (the interpreter's time).
+# A configuration is run on the interpreters only where both finish it in seconds: at most LARGEST_RUN output
+# elements and MOST_INTERPRETED_KEYS keys read over its sequences. Their cost grows with the key blocks a call
+# steps through: a long context's (32,768 keys and more) took 5-19 minutes there on a 2-core host
+# (docs/measurements.md). A larger one is compiled, its verdict compared, and run on the chip alone.
 LARGEST_RUN = 1 << 18
+MOST_INTERPRETED_KEYS = 1 << 14
+# Configurations drawn per compile signature (``valid_case_groups``): one libtpu compilation (3-15 s on a
+# 2-core host) serves them all, each with its own ragged layout, page table, values and run-time options.
+CASES_PER_SIGNATURE = 4
+# Prediction worker processes by default: the host's cores, at most this many (each holds jax, libtpu and
+# the interpreters' state: 2.6 GB resident at most in one process predicting every shipped target).
+MOST_WORKERS = 8
+# Where a prediction's time goes, per target (the seconds printed at the end).
+PHASES = ("draw", "compile", "checking interpreter", "fast interpreter")
 
 
 def verdict_of(error) -> str:
@@ -49,81 +68,229 @@ def verdict_of(error) -> str:
     return f"{type(error).__name__}: {first[:160]}"
 
 
-def draw_cases(target, backend, count: int) -> list:
-    from hypothesis import given
+def interpreted(case) -> bool:
+    """Whether the predictions run ``case`` on the interpreters (else it is compiled only)."""
+    return (
+        case.max_num_batched_tokens * case.num_q_heads * case.head_dim <= LARGEST_RUN
+        and sum(case.kv_lens) <= MOST_INTERPRETED_KEYS
+    )
+
+
+def draw_groups(target, backend, count: int, large: int = 0) -> list[list]:
+    """``count`` valid configurations of ``target`` from its small buckets, in groups that share a compile
+    signature (up to CASES_PER_SIGNATURE of one static configuration: ``valid_case_groups``), then ``large``
+    from its large buckets (long contexts, serving batches), a group each, where it declares any.
+    Derandomized: the same on every host and run."""
     from hypothesis import strategies as st
 
-    from rpa_harness.drawn import same_examples
     from rpa_harness.strategies.shapes import select_buckets
-    from rpa_harness.strategies.valid import valid_cases
+    from rpa_harness.strategies.valid import valid_case_groups, valid_cases
 
     capabilities, excluding = target.capabilities_on(backend), target.known_issues_on(backend)
     selection = select_buckets(capabilities, ",".join(capabilities.buckets))
-    strategy = st.one_of(
-        valid_cases(capabilities, selection=selection, excluding=excluding),
-        *(
-            [valid_cases(capabilities, large=True, selection=selection, excluding=excluding)]
-            if {"long", "production"} & set(selection or ())
-            else []
+    groups = examples_of(
+        valid_case_groups(
+            capabilities, max_cases=CASES_PER_SIGNATURE, selection=selection, excluding=excluding
         ),
+        count,
     )
-    drawn = []
+    if large and {"long", "production"} & set(selection or ()):
+        singles = valid_cases(capabilities, large=True, selection=selection, excluding=excluding)
+        groups += examples_of(st.lists(singles, min_size=1, max_size=1), large)
+    return groups
+
+
+def examples_of(strategy, count: int) -> list[list]:
+    """Groups of configurations ``strategy`` draws, ``count`` configurations in all (the last group cut),
+    each without a VMEM limit (the compiler's default, as the chip's). Hypothesis's examples are the
+    groups: it draws ``count`` of them, and those past ``count`` configurations are dropped."""
+    from hypothesis import given
+
+    from rpa_harness.drawn import same_examples
+
+    groups: list[list] = []
 
     @same_examples(count)
-    @given(case=strategy)
-    def collect(case):
-        drawn.append(dataclasses.replace(case, vmem_limit_bytes=None))
+    @given(group=strategy)
+    def collect(group):
+        groups.append([dataclasses.replace(case, vmem_limit_bytes=None) for case in group])
 
     collect()
-    return drawn[:count]
+    kept, drawn = [], 0
+    for group in groups:
+        if drawn < count:
+            kept.append(group[: count - drawn])
+            drawn += len(kept[-1])
+    return kept
 
 
 def predict(args, names: list[str]) -> int:
+    """Each target's groups drawn here (``draw_groups``), in the targets' order, and predicted by
+    ``args.workers`` worker processes, a group a task (``predict_group``; 1: in this process); the entries
+    written in the draw's order, and the seconds per target and phase printed at the end."""
     from rpa_harness import checks, targets
-    from rpa_harness.repro import stand_ins
 
     folder = Path(args.folder)
     folder.mkdir(parents=True, exist_ok=True)
     compiler = device.Backend(device.TPU_COMPILER, True, args.tpu_generation)
-    interpreter = device.Backend(device.FAST_INTERPRET, True, args.tpu_generation)
-    checking = device.Backend(device.INTERPRET, True, args.tpu_generation)
-    predictions: list[dict[str, Any]] = []
-    outputs: dict[str, Any] = {}  # key -> the interpreter's output
-    for name in names:
-        try:
-            target = targets.load(name)
-        except targets.TargetError as cannot:
-            print(f"{name}: not loaded ({cannot})", file=sys.stderr)
-            continue
-        for index, case in enumerate(draw_cases(target, compiler, args.count)):
-            key = f"{name}#{index}"
-            refusal: checks.PropertyFailure | None = None
+    seconds: dict[str, dict[str, float]] = {}
+    tasks: list[tuple[str, Any]] = []  # (target, its group's predictions: a future or a Deferred)
+    started = time.perf_counter()
+    with prediction_workers(args.workers) as executor:
+        for name in names:
             try:
-                checks.check_compiles(target, compiler, stand_ins(case.array_shapes()), case.options())
-            except checks.CannotRun as reason:
-                print(f"{key}: not compiled here ({reason})", file=sys.stderr)
+                target = targets.load(name)
+            except targets.TargetError as cannot:
+                print(f"{name}: not loaded ({cannot})", file=sys.stderr)
                 continue
-            except checks.PropertyFailure as failure:
-                refusal = failure
-            entry = {"key": key, "target": name, "case": case.to_json(), "verdict": verdict_of(refusal)}
-            if (
-                refusal is None
-                and case.max_num_batched_tokens * case.num_q_heads * case.head_dim <= LARGEST_RUN
-            ):
-                if halts_on_the_checking_interpreter(target, checking, case):
-                    entry["verdict"] = HALTS
-                else:
-                    out = checks.run_valid(target, interpreter, case.arrays(), case.options())
-                    outputs[key] = np.asarray(out).astype(np.float32)
-                    entry["interpreted"] = True
-            predictions.append(entry)
-            print(f"{key}: {entry['verdict']}{' (run)' if entry.get('interpreted') else ''}", flush=True)
+            spent = seconds[name] = dict.fromkeys(PHASES, 0.0)
+            # The first configuration drawn tells whether the target can be compiled from shapes: one
+            # whose call reads values while traced cannot, and drawing the rest would be for nothing.
+            with timed(spent, "draw"):
+                first = draw_groups(target, compiler, 1)[0][0]
+            try:
+                with timed(spent, "compile"):
+                    first_verdict = compile_verdict(target, compiler, first)
+            except checks.CannotRun as reason:
+                print(f"{name}: not compiled here ({reason}); nothing predicted", file=sys.stderr)
+                continue
+            with timed(spent, "draw"):
+                groups = draw_groups(target, compiler, args.count, args.large)
+            drawn = 0
+            for group in groups:
+                texts = [case.to_json() for case in group]
+                known = first_verdict if texts[0] == first.to_json() else None
+                task = executor.submit(predict_group, name, args.tpu_generation, drawn, texts, known)
+                tasks.append((name, task))
+                drawn += len(group)
+        predictions: list[dict[str, Any]] = []
+        outputs: dict[str, Any] = {}
+        for name, task in tasks:
+            try:
+                result = task.result()
+            except concurrent.futures.process.BrokenProcessPool as ended:
+                print(f"a prediction worker ended during {name}'s predictions ({ended})", file=sys.stderr)
+                return 1
+            for phase, spent_there in result["seconds"].items():
+                seconds[name][phase] += spent_there
+            if "not_compiled" in result:
+                print(result["not_compiled"], file=sys.stderr)
+            for entry in result["entries"]:
+                print(f"{entry['key']}: {entry['verdict']}{' (run)' if entry.get('interpreted') else ''}")
+            predictions.extend(result["entries"])
+            outputs.update(result["outputs"])
     (folder / "predictions.json").write_text(
         json.dumps({"generation": args.tpu_generation, "entries": predictions}, indent=1)
     )
     np.savez(folder / "outputs.npz", **outputs)
     print(f"{len(predictions)} configurations predicted into {folder}")
+    print_seconds(seconds, time.perf_counter() - started, args.workers)
     return 0
+
+
+@contextlib.contextmanager
+def prediction_workers(count: int):
+    """An executor of ``count`` worker processes (spawned: each imports jax afresh), or, for 1, one that
+    makes each task in this process when its result is asked for: after every draw, as the workers' are
+    (an interpretation made in a process can change what a later draw there gives)."""
+    if count == 1:
+        yield InThisProcess()
+        return
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(count, mp_context=context) as executor:
+        try:
+            yield executor
+        except BaseException:
+            executor.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+class InThisProcess:
+    """``submit`` as an executor's; the task is made in this process when its ``result`` is asked for."""
+
+    def submit(self, function, *args) -> "Deferred":
+        return Deferred(functools.partial(function, *args))
+
+
+@dataclasses.dataclass
+class Deferred:
+    task: Any
+
+    def result(self):
+        return self.task()
+
+
+def compile_verdict(target, compiler, case) -> str:
+    """``verdict_of`` compiling ``case`` for the compiler's generation; raises ``checks.CannotRun`` where
+    it cannot be compiled here."""
+    from rpa_harness import checks
+    from rpa_harness.repro import stand_ins
+
+    try:
+        checks.check_compiles(target, compiler, stand_ins(case.array_shapes()), case.options())
+    except checks.PropertyFailure as failure:
+        return verdict_of(failure)
+    return verdict_of(None)
+
+
+def predict_group(name: str, generation: str, first_index: int, texts: list[str], known: str | None) -> dict:
+    """One group's predictions (a worker's task): its signature compiled for ``generation`` (unless its
+    verdict is ``known``), and each configuration that compiles and is ``interpreted`` run on the checking
+    interpreter (a halt predicted) and else on the fast interpreter, whose output is kept. Its entries are
+    keyed ``NAME#INDEX`` from ``first_index``, and the seconds it spent per phase come with them."""
+    from rpa_harness import checks, targets
+    from rpa_harness.strategies.case import Case
+
+    target = targets.load(name)
+    spent = dict.fromkeys(PHASES, 0.0)
+    result: dict[str, Any] = {"entries": [], "outputs": {}, "seconds": spent}
+    cases = [Case.from_json(text) for text in texts]
+    keys = [f"{name}#{first_index + place}" for place in range(len(cases))]
+    if known is None:
+        try:
+            with timed(spent, "compile"):
+                known = compile_verdict(
+                    target, device.Backend(device.TPU_COMPILER, True, generation), cases[0]
+                )
+        except checks.CannotRun as reason:
+            result["not_compiled"] = f"{keys[0]}-{keys[-1]}: not compiled here ({reason})"
+            return result
+    checking = device.Backend(device.INTERPRET, True, generation)
+    interpreter = device.Backend(device.FAST_INTERPRET, True, generation)
+    for key, case, text in zip(keys, cases, texts, strict=True):
+        entry: dict[str, Any] = {"key": key, "target": name, "case": text, "verdict": known}
+        if known == verdict_of(None) and interpreted(case):
+            with timed(spent, "checking interpreter"):
+                halts = halts_on_the_checking_interpreter(target, checking, case)
+            if halts:
+                entry["verdict"] = HALTS
+            else:
+                with timed(spent, "fast interpreter"):
+                    out = checks.run_valid(target, interpreter, case.arrays(), case.options())
+                result["outputs"][key] = np.asarray(out).astype(np.float32)
+                entry["interpreted"] = True
+        result["entries"].append(entry)
+    return result
+
+
+@contextlib.contextmanager
+def timed(seconds: dict[str, float], phase: str):
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[phase] += time.perf_counter() - started
+
+
+def print_seconds(seconds: dict[str, dict[str, float]], wall: float, workers: int) -> None:
+    """Where the predictions' time went: seconds per target and phase, summed over the workers."""
+    print(f"predicted in {wall:.0f} s with {workers} worker(s); seconds per target and phase:")
+    print(f"| target | {' | '.join(PHASES)} |")
+    print(f"|---|{'---|' * len(PHASES)}")
+    for name, spent in seconds.items():
+        print(f"| {name} | {' | '.join(f'{spent[phase]:.1f}' for phase in PHASES)} |")
+    totals = [sum(spent[phase] for spent in seconds.values()) for phase in PHASES]
+    print(f"| all | {' | '.join(f'{total:.1f}' for total in totals)} |")
 
 
 HALTS = "halts the chip"
@@ -282,6 +449,16 @@ def add_arguments(parser, step: str) -> None:
         "--count", type=int, default=50, help="--predict: configurations per target (default 50)"
     )
     parser.add_argument(
+        "--workers", type=int, default=None,
+        help="--predict: worker processes compiling and interpreting the drawn groups (default: this host's "
+        f"cores, at most {MOST_WORKERS}; 1: all in this process)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--large", type=int, default=0,
+        help="--predict: configurations per target from its large buckets besides --count, compiled and "
+        "too large to interpret (default 0: one long context's compilation can take minutes and GiB)",
+    )  # fmt: skip
+    parser.add_argument(
         "--tpu-generation", default="v5e", help="--predict: the chip's generation (default v5e)"
     )
     parser.add_argument(
@@ -295,6 +472,12 @@ def main(args) -> int:
     if args.predict:
         if args.count < 1:
             raise ChipUsageError(f"--count={args.count} must be at least 1")
+        if args.large < 0:
+            raise ChipUsageError(f"--large={args.large} must be 0 or more")
+        if args.workers is None:
+            args.workers = min(len(os.sched_getaffinity(0)), MOST_WORKERS)
+        if args.workers < 1:
+            raise ChipUsageError(f"--workers={args.workers} must be at least 1")
         try:
             generations.check_name(args.tpu_generation)
         except generations.GenerationError as error:

@@ -160,6 +160,7 @@ def test_a_target_of_the_users_that_does_not_load_is_one_usage_error(stand_in, t
             ["agreement", "--predict", "--folder", "f", "--tpu-generation", "none"],
             "--predict compiles for a TPU",
         ),
+        (["agreement", "--predict", "--folder", "f", "--large", "-1"], "--large=-1 must be 0 or more"),
         (["q-len-zero", "--tpu-generation", "v5e"], "a real TPU is the chip it is"),
     ],
 )

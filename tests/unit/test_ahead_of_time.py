@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rpa_harness import ahead_of_time, bench, device, generations, property_names, repro, targets
@@ -256,11 +257,57 @@ def test_upstreams_compile_predicates_agree_with_the_compiler():
             assert shown == expected, (issue.name, expected, case.describe())
 
 
+# What compiling a configuration reads: its arrays' shapes and dtypes, and the options that are not run-time
+# ones (``Capabilities.runtime_options`` vary within a group, ``valid_case_groups``).
+SHAPE_FIELDS = (
+    "page_size", "pages_per_seq", "max_num_seqs", "max_num_batched_tokens", "total_num_pages", "num_q_heads",
+    "num_kv_heads", "head_dim", "q_dtype", "kv_dtype",
+)  # fmt: skip
+
+
+@NEEDS_COMPILER
+def test_the_agreement_step_draws_its_count_in_groups_that_share_a_compilation():
+    """``--predict`` compiles a group once: its configurations share every static field, the count is
+    exact, some group holds more than one (fewer compilations than configurations), and the draw is the
+    same on every call (the chip checks what the host predicted)."""
+    from rpa_harness.chip import agreement
+
+    target = targets.load(targets.DEFAULT_TARGET)
+    groups = agreement.draw_groups(target, compiler("v5e"), 12)
+    assert sum(map(len, groups)) == 12
+    assert len(groups) < 12, [len(group) for group in groups]
+    runtime = target.capabilities.runtime_options
+    for group in groups:
+        statics = {
+            (
+                tuple(getattr(case, name) for name in SHAPE_FIELDS),
+                tuple(sorted((n, repr(v)) for n, v in case.options().items() if n not in runtime)),
+            )
+            for case in group
+        }
+        assert len(statics) == 1, [case.describe() for case in group]
+    assert agreement.draw_groups(target, compiler("v5e"), 12) == groups
+
+
+def test_the_agreement_step_interprets_no_long_context():
+    """A configuration reading more keys than ``MOST_INTERPRETED_KEYS`` (a long context: minutes to hours
+    on the interpreters) or writing more output than ``LARGEST_RUN`` is compiled only."""
+    from rpa_harness.chip.agreement import LARGEST_RUN, MOST_INTERPRETED_KEYS, interpreted
+
+    pages = -(-MOST_INTERPRETED_KEYS // 16) + 1
+    long_layout = dict(pages_per_seq=pages, total_num_pages=pages, max_num_seqs=1)
+    assert interpreted(small_case())
+    assert interpreted(small_case(**long_layout, q_lens=(1,), kv_lens=(MOST_INTERPRETED_KEYS,)))
+    assert not interpreted(small_case(**long_layout, q_lens=(1,), kv_lens=(MOST_INTERPRETED_KEYS + 1,)))
+    tokens = LARGEST_RUN // (4 * 128) + 1
+    assert not interpreted(small_case(max_num_batched_tokens=tokens, q_lens=(3,), kv_lens=(20,)))
+
+
 @NEEDS_COMPILER
 def test_the_chip_agreement_step_rehearses_on_an_interpreter(tmp_path):
     """`rpa-harness chip agreement`'s two steps, the chip's stood in for by the interpreter that predicted it:
-    every verdict agrees and the outputs are the same (0 of the bound apart); without a TPU, the check says
-    so in one line, exit 4."""
+    the predictions are the same with two workers and in one process, every verdict agrees and the outputs
+    are the same (0 of the bound apart); without a TPU, the check says so in one line, exit 4."""
     folder = str(tmp_path / "agreement")
     env = {**os.environ, device.TPU_PROBE_ENV: "none"}
 
@@ -270,11 +317,24 @@ def test_the_chip_agreement_step_rehearses_on_an_interpreter(tmp_path):
         )
 
     predicted = agreement(
-        "--predict", "--count", "2", "--target", targets.DEFAULT_TARGET, "--tpu-generation", "v5e"
-    )
-    assert predicted.returncode == 0 and "2 configurations predicted" in predicted.stdout, predicted.stderr[
+        "--predict", "--count", "3", "--target", targets.DEFAULT_TARGET, "--tpu-generation", "v5e",
+        "--workers", "2",
+    )  # fmt: skip
+    assert predicted.returncode == 0 and "3 configurations predicted" in predicted.stdout, predicted.stderr[
         -2000:
     ]
+    assert "with 2 worker(s)" in predicted.stdout, predicted.stdout
+    assert f"| {targets.DEFAULT_TARGET} | " in predicted.stdout.split("seconds per target and phase:")[1]
+    alone = tmp_path / "in-one-process"
+    in_one_process = run_python(
+        "-m", "rpa_harness.cli", "chip", "agreement", "--predict", "--folder", str(alone), "--count", "3",
+        "--target", targets.DEFAULT_TARGET, "--tpu-generation", "v5e", "--workers", "1", env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert in_one_process.returncode == 0, in_one_process.stderr[-2000:]
+    in_workers = Path(folder)
+    assert (alone / "predictions.json").read_text() == (in_workers / "predictions.json").read_text()
+    one, two = np.load(alone / "outputs.npz"), np.load(in_workers / "outputs.npz")
+    assert sorted(one) == sorted(two) and all(np.array_equal(one[k], two[k], equal_nan=True) for k in one)
     rehearsed = agreement("--backend", "fast-interpret")
     assert rehearsed.returncode == 0, rehearsed.stdout + rehearsed.stderr[-2000:]
     rows = [
