@@ -9,8 +9,9 @@ Two steps, on two machines, sharing one folder:
   rpa-harness chip agreement --folder agreement [--target T]...
 
 ``--predict`` draws ``--count`` valid configurations per target (every shipped target this jax loads, by
-default; derandomized, every declared bucket, around the target's declared findings as the properties draw:
-a configuration spent on a known answer tells nothing) in groups that share a compile signature
+default; derandomized, from its small buckets, ``--large`` more from its long and production ones, around
+the target's declared findings as the properties draw: a configuration spent on a known answer tells
+nothing) in groups that share a compile signature
 (``draw_groups``), compiles each group once for the generation with libtpu on this host, and runs each
 configuration that compiles and is small enough (``interpreted``: no long context) on the checking
 interpreter (whose exit check predicts a halt: ``halts the chip``) and on the fast interpreter emulating that
