@@ -11,15 +11,15 @@ Two steps, on two machines, sharing one folder:
 ``--predict`` draws ``--count`` valid configurations per target (every shipped target this jax loads, by
 default; derandomized, from its small buckets, ``--large`` more from its long and production ones, around
 the target's declared findings as the properties draw: a configuration spent on a known answer tells
-nothing) in groups that share a compile signature
-(``draw_groups``), compiles each group once for the generation with libtpu on this host, and runs each
-configuration that compiles and is small enough (``interpreted``: no long context) on the checking
-interpreter (whose exit check predicts a halt: ``halts the chip``) and on the fast interpreter emulating that
-generation (the chip's float32 products emulated), the groups shared among ``--workers`` processes; it ends
-with the seconds per target and phase. It writes ``predictions.json`` (case, options, verdict) and ``outputs.npz`` (the
-interpreter's outputs) into the folder. The check runs on the chip: each configuration is compiled for it
-(same verdict: compiles, or refused the same way), and each interpreted case is run there and compared with
-the interpreter's output and the float64 oracle. It prints a table per target and dtype pair: verdicts
+nothing) in groups that share a compile signature (``draw_groups``). It compiles each group once for the
+generation with libtpu on this host and runs each configuration that compiles and is small enough
+(``interpreted``: no long context) on the checking interpreter (whose exit check predicts a halt: ``halts
+the chip``) and on the fast interpreter emulating that generation (the chip's float32 products emulated),
+the groups shared among ``--workers`` processes, and ends with the seconds per target and phase. It writes
+``predictions.json`` (case, options, verdict) and ``outputs.npz`` (the interpreter's outputs) into the
+folder. The check runs on the chip: each configuration is compiled for it (same verdict: compiles, or
+refused the same way), and each interpreted case is run there and compared with the interpreter's output
+and the float64 oracle. It prints a table per target and dtype pair: verdicts
 agreeing, halts predicted and seen, the largest and median |chip - interpreter| as a fraction of the judge's
 bound, the largest in units of the output's last place (1: a result the two computed a hair apart, rounded
 either way of an output boundary) and the largest fraction of the bound where they are more than one unit
@@ -81,7 +81,8 @@ def draw_groups(target, backend, count: int, large: int = 0) -> list[list]:
     """``count`` valid configurations of ``target`` from its small buckets, in groups that share a compile
     signature (up to CASES_PER_SIGNATURE of one static configuration: ``valid_case_groups``), then ``large``
     from its large buckets (long contexts, serving batches), a group each, where it declares any.
-    Derandomized: the same on every host and run."""
+    Derandomized; what ran before in the process can still change it (docs/measurements.md), so the chip
+    checks the predictions' file, never a draw of its own."""
     from hypothesis import strategies as st
 
     from rpa_harness.strategies.shapes import select_buckets
@@ -192,8 +193,8 @@ def predict(args, names: list[str]) -> int:
 @contextlib.contextmanager
 def prediction_workers(count: int):
     """An executor of ``count`` worker processes (spawned: each imports jax afresh), or, for 1, one that
-    makes each task in this process when its result is asked for: after every draw, as the workers' are
-    (an interpretation made in a process can change what a later draw there gives)."""
+    makes each task in this process when its result is asked for: after every draw, as with workers, so
+    that this process has done the same before each draw whatever the count."""
     if count == 1:
         yield InThisProcess()
         return
@@ -215,6 +216,8 @@ class InThisProcess:
 
 @dataclasses.dataclass
 class Deferred:
+    """A task made when its result is asked for (``InThisProcess``)."""
+
     task: Any
 
     def result(self):
