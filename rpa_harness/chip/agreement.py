@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import multiprocessing
 import os
 import sys
 import time
@@ -170,7 +169,7 @@ def predict(args, names: list[str]) -> int:
         for name, task in tasks:
             try:
                 result = task.result()
-            except concurrent.futures.process.BrokenProcessPool as ended:
+            except concurrent.futures.BrokenExecutor as ended:
                 print(f"a prediction worker ended during {name}'s predictions ({ended})", file=sys.stderr)
                 return 1
             for phase, spent_there in result["seconds"].items():
@@ -192,19 +191,14 @@ def predict(args, names: list[str]) -> int:
 
 @contextlib.contextmanager
 def prediction_workers(count: int):
-    """An executor of ``count`` worker processes (spawned: each imports jax afresh), or, for 1, one that
+    """An executor of ``count`` worker processes (``device.processes.worker_pool``), or, for 1, one that
     makes each task in this process when its result is asked for: after every draw, as with workers, so
     that this process has done the same before each draw whatever the count."""
     if count == 1:
         yield InThisProcess()
         return
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(count, mp_context=context) as executor:
-        try:
-            yield executor
-        except BaseException:
-            executor.shutdown(wait=False, cancel_futures=True)
-            raise
+    with device.processes.worker_pool(count) as pool:
+        yield pool
 
 
 class InThisProcess:

@@ -8,10 +8,15 @@ a process left holding it, or killed in the middle of a call, leaves a fault for
 - ``end`` ends one: an optional first signal to the child alone (SIGINT lets a pytest controller end its
   workers and write its summary), then SIGTERM to its session, then SIGKILL, each after a grace period;
 - ``run`` starts a child, waits for it up to a time limit, ends it on the limit, and returns what it did
-  (a ``Finished``: never an exception for a child that ran out of time).
+  (a ``Finished``: never an exception for a child that ran out of time);
+- ``worker_pool`` starts Python workers for CPU work (``concurrent.futures``' process pool), each in a
+  session of its own, all ended with the pool.
 """
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -73,6 +78,25 @@ def end(process: subprocess.Popen, *, first: int | None = None, grace: float = G
             continue
     process.wait()
     _end_what_is_left(process.pid)
+
+
+@contextlib.contextmanager
+def worker_pool(count: int):
+    """A pool of ``count`` spawned Python workers (each imports what its tasks need afresh), each in a
+    session of its own; on leaving the block the pool waits for its tasks, or, where the block raised,
+    cancels those not started and ends every worker's session."""
+    context = multiprocessing.get_context("spawn")
+    pool = concurrent.futures.ProcessPoolExecutor(count, mp_context=context, initializer=os.setsid)
+    try:
+        yield pool
+    except BaseException:
+        # The pool has no public way to end its workers (before Python 3.14's terminate_workers).
+        workers = [process.pid for process in (pool._processes or {}).values() if process.pid is not None]
+        pool.shutdown(wait=False, cancel_futures=True)
+        for pid in workers:
+            _end_what_is_left(pid)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _end_what_is_left(session: int) -> None:

@@ -33,7 +33,8 @@ def is_process_call(name: str) -> bool:
 
 
 def process_uses(tree: ast.Module) -> list[str]:
-    """Where ``tree`` imports a process module, calls os's process functions, or names ``Popen``."""
+    """Where ``tree`` imports a process module, calls os's process functions, or names ``Popen`` or
+    ``concurrent.futures.ProcessPoolExecutor``."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -54,8 +55,8 @@ def process_uses(tree: ast.Module) -> list[str]:
         elif isinstance(node, ast.Attribute):
             if isinstance(node.value, ast.Name) and node.value.id == "os" and is_process_call(node.attr):
                 found.append(f"line {node.lineno}: os.{node.attr}")
-            elif node.attr == "Popen":
-                found.append(f"line {node.lineno}: .Popen")
+            elif node.attr in ("Popen", "ProcessPoolExecutor"):
+                found.append(f"line {node.lineno}: .{node.attr}")
         elif isinstance(node, ast.Name) and node.id == "Popen":
             found.append(f"line {node.lineno}: Popen")
     return found

@@ -57,3 +57,12 @@ def test_end_sends_the_first_signal_to_the_child_alone():
 def test_run_passes_the_output_through_where_asked(capfd):
     done = processes.run(processes.python("-c", "print('passed through')"), output=processes.INHERIT)
     assert done.returncode == 0 and done.stdout == "" and "passed through" in capfd.readouterr().out
+
+
+def leads_its_own_session(_) -> bool:
+    return os.getsid(0) == os.getpid()
+
+
+def test_a_worker_pools_workers_each_lead_a_session_of_their_own():
+    with processes.worker_pool(2) as pool:
+        assert all(pool.map(leads_its_own_session, range(4)))
