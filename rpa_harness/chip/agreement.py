@@ -177,7 +177,10 @@ def predict(args, names: list[str]) -> int:
             if "not_compiled" in result:
                 print(result["not_compiled"], file=sys.stderr)
             for entry in result["entries"]:
-                print(f"{entry['key']}: {entry['verdict']}{' (run)' if entry.get('interpreted') else ''}")
+                print(
+                    f"{entry['key']}: {entry['verdict']}{' (run)' if entry.get('interpreted') else ''}",
+                    flush=True,
+                )
             predictions.extend(result["entries"])
             outputs.update(result["outputs"])
     (folder / "predictions.json").write_text(
